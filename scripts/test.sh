@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The test command: installs what is needed (into .venv) and runs lint and the whole test suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_cli.py -k help`.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$ROOT"
+
+echo "== ruff"
+"$VENV/bin/ruff" check src tests benchmarks
+"$VENV/bin/ruff" format --check src tests benchmarks
+
+echo "== pytest"
+rc=0
+"$PY" -m pytest "$@" || rc=$?
+if [ "$rc" -eq 5 ]; then
+    echo "error: pytest collected no tests" >&2
+fi
+exit "$rc"

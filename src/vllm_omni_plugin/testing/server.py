@@ -1,0 +1,134 @@
+"""Start and stop real server processes for tests and benchmarks.
+
+A server runs in its own process group with its output in a log file; ``stop()`` sends SIGINT (the
+graceful path users take), then SIGKILL to the whole group, so no engine process outlives a test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+CPU_TEST_ENV: dict[str, str] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+"""Environment every test process gets: CPU platform, offline, one OpenMP thread, small KV cache."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bin_script(name: str) -> str:
+    """A console script of the running interpreter's environment (e.g. the stock ``vllm``)."""
+    return str(Path(sys.executable).parent / name)
+
+
+def cpu_test_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = ()) -> dict[str, str]:
+    env = {**os.environ, **CPU_TEST_ENV, **(extra or {})}
+    for key in drop:
+        env.pop(key, None)
+    return env
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        port: int,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.argv = list(argv)
+        self.port = port
+        self.host = host
+        self.log_path = log_path
+        self.env = dict(env) if env is not None else cpu_test_env()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 300.0, path: str = "/health") -> None:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} before it was ready; log tail:\n"
+                    + self.log_text()[-4000:]
+                )
+            try:
+                if httpx.get(self.base_url + path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout:.0f}s; log tail:\n" + self.log_text()[-4000:])
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers in the group
+        except ProcessLookupError:
+            pass
+        try:
+            return self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

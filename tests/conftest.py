@@ -1,0 +1,27 @@
+"""Shared fixtures: the CPU test environment and tiny models built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_plugin.testing.server import CPU_TEST_ENV
+
+for _key, _value in CPU_TEST_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_model_cache() -> Path:
+    """Tiny models are cached across runs (they are rebuilt when their config hash changes)."""
+    return Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", REPO_ROOT / ".cache" / "tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model() -> Path:
+    from vllm_omni_plugin.testing.tiny_models import build
+
+    return build("text", tiny_model_cache() / "text")

@@ -1,0 +1,89 @@
+"""``vllm serve ... --omni`` through the stock ``vllm`` console script."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vllm_omni_plugin.testing.server import bin_script, cpu_test_env
+
+
+def vllm(*args: str, env: dict[str, str] | None = None, drop_plugins: bool = True):
+    return subprocess.run(
+        [bin_script("vllm"), *args],
+        capture_output=True,
+        text=True,
+        env=env or cpu_test_env(drop=("VLLM_PLUGINS",) if drop_plugins else ()),
+        timeout=300,
+    )
+
+
+def test_help_shows_vllm_flags_and_the_omni_group(tiny_text_model: Path) -> None:
+    result = vllm("serve", str(tiny_text_model), "--omni", "--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    # vLLM's own serve parser: its config groups ...
+    for group in ("Frontend", "ModelConfig", "SchedulerConfig", "CacheConfig"):
+        assert group in out
+    # ... and ours, in full.
+    for flag in ("--omni", "--deploy-config", "--stage-configs-path", "--stage-overrides"):
+        assert flag in out
+
+
+def test_help_all_lists_vllm_serve_flags(tiny_text_model: Path) -> None:
+    result = vllm("serve", str(tiny_text_model), "--omni", "--help=all")
+    assert result.returncode == 0, result.stderr
+    for flag in ("--max-model-len", "--kv-cache-memory-bytes", "--api-key", "--port"):
+        assert flag in result.stdout
+    assert "--deploy-config" in result.stdout
+
+
+def test_vllm_plugins_without_omni_exits_2() -> None:
+    env = cpu_test_env({"VLLM_PLUGINS": "lora_filesystem_resolver"})
+    result = vllm("serve", "X", "--omni", env=env)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1
+    assert "VLLM_PLUGINS" in lines[0] and "omni" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_vllm_plugins_naming_omni_is_accepted(tiny_text_model: Path) -> None:
+    env = cpu_test_env({"VLLM_PLUGINS": "lora_filesystem_resolver,omni"})
+    result = vllm("serve", str(tiny_text_model), "--omni", "--help", env=env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_vllm_omni_distribution_conflict_exits_2(tmp_path: Path) -> None:
+    dist = tmp_path / "vllm_omni-0.20.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-omni\nVersion: 0.20.0\n")
+    env = cpu_test_env({"PYTHONPATH": str(tmp_path)}, drop=("VLLM_PLUGINS",))
+    result = vllm("serve", "X", "--omni", env=env)
+    assert result.returncode == 2
+    assert "vllm-omni distribution (0.20.0) is installed" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--deploy-config", "a.yaml", "--stage-configs-path", "b.yaml"], "give only one"),
+        (["--deploy-config", "/nonexistent/x.yaml"], "/nonexistent/x.yaml: no such file"),
+        (["--stage-overrides", "[1]"], "expected a JSON object keyed by stage id"),
+        (["--stage-overrides", "{bad"], "not valid JSON"),
+    ],
+)
+def test_bad_omni_arguments_exit_2(args: list[str], message: str) -> None:
+    result = vllm("serve", "X", "--omni", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_omni_with_another_subcommand_exits_2() -> None:
+    result = vllm("chat", "--omni")
+    assert result.returncode == 2
+    assert "vllm serve MODEL --omni" in result.stderr
