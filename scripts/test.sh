@@ -5,8 +5,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 
 echo "== ruff"
-"$VENV/bin/ruff" check src tests benchmarks
-"$VENV/bin/ruff" format --check src tests benchmarks
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
 
 echo "== pytest"
 rc=0

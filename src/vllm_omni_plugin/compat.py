@@ -62,6 +62,9 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
         "vllm.model_executor.models.registry:ModelRegistry",
         "vllm:ModelRegistry",
     ),
+    "Scheduler": ("vllm.v1.core.sched.scheduler:Scheduler",),
+    "AsyncScheduler": ("vllm.v1.core.sched.async_scheduler:AsyncScheduler",),
+    "SamplingParams": ("vllm.sampling_params:SamplingParams", "vllm:SamplingParams"),
     "load_general_plugins": ("vllm.plugins:load_general_plugins",),
     "current_platform": ("vllm.platforms:current_platform",),
 }

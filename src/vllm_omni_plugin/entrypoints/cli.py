@@ -15,6 +15,7 @@ from importlib import metadata
 from typing import Any, NoReturn
 
 from vllm_omni_plugin import PLUGIN_NAME
+from vllm_omni_plugin.config.errors import ConfigError
 
 EXIT_USAGE = 2
 OMNI_GROUP_TITLE = "Omni"
@@ -101,6 +102,12 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         metavar="JSON",
         help='Per-stage overrides keyed by stage id, e.g. \'{"0": {"max_num_seqs": 4}}\'.',
     )
+    group.add_argument(
+        "--print-resolved-config",
+        action="store_true",
+        default=False,
+        help="Print the final per-stage arguments (after every override) as YAML and exit.",
+    )
     return parser
 
 
@@ -138,7 +145,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compat.make_arg_parser(serve)
     add_omni_arguments(serve)
+    parser.set_defaults(serve_defaults={a.dest: a.default for a in serve._actions})
     return parser
+
+
+# vLLM flags that the pipeline, not the command line, decides for the AR stage.
+PIPELINE_OWNED_ENGINE_ARGS = frozenset({"model", "tokenizer", "served_model_name"})
+
+
+def explicit_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM engine flags the user actually gave (differing from the parser's defaults)."""
+    import dataclasses
+
+    from vllm_omni_plugin import compat
+
+    defaults: dict[str, Any] = getattr(args, "serve_defaults", {})
+    names = {f.name for f in dataclasses.fields(compat.EngineArgs)} - PIPELINE_OWNED_ENGINE_ARGS
+    given = vars(args)
+    return {
+        name: given[name]
+        for name in sorted(names)
+        if name in given and name in defaults and given[name] != defaults[name]
+    }
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -164,7 +192,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def resolve_from_args(args: argparse.Namespace):
+    from vllm_omni_plugin.config import resolve_deployment
+
+    if not getattr(args, "model", None):
+        raise OmniCLIError("give the model: vllm serve MODEL --omni ...")
+    resolved = resolve_deployment(
+        args.model,
+        deploy_config=args.deploy_config,
+        stage_configs_path=args.stage_configs_path,
+        stage_overrides=args.stage_overrides,
+        cli_engine_args=explicit_engine_args(args),
+    )
+    return resolved
+
+
 def run(args: argparse.Namespace) -> None:
+    from vllm_omni_plugin.log import get_logger
+
+    logger = get_logger(__name__)
+    resolved = resolve_from_args(args)
+    if resolved.legacy_source:
+        print(
+            f"note: {resolved.legacy_source} uses vllm-omni's legacy stage_args schema (deprecated); it was "
+            "translated to the stages schema, see the packaged deploy/*.yaml files for that form",
+            file=sys.stderr,
+        )
+    if args.print_resolved_config:
+        sys.stdout.write(resolved.to_yaml())
+        sys.exit(0)
+    for note in resolved.notes:
+        logger.warning("%s", note)
     raise OmniCLIError(
         "serving an omni pipeline is not available in this version of vllm-omni-plugin yet "
         "(the stage runtime has not landed); nothing was started"
@@ -182,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_args(argv)
         run(args)
     except OmniCLIError as exc:
+        fail(str(exc))
+    except ConfigError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         sys.exit(130)

@@ -1,0 +1,159 @@
+"""Pipelines: the frozen topology of a multi-stage model, defined in Python.
+
+A pipeline fixes what a deploy file must not be able to change: which stages exist, how each executes,
+where its inputs come from, which processor turns one stage's output into the next stage's input, where
+its weights live in the model repository and which stage produces the final output. Deploy configs only
+say how to *deploy* those stages.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from vllm_omni_plugin.config.errors import ConfigError
+
+ExecutionType = Literal["llm_ar", "diffusion"]
+OutputType = Literal["token_ids", "text", "image", "latents"]
+
+
+class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
+    stage_id: int
+    name: str
+    execution_type: ExecutionType
+    input_sources: tuple[int, ...] = ()
+    input_processor: str | None = None
+    """Dotted path of the stage-input processor that builds this stage's inputs from its sources."""
+    model_subdir: str | None = None
+    tokenizer_subdir: str | None = None
+    model_arch: str | None = None
+    output_type: OutputType = "token_ids"
+    final_output: bool = False
+
+
+class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    stages: tuple[PipelineStage, ...]
+    model_class_names: tuple[str, ...] = ()
+    """``model_index.json`` ``_class_name`` values (diffusers layout) that identify this pipeline."""
+    architectures: tuple[str, ...] = ()
+    """``config.json`` ``architectures`` entries that identify this pipeline."""
+    repo_ids: tuple[str, ...] = ()
+    """Hub repository ids of this pipeline's models, for when the model is not a local directory."""
+    streaming_processor: str | None = None
+    """Processor that streams chunks to the next stage (``async_chunk: true``); None: not supported."""
+    default_deploy_config: str | None = None
+    """Packaged deploy config (file name under ``deploy/``) used when none is given."""
+
+    def stage(self, stage_id: int) -> PipelineStage | None:
+        for stage in self.stages:
+            if stage.stage_id == stage_id:
+                return stage
+        return None
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        return tuple(s.stage_id for s in self.stages)
+
+    def consumers_of(self, stage_id: int) -> tuple[int, ...]:
+        return tuple(s.stage_id for s in self.stages if stage_id in s.input_sources)
+
+    @property
+    def final_stage(self) -> PipelineStage:
+        return next(s for s in self.stages if s.final_output)
+
+
+_PIPELINES: dict[str, Pipeline] = {}
+
+
+def register_pipeline(pipeline: Pipeline, *, replace: bool = False) -> None:
+    """Register a pipeline (also for out-of-tree pipelines). Checks that its graph is well formed."""
+    if pipeline.name in _PIPELINES and not replace and _PIPELINES[pipeline.name] != pipeline:
+        raise ValueError(f"pipeline {pipeline.name!r} is already registered")
+    ids = pipeline.stage_ids
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"pipeline {pipeline.name!r}: duplicate stage ids {ids}")
+    for stage in pipeline.stages:
+        for source in stage.input_sources:
+            if source not in ids or source == stage.stage_id:
+                raise ValueError(
+                    f"pipeline {pipeline.name!r}: stage {stage.stage_id} reads from unknown stage {source}"
+                )
+    if sum(s.final_output for s in pipeline.stages) != 1:
+        raise ValueError(f"pipeline {pipeline.name!r}: exactly one stage must be the final output")
+    _PIPELINES[pipeline.name] = pipeline
+
+
+def get_pipeline(name: str) -> Pipeline:
+    try:
+        return _PIPELINES[name]
+    except KeyError:
+        known = ", ".join(sorted(_PIPELINES)) or "none"
+        raise ConfigError(f"unknown pipeline {name!r}; registered pipelines: {known}") from None
+
+
+def registered_pipelines() -> dict[str, Pipeline]:
+    return dict(_PIPELINES)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def detect_pipeline(model: str) -> Pipeline | None:
+    """The pipeline of a model directory (``model_index.json`` / ``config.json``) or hub repo id."""
+    root = Path(model)
+    if root.is_dir():
+        index = _read_json(root / "model_index.json")
+        class_name = index.get("_class_name") if index else None
+        config = _read_json(root / "config.json")
+        architectures = tuple(config.get("architectures") or ()) if config else ()
+        for pipeline in _PIPELINES.values():
+            if class_name and class_name in pipeline.model_class_names:
+                return pipeline
+            if set(architectures) & set(pipeline.architectures):
+                return pipeline
+        return None
+    for pipeline in _PIPELINES.values():
+        if model.rstrip("/") in pipeline.repo_ids:
+            return pipeline
+    return None
+
+
+GLM_IMAGE = Pipeline(
+    name="glm_image",
+    stages=(
+        PipelineStage(
+            stage_id=0,
+            name="ar",
+            execution_type="llm_ar",
+            model_subdir="vision_language_encoder",
+            tokenizer_subdir="processor",
+            model_arch="GlmImageForConditionalGeneration",
+            output_type="token_ids",
+        ),
+        PipelineStage(
+            stage_id=1,
+            name="dit",
+            execution_type="diffusion",
+            input_sources=(0,),
+            input_processor="vllm_omni_plugin.stage.processors.glm_image.ar2diffusion",
+            model_arch="GlmImagePipeline",
+            output_type="image",
+            final_output=True,
+        ),
+    ),
+    model_class_names=("GlmImagePipeline",),
+    architectures=("GlmImageForConditionalGeneration",),
+    repo_ids=("zai-org/GLM-Image",),
+    default_deploy_config="glm_image.yaml",
+)
+
+register_pipeline(GLM_IMAGE)

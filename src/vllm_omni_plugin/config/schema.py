@@ -1,0 +1,134 @@
+"""The deploy config ("stages" form): strict msgspec structs.
+
+Every field is optional at this level (``None`` = not set here), so the same structs describe a whole
+file, a ``base_config`` parent, a ``platforms:`` section and ``--stage-overrides``; layers are merged
+field by field and defaults are applied once, by resolution. Unknown and mistyped fields are errors.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+class ConnectorSpec(_Strict, frozen=True, kw_only=True):
+    name: str
+    """Connector class name, e.g. ``SharedMemoryConnector`` or ``NixlConnector``."""
+    extra: dict[str, Any] = {}
+
+
+class EdgeSpec(_Strict, frozen=True, kw_only=True):
+    from_stage: int = msgspec.field(name="from")
+    to: int
+    window_size: int | None = None
+    """Tokens per chunk handed over on this edge; -1 hands over the whole output at once."""
+    max_inflight: PositiveInt | None = None
+    """Requests in flight on this edge at once (back-pressure); None: bounded only by the stages."""
+
+
+class EngineCommon(_Strict, kw_only=True):
+    """Engine fields that may be set pipeline-wide (top level) or per stage."""
+
+    dtype: str | None = None
+    trust_remote_code: bool | None = None
+    enable_prefix_caching: bool | None = None
+    seed: int | None = None
+    engine_extras: dict[str, Any] | None = None
+    """Further vLLM ``EngineArgs`` fields, checked against the installed vLLM."""
+
+
+class StageDeployConfig(EngineCommon, kw_only=True):
+    stage_id: int
+    devices: str | None = None
+    """Comma-separated device ids, e.g. ``"0"`` or ``"0,1"``."""
+    num_replicas: PositiveInt | None = None
+    process: bool | None = None
+    """Run the stage in its own process (default) or, for diffusion stages, in the API process."""
+    env: dict[str, str] | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_num_batched_tokens: PositiveInt | None = None
+    max_model_len: PositiveInt | None = None
+    gpu_memory_utilization: Fraction | None = None
+    kv_cache_memory_bytes: NonNegativeInt | None = None
+    enforce_eager: bool | None = None
+    async_scheduling: bool | None = None
+    tensor_parallel_size: PositiveInt | None = None
+    allow_custom_scheduler: bool | None = None
+    input_connectors: dict[str, str] | None = None
+    """Keyed ``from_stage_N``: the connector this stage reads stage N's output through."""
+    output_connectors: dict[str, str] | None = None
+    """Keyed ``to_stage_N`` or ``to_stage_router`` (the final output back to the API server)."""
+    default_sampling_params: dict[str, Any] | None = None
+    # diffusion knobs
+    num_inference_steps: PositiveInt | None = None
+    guidance_scale: Annotated[float, Meta(ge=0.0)] | None = None
+    height: PositiveInt | None = None
+    width: PositiveInt | None = None
+    max_batch_size: PositiveInt | None = None
+    """Diffusion stages: requests denoised together in one batch."""
+
+
+class StageOverride(StageDeployConfig, kw_only=True):
+    """``--stage-overrides`` entries: a stage's fields without the id (the key gives it)."""
+
+    stage_id: int = -1
+
+
+class PlatformSection(_Strict, kw_only=True):
+    stages: list[StageDeployConfig] = []
+
+
+class DeployConfig(EngineCommon, kw_only=True):
+    pipeline: str | None = None
+    base_config: str | None = None
+    """A deploy config this one extends: a packaged name (``glm_image.yaml``) or a path relative to
+    this file."""
+    async_chunk: bool | None = None
+    connectors: dict[str, ConnectorSpec] = {}
+    edges: list[EdgeSpec] = []
+    stages: list[StageDeployConfig] = []
+    platforms: dict[str, PlatformSection] = {}
+
+
+# Stage fields that are vLLM EngineArgs of the same name (AR stages).
+ENGINE_ARG_FIELDS: tuple[str, ...] = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "enforce_eager",
+    "async_scheduling",
+    "tensor_parallel_size",
+    "dtype",
+    "trust_remote_code",
+    "enable_prefix_caching",
+    "seed",
+)
+AR_ONLY_FIELDS: frozenset[str] = frozenset(
+    {
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "async_scheduling",
+        "tensor_parallel_size",
+        "enable_prefix_caching",
+        "allow_custom_scheduler",
+        "engine_extras",
+    }
+)
+DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
+    {"num_inference_steps", "guidance_scale", "height", "width", "max_batch_size"}
+)
