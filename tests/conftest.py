@@ -25,3 +25,10 @@ def tiny_text_model() -> Path:
     from vllm_omni_plugin.testing.tiny_models import build
 
     return build("text", tiny_model_cache() / "text")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_image() -> Path:
+    from vllm_omni_plugin.testing.tiny_models import build
+
+    return build("glm-image", tiny_model_cache() / "glm-image")

@@ -87,3 +87,66 @@ def test_omni_with_another_subcommand_exits_2() -> None:
     result = vllm("chat", "--omni")
     assert result.returncode == 2
     assert "vllm serve MODEL --omni" in result.stderr
+
+
+# --- configuration through the command line ------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("glm-image")
+    (path / "model_index.json").write_text('{"_class_name": "GlmImagePipeline"}')
+    return path
+
+
+def test_print_resolved_config(glm_dir: Path) -> None:
+    import yaml
+
+    result = vllm(
+        "serve", str(glm_dir), "--omni", "--deploy-config", str(REPO / "deploy" / "glm_image.yaml"),
+        "--print-resolved-config", "--max-num-seqs", "3",
+        "--stage-overrides", '{"1": {"num_inference_steps": 7}}',
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    ar, dit = resolved["stages"]
+    assert resolved["pipeline"] == "glm_image" and resolved["platform"] == "cpu"
+    assert ar["engine_args"]["scheduler_cls"].endswith(".OmniARScheduler")  # CPU: sync
+    assert ar["engine_args"]["async_scheduling"] is False
+    assert ar["engine_args"]["max_num_seqs"] == 3  # vLLM flag on the command line
+    assert dit["diffusion_args"]["num_inference_steps"] == 7  # --stage-overrides
+
+
+def test_legacy_file_through_stage_configs_path(glm_dir: Path) -> None:
+    import yaml
+
+    legacy = REPO / "tests" / "data" / "legacy_glm_image_nixl.yaml"
+    result = vllm(
+        "serve", str(glm_dir), "--omni", "--stage-configs-path", str(legacy), "--print-resolved-config"
+    )
+    assert result.returncode == 0, result.stderr
+    hints = [line for line in result.stderr.splitlines() if "legacy stage_args schema" in line]
+    assert len(hints) == 1
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["stages"][0]["engine_args"]["scheduler_cls"].endswith(".OmniARScheduler")
+    assert {e["to"]: e["connector"] for e in resolved["edges"]} == {
+        1: "nixl_ar2dit",
+        "router": "dit_to_router",
+    }
+
+
+def test_config_error_is_one_line_and_exit_2(glm_dir: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pipeline: glm_image\nstages:\n  - stage_id: 0\n    max_num_seqs: four\n")
+    result = vllm("serve", str(glm_dir), "--omni", "--deploy-config", str(bad), "--print-resolved-config")
+    assert result.returncode == 2
+    assert f'error: {bad}:4: stages[0].max_num_seqs: expected int, got "four"' in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serving_is_not_pretended(glm_dir: Path) -> None:
+    result = vllm("serve", str(glm_dir), "--omni")
+    assert result.returncode == 2
+    assert "not available" in result.stderr and "nothing was started" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path as FsPath
@@ -50,6 +51,8 @@ class LoadedConfig:
     notes: list[str] = field(default_factory=list)
     lines: dict[tuple[int, str], str] = field(default_factory=dict)
     """(stage_id, field) -> "file:line" where a stage field was written (for warnings)."""
+    locate: Callable[[Path], int | None] = lambda _path: None
+    """The line of a document path (``("connectors", "a", "name")``), where known."""
 
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<key>key` in `)?\$(?P<path>[^`]*)`)?$", re.S)
@@ -133,6 +136,8 @@ def _struct_fields(type_: Any, parts: list[str | int]) -> list[str]:
 
     current: Any = type_
     for part in parts:
+        if isinstance(part, int):
+            continue  # the list's item type was unwrapped already
         if isinstance(current, type) and issubclass(current, msgspec.Struct):
             hints = typing.get_type_hints(current, include_extras=True)
             enc = {f.encode_name: f.name for f in msgspec.structs.fields(current)}
@@ -226,6 +231,19 @@ def _stage_lines(doc: Document, config: DeployConfig, origins: dict[Path, Path] 
     return lines
 
 
+def _locator(doc: Document, origins: dict[Path, Path] | None) -> Callable[[Path], int | None]:
+    def locate(path: Path) -> int | None:
+        if origins:
+            probe = tuple(path)
+            while probe and probe not in origins:
+                probe = probe[:-1]
+            if probe:
+                return doc.line_of(origins[probe])
+        return doc.line_of(path) if tuple(path) in doc.lines or not origins else None
+
+    return locate
+
+
 def _pipeline_for(doc: Document, model: str | None, pipeline_hint: str | None) -> Pipeline:
     name = doc.data.get("pipeline") if isinstance(doc.data, dict) else None
     if name is not None:
@@ -238,6 +256,8 @@ def _pipeline_for(doc: Document, model: str | None, pipeline_hint: str | None) -
     if pipeline_hint:
         return get_pipeline(pipeline_hint)
     detected = detect_pipeline(model) if model else None
+    if detected is None and is_legacy_document(doc.data):
+        detected = _pipeline_from_legacy_archs(doc.data)
     if detected is None:
         raise doc.error(
             (),
@@ -245,6 +265,26 @@ def _pipeline_for(doc: Document, model: str | None, pipeline_hint: str | None) -
             "that a registered pipeline recognises); name it with `pipeline:` in the deploy config",
         )
     return detected
+
+
+def _pipeline_from_legacy_archs(data: dict[str, Any]) -> Pipeline | None:
+    """Legacy files name each stage's ``model_arch``; a pipeline whose stages match them is the one."""
+    from vllm_omni_plugin.config.pipeline import registered_pipelines
+
+    stages = data.get("stage_args")
+    if not isinstance(stages, list):
+        return None
+    archs = {
+        s["engine_args"].get("model_arch")
+        for s in stages
+        if isinstance(s, dict)
+        and isinstance(s.get("engine_args"), dict)
+        and isinstance(s["engine_args"].get("model_arch"), str)
+    }
+    for pipeline in registered_pipelines().values():
+        if archs & {s.model_arch for s in pipeline.stages}:
+            return pipeline
+    return None
 
 
 def load_document(
@@ -279,6 +319,7 @@ def load_document(
         legacy=legacy,
         notes=notes,
         lines=_stage_lines(doc, config, origins),
+        locate=_locator(doc, origins),
     )
     if config.base_config is not None:
         loaded = _apply_base(loaded, doc, model=model, seen=(*seen, doc.source))
@@ -321,6 +362,7 @@ def _apply_base(loaded: LoadedConfig, doc: Document, *, model: str | None, seen:
         legacy=loaded.legacy,
         notes=[*base.notes, *loaded.notes],
         lines=lines,
+        locate=loaded.locate,
     )
 
 

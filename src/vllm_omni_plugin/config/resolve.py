@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import os
 import re
-import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,11 +149,17 @@ def engine_arg_types() -> dict[str, Any]:
     from vllm_omni_plugin.compat import resolve as compat_resolve
 
     engine_args = compat_resolve("EngineArgs")
-    try:
-        hints = typing.get_type_hints(engine_args)
-    except Exception:  # vLLM's forward references may not evaluate outside vLLM
-        hints = {}
-    return {f.name: hints.get(f.name) for f in dataclasses.fields(engine_args)}
+    module = __import__(engine_args.__module__, fromlist=["_"])
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(engine_args):
+        hint: Any = f.type
+        if isinstance(hint, str):  # a forward reference; some of vLLM's do not evaluate outside vLLM
+            try:
+                hint = eval(hint, vars(module))  # noqa: S307 - vLLM's own annotation text
+            except Exception:
+                hint = None
+        out[f.name] = hint
+    return out
 
 
 def check_engine_value(name: str, value: Any) -> str | None:
@@ -228,6 +233,10 @@ class _Resolver:
             path = (f"stages[stage_id={stage_id}]",) + ((field,) if field else ())
         return ConfigError(message, source=source, line=line, path=path)
 
+    def doc_error(self, message: str, path: tuple[str | int, ...]) -> ConfigError:
+        """An error about a top-level document path (connectors, edges, platforms, ...)."""
+        return ConfigError(message, source=self.loaded.source, line=self.loaded.locate(path), path=path)
+
     def note_at(self, stage_id: int, field: str, text: str) -> None:
         where = self.where.get((stage_id, field), self.loaded.source)
         self.notes.append(f"{where}: stage {stage_id} {field}: {text}")
@@ -253,17 +262,14 @@ class _Resolver:
             stages[stage.stage_id] = merge_stage(stages[stage.stage_id], stage)
         for key, section in self.cfg.platforms.items():
             if key not in PLATFORM_SECTIONS:
-                raise ConfigError(
-                    f"unknown platform {key!r} (known: {', '.join(PLATFORM_SECTIONS)})",
-                    source=self.loaded.source,
-                    path=("platforms", key),
+                raise self.doc_error(
+                    f"unknown platform {key!r} (known: {', '.join(PLATFORM_SECTIONS)})", ("platforms", key)
                 )
-            for stage in section.stages:
+            for index, stage in enumerate(section.stages):
                 if stage.stage_id not in stages:
-                    raise ConfigError(
+                    raise self.doc_error(
                         f"pipeline {pipeline.name!r} has no stage {stage.stage_id}",
-                        source=self.loaded.source,
-                        path=("platforms", key, "stages"),
+                        ("platforms", key, "stages", index, "stage_id"),
                     )
                 if key == self.platform.name:
                     for name in set_fields(stage):
@@ -304,10 +310,9 @@ class _Resolver:
         connectors = dict(self.cfg.connectors)
         for key, spec in connectors.items():
             if spec.name not in CONNECTOR_CLASSES:
-                raise ConfigError(
+                raise self.doc_error(
                     f"unknown connector class {spec.name!r} (known: {', '.join(sorted(CONNECTOR_CLASSES))})",
-                    source=self.loaded.source,
-                    path=("connectors", key, "name"),
+                    ("connectors", key, "name"),
                 )
         pipeline_edges = [(src, s.stage_id) for s in pipeline.stages for src in s.input_sources]
         final = pipeline.final_stage.stage_id
@@ -357,13 +362,12 @@ class _Resolver:
                             field,
                         )
         configured = {(e.from_stage, e.to): e for e in self.cfg.edges}
-        for e in self.cfg.edges:
+        for index, e in enumerate(self.cfg.edges):
             if (e.from_stage, e.to) not in pipeline_edges:
-                raise ConfigError(
+                raise self.doc_error(
                     f"pipeline {pipeline.name!r} has no edge {e.from_stage} -> {e.to} "
                     f"(edges: {', '.join(f'{a} -> {b}' for a, b in pipeline_edges)})",
-                    source=self.loaded.source,
-                    path=("edges",),
+                    ("edges", index),
                 )
         default_name: str | None = None
 
@@ -588,11 +592,10 @@ class _Resolver:
     def run(self) -> ResolvedDeployment:
         pipeline = self.pipeline
         if self.cfg.async_chunk and pipeline.streaming_processor is None:
-            raise ConfigError(
+            raise self.doc_error(
                 f"async_chunk: true needs a streaming stage-input processor, and pipeline "
                 f"{pipeline.name!r} has none; set async_chunk: false",
-                source=self.loaded.source,
-                path=("async_chunk",),
+                ("async_chunk",),
             )
         stages = self.layered_stages()
         connectors, edges, ios = self.connectors_and_edges(stages)

@@ -1,0 +1,530 @@
+"""Deploy configuration: schema, legacy translation, pipeline registry and the one resolution."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vllm_omni_plugin.config import (
+    PLATFORMS,
+    ConfigError,
+    Pipeline,
+    PipelineStage,
+    detect_pipeline,
+    get_pipeline,
+    load_deploy_file,
+    packaged_deploy_configs,
+    register_pipeline,
+    resolve,
+    resolve_deployment,
+)
+from vllm_omni_plugin.config.resolve import reresolve
+from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER
+
+DATA = Path(__file__).parent / "data"
+GPU, CPU = PLATFORMS["cuda"], PLATFORMS["cpu"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A directory that identifies itself as GLM-Image (resolution reads only model_index.json)."""
+    path = tmp_path_factory.mktemp("glm-image")
+    (path / "model_index.json").write_text('{"_class_name": "GlmImagePipeline"}')
+    return str(path)
+
+
+def write(tmp_path: Path, text: str, name: str = "deploy.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+# --- pipelines -----------------------------------------------------------------------------------
+
+
+def test_glm_image_pipeline_topology() -> None:
+    p = get_pipeline("glm_image")
+    ar, dit = p.stage(0), p.stage(1)
+    assert ar is not None and dit is not None
+    assert (ar.name, ar.execution_type, ar.model_subdir, ar.tokenizer_subdir, ar.output_type) == (
+        "ar",
+        "llm_ar",
+        "vision_language_encoder",
+        "processor",
+        "token_ids",
+    )
+    assert (dit.name, dit.execution_type, dit.input_sources, dit.final_output, dit.output_type) == (
+        "dit",
+        "diffusion",
+        (0,),
+        True,
+        "image",
+    )
+    assert dit.input_processor is not None and dit.input_processor.endswith("glm_image.ar2diffusion")
+
+
+def test_pipeline_detection(tmp_path: Path, model_dir: str) -> None:
+    assert detect_pipeline(model_dir) is get_pipeline("glm_image")
+    (tmp_path / "config.json").write_text('{"architectures": ["GlmImageForConditionalGeneration"]}')
+    assert detect_pipeline(str(tmp_path)) is get_pipeline("glm_image")
+    assert detect_pipeline("zai-org/GLM-Image") is get_pipeline("glm_image")
+    assert detect_pipeline(str(tmp_path / "nothing")) is None
+
+
+def test_register_out_of_tree_pipeline(tmp_path: Path) -> None:
+    pipeline = Pipeline(
+        name="test_two_stage",
+        stages=(
+            PipelineStage(stage_id=0, name="ar", execution_type="llm_ar"),
+            PipelineStage(
+                stage_id=1,
+                name="gen",
+                execution_type="diffusion",
+                input_sources=(0,),
+                output_type="image",
+                final_output=True,
+            ),
+        ),
+    )
+    register_pipeline(pipeline)
+    path = write(tmp_path, "pipeline: test_two_stage\nstages: [{stage_id: 1, num_inference_steps: 3}]\n")
+    resolved = resolve_deployment(str(tmp_path), deploy_config=str(path), platform=CPU)
+    assert resolved.pipeline == "test_two_stage"
+    assert resolved.stage(1).diffusion_args["num_inference_steps"] == 3
+    with pytest.raises(ValueError, match="reads from unknown stage"):
+        register_pipeline(
+            Pipeline(
+                name="broken",
+                stages=(
+                    PipelineStage(
+                        stage_id=0,
+                        name="x",
+                        execution_type="diffusion",
+                        input_sources=(5,),
+                        final_output=True,
+                    ),
+                ),
+            )
+        )
+
+
+# --- packaged configs ----------------------------------------------------------------------------
+
+
+def test_packaged_configs_exist() -> None:
+    names = {p.name for p in packaged_deploy_configs()}
+    assert {"glm_image.yaml", "glm_image_nixl.yaml", "tiny_glm_image_cpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])
+@pytest.mark.parametrize("path", packaged_deploy_configs(), ids=lambda p: p.name)
+def test_every_packaged_config_resolves(path: Path, platform, model_dir: str) -> None:
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=platform)
+    ar = resolved.stage(0).engine_args
+    assert ar["async_scheduling"] is platform.supports_async_scheduling
+    assert ar["scheduler_cls"] == (OMNI_AR_ASYNC_SCHEDULER if ar["async_scheduling"] else OMNI_AR_SCHEDULER)
+    assert ar["worker_cls"] == platform.ar_worker_cls
+    assert ar["model"] == str(Path(model_dir) / "vision_language_encoder")
+    assert ar["tokenizer"] == str(Path(model_dir) / "processor")
+    assert resolved.stage(1).diffusion_args["model"] == model_dir
+    # every edge, including the final hop back to the router, has a connector
+    assert [(e.from_stage, e.to) for e in resolved.edges] == [(0, 1), (1, "router")]
+    assert all(e.connector in resolved.connectors for e in resolved.edges)
+
+
+def test_nixl_config_puts_both_hops_on_nixl(model_dir: str) -> None:
+    path = next(p for p in packaged_deploy_configs() if p.name == "glm_image_nixl.yaml")
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    assert {e.to: resolved.connectors[e.connector].name for e in resolved.edges} == {
+        1: "NixlConnector",
+        "router": "NixlConnector",
+    }
+    assert resolved.stage(1).output_connectors["to_stage_router"] == "nixl_dit_to_router"
+    assert resolved.stage(0).replicas[0].env == {"CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_default_packaged_config_for_detected_pipeline(model_dir: str) -> None:
+    resolved = resolve_deployment(model_dir, platform=GPU)
+    assert resolved.stage(1).replicas[0].devices == "1"  # glm_image.yaml: DiT on device 1
+
+
+# --- legacy stage_args ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])
+def test_legacy_nixl_document_resolves_like_its_stages_twin(platform, model_dir: str) -> None:
+    legacy = resolve_deployment(
+        model_dir, stage_configs_path=str(DATA / "legacy_glm_image_nixl.yaml"), platform=platform
+    )
+    twin = resolve_deployment(
+        model_dir, deploy_config=str(DATA / "glm_image_nixl_stages.yaml"), platform=platform
+    )
+    assert legacy.summary() == twin.summary()
+    ar = legacy.stage(0).engine_args
+    # the matched pair: async on where the platform allows it, and the scheduler that goes with it
+    assert ar["async_scheduling"] is platform.supports_async_scheduling
+    assert ar["scheduler_cls"] == (OMNI_AR_ASYNC_SCHEDULER if platform is GPU else OMNI_AR_SCHEDULER)
+    assert legacy.legacy_source is not None and twin.legacy_source is None
+    pin_notes = [n for n in legacy.notes if "scheduler_cls pinned" in n]
+    if platform is GPU:  # the pinned sync scheduler contradicts async: corrected, with the line of the pin
+        (note,) = pin_notes
+        assert note.startswith(f"{DATA / 'legacy_glm_image_nixl.yaml'}:33:")
+        assert "OmniARAsyncScheduler" in note
+    else:
+        assert pin_notes == []
+    ignored = "\n".join(legacy.notes)
+    assert "runtime.enabled" in ignored and "is_comprehension" in ignored
+
+
+def test_legacy_document_is_refused_by_deploy_config(model_dir: str) -> None:
+    with pytest.raises(ConfigError, match="--stage-configs-path"):
+        resolve_deployment(model_dir, deploy_config=str(DATA / "legacy_glm_image_nixl.yaml"), platform=GPU)
+
+
+def test_stages_document_through_stage_configs_path(model_dir: str) -> None:
+    a = resolve_deployment(
+        model_dir, stage_configs_path=str(DATA / "glm_image_nixl_stages.yaml"), platform=GPU
+    )
+    b = resolve_deployment(model_dir, deploy_config=str(DATA / "glm_image_nixl_stages.yaml"), platform=GPU)
+    assert a.summary() == b.summary() and a.legacy_source is None
+
+
+LEGACY_CASES = [
+    (
+        "stage_args:\n  - stage_id: 0\n    stage_type: diffusion\n",
+        3,
+        "stage_args[0].stage_type",
+        "the stage type is fixed",
+    ),
+    (
+        "stage_args:\n  - stage_id: 1\n    engine_input_source: [0, 2]\n",
+        3,
+        "stage_args[0].engine_input_source",
+        "input sources",
+    ),
+    (
+        "stage_args:\n  - stage_id: 0\n    engine_args:\n      model_subdir: transformer\n",
+        4,
+        "stage_args[0].engine_args.model_subdir",
+        "fixed by pipeline",
+    ),
+    (
+        "stage_args:\n  - stage_id: 1\n    custom_process_input_func: my.func\n",
+        3,
+        "stage_args[0].custom_process_input_func",
+        "stage-input processor",
+    ),
+    (
+        "stage_args:\n  - stage_id: 0\n    engine_args:\n      max_num_seqs: four\n",
+        4,
+        "stage_args[0].engine_args.max_num_seqs",
+        'expected int, got "four"',
+    ),
+    (
+        "stage_args:\n  - stage_id: 0\n    bogus: 1\n",
+        3,
+        "stage_args[0].bogus",
+        "unknown stage_args field",
+    ),
+    (
+        "stage_args:\n  - stage_id: 0\n    engine_args:\n      scheduler_cls: my.Sched\n",
+        4,
+        "engine_extras.scheduler_cls",
+        "not an Omni AR scheduler",
+    ),
+    (
+        "stage_args:\n  - stage_id: 7\n",
+        2,
+        "stage_args[0].stage_id",
+        "has no stage 7",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "line", "field", "message"), LEGACY_CASES)
+def test_legacy_errors_name_file_line_and_field(
+    tmp_path: Path, model_dir: str, text: str, line: int, field: str, message: str
+) -> None:
+    path = write(tmp_path, text, "legacy.yaml")
+    with pytest.raises(ConfigError) as info:
+        resolve_deployment(model_dir, stage_configs_path=str(path), platform=GPU)
+    text_out = str(info.value)
+    assert text_out.startswith(f"{path}:{line}: "), text_out
+    assert field in text_out and message in text_out
+
+
+# --- stages-form errors ---------------------------------------------------------------------------
+
+# fmt: off
+STAGE_CASES = [
+    ("stages:\n  - stage_id: 0\n  - stage_id: 1\n    max_num_seqs: four\n", 4, "stages[1].max_num_seqs",
+     'expected int, got "four"'),
+    ("stages:\n  - stage_id: 0\n    max_num_seq: 4\n", 3, "stages[0].max_num_seq", "did you mean 'max_num_seqs'"),
+    ("stages:\n  - max_num_seqs: 4\n", 2, "stages[0]", "missing required field 'stage_id'"),
+    ("stages:\n  - stage_id: 0\n    num_replicas: 0\n", 3, "stages[0].num_replicas", "expected int >= 1, got 0"),
+    ("stages:\n  - stage_id: 0\n    gpu_memory_utilization: 1.5\n", 3, "stages[0].gpu_memory_utilization",
+     "<= 1.0"),
+    ("connectors:\n  a:\n    name: Mooncake\nstages:\n  - stage_id: 0\n    output_connectors: {to_stage_1: a}\n",
+     3, "connectors.a.name", "known: NixlConnector, SharedMemoryConnector"),
+    ("connectors:\n  a:\n    nam: X\n", 3, "connectors.a.nam", "unknown field"),
+    ("stages:\n  - stage_id: 0\n    env: {A: 1}\n", 3, "stages[0].env.A", "expected str, got 1"),
+    ("stages:\n  - stage_id: 0\n    output_connectors:\n      to_stage_1: missing\n", 3,
+     "output_connectors", "connector 'missing' is not defined"),
+    ("stages:\n  - stage_id: 0\n    output_connectors:\n      to_stage_router: x\n", 3,
+     "output_connectors", "only the final stage"),
+    ("stages:\n  - stage_id: 9\n", 2, "stage_id", "has no stage 9"),
+    ("stages:\n  - stage_id: 0\n    engine_extras:\n      max_num_seqz: 3\n", 4, "engine_extras.max_num_seqz",
+     "not a vLLM EngineArgs field"),
+    ("stages:\n  - stage_id: 0\n    engine_extras:\n      block_size: big\n", 4, "engine_extras.block_size",
+     "expected"),
+    ("stages:\n  - stage_id: 0\n    engine_extras:\n      max_num_seqs: 3\n", 4, "engine_extras.max_num_seqs",
+     "is a stage field"),
+    ("stages:\n  - stage_id: 0\n    devices: '0,1,2'\n    num_replicas: 2\n", 3, "devices",
+     "cannot hold 2 replica(s)"),
+    ("stages:\n  - stage_id: 0\n    default_sampling_params:\n      temprature: 0.5\n", 3,
+     "default_sampling_params", "temprature: not a vLLM SamplingParams field"),
+    ("stages:\n  - stage_id: 1\n    default_sampling_params:\n      foo: 1\n", 3, "default_sampling_params",
+     "unknown diffusion sampling parameter"),
+    ("stages:\n  - stage_id: 0\n  - stage_id: 0\n", 3, "stage_id", "listed twice"),
+    ("stages:\n  - stage_id: 0\n    stage_id: 1\n", 3, "stages[0].stage_id", "duplicate key"),
+    ("stages: [\n", 2, "", "not valid YAML"),
+    ("- 1\n", 1, "", "expected a mapping at the top level"),
+    ("stages:\n  - stage_id: 1\n    tensor_parallel_size: 2\n", 3, "tensor_parallel_size",
+     "diffusion stages run with tensor_parallel_size 1"),
+    ("stages:\n  - stage_id: 0\n    process: false\n", 3, "process", "own vLLM EngineCore process"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("body", "line", "field", "message"), STAGE_CASES)
+def test_errors_name_file_line_and_field(
+    tmp_path: Path, model_dir: str, body: str, line: int, field: str, message: str
+) -> None:
+    top_level_list = body.startswith("-")
+    path = write(tmp_path, body if top_level_list else "pipeline: glm_image\n" + body)
+    line += 0 if top_level_list else 1  # lines in the table count from the body's first line
+    with pytest.raises(ConfigError) as info:
+        resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    text = str(info.value)
+    assert text.startswith(f"{path}:{line}: "), text
+    assert field in text and message in text, text
+
+
+def test_top_level_errors_name_the_line(tmp_path: Path, model_dir: str) -> None:
+    path = write(tmp_path, "pipeline: glm_image\nasync_chunk: true\n")
+    with pytest.raises(ConfigError) as info:
+        resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    assert str(info.value).startswith(f"{path}:2: async_chunk: async_chunk: true needs a streaming")
+
+
+def test_unknown_pipeline_and_missing_file(tmp_path: Path, model_dir: str) -> None:
+    path = write(tmp_path, "pipeline: nope\n")
+    with pytest.raises(ConfigError, match=r"deploy.yaml:1: pipeline: unknown pipeline 'nope'"):
+        resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    with pytest.raises(ConfigError, match="no such file"):
+        resolve_deployment(model_dir, deploy_config=str(tmp_path / "missing.yaml"), platform=GPU)
+
+
+def test_connector_ends_must_agree(tmp_path: Path, model_dir: str) -> None:
+    path = write(
+        tmp_path,
+        """
+        pipeline: glm_image
+        connectors:
+          a: {name: SharedMemoryConnector}
+          b: {name: NixlConnector}
+        stages:
+          - stage_id: 0
+            output_connectors: {to_stage_1: a}
+          - stage_id: 1
+            input_connectors: {from_stage_0: b}
+        """,
+    )
+    with pytest.raises(ConfigError, match=r"deploy.yaml:9: .*both ends must agree"):
+        resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+
+
+def test_one_sided_connector_fills_the_other_end(tmp_path: Path, model_dir: str) -> None:
+    path = write(
+        tmp_path,
+        """
+        pipeline: glm_image
+        connectors:
+          n: {name: NixlConnector}
+        stages:
+          - stage_id: 1
+            input_connectors: {from_stage_0: n}
+        """,
+    )
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    assert resolved.stage(0).output_connectors == {"to_stage_1": "n"}
+    # the router hop had none: it gets shared memory
+    assert resolved.connectors[resolved.edges[1].connector].name == "SharedMemoryConnector"
+
+
+# --- layering and resolution ---------------------------------------------------------------------
+
+
+def test_layers_in_order(tmp_path: Path, model_dir: str) -> None:
+    write(
+        tmp_path,
+        """
+        pipeline: glm_image
+        dtype: float16
+        stages:
+          - stage_id: 0
+            max_num_seqs: 1
+            max_model_len: 100
+            gpu_memory_utilization: 0.5
+            enforce_eager: true
+            kv_cache_memory_bytes: 1000
+          - stage_id: 1
+            num_inference_steps: 10
+        """,
+        "base.yaml",
+    )
+    path = write(
+        tmp_path,
+        """
+        base_config: base.yaml
+        stages:
+          - stage_id: 0
+            max_num_seqs: 2
+            max_model_len: 200
+            gpu_memory_utilization: 0.6
+        platforms:
+          cuda:
+            stages:
+              - stage_id: 0
+                max_num_seqs: 3
+                max_model_len: 300
+          cpu:
+            stages:
+              - stage_id: 0
+                max_num_seqs: 99
+        """,
+    )
+    resolved = resolve_deployment(
+        model_dir,
+        deploy_config=str(path),
+        platform=GPU,
+        cli_engine_args={"max_num_seqs": 4, "block_size": 32},
+        stage_overrides={"0": {"max_num_seqs": 5}, "1": {"num_inference_steps": 7}},
+    )
+    ar = resolved.stage(0).engine_args
+    assert ar["max_num_seqs"] == 5  # --stage-overrides
+    assert ar["block_size"] == 32  # command line (an EngineArgs field that is not a stage field)
+    assert ar["max_model_len"] == 300  # platforms.cuda
+    assert ar["gpu_memory_utilization"] == 0.6  # this file
+    assert ar["kv_cache_memory_bytes"] == 1000 and ar["enforce_eager"] is True  # base_config
+    assert ar["dtype"] == "float16"  # pipeline-wide field of the base
+    assert resolved.stage(1).diffusion_args["num_inference_steps"] == 7
+    assert resolved.stage(1).diffusion_args["dtype"] == "float16"
+
+
+def test_base_config_cycle_and_packaged_base(tmp_path: Path, model_dir: str) -> None:
+    write(tmp_path, "pipeline: glm_image\nbase_config: b.yaml\n", "a.yaml")
+    write(tmp_path, "pipeline: glm_image\nbase_config: a.yaml\n", "b.yaml")
+    with pytest.raises(ConfigError, match="base_config cycle"):
+        resolve_deployment(model_dir, deploy_config=str(tmp_path / "a.yaml"), platform=GPU)
+    path = write(tmp_path, "base_config: glm_image.yaml\nstages: [{stage_id: 1, height: 512}]\n", "c.yaml")
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    assert resolved.stage(1).diffusion_args["height"] == 512
+    assert resolved.stage(1).diffusion_args["num_inference_steps"] == 50  # from the packaged base
+
+
+@pytest.mark.parametrize(
+    ("flag", "platform", "expected_async"),
+    [(None, GPU, True), (False, GPU, False), (True, GPU, True), (None, CPU, False), (True, CPU, False)],
+)
+def test_scheduler_follows_final_async_flag(tmp_path: Path, model_dir: str, flag, platform, expected_async):
+    stage = "" if flag is None else f"\n    async_scheduling: {str(flag).lower()}"
+    path = write(tmp_path, f"pipeline: glm_image\nstages:\n  - stage_id: 0{stage}\n")
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=platform)
+    ar = resolved.stage(0).engine_args
+    assert ar["async_scheduling"] is expected_async
+    assert ar["scheduler_cls"] == (OMNI_AR_ASYNC_SCHEDULER if expected_async else OMNI_AR_SCHEDULER)
+    forced = flag is True and platform is CPU
+    assert any("does not support async scheduling" in n for n in resolved.notes) is forced
+
+
+def test_pinned_scheduler_contradicting_cli_flag_is_corrected(tmp_path: Path, model_dir: str) -> None:
+    path = write(
+        tmp_path,
+        f"""
+        pipeline: glm_image
+        stages:
+          - stage_id: 0
+            engine_extras:
+              scheduler_cls: {OMNI_AR_ASYNC_SCHEDULER}
+        """,
+    )
+    resolved = resolve_deployment(
+        model_dir, deploy_config=str(path), platform=GPU, cli_engine_args={"async_scheduling": False}
+    )
+    assert resolved.stage(0).engine_args["scheduler_cls"] == OMNI_AR_SCHEDULER
+    (note,) = [n for n in resolved.notes if "pinned" in n]
+    assert note.startswith(f"{path}:5:")
+
+
+def test_custom_scheduler_needs_opt_in(tmp_path: Path, model_dir: str) -> None:
+    body = "pipeline: glm_image\nstages:\n  - stage_id: 0\n    engine_extras: {scheduler_cls: my.Sched}\n"
+    with pytest.raises(ConfigError, match="allow_custom_scheduler"):
+        resolve_deployment(model_dir, deploy_config=str(write(tmp_path, body)), platform=GPU)
+    path = write(tmp_path, body + "    allow_custom_scheduler: true\n", "ok.yaml")
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    assert resolved.stage(0).engine_args["scheduler_cls"] == "my.Sched"
+
+
+def test_stage_override_errors(model_dir: str) -> None:
+    with pytest.raises(ConfigError, match=r"--stage-overrides: 0.max_num_seqs: expected int"):
+        resolve_deployment(model_dir, platform=GPU, stage_overrides={"0": {"max_num_seqs": "x"}})
+    with pytest.raises(ConfigError, match="has no stage 4"):
+        resolve_deployment(model_dir, platform=GPU, stage_overrides={"4": {}})
+    with pytest.raises(ConfigError, match="stage ids are integers"):
+        resolve_deployment(model_dir, platform=GPU, stage_overrides={"ar": {}})
+
+
+def test_replicas_split_devices(tmp_path: Path, model_dir: str) -> None:
+    path = write(
+        tmp_path,
+        """
+        pipeline: glm_image
+        stages:
+          - stage_id: 0
+            devices: "0,1,2,3"
+            num_replicas: 2
+            tensor_parallel_size: 2
+            env: {FOO: bar}
+          - stage_id: 1
+            devices: "4"
+            num_replicas: 3
+        """,
+    )
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    assert [r.devices for r in resolved.stage(0).replicas] == ["0,1", "2,3"]
+    assert resolved.stage(0).replicas[1].env == {"FOO": "bar", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert [r.devices for r in resolved.stage(1).replicas] == ["4", "4", "4"]
+
+
+@pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])
+@pytest.mark.parametrize(
+    "path",
+    [*packaged_deploy_configs(), DATA / "legacy_glm_image_nixl.yaml", DATA / "glm_image_nixl_stages.yaml"],
+    ids=lambda p: p.name,
+)
+def test_resolution_is_idempotent(path: Path, platform, model_dir: str) -> None:
+    loaded = load_deploy_file(path, model=model_dir, allow_legacy=True)
+    first = resolve(loaded, model=model_dir, platform=platform)
+    second = reresolve(first, loaded, platform)
+    assert second.summary() == first.summary()
+    assert second.deploy == first.deploy
+    assert not [n for n in second.notes if "pinned" in n]
+
+
+def test_resolved_yaml_round_trips(model_dir: str) -> None:
+    resolved = resolve_deployment(model_dir, platform=GPU)
+    assert yaml.safe_load(resolved.to_yaml()) == resolved.summary()
