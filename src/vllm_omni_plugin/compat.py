@@ -64,6 +64,18 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     ),
     "Scheduler": ("vllm.v1.core.sched.scheduler:Scheduler",),
     "AsyncScheduler": ("vllm.v1.core.sched.async_scheduler:AsyncScheduler",),
+    "CPUWorker": ("vllm.v1.worker.cpu_worker:CPUWorker",),
+    "CPUModelRunner": ("vllm.v1.worker.cpu_model_runner:CPUModelRunner",),
+    "GPUWorker": ("vllm.v1.worker.gpu_worker:Worker",),
+    "GPUModelRunner": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner",),
+    "MRotaryEmbedding": (
+        "vllm.model_executor.layers.rotary_embedding:MRotaryEmbedding",
+        "vllm.model_executor.layers.rotary_embedding.mrope:MRotaryEmbedding",
+    ),
+    "RequestStatus": ("vllm.v1.request:RequestStatus",),
+    "FinishReason": ("vllm.v1.engine:FinishReason",),
+    "EngineCoreOutput": ("vllm.v1.engine:EngineCoreOutput",),
+    "EngineCoreOutputs": ("vllm.v1.engine:EngineCoreOutputs",),
     "SamplingParams": ("vllm.sampling_params:SamplingParams", "vllm:SamplingParams"),
     "load_general_plugins": ("vllm.plugins:load_general_plugins",),
     "current_platform": ("vllm.platforms:current_platform",),
@@ -94,6 +106,19 @@ def resolve(name: str) -> Any:
     raise CompatImportError(
         f"cannot find vLLM's {name} in the installed vLLM ({vllm_version()}); tried " + "; ".join(errors)
     )
+
+
+def runner_output_payload(output: Any) -> Any:
+    """The ``ModelRunnerOutput`` inside whatever ``sample_tokens`` returned.
+
+    Under async scheduling vLLM returns a wrapper that holds the output until ``get_output()``; the
+    wrapper's attribute name is private and may move.
+    """
+    for attr in ("_model_runner_output", "model_runner_output"):
+        inner = getattr(output, attr, None)
+        if inner is not None:
+            return inner
+    return output
 
 
 def vllm_version() -> str:

@@ -22,11 +22,14 @@ CPU_TEST_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-"""Environment every test process gets: CPU platform, offline, one OpenMP thread, small KV cache."""
+"""Environment every test process gets: CPU platform, offline, one OpenMP thread.
+
+No ``VLLM_CPU_KVCACHE_SPACE``: on CPU it overrides ``kv_cache_memory_bytes``, which every engine we
+start sets explicitly (a few MiB).
+"""
 
 
 def free_port() -> int:

@@ -1,0 +1,1 @@
+"""Native vLLM implementations of model architectures that stock vLLM lacks."""

@@ -1,0 +1,31 @@
+"""The Omni worker and model runner for vLLM's CPU platform."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni_plugin.compat import resolve
+from vllm_omni_plugin.runners.omni_model_runner import OmniModelRunnerMixin
+
+CPUWorker = resolve("CPUWorker")
+CPUModelRunner = resolve("CPUModelRunner")
+
+
+class OmniCPUModelRunner(OmniModelRunnerMixin, CPUModelRunner):  # type: ignore[misc, valid-type]
+    pass
+
+
+class OmniCPUWorker(CPUWorker):  # type: ignore[misc, valid-type]
+    """vLLM's CPU worker with the Omni model runner.
+
+    ``CPUWorker.init_device`` builds its runner inline (there is no factory hook as on GPU), so the
+    runner is replaced right after, before any model is loaded.
+    """
+
+    def init_device(self, *args: Any, **kwargs: Any) -> None:
+        super().init_device(*args, **kwargs)
+        if getattr(self, "use_v2_model_runner", False):
+            raise RuntimeError(
+                "the Omni AR stage needs vLLM's V1 model runner (unset VLLM_USE_V2_MODEL_RUNNER)"
+            )
+        self.model_runner = OmniCPUModelRunner(self.vllm_config, self.model_runner.device)

@@ -1,0 +1,166 @@
+"""``OmniModelRunnerMixin``: what an omni AR stage needs from vLLM's model runner, as small hooks.
+
+- **Safe resume.** Under async scheduling vLLM's ``_update_states`` rebuilds a request that left the
+  persistent batch (resumed after preemption, or not scheduled last step) from
+  ``CachedRequestData.all_token_ids[req_id]``, and raises ``KeyError`` when the scheduler did not fill
+  it: the engine core dies (the production crash in shared/seeds/000). A pre-pass fills any missing
+  entry from the runner's own request state; a request it cannot rebuild is left out of this step and
+  the Omni scheduler finishes it with an error, so the engine keeps serving everyone else.
+- **Precomputed decode positions.** M-RoPE models whose generated tokens have 2-D grid positions
+  (GLM-Image) return them from ``get_mrope_input_positions`` after the prompt's; stock vLLM gives
+  generated tokens ``delta + context_len`` on every axis. After vLLM's own computation we copy the
+  planned positions in wherever a request has them.
+- **Omni metadata and stage outputs.** Per-request metadata arrives in ``SamplingParams.extra_args``
+  (``extra_args["omni"]``); per-request stage outputs recorded with ``set_stage_output`` travel back on
+  the ``ModelRunnerOutput`` (``omni_stage_outputs``), which the Omni scheduler attaches to the request's
+  output.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vllm_omni_plugin.compat import runner_output_payload
+from vllm_omni_plugin.log import get_logger
+
+logger = get_logger(__name__)
+
+OMNI_EXTRA_ARGS_KEY = "omni"
+
+
+class OmniModelRunnerMixin:
+    """Mixed in front of ``GPUModelRunner`` or ``CPUModelRunner``."""
+
+    requests: dict[str, Any]
+    input_batch: Any
+    use_async_scheduling: bool
+    uses_mrope: bool
+
+    # --- omni metadata / stage outputs ---
+
+    def omni_metadata(self, req_id: str) -> dict[str, Any]:
+        state = self.requests.get(req_id)
+        params = getattr(state, "sampling_params", None) if state is not None else None
+        extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
+        value = extra.get(OMNI_EXTRA_ARGS_KEY) or {}
+        return value if isinstance(value, dict) else {}
+
+    def set_stage_output(self, req_id: str, key: str, value: Any) -> None:
+        """Record a per-request output of this stage (msgpack-serialisable) for the request's output."""
+        pending: dict[str, dict[str, Any]] = self.__dict__.setdefault("_omni_stage_outputs", {})
+        pending.setdefault(req_id, {})[key] = value
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        pending = self.__dict__.get("_omni_stage_outputs")
+        if pending:
+            payload = runner_output_payload(output)
+            if hasattr(payload, "req_id_to_index"):
+                ready = {rid: pending.pop(rid) for rid in list(pending) if rid in payload.req_id_to_index}
+                if ready:
+                    payload.omni_stage_outputs = ready
+        return output
+
+    # --- safe resume ---
+
+    def _rebuild_token_ids(self, req_id: str, num_output_tokens: int) -> list[int] | None:
+        """prompt + the first ``num_output_tokens`` outputs of a request, from the runner's own state."""
+        state = self.requests.get(req_id)
+        if state is None or state.prompt_token_ids is None:
+            return None
+        prompt = list(state.prompt_token_ids)
+        outputs = list(state.output_token_ids[:num_output_tokens])
+        if len(outputs) == num_output_tokens and -1 not in outputs:
+            return prompt + outputs
+        # Async placeholders (-1): the real ids may still sit in the persistent batch's token buffer.
+        row = self.input_batch.req_id_to_index.get(req_id)
+        if row is None:
+            return None
+        start, end = len(prompt), len(prompt) + num_output_tokens
+        if not self.input_batch.is_token_ids[row, start:end].all():
+            return None
+        return prompt + [int(t) for t in self.input_batch.token_ids_cpu[row, start:end]]
+
+    def _omni_resume_prepass(self, scheduler_output: Any) -> Any:
+        cached = scheduler_output.scheduled_cached_reqs
+        if not self.use_async_scheduling or not cached.req_ids:
+            return scheduler_output
+        unrecoverable: list[int] = []
+        for index, req_id in enumerate(cached.req_ids):
+            num_output_tokens = cached.num_output_tokens[index]
+            rebuilt = req_id in cached.resumed_req_ids or req_id not in self.input_batch.req_id_to_index
+            if not rebuilt or num_output_tokens <= 0 or req_id in cached.all_token_ids:
+                continue
+            token_ids = self._rebuild_token_ids(req_id, num_output_tokens)
+            if token_ids is None:
+                unrecoverable.append(index)
+            else:
+                logger.warning(
+                    "request %s resumed without all_token_ids from the scheduler; rebuilt its %d "
+                    "tokens from the runner's state",
+                    req_id,
+                    len(token_ids),
+                )
+                cached.all_token_ids[req_id] = token_ids
+        if not unrecoverable:
+            return scheduler_output
+        return self._drop_requests(scheduler_output, unrecoverable)
+
+    def _drop_requests(self, scheduler_output: Any, indices: list[int]) -> Any:
+        """A copy of this step's scheduler output without the requests at ``indices`` of the cached
+        list. The scheduler's own object is left alone (in-process executors share it)."""
+        out = copy.copy(scheduler_output)
+        cached = copy.copy(scheduler_output.scheduled_cached_reqs)
+        drop = set(indices)
+        dropped = [cached.req_ids[i] for i in indices]
+        keep = [i for i in range(len(cached.req_ids)) if i not in drop]
+        cached.req_ids = [cached.req_ids[i] for i in keep]
+        cached.new_block_ids = [cached.new_block_ids[i] for i in keep]
+        cached.num_computed_tokens = [cached.num_computed_tokens[i] for i in keep]
+        cached.num_output_tokens = [cached.num_output_tokens[i] for i in keep]
+        if cached.new_token_ids:
+            cached.new_token_ids = [cached.new_token_ids[i] for i in keep]
+        cached.resumed_req_ids = set(cached.resumed_req_ids) - set(dropped)
+        out.scheduled_cached_reqs = cached
+        num_scheduled = dict(scheduler_output.num_scheduled_tokens)
+        removed = sum(num_scheduled.pop(rid, 0) for rid in dropped)
+        out.num_scheduled_tokens = num_scheduled
+        out.total_num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens - removed
+        out.scheduled_spec_decode_tokens = {
+            k: v for k, v in scheduler_output.scheduled_spec_decode_tokens.items() if k not in dropped
+        }
+        for rid in dropped:
+            logger.error(
+                "request %s must be rebuilt but neither the scheduler nor the runner has its tokens; "
+                "it is failed, the engine keeps serving",
+                rid,
+            )
+        return out
+
+    def _update_states(self, scheduler_output: Any) -> Any:
+        return super()._update_states(self._omni_resume_prepass(scheduler_output))  # type: ignore[misc]
+
+    # --- precomputed decode positions ---
+
+    def _calc_mrope_positions(self, scheduler_output: Any) -> None:
+        super()._calc_mrope_positions(scheduler_output)  # type: ignore[misc]
+        ptr = 0
+        batch = self.input_batch
+        for index, req_id in enumerate(batch.req_ids):
+            req = self.requests[req_id]
+            computed = int(batch.num_computed_tokens_cpu[index])
+            scheduled = scheduler_output.num_scheduled_tokens[req_id]
+            num_prompt = req.num_prompt_tokens
+            prompt_part = max(0, min(scheduled, num_prompt - computed))
+            completion = scheduled - prompt_part
+            planned = req.mrope_positions
+            if completion > 0 and planned is not None:
+                context = computed + prompt_part
+                available = max(0, min(completion, planned.shape[1] - context))
+                if available > 0:
+                    dst = ptr + prompt_part
+                    self.mrope_positions.cpu[:, dst : dst + available] = planned[
+                        :, context : context + available
+                    ]  # type: ignore[attr-defined]
+            ptr += scheduled

@@ -1,0 +1,156 @@
+"""The seed's failure (shared/seeds/000) with vLLM's real classes: a request that must be rebuilt by the
+model runner under async scheduling, with no ``all_token_ids`` entry from the scheduler.
+
+Prints one JSON line ``RESULT {...}``; tests/test_ar_stage.py asserts on it. Run as a script: it
+initialises vLLM's distributed state for one CPU process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+
+def main() -> None:
+    model = sys.argv[1]
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_omni_plugin.runners.cpu_worker import CPUModelRunner, OmniCPUModelRunner
+    from vllm_omni_plugin.schedulers.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
+
+    engine_args = EngineArgs(
+        model=model, enforce_eager=True, dtype="float32", max_model_len=96, block_size=32,
+        kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False,
+    )  # fmt: skip
+    config = engine_args.create_engine_config()
+    config.cache_config.num_gpu_blocks = 16
+    result: dict[str, object] = {}
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:0", local_rank=0, backend="gloo"
+        )
+        ensure_model_parallel_initialized(1, 1)
+
+        def make_scheduler(cls):
+            kv = KVCacheConfig(
+                num_blocks=16,
+                kv_cache_tensors=[],
+                kv_cache_groups=[
+                    KVCacheGroupSpec(
+                        ["model.layers.0.self_attn.attn"],
+                        FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=32, dtype=torch.float32),
+                    )
+                ],
+            )
+            return cls(
+                vllm_config=config,
+                kv_cache_config=kv,
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=32,
+            )
+
+        prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+        outputs = [201, 202, 203]
+
+        # 1. Each scheduler variant fills all_token_ids for a resumed request, even one that was
+        #    scheduled in the previous step (where stock vLLM leaves it out).
+        for cls in (Scheduler, OmniARScheduler, OmniARAsyncScheduler):
+            scheduler = make_scheduler(cls)
+            request = Request("r0", list(prompt), SamplingParams(max_tokens=16), None)
+            scheduler.add_request(request)
+            first = scheduler.schedule()
+            request.append_output_token_ids(outputs)
+            blocks = scheduler.kv_cache_manager.get_blocks("r0")
+            data = scheduler._make_cached_request_data(
+                running_reqs=[], resumed_reqs=[request], num_scheduled_tokens={"r0": 1},
+                spec_decode_tokens={}, req_to_new_blocks={"r0": blocks},
+            )  # fmt: skip
+            result[f"fills_{cls.__name__}"] = data.all_token_ids.get("r0") == prompt + outputs
+            result[f"first_step_{cls.__name__}"] = first.total_num_scheduled_tokens
+
+        # 2. The runner's resume path in async mode, without the entry.
+        def run_runner(cls, output_token_ids):
+            runner = cls(config, torch.device("cpu"))
+            runner.use_async_scheduling = True
+            # No attention backends are built without a model: an empty group list skips batch reordering.
+            runner.kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[])
+            scheduler = make_scheduler(Scheduler)
+            request = Request("r0", list(prompt), SamplingParams(max_tokens=16), None)
+            scheduler.add_request(request)
+            step1 = scheduler.schedule()
+            runner._update_states(step1)
+            runner.requests["r0"].output_token_ids.extend(output_token_ids)
+            blocks = scheduler.kv_cache_manager.get_blocks("r0").get_block_ids()
+            resumed = CachedRequestData(
+                req_ids=["r0"],
+                resumed_req_ids={"r0"},
+                new_token_ids=[],
+                all_token_ids={},  # what the seed's sync scheduler sent
+                new_block_ids=[blocks],
+                num_computed_tokens=[len(prompt) + len(outputs) - 1],
+                num_output_tokens=[len(outputs)],
+            )
+            step2 = SchedulerOutput(
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=resumed,
+                num_scheduled_tokens={"r0": 1},
+                total_num_scheduled_tokens=1,
+                scheduled_spec_decode_tokens={},
+                scheduled_encoder_inputs={},
+                num_common_prefix_blocks=[0],
+                finished_req_ids=set(),
+                free_encoder_mm_hashes=[],
+            )
+            try:
+                runner._update_states(step2)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-800:]}
+            row = runner.input_batch.req_id_to_index.get("r0")
+            state = runner.requests["r0"]
+            return {
+                "error": None,
+                "in_batch": row is not None,
+                "output_token_ids": list(state.output_token_ids),
+                "batch_tokens": (
+                    [int(t) for t in runner.input_batch.token_ids_cpu[row, : len(prompt) + len(outputs)]]
+                    if row is not None
+                    else None
+                ),
+                "filled_entry": step2.scheduled_cached_reqs.all_token_ids.get("r0"),
+            }
+
+        result["stock_runner"] = run_runner(CPUModelRunner, outputs)
+        result["omni_runner"] = run_runner(OmniCPUModelRunner, outputs)
+        result["omni_runner_unrecoverable"] = run_runner(OmniCPUModelRunner, [outputs[0], -1, -1])
+
+        # 3. The scheduler turns a request the runner left out into an error for that request only.
+        for cls in (OmniARScheduler, OmniARAsyncScheduler):
+            scheduler = make_scheduler(cls)
+            for rid in ("a", "b"):
+                scheduler.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=4), None))
+            step = scheduler.schedule()
+            runner_output = ModelRunnerOutput(
+                req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[42]]
+            )  # "a" was left out by the runner
+            outs = scheduler.update_from_output(step, runner_output)
+            flat = [o for bucket in outs.values() for o in bucket.outputs]
+            result[f"dropped_{cls.__name__}"] = {
+                o.request_id: [o.new_token_ids, str(o.finish_reason), o.stop_reason] for o in flat
+            }
+            result[f"still_serving_{cls.__name__}"] = sorted(scheduler.requests)
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
