@@ -69,6 +69,11 @@ def test_left_out_request_fails_alone_with_an_error(resume: dict, cls: str) -> N
     assert resume[f"still_serving_{cls}"] == ["b"]
 
 
+def test_hooks_and_stage_outputs(resume: dict) -> None:
+    assert resume["hook_events"] == [["prefill_finished", "h"], ["trigger", "h", 77]]
+    assert resume["stage_output_params"] == {"omni": {"source_prior_token_ids": [1, 2, 3]}}
+
+
 def test_scheduler_variants_match_stock_vllm_under_preemption(tiny_text_model: Path) -> None:
     """Greedy tokens of a real engine: stock vLLM vs our scheduler + worker (both variants), with a KV
     cache small enough to force preemptions."""

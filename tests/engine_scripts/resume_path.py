@@ -149,6 +149,31 @@ def main() -> None:
                 o.request_id: [o.new_token_ids, str(o.finish_reason), o.stop_reason] for o in flat
             }
             result[f"still_serving_{cls.__name__}"] = sorted(scheduler.requests)
+
+        # 4. Hooks and stage outputs.
+        class Recording(OmniARScheduler):
+            events: list = []
+
+            def on_prefill_finished(self, request):
+                self.events.append(["prefill_finished", request.request_id])
+
+            def on_trigger_token(self, request, token_id):
+                self.events.append(["trigger", request.request_id, token_id])
+
+        scheduler = make_scheduler(Recording)
+        params = SamplingParams(max_tokens=4, extra_args={"omni": {"trigger_token_ids": [77]}})
+        scheduler.add_request(Request("h", list(prompt), params, None))
+        step = scheduler.schedule()
+        runner_output = ModelRunnerOutput(req_ids=["h"], req_id_to_index={"h": 0}, sampled_token_ids=[[5]])
+        runner_output.omni_stage_outputs = {"h": {"source_prior_token_ids": [1, 2, 3]}}
+        outs = scheduler.update_from_output(step, runner_output)
+        (first,) = [o for bucket in outs.values() for o in bucket.outputs]
+        step = scheduler.schedule()
+        outs = scheduler.update_from_output(
+            step, ModelRunnerOutput(req_ids=["h"], req_id_to_index={"h": 0}, sampled_token_ids=[[77]])
+        )
+        result["hook_events"] = Recording.events
+        result["stage_output_params"] = first.kv_transfer_params
     print("RESULT " + json.dumps(result))
 
 

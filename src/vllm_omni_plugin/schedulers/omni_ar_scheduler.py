@@ -76,20 +76,46 @@ class OmniARSchedulerMixin:
 
     # --- outputs ---
 
+    def add_request(self, request: Any) -> None:
+        triggers = _omni_args(request).get("trigger_token_ids")
+        if triggers:
+            self.__dict__.setdefault("_omni_triggers", {})[request.request_id] = frozenset(triggers)
+        super().add_request(request)  # type: ignore[misc]
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Any]:
+        finished = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        triggers = self.__dict__.get("_omni_triggers")
+        if triggers:
+            for request in finished:
+                triggers.pop(request.request_id, None)
+        return finished
+
+    def _hooks_active(self) -> bool:
+        cls = type(self)
+        return bool(self.__dict__.get("_omni_triggers")) or (
+            cls.on_prefill_finished is not OmniARSchedulerMixin.on_prefill_finished
+        )
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         dropped = self._fail_dropped_requests(scheduler_output, model_runner_output)
-        # Looked up before the base class retires finished requests.
-        scheduled = {
-            req_id: request
-            for req_id in scheduler_output.num_scheduled_tokens
-            if (request := self.requests.get(req_id)) is not None
-        }
-        prefilling = [r for r in scheduled.values() if r.num_computed_tokens < r.num_prompt_tokens]
+        hooks = self._hooks_active()
+        prefilling: list[Any] = []
+        watched: dict[str, Any] = {}
+        if hooks:  # looked up before the base class retires finished requests
+            watched = {rid: self.requests.get(rid) for rid in self.__dict__.get("_omni_triggers", {})}
+            # num_computed_tokens already counts this step's tokens (advanced at schedule time)
+            prefilling = [
+                request
+                for req_id, n in scheduler_output.num_scheduled_tokens.items()
+                if (request := self.requests.get(req_id)) is not None
+                and request.num_computed_tokens - n < request.num_prompt_tokens <= request.num_computed_tokens
+            ]
         outputs: dict[int, Any] = super().update_from_output(  # type: ignore[misc]
             scheduler_output, model_runner_output
         )
         self._attach_stage_outputs(outputs, getattr(model_runner_output, "omni_stage_outputs", None))
-        self._run_hooks(outputs, scheduled, prefilling)
+        if hooks:
+            self._run_hooks(outputs, prefilling, watched)
         for client_index, output in dropped:
             bucket = outputs.get(client_index)
             if bucket is None:
@@ -102,8 +128,8 @@ class OmniARSchedulerMixin:
         self, scheduler_output: Any, model_runner_output: Any
     ) -> list[tuple[int, Any]]:
         index = getattr(model_runner_output, "req_id_to_index", None)
-        if index is None:
-            return []
+        if index is None or len(index) >= len(scheduler_output.num_scheduled_tokens):
+            return []  # the runner ran every scheduled request (the runner only ever leaves some out)
         missing = [
             req_id
             for req_id in scheduler_output.num_scheduled_tokens
@@ -116,7 +142,7 @@ class OmniARSchedulerMixin:
         RequestStatus = resolve("RequestStatus")
         FinishReason = resolve("FinishReason")
         EngineCoreOutput = resolve("EngineCoreOutput")
-        failed = self.finish_requests(missing, RequestStatus.FINISHED_ERROR)  # type: ignore[attr-defined]
+        failed = self.finish_requests(missing, RequestStatus.FINISHED_ERROR)
         out = []
         for request in failed:
             logger.error("request %s failed: %s", request.request_id, RUNNER_DROPPED_MESSAGE)
@@ -145,20 +171,23 @@ class OmniARSchedulerMixin:
                     params.setdefault(OMNI_KEY, {}).update(extra)
                     output.kv_transfer_params = params
 
-    def _run_hooks(self, outputs: dict[int, Any], scheduled: dict[str, Any], prefilling: list[Any]) -> None:
+    def _run_hooks(self, outputs: dict[int, Any], prefilling: list[Any], watched: dict[str, Any]) -> None:
         for request in prefilling:
-            if request.num_computed_tokens >= request.num_prompt_tokens:
-                self.on_prefill_finished(request)
+            self.on_prefill_finished(request)
+        triggers: dict[str, frozenset[int]] = self.__dict__.get("_omni_triggers", {})
+        if not triggers:
+            return
         for bucket in outputs.values():
             for output in bucket.outputs:
-                if not output.new_token_ids:
+                wanted = triggers.get(output.request_id)
+                if wanted is None:
                     continue
-                request = scheduled.get(output.request_id)
-                triggers = _omni_args(request).get("trigger_token_ids") if request is not None else None
-                if triggers:
-                    for token_id in output.new_token_ids:
-                        if token_id in triggers:
-                            self.on_trigger_token(request, token_id)
+                request = watched.get(output.request_id)
+                for token_id in output.new_token_ids:
+                    if token_id in wanted:
+                        self.on_trigger_token(request, token_id)
+                if output.finish_reason is not None:
+                    triggers.pop(output.request_id, None)
 
 
 class OmniARScheduler(OmniARSchedulerMixin, Scheduler):  # type: ignore[misc, valid-type]
