@@ -71,7 +71,9 @@ def test_left_out_request_fails_alone_with_an_error(resume: dict, cls: str) -> N
 
 def test_hooks_and_stage_outputs(resume: dict) -> None:
     assert resume["hook_events"] == [["prefill_finished", "h"], ["trigger", "h", 77]]
-    assert resume["stage_output_params"] == {"omni": {"source_prior_token_ids": [1, 2, 3]}}
+    # held until the request finishes, then delivered with its final output
+    assert resume["stage_output_params_first"] is None
+    assert resume["stage_output_params_final"] == [{"omni": {"source_prior_token_ids": [1, 2, 3]}}, "length"]
 
 
 def test_scheduler_variants_match_stock_vllm_under_preemption(tiny_text_model: Path) -> None:

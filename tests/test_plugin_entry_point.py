@@ -25,15 +25,26 @@ def test_entry_point_declared() -> None:
     assert ep.value == "vllm_omni_plugin:register"
 
 
-def test_import_and_register_are_cheap() -> None:
+def test_import_is_cheap_and_register_is_lazy() -> None:
     code = (
-        "import sys, json; import vllm_omni_plugin as p; p.register(); p.register();"
-        "print(json.dumps(sorted(m for m in ('torch', 'vllm', 'diffusers', 'transformers')"
-        " if m in sys.modules)))"
+        "import sys, json; import vllm_omni_plugin as p;"
+        "heavy = ('torch', 'vllm', 'diffusers', 'transformers');"
+        "at_import = sorted(m for m in heavy if m in sys.modules);"
+        "p.register(); p.register();"
+        "from vllm import ModelRegistry;"
+        "print(json.dumps({'at_import': at_import,"
+        " 'model_module_loaded': 'vllm_omni_plugin.models.glm_image_ar' in sys.modules,"
+        " 'diffusers_loaded': 'diffusers' in sys.modules,"
+        " 'registered': 'GlmImageForConditionalGeneration' in ModelRegistry.get_supported_archs()}))"
     )
     result = _run_python(code)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
+        "at_import": [],
+        "model_module_loaded": False,  # registered as a lazy "module:Class" string
+        "diffusers_loaded": False,
+        "registered": True,
+    }
 
 
 LOAD_CODE = (

@@ -8,7 +8,12 @@ them.
 from __future__ import annotations
 
 # architecture name (config.json "architectures") -> "module:Class"
-MODEL_ARCHITECTURES: dict[str, str] = {}
+MODEL_ARCHITECTURES: dict[str, str] = {
+    # GLM-Image's AR model (the vision_language_encoder); stock vLLM has none.
+    "GlmImageForConditionalGeneration": (
+        "vllm_omni_plugin.models.glm_image_ar:GlmImageForConditionalGeneration"
+    ),
+}
 
 
 def register_all() -> None:

@@ -161,7 +161,7 @@ def main() -> None:
                 self.events.append(["trigger", request.request_id, token_id])
 
         scheduler = make_scheduler(Recording)
-        params = SamplingParams(max_tokens=4, extra_args={"omni": {"trigger_token_ids": [77]}})
+        params = SamplingParams(max_tokens=2, extra_args={"omni": {"trigger_token_ids": [77]}})
         scheduler.add_request(Request("h", list(prompt), params, None))
         step = scheduler.schedule()
         runner_output = ModelRunnerOutput(req_ids=["h"], req_id_to_index={"h": 0}, sampled_token_ids=[[5]])
@@ -172,8 +172,10 @@ def main() -> None:
         outs = scheduler.update_from_output(
             step, ModelRunnerOutput(req_ids=["h"], req_id_to_index={"h": 0}, sampled_token_ids=[[77]])
         )
+        (last,) = [o for bucket in outs.values() for o in bucket.outputs]
         result["hook_events"] = Recording.events
-        result["stage_output_params"] = first.kv_transfer_params
+        result["stage_output_params_first"] = first.kv_transfer_params
+        result["stage_output_params_final"] = [last.kv_transfer_params, str(last.finish_reason)]
     print("RESULT " + json.dumps(result))
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm_omni_plugin.config.errors import Path
 from vllm_omni_plugin.config.pipeline import Pipeline
+from vllm_omni_plugin.config.schema import DIFFUSION_ONLY_FIELDS, ENGINE_ARG_FIELDS
 from vllm_omni_plugin.config.yaml_source import Document
 
 # vllm-omni class paths that mean "the Omni AR scheduler family" / "the Omni worker family".
@@ -31,26 +32,7 @@ LEGACY_STAGE_TYPES = {"llm": "llm_ar", "ar": "llm_ar", "llm_ar": "llm_ar", "diff
 LEGACY_OUTPUT_TYPES = {"token_ids": "token_ids", "latent": "latents", "latents": "latents", "text": "text"}
 
 # engine_args keys that are stage fields of the stages form (everything else goes to engine_extras).
-STAGE_FIELDS_FROM_ENGINE_ARGS = frozenset(
-    {
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "gpu_memory_utilization",
-        "kv_cache_memory_bytes",
-        "enforce_eager",
-        "async_scheduling",
-        "tensor_parallel_size",
-        "dtype",
-        "trust_remote_code",
-        "enable_prefix_caching",
-        "seed",
-        "num_inference_steps",
-        "guidance_scale",
-        "height",
-        "width",
-    }
-)
+STAGE_FIELDS_FROM_ENGINE_ARGS = frozenset(ENGINE_ARG_FIELDS) | (DIFFUSION_ONLY_FIELDS - {"max_batch_size"})
 
 
 def is_omni_ar_scheduler(path: str) -> bool:

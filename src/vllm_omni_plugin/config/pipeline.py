@@ -26,7 +26,8 @@ class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
     execution_type: ExecutionType
     input_sources: tuple[int, ...] = ()
     input_processor: str | None = None
-    """Dotted path of the stage-input processor that builds this stage's inputs from its sources."""
+    """Dotted path of the stage-input processor: builds this stage's request from its sources' outputs
+    (an entry stage's from the user's request)."""
     model_subdir: str | None = None
     tokenizer_subdir: str | None = None
     model_arch: str | None = None
@@ -136,6 +137,7 @@ GLM_IMAGE = Pipeline(
             execution_type="llm_ar",
             model_subdir="vision_language_encoder",
             tokenizer_subdir="processor",
+            input_processor="vllm_omni_plugin.stage.processors.glm_image.request2ar",
             model_arch="GlmImageForConditionalGeneration",
             output_type="token_ids",
         ),

@@ -11,7 +11,7 @@ vector quantizer. What differs from a plain decoder, and what this module does a
   ``compute_logits`` pads the head's logits with ``-inf`` up to ``vocab_size`` so vLLM's sampler (which
   sizes its masks by the model config's vocab size, e.g. for ``allowed_token_ids``) sees a consistent width.
 * **Positions (3-D M-RoPE, neox layout, partial rotary).** Text tokens get the same ramp on t/h/w, a
-  source image (t=s, h=s+row, w=s+col) and advances the ramp by ``max(h, w)``. Generated tokens are
+  source image gets (t=s, h=s+row, w=s+col) and advances the ramp by ``max(h, w)``. Generated tokens are
   positioned on the grid they belong to (t=base, h=base+row, w=base+col, base += max(h, w) per grid,
   preview first), which vLLM cannot derive from ``mrope_position_delta``. ``get_mrope_input_positions``
   therefore returns the prompt's positions followed by the whole precomputed decode plan; the plugin's
@@ -22,7 +22,11 @@ vector quantizer. What differs from a plain decoder, and what this module does a
   ``embed_tokens(vq_ids)``: vision tower (bilinear position-embedding interpolation, LayerNorm blocks,
   GELU MLP, no rotary, no merger) -> 1x1 conv -> nearest L2-normalised codebook entry.
 
-Numerics follow transformers' ``GlmImageForConditionalGeneration`` (``models/glm_image``).
+Prompts are what ``GlmImageProcessor.apply_chat_template(..., target_h=H, target_w=W)`` produces, scaffold
+and trailing image-start token included (pass the ids as ``prompt_token_ids``; text-to-image needs no
+multimodal input). For image-to-image add the source image(s) as ``multi_modal_data``; the prompt may
+hold one ``<|image|>`` per image or the processor's expanded run. Numerics follow transformers'
+``GlmImageForConditionalGeneration`` (``models/glm_image``): greedy tokens are identical in float32.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
 from vllm.config.multimodal import MultiModalDummyOptions
 from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -65,8 +68,6 @@ from vllm.multimodal.processing import (
     PromptUpdate,
 )
 from vllm.sequence import IntermediateTensors
-
-logger = init_logger(__name__)
 
 GRID_BOS_TOKEN = "<sop>"
 GRID_EOS_TOKEN = "<eop>"
@@ -188,7 +189,8 @@ def glm_image_mrope_positions(
 ) -> np.ndarray:
     """Positions ``[3, prompt_len + planned decode tokens]`` for ``token_ids`` (prompt [+ generated]).
 
-    Covers at least ``len(token_ids)``: tokens past the plan continue the ramp after its last position.
+    Covers at least ``len(token_ids)``: a token past the plan gets what vLLM gives a generated token
+    with ``mrope_position_delta`` 0 (its index), so a recomputed request agrees with a running one.
     """
     ids = list(token_ids)
     prompt_len = glm_image_prompt_length(ids, grid_eos_token_id, image_start_token_id)
@@ -198,11 +200,9 @@ def glm_image_mrope_positions(
         prompt, [*source_grids, *targets], image_start_token_id, image_end_token_id
     )
     positions = np.concatenate([prompt_pos, decode_pos], axis=1)
-    missing = len(ids) - positions.shape[1]
-    if missing > 0:
-        start = int(positions.max()) + 1 if positions.size else 0
-        ramp = np.arange(start, start + missing, dtype=np.int64)
-        positions = np.concatenate([positions, np.broadcast_to(ramp, (3, missing))], axis=1)
+    if len(ids) > positions.shape[1]:
+        tail = np.arange(positions.shape[1], len(ids), dtype=np.int64)
+        positions = np.concatenate([positions, np.broadcast_to(tail, (3, tail.size))], axis=1)
     return np.ascontiguousarray(positions)
 
 
@@ -758,6 +758,29 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
         out_grids = torch.tensor(grids, dtype=torch.long)
         out_grids[:, 1:] *= 2
         return upsampled, out_grids
+
+    def omni_stage_outputs(self, mm_features: list[MultiModalFeatureSpec]) -> dict[str, Any] | None:
+        """Per-request outputs of the AR stage for the next stage (the Omni runner asks once per new
+        request): for image-to-image, the source images' prior token ids and grids the DiT needs."""
+        images = [
+            f
+            for f in sorted(mm_features, key=lambda f: f.mm_position.offset)
+            if f.modality == "image" and f.data
+        ]
+        if not images:
+            return None
+        ids: list[list[int]] = []
+        grids: list[list[int]] = []
+        with torch.no_grad():
+            for feature in images:
+                pixel_values = feature.data["pixel_values"].data
+                grid = feature.data["image_grid_thw"].data.reshape(1, 3)
+                upsampled, out_grids = self.source_image_prior_token_ids(
+                    pixel_values.to(next(self.visual.parameters()).device), grid
+                )
+                ids.append(upsampled[0].tolist())
+                grids.append(out_grids[0].tolist())
+        return {"prior_token_image_ids": ids, "source_image_grid_thw": grids}
 
     def embed_multimodal(self, **kwargs: object) -> MultiModalEmbeddings:
         pixel_values = kwargs.get("pixel_values")

@@ -139,7 +139,22 @@ class OmniModelRunnerMixin:
         return out
 
     def _update_states(self, scheduler_output: Any) -> Any:
-        return super()._update_states(self._omni_resume_prepass(scheduler_output))  # type: ignore[misc]
+        result = super()._update_states(self._omni_resume_prepass(scheduler_output))  # type: ignore[misc]
+        self._collect_model_stage_outputs(scheduler_output)
+        return result
+
+    def _collect_model_stage_outputs(self, scheduler_output: Any) -> None:
+        """Models with per-request outputs for the next stage (``omni_stage_outputs(mm_features)``)
+        are asked once, when the request arrives."""
+        hook = getattr(getattr(self, "model", None), "omni_stage_outputs", None)
+        if hook is None:
+            return
+        for new in scheduler_output.scheduled_new_reqs:
+            if not new.mm_features:
+                continue
+            outputs = hook(new.mm_features)
+            for key, value in (outputs or {}).items():
+                self.set_stage_output(new.req_id, key, value)
 
     # --- precomputed decode positions ---
 

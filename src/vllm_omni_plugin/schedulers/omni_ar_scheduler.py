@@ -10,8 +10,8 @@ resolution picks the variant from the final ``async_scheduling`` flag.
 - A request the runner had to leave out of a step (it could not be rebuilt) is finished with an error
   that reaches its client, instead of a ``KeyError`` that would kill the engine core.
 - Per-request stage outputs from the runner (``ModelRunnerOutput.omni_stage_outputs``) travel back with
-  the request's output under ``kv_transfer_params["omni"]``, vLLM's per-request dict channel to the
-  client.
+  the request's final output under ``kv_transfer_params["omni"]``, vLLM's per-request dict channel to
+  the client.
 - Hooks for KV-handoff pipelines: ``on_prefill_finished`` and ``on_trigger_token`` (token ids listed in
   ``SamplingParams.extra_args["omni"]["trigger_token_ids"]``).
 """
@@ -84,10 +84,11 @@ class OmniARSchedulerMixin:
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Any]:
         finished = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
-        triggers = self.__dict__.get("_omni_triggers")
-        if triggers:
-            for request in finished:
-                triggers.pop(request.request_id, None)
+        for name in ("_omni_triggers", "_omni_stage_outputs"):
+            held = self.__dict__.get(name)
+            if held:
+                for request in finished:
+                    held.pop(request.request_id, None)
         return finished
 
     def _hooks_active(self) -> bool:
@@ -159,17 +160,21 @@ class OmniARSchedulerMixin:
             )
         return out
 
-    @staticmethod
-    def _attach_stage_outputs(outputs: dict[int, Any], stage_outputs: dict[str, dict] | None) -> None:
-        if not stage_outputs:
+    def _attach_stage_outputs(self, outputs: dict[int, Any], stage_outputs: dict[str, dict] | None) -> None:
+        """Stage outputs arrive when the runner computed them; they leave with the request's final
+        output (vLLM hands ``kv_transfer_params`` of the finishing output to the client)."""
+        held: dict[str, dict[str, Any]] = self.__dict__.setdefault("_omni_stage_outputs", {})
+        for req_id, extra in (stage_outputs or {}).items():
+            held.setdefault(req_id, {}).update(extra)
+        if not held:
             return
         for bucket in outputs.values():
             for output in bucket.outputs:
-                extra = stage_outputs.get(output.request_id)
-                if extra:
-                    params = dict(output.kv_transfer_params or {})
-                    params.setdefault(OMNI_KEY, {}).update(extra)
-                    output.kv_transfer_params = params
+                if output.finish_reason is None or output.request_id not in held:
+                    continue
+                params = dict(output.kv_transfer_params or {})
+                params.setdefault(OMNI_KEY, {}).update(held.pop(output.request_id))
+                output.kv_transfer_params = params
 
     def _run_hooks(self, outputs: dict[int, Any], prefilling: list[Any], watched: dict[str, Any]) -> None:
         for request in prefilling:
