@@ -1,0 +1,60 @@
+"""The diffusion (DiT) stage: diffusers pipelines driven by inputs an AR stage computed.
+
+Imports stay lazy: ``import vllm_omni_plugin.diffusion`` pulls in neither torch nor diffusers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.engine import DiffusionEngine
+    from vllm_omni_plugin.diffusion.pipelines import (
+        DiffusersPipelineRunner,
+        GlmImageRunner,
+        UnknownPipelineError,
+        register_diffusion_pipeline,
+    )
+    from vllm_omni_plugin.diffusion.worker import (
+        CPUDiffusionWorker,
+        CUDADiffusionWorker,
+        DiffusionWorker,
+        worker_for_platform,
+    )
+
+__all__ = [
+    "CPUDiffusionWorker",
+    "CUDADiffusionWorker",
+    "DiffusersPipelineRunner",
+    "DiffusionEngine",
+    "DiffusionRequest",
+    "DiffusionResult",
+    "DiffusionWorker",
+    "GlmImageRunner",
+    "UnknownPipelineError",
+    "register_diffusion_pipeline",
+    "worker_for_platform",
+]
+
+_LAZY = {
+    "DiffusionEngine": "engine",
+    "DiffusersPipelineRunner": "pipelines",
+    "GlmImageRunner": "pipelines",
+    "UnknownPipelineError": "pipelines",
+    "register_diffusion_pipeline": "pipelines",
+    "CPUDiffusionWorker": "worker",
+    "CUDADiffusionWorker": "worker",
+    "DiffusionWorker": "worker",
+    "worker_for_platform": "worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

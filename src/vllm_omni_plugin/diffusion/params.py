@@ -1,0 +1,71 @@
+"""Requests to and results from the diffusion stage.
+
+Plain structs: tensor and image fields are typed ``Any`` and hold ``torch.Tensor`` / numpy / PIL objects
+in process. Whoever sends these over the wire (a connector) encodes those fields itself; msgspec only
+handles the scalar fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class DiffusionRequest(msgspec.Struct, kw_only=True):
+    """One image to generate. ``None`` sampling fields take the engine's defaults."""
+
+    request_id: str
+    prompt: str
+    """The text prompt. GLM-Image only reads its quoted substrings here (the glyph encoder): the AR stage
+    already turned the prompt into ``prior_token_ids``."""
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    """Seeds this request's own ``torch.Generator``; ``None`` draws one (reported in the result)."""
+    negative_prompt: str | None = None
+    """For pipelines that take one; GLM-Image has none (its unconditional pass uses an empty glyph text)."""
+    prior_token_ids: Any = None
+    """GLM-Image: the AR's large-grid VQ ids upsampled x2 to the DiT grid, ``(H/16) * (W/16)`` int ids
+    (a 1-D int64 tensor, a ``(1, N)`` tensor or a list)."""
+    prior_token_image_ids: list[Any] | None = None
+    """Image-to-image: one 1-D int64 tensor per source image, its VQ ids upsampled x2."""
+    source_image_grid_thw: list[Any] | None = None
+    """Image-to-image: one ``[t, h, w]`` per source image, the x2-upsampled grid of its ids."""
+    images: list[Any] | None = None
+    """Image-to-image: the source images (PIL images or uint8 HxWx3 arrays), same order as the ids."""
+    return_latents: bool = False
+    """Also return the final (denoised, still normalized) latents."""
+
+    @property
+    def image_to_image(self) -> bool:
+        """Any image-to-image field set (a runner rejects a request that sets only some of them)."""
+        return (
+            bool(self.images)
+            or self.prior_token_image_ids is not None
+            or self.source_image_grid_thw is not None
+        )
+
+
+class DiffusionResult(msgspec.Struct, kw_only=True):
+    """The outcome of one request: an image, or an error that names what was wrong."""
+
+    request_id: str
+    image: Any = None
+    """A uint8 HxWx3 numpy array (``None`` on failure)."""
+    latents: Any = None
+    """The final latents (a CPU ``torch.Tensor``, C x h x w) when the request asked for them."""
+    error: str | None = None
+    seed: int | None = None
+    """The seed the request's generator used, so an unseeded result can be reproduced."""
+    batch_size: int = 0
+    """How many requests shared the pipeline call that produced this result."""
+    timings: dict[str, float] = {}
+    """Seconds of the pipeline call: ``denoise`` (prompt encoding, conditioning and all steps),
+    ``decode`` (VAE decode and post-processing) and ``total``; shared by the batch."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

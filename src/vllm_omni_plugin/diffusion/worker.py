@@ -1,0 +1,109 @@
+"""Diffusion workers: the per-platform part of running a :class:`DiffusionEngine` (device, threads, dtype).
+
+The engine itself is device-agnostic; a worker picks the device and the defaults that suit the platform
+(float32 on CPU, where bfloat16 matmuls are slow on most CPUs; bfloat16 on GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vllm_omni_plugin.diffusion.engine import DiffusionEngine
+from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
+from vllm_omni_plugin.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class DiffusionWorker:
+    """Sets up one device, loads one engine on it and runs requests through it."""
+
+    platform: ClassVar[str] = ""
+    default_dtype: ClassVar[str] = "float32"
+
+    def __init__(self, *, local_rank: int = 0) -> None:
+        self.local_rank = local_rank
+        self.device: Any = None
+        self.engine: DiffusionEngine | None = None
+
+    def init_device(self) -> Any:
+        raise NotImplementedError
+
+    def load_model(self, model: str | Path, **engine_args: Any) -> DiffusionEngine:
+        """An engine on this worker's device; ``dtype`` unset or ``"auto"``: the platform default."""
+        if self.device is None:
+            self.init_device()
+        if engine_args.get("dtype") in (None, "auto"):
+            engine_args["dtype"] = self.default_dtype
+        engine_args.pop("device", None)
+        self.engine = DiffusionEngine(model, device=self.device, **engine_args)
+        return self.engine
+
+    def execute(self, requests: Iterable[DiffusionRequest]) -> list[DiffusionResult]:
+        if self.engine is None:
+            raise RuntimeError("load_model() first")
+        return self.engine.generate(list(requests))
+
+
+class CPUDiffusionWorker(DiffusionWorker):
+    """CPU: float32, and a fixed intra-op thread count (``num_threads``, else ``OMP_NUM_THREADS``, else all
+    cores) so concurrent stages on one machine do not oversubscribe it."""
+
+    platform = "cpu"
+    default_dtype = "float32"
+
+    def __init__(self, *, local_rank: int = 0, num_threads: int | None = None) -> None:
+        super().__init__(local_rank=local_rank)
+        self.num_threads = num_threads
+
+    def init_device(self) -> Any:
+        import torch
+
+        threads = self.num_threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or (os.cpu_count() or 1)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device("cpu")
+        logger.info("diffusion worker: cpu, %d threads", threads)
+        return self.device
+
+
+class CUDADiffusionWorker(DiffusionWorker):
+    """CUDA (and ROCm, which torch exposes as ``cuda``): bfloat16 on ``cuda:<local_rank>``; the visible
+    devices are chosen by the launcher (``CUDA_VISIBLE_DEVICES``)."""
+
+    platform = "cuda"
+    default_dtype = "bfloat16"
+
+    def init_device(self) -> Any:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDADiffusionWorker: torch sees no CUDA device")
+        torch.cuda.set_device(self.local_rank)
+        self.device = torch.device("cuda", self.local_rank)
+        logger.info("diffusion worker: %s (%s)", self.device, torch.cuda.get_device_name(self.device))
+        return self.device
+
+
+WORKERS: dict[str, type[DiffusionWorker]] = {
+    "cpu": CPUDiffusionWorker,
+    "cuda": CUDADiffusionWorker,
+    "rocm": CUDADiffusionWorker,
+}
+
+
+def worker_for_platform(name: str | None = None) -> type[DiffusionWorker]:
+    """The worker class for a platform name (``cpu``, ``cuda``, ``rocm``); ``None``: what torch sees."""
+    if name is None:
+        import torch
+
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return WORKERS[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"no diffusion worker for platform {name!r} (known: {', '.join(sorted(WORKERS))})"
+        ) from None

@@ -1,0 +1,1 @@
+"""The stage runtime: core types, stage clients and processes, replica pools and the orchestrator."""

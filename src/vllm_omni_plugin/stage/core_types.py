@@ -1,0 +1,79 @@
+"""Stage core types: what stage clients send to stage processes and what comes back (msgspec).
+
+Naming follows the stage proc/client structure we adopted (shared/seeds/004): ``StageCoreRequest`` /
+``StageCoreOutput`` / ``StageCoreOutputs`` and their LLM and Diffusion variants. Messages are tagged
+structs so one socket can carry requests, aborts and control messages; they are encoded by
+:class:`~vllm_omni_plugin.stage.serialization.StageMessageCodec` (tensors as msgpack extensions, large
+payloads as connector handles), never pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StageCoreRequest(msgspec.Struct, kw_only=True, tag=True):
+    request_id: str
+    stage_id: int
+
+
+class StageLLMCoreRequest(StageCoreRequest, kw_only=True, tag="llm_request"):
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any] = {}
+    multi_modal_data: dict[str, Any] | None = None
+
+
+class StageDiffusionCoreRequest(StageCoreRequest, kw_only=True, tag="diffusion_request"):
+    diffusion: Any
+    """A ``DiffusionRequest`` (tensors inside travel as msgpack extensions)."""
+
+
+class StageAbort(msgspec.Struct, kw_only=True, tag="abort"):
+    request_ids: list[str]
+
+
+class StageShutdown(msgspec.Struct, kw_only=True, tag="shutdown"):
+    pass
+
+
+class StageReady(msgspec.Struct, kw_only=True, tag="ready"):
+    pid: int
+    load_seconds: float
+    device: str
+
+
+class StageFailed(msgspec.Struct, kw_only=True, tag="failed"):
+    error: str
+
+
+class StageCoreOutput(msgspec.Struct, kw_only=True, tag=True):
+    request_id: str
+    stage_id: int
+    error: str | None = None
+    timings: dict[str, float] = {}
+
+
+class StageLLMCoreOutput(StageCoreOutput, kw_only=True, tag="llm_output"):
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    stage_outputs: dict[str, Any] = {}
+    """Per-request outputs of the AR worker beyond tokens (e.g. source-image prior tokens)."""
+
+
+class StageDiffusionCoreOutput(StageCoreOutput, kw_only=True, tag="diffusion_output"):
+    image: Any = None
+    """A uint8 HxWx3 array, inline (in-process) or fetched from ``image_handle``."""
+    image_handle: Any = None
+    """A connector handle (dict form) when the image travelled through a connector."""
+    latents: Any = None
+
+
+class StageCoreOutputs(msgspec.Struct, kw_only=True, tag="outputs"):
+    outputs: list[StageLLMCoreOutput | StageDiffusionCoreOutput]
+
+
+# What each direction of a stage process's sockets carries.
+ToStageMessage = StageDiffusionCoreRequest | StageLLMCoreRequest | StageAbort | StageShutdown
+FromStageMessage = StageCoreOutputs | StageReady | StageFailed

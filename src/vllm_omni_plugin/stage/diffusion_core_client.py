@@ -1,0 +1,346 @@
+"""Diffusion stage clients: ``StageDiffusionCoreClient`` (a ``StageDiffusionCoreProc`` over ZMQ) and
+``InlineStageDiffusionClient`` (the diffusion engine in this process, on a worker thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import tempfile
+import threading
+import uuid
+from typing import Any
+
+import msgspec
+
+from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_types import (
+    FromStageMessage,
+    StageAbort,
+    StageCoreOutputs,
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreRequest,
+    StageFailed,
+    StageReady,
+    StageShutdown,
+    ToStageMessage,
+)
+from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionCoreProcManager, StageDiffusionProcConfig
+from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
+from vllm_omni_plugin.stage.payload import externalize
+from vllm_omni_plugin.stage.serialization import StageMessageCodec
+
+logger = get_logger(__name__)
+
+READY_TIMEOUT_S = 600.0
+WATCH_INTERVAL_S = 0.2
+
+
+class StageDiffusionCoreClient(StageCoreClientBase):
+    """Talks to one ``StageDiffusionCoreProc``; restarts it when it dies, failing only its in-flight
+    requests."""
+
+    def __init__(
+        self,
+        config: StageDiffusionProcConfig,
+        *,
+        name: str = "dit",
+        output_connector: Any = None,
+        input_connector: Any = None,
+        restart: bool = True,
+    ) -> None:
+        super().__init__(config.stage_id, config.replica_id, name)
+        base = os.path.join(tempfile.gettempdir(), f"vllm_omni_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        config.input_address = f"ipc://{base}_in"
+        config.output_address = f"ipc://{base}_out"
+        self.config = config
+        self.manager = StageDiffusionCoreProcManager(config)
+        self.output_connector = output_connector
+        self.input_connector = input_connector
+        self.restart_on_death = restart
+        self._to_stage = StageMessageCodec(ToStageMessage)
+        self._from_stage = StageMessageCodec(FromStageMessage)
+        self._pending: dict[str, asyncio.Future[StageDiffusionCoreOutput]] = {}
+        self._ready: asyncio.Future[StageReady] | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._context: Any = None
+        self._push: Any = None
+        self._pull: Any = None
+
+    async def start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._context = zmq.asyncio.Context()
+        self._push = self._context.socket(zmq.PUSH)
+        self._push.bind(self.config.input_address)
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.bind(self.config.output_address)
+        self._tasks.append(asyncio.create_task(self._read_outputs(), name=f"{self.label} outputs"))
+        await self._launch()
+        self._tasks.append(asyncio.create_task(self._watch(), name=f"{self.label} watch"))
+
+    async def _launch(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._ready = loop.create_future()
+        await loop.run_in_executor(None, self.manager.start)
+        deadline = loop.time() + READY_TIMEOUT_S
+        while not self._ready.done():
+            if not self.manager.is_alive():
+                raise StageStartError(
+                    f"{self.label} exited with code {self.manager.exitcode} while loading",
+                    stage_id=self.stage_id,
+                )
+            if loop.time() > deadline:
+                raise StageStartError(f"{self.label} not ready after {READY_TIMEOUT_S:.0f}s")
+            await asyncio.wait({self._ready}, timeout=WATCH_INTERVAL_S)
+        ready = self._ready.result()
+        self.state = StageState.READY
+        logger.info(
+            "%s ready on %s (pid %d, loaded in %.2fs)",
+            self.label,
+            ready.device,
+            ready.pid,
+            ready.load_seconds,
+        )
+
+    async def _read_outputs(self) -> None:
+        while True:
+            frame = await self._pull.recv()
+            try:
+                message = self._from_stage.decode(frame)
+            except msgspec.DecodeError:
+                logger.error("%s sent an undecodable message; dropped", self.label)
+                continue
+            if isinstance(message, StageReady | StageFailed):
+                if self._ready is not None and not self._ready.done():
+                    if isinstance(message, StageFailed):
+                        self._ready.set_exception(
+                            StageStartError(
+                                f"{self.label} failed to start: {message.error}", stage_id=self.stage_id
+                            )
+                        )
+                    else:
+                        self._ready.set_result(message)
+                continue
+            assert isinstance(message, StageCoreOutputs)
+            for output in message.outputs:
+                future = self._pending.pop(output.request_id, None)
+                if future is None or future.done():
+                    if output.image_handle is not None and self.output_connector is not None:
+                        self._release(output.image_handle)  # aborted meanwhile: free its image
+                    continue
+                future.set_result(output)
+
+    def _release(self, handle: Any) -> None:
+        from vllm_omni_plugin.connectors.base import ConnectorHandle
+
+        with contextlib.suppress(Exception):
+            self.output_connector.cleanup(msgspec.convert(handle, ConnectorHandle))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.state != StageState.READY or self.manager.is_alive():
+                continue
+            code = self.manager.exitcode
+            logger.error(
+                "%s died (exit code %s); failing %d in-flight request(s)",
+                self.label,
+                code,
+                len(self._pending),
+            )
+            self.state = StageState.RESTARTING
+            error = StageDeadError(
+                f"{self.label} died (exit code {code}) while serving this request; the stage is restarting",
+                stage_id=self.stage_id,
+            )
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._pending.clear()
+            self.manager.stop()
+            if not self.restart_on_death:
+                self.state = StageState.DEAD
+                return
+            try:
+                self.restarts += 1
+                await self._launch()
+            except StageError as exc:
+                logger.error("%s could not be restarted: %s", self.label, exc)
+                self.state = StageState.DEAD
+                return
+
+    async def generate(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
+        if self.state != StageState.READY:
+            raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
+        if self.input_connector is not None:
+            request = msgspec.structs.replace(
+                request, diffusion=externalize(request.diffusion, self.input_connector)
+            )
+        future: asyncio.Future[StageDiffusionCoreOutput] = asyncio.get_running_loop().create_future()
+        self._pending[request.request_id] = future
+        self.inflight.add(request.request_id)
+        try:
+            await self._push.send(self._to_stage.encode(request))
+            output = await future
+        except asyncio.CancelledError:
+            await self.abort([request.request_id])
+            raise
+        finally:
+            self.inflight.discard(request.request_id)
+            self._pending.pop(request.request_id, None)
+        if output.image_handle is not None and self.output_connector is not None:
+            from vllm_omni_plugin.connectors.base import ConnectorHandle
+
+            image = self.output_connector.get(msgspec.convert(output.image_handle, ConnectorHandle))
+            output.image = image.numpy()
+            output.image_handle = None
+        if output.error is not None:
+            raise StageError(output.error, stage_id=self.stage_id, request_id=request.request_id)
+        return output
+
+    async def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            future = self._pending.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(
+                    RequestAbortedError("aborted", stage_id=self.stage_id, request_id=request_id)
+                )
+        if self._push is not None and self.state == StageState.READY:
+            await self._push.send(self._to_stage.encode(StageAbort(request_ids=list(request_ids))))
+
+    async def shutdown(self) -> None:
+        self.state = StageState.STOPPED
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._push is not None and self.manager.is_alive():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._push.send(self._to_stage.encode(StageShutdown())), 1.0)
+        await asyncio.get_running_loop().run_in_executor(None, self.manager.stop)
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(
+                    RequestAbortedError("the stage is shutting down", stage_id=self.stage_id)
+                )
+        for address in (self.config.input_address, self.config.output_address):
+            with contextlib.suppress(OSError):
+                os.unlink(address.removeprefix("ipc://"))
+
+
+class InlineStageDiffusionClient(StageCoreClientBase):
+    """The diffusion engine in this process on one worker thread, batching what is queued."""
+
+    def __init__(self, stage_id: int, replica_id: int, diffusion_args: dict[str, Any], *, name: str = "dit",
+                 platform: str = "cpu") -> None:  # fmt: skip
+        super().__init__(stage_id, replica_id, name)
+        self.diffusion_args = dict(diffusion_args)
+        self.platform = platform
+        self._queue: queue.Queue[tuple[Any, asyncio.Future[Any], asyncio.AbstractEventLoop] | None] = (
+            queue.Queue()
+        )
+        self._thread: threading.Thread | None = None
+        self._engine: Any = None
+        self._aborted: set[str] = set()
+
+    async def start(self) -> None:
+        from vllm_omni_plugin.stage.diffusion_core_proc import load_diffusion_engine
+
+        loop = asyncio.get_running_loop()
+        try:
+            self._engine, _device = await loop.run_in_executor(
+                None, load_diffusion_engine, self.diffusion_args, self.platform
+            )
+        except Exception as exc:
+            raise StageStartError(f"{self.label} failed to start: {type(exc).__name__}: {exc}") from exc
+        self._thread = threading.Thread(target=self._run, name=f"{self.label}", daemon=True)
+        self._thread.start()
+        self.state = StageState.READY
+
+    def _run(self) -> None:
+        from vllm_omni_plugin.diffusion.params import DiffusionRequest
+
+        max_batch = max(1, int(self.diffusion_args.get("max_batch_size", 1)))
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                batch.append(nxt)
+            batch = [b for b in batch if b[0].request_id not in self._aborted]
+            if not batch:
+                continue
+            try:
+                requests = [msgspec.convert(b[0].diffusion, DiffusionRequest) for b in batch]
+                results = {r.request_id: r for r in self._engine.generate(requests)}
+            except Exception as exc:  # a batch that cannot even be converted fails its requests only
+                for _message, future, loop in batch:
+                    loop.call_soon_threadsafe(
+                        _set_exception, future, StageError(str(exc), stage_id=self.stage_id)
+                    )
+                continue
+            for message, future, loop in batch:
+                result = results.get(message.request_id)
+                output = StageDiffusionCoreOutput(
+                    request_id=message.request_id,
+                    stage_id=self.stage_id,
+                    error=None if result is not None else "no result",
+                )
+                if result is not None:
+                    output.error = result.error
+                    output.image = result.image
+                    output.latents = getattr(result, "latents", None)
+                    output.timings = dict(result.timings or {})
+                loop.call_soon_threadsafe(_set_result, future, output)
+
+    async def generate(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
+        if self.state != StageState.READY:
+            raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[StageDiffusionCoreOutput] = loop.create_future()
+        self.inflight.add(request.request_id)
+        self._queue.put((request, future, loop))
+        try:
+            output = await future
+        finally:
+            self.inflight.discard(request.request_id)
+        if output.error is not None:
+            raise StageError(output.error, stage_id=self.stage_id, request_id=request.request_id)
+        return output
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self._aborted.update(request_ids)
+
+    async def shutdown(self) -> None:
+        self.state = StageState.STOPPED
+        self._queue.put(None)
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+
+
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,236 @@
+"""``StageDiffusionCoreProc``: a diffusion stage replica in its own process, and its manager.
+
+The process loads the diffusion engine, then loops: drain the request socket (up to ``max_batch_size``
+compatible requests), run them as one batch, push each result back. Images go through the stage's
+output connector when one is configured (the message carries the handle). The process exits when its
+parent dies, on ``StageShutdown`` and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.stage.core_types import (
+    FromStageMessage,
+    StageAbort,
+    StageCoreOutputs,
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreRequest,
+    StageFailed,
+    StageReady,
+    StageShutdown,
+    ToStageMessage,
+)
+from vllm_omni_plugin.stage.payload import internalize, release
+from vllm_omni_plugin.stage.serialization import StageMessageCodec
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class StageDiffusionProcConfig:
+    stage_id: int
+    replica_id: int
+    input_address: str
+    output_address: str
+    diffusion_args: dict[str, Any]
+    platform: str = "cpu"
+    env: dict[str, str] = field(default_factory=dict)
+    output_connector: tuple[str, str, dict[str, Any]] | None = None
+    """(connector name, class name, extra) for images going back, or None to send them inline."""
+    input_connector: tuple[str, str, dict[str, Any]] | None = None
+    """(connector name, class name, extra) the request tensors arrive through, or None (inline)."""
+
+
+ENGINE_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
+
+
+def load_diffusion_engine(diffusion_args: dict[str, Any], platform: str) -> tuple[Any, str]:
+    """The stage's diffusion engine on the platform's worker: (engine, device)."""
+    from vllm_omni_plugin.diffusion.worker import worker_for_platform
+
+    args = dict(diffusion_args)
+    model = args.pop("model")
+    defaults = args.pop("default_sampling_params", None) or {}
+    for key in ENGINE_DEFAULT_KEYS:
+        if args.get(key) is None and defaults.get(key) is not None:
+            args[key] = defaults[key]
+    worker = worker_for_platform(platform)()
+    engine = worker.load_model(model, **args)
+    return engine, str(worker.device)
+
+
+def _parent_alive(parent_pid: int) -> bool:
+    return os.getppid() == parent_pid
+
+
+def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig, parent_pid: int) -> None:
+    """Process entry point (spawned)."""
+    import zmq
+
+    os.environ.update(config.env)
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.connect(config.input_address)
+    push = context.socket(zmq.PUSH)
+    push.connect(config.output_address)
+    to_stage = StageMessageCodec(ToStageMessage)
+    from_stage = StageMessageCodec(FromStageMessage)
+
+    connector = None
+    input_connector = None
+    try:
+        start = time.perf_counter()
+        engine, device = load_diffusion_engine(config.diffusion_args, config.platform)
+        from vllm_omni_plugin.connectors.base import make_connector
+
+        if config.output_connector is not None:
+            connector = make_connector(*config.output_connector)
+        if config.input_connector is not None:
+            input_connector = make_connector(*config.input_connector)
+        push.send(
+            from_stage.encode(
+                StageReady(pid=os.getpid(), load_seconds=time.perf_counter() - start, device=device)
+            )
+        )
+    except Exception as exc:  # reported to the parent as one line; the details go to the log
+        logger.error("%s", traceback.format_exc())
+        push.send(from_stage.encode(StageFailed(error=f"{type(exc).__name__}: {exc}")))
+        push.close(linger=2000)
+        context.term()
+        return
+
+    max_batch = max(1, int(config.diffusion_args.get("max_batch_size", 1)))
+    queued: list[StageDiffusionCoreRequest] = []
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    try:
+        while not stopping and _parent_alive(parent_pid):
+            if not queued:
+                if not poller.poll(200):
+                    continue
+            while pull.poll(0):
+                message = to_stage.decode(pull.recv())
+                if isinstance(message, StageShutdown):
+                    stopping = True
+                elif isinstance(message, StageAbort):
+                    dropped = set(message.request_ids)
+                    for request in queued:
+                        if request.request_id in dropped and input_connector is not None:
+                            release(request.diffusion, input_connector)
+                    queued = [r for r in queued if r.request_id not in dropped]
+                elif isinstance(message, StageDiffusionCoreRequest):
+                    queued.append(message)
+            if stopping or not queued:
+                continue
+            batch, queued = queued[:max_batch], queued[max_batch:]
+            outputs = _run_batch(engine, batch, config.stage_id, connector, input_connector)
+            push.send(from_stage.encode(StageCoreOutputs(outputs=outputs)))
+    finally:
+        for conn in (connector, input_connector):
+            if conn is not None:
+                conn.close()
+        pull.close(linger=0)
+        push.close(linger=1000)
+        context.term()
+
+
+def _run_batch(
+    engine: Any, batch: list[StageDiffusionCoreRequest], stage_id: int, connector: Any, input_connector: Any
+) -> list[StageDiffusionCoreOutput]:
+    from vllm_omni_plugin.diffusion.params import DiffusionRequest
+
+    requests = []
+    outputs: dict[str, StageDiffusionCoreOutput] = {}
+    for message in batch:
+        try:
+            fields = message.diffusion
+            if input_connector is not None:
+                fields = internalize(fields, input_connector)
+            requests.append(msgspec.convert(fields, DiffusionRequest))
+        except Exception as exc:  # a bad or lost payload fails this request only
+            outputs[message.request_id] = StageDiffusionCoreOutput(
+                request_id=message.request_id, stage_id=stage_id, error=f"bad diffusion request: {exc}"
+            )
+    results = engine.generate(requests) if requests else []
+    for result in results:
+        out = StageDiffusionCoreOutput(
+            request_id=result.request_id,
+            stage_id=stage_id,
+            error=result.error,
+            timings=dict(result.timings or {}),
+            latents=getattr(result, "latents", None),
+        )
+        if result.error is None:
+            image = result.image
+            if connector is not None:
+                out.image_handle = msgspec.to_builtins(connector.put(_as_tensor(image)))
+            else:
+                out.image = image
+        outputs[result.request_id] = out
+    return [outputs[m.request_id] for m in batch if m.request_id in outputs]
+
+
+def _as_tensor(image: Any) -> Any:
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(image, dtype=np.uint8)))
+
+
+class StageDiffusionCoreProcManager:
+    """Starts, watches and restarts one ``StageDiffusionCoreProc``."""
+
+    def __init__(self, config: StageDiffusionProcConfig) -> None:
+        self.config = config
+        self.process: multiprocessing.process.BaseProcess | None = None
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(
+            target=run_stage_diffusion_core_proc,
+            args=(self.config, os.getpid()),
+            name=f"StageDiffusionCoreProc-{self.config.stage_id}-{self.config.replica_id}",
+            daemon=True,
+        )
+        self.process.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode if self.process is not None else None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.process = None

@@ -1,0 +1,172 @@
+"""``StageLLMCoreClient``: the AR stage on vLLM's own engine client stack.
+
+One replica is one vLLM ``AsyncLLM`` (input processing, detokenization and the ``EngineCore`` process
+are vLLM's), built from the resolved ``EngineArgs`` that carry our ``scheduler_cls`` and ``worker_cls``.
+When its engine core dies, the in-flight requests fail with ``StageDeadError`` and a new engine is
+started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from vllm_omni_plugin.compat import resolve
+from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
+from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
+
+logger = get_logger(__name__)
+
+OMNI_KEY = "omni"
+
+
+@contextlib.contextmanager
+def replica_environment(env: dict[str, str]) -> Iterator[None]:
+    """vLLM's engine processes inherit this process's environment (device selection)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class StageLLMCoreClient(StageCoreClientBase):
+    def __init__(
+        self,
+        stage_id: int,
+        replica_id: int,
+        engine_args: dict[str, Any],
+        *,
+        name: str = "ar",
+        env: dict[str, str] | None = None,
+        default_sampling_params: dict[str, Any] | None = None,
+        restart: bool = True,
+    ) -> None:
+        super().__init__(stage_id, replica_id, name)
+        self.engine_args = dict(engine_args)
+        self.env = dict(env or {})
+        self.default_sampling_params = dict(default_sampling_params or {})
+        self.restart_on_death = restart
+        self.engine: Any = None
+        self._restarting: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._launch()
+
+    async def _launch(self) -> None:
+        AsyncEngineArgs = resolve("AsyncEngineArgs")
+        AsyncLLM = resolve("AsyncLLM")
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+
+        def build() -> Any:
+            with replica_environment(self.env):
+                return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+
+        try:
+            self.engine = await loop.run_in_executor(None, build)
+        except Exception as exc:
+            raise StageStartError(f"{self.label} failed to start: {type(exc).__name__}: {exc}") from exc
+        self.state = StageState.READY
+        logger.info("%s ready (vLLM engine, %.1fs)", self.label, time.perf_counter() - start)
+
+    def sampling_params(self, overrides: dict[str, Any]) -> Any:
+        SamplingParams = resolve("SamplingParams")
+        return SamplingParams(**{**self.default_sampling_params, **overrides})
+
+    async def generate(self, request: StageLLMCoreRequest) -> StageLLMCoreOutput:
+        if self.state != StageState.READY or self.engine is None:
+            raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
+        EngineDeadError = resolve("EngineDeadError")
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if request.multi_modal_data:
+            prompt["multi_modal_data"] = request.multi_modal_data
+        try:
+            params = self.sampling_params(request.sampling_params)
+        except Exception as exc:
+            raise StageError(f"bad sampling parameters: {exc}", stage_id=self.stage_id) from exc
+        self.inflight.add(request.request_id)
+        start = time.perf_counter()
+        final = None
+        try:
+            async for output in self.engine.generate(prompt, params, request_id=request.request_id):
+                final = output
+        except EngineDeadError as exc:
+            self._on_engine_dead()
+            raise StageDeadError(
+                f"{self.label}: the vLLM engine core died while serving this request; restarting the stage",
+                stage_id=self.stage_id,
+                request_id=request.request_id,
+            ) from exc
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(request.request_id)
+            raise
+        finally:
+            self.inflight.discard(request.request_id)
+        if final is None or not final.outputs:
+            raise StageError("the AR stage produced no output", stage_id=self.stage_id)
+        completion = final.outputs[0]
+        finish_reason = completion.finish_reason
+        if finish_reason == "abort":
+            raise RequestAbortedError("aborted", stage_id=self.stage_id, request_id=request.request_id)
+        if finish_reason == "error":
+            raise StageError(
+                f"the AR stage failed this request ({completion.stop_reason or 'engine error'})",
+                stage_id=self.stage_id,
+                request_id=request.request_id,
+            )
+        stage_outputs = (getattr(final, "kv_transfer_params", None) or {}).get(OMNI_KEY, {})
+        return StageLLMCoreOutput(
+            request_id=request.request_id,
+            stage_id=self.stage_id,
+            token_ids=list(completion.token_ids),
+            finish_reason=finish_reason,
+            stage_outputs=stage_outputs,
+            timings={"ar": time.perf_counter() - start},
+        )
+
+    def _on_engine_dead(self) -> None:
+        if self.state != StageState.READY:
+            return
+        self.state = StageState.RESTARTING if self.restart_on_death else StageState.DEAD
+        logger.error("%s: vLLM engine core died", self.label)
+        if self.restart_on_death and self._restarting is None:
+            self._restarting = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        old, self.engine = self.engine, None
+        with contextlib.suppress(Exception):
+            old.shutdown()
+        try:
+            self.restarts += 1
+            await self._launch()
+        except StageError as exc:
+            logger.error("%s could not be restarted: %s", self.label, exc)
+            self.state = StageState.DEAD
+        finally:
+            self._restarting = None
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if self.engine is not None:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(list(request_ids))
+
+    async def shutdown(self) -> None:
+        self.state = StageState.STOPPED
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            # On this loop's thread: vLLM cancels its output handler before stopping the engine core,
+            # so the handler never sees a dead engine (and logs no EngineDeadError).
+            engine.shutdown()

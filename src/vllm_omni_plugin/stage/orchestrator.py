@@ -1,0 +1,193 @@
+"""``Orchestrator``: runs each request through the resolved pipeline graph.
+
+Every stage of a request is an asyncio task that waits for its source stages, calls the stage-input
+processor the pipeline names (entry stages build their input from the user's request), and submits to
+that stage's replica pool. Requests are independent tasks, so stages overlap: while the DiT denoises
+request n, the AR engine decodes request n+1, and each stage batches what it has. Cancelling a
+request aborts it in every stage. Per-request timings record queue, each stage, the processors and
+transfers, with absolute intervals so overlap can be checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_omni_plugin.config.resolve import ResolvedDeployment
+from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
+from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class OmniRequest:
+    """What a user asks for (the API server and the offline API build these)."""
+
+    prompt: str
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int | None = None
+    negative_prompt: str | None = None
+    images: list[Any] = field(default_factory=list)
+    """Source images for image-to-image (PIL images or uint8 arrays)."""
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    """AR sampling overrides (e.g. ``{"temperature": 0}`` for greedy decoding)."""
+    return_latents: bool = False
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class StageInterval:
+    stage_id: int
+    start: float
+    end: float
+
+
+@dataclass
+class OmniResult:
+    request_id: str
+    output: Any = None
+    """The final stage's output (GLM-Image: a uint8 HxWx3 image array)."""
+    error: str | None = None
+    error_stage: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    intervals: list[StageInterval] = field(default_factory=list)
+    stage_outputs: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class ProcessorContext:
+    """What a stage-input processor may use besides the outputs of its sources."""
+
+    model: str
+    deployment: ResolvedDeployment
+    stage_id: int
+    request: OmniRequest
+    connector: Any = None
+    """The edge's connector (tensors put through it travel as handles)."""
+
+
+def load_processor(path: str) -> Callable[..., Any]:
+    module_name, _, attr = path.replace(":", ".").rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        deployment: ResolvedDeployment,
+        pools: dict[int, StageReplicaPool],
+        connectors: dict[str, Any] | None = None,
+    ) -> None:
+        self.deployment = deployment
+        self.pools = pools
+        self.connectors = connectors or {}
+        self.stages = {s.stage_id: s for s in deployment.stages}
+        self.processors = {
+            s.stage_id: load_processor(s.input_processor) for s in deployment.stages if s.input_processor
+        }
+        self.final_stage = next(s.stage_id for s in deployment.stages if s.final_output)
+        self.edge_connector = {
+            (e.from_stage, e.to): e.connector for e in deployment.edges if isinstance(e.to, int)
+        }
+        self.inflight: dict[str, asyncio.Task[OmniResult]] = {}
+
+    async def generate(self, request: OmniRequest) -> OmniResult:
+        """Run one request through every stage; never raises for a failed request (see ``error``)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.inflight[request.request_id] = task  # type: ignore[assignment]
+        result = OmniResult(request_id=request.request_id)
+        start = time.perf_counter()
+        done: dict[int, asyncio.Future[Any]] = {
+            sid: asyncio.get_running_loop().create_future() for sid in self.stages
+        }
+        tasks = [
+            asyncio.create_task(
+                self._run_stage(sid, request, done, result), name=f"{request.request_id}:{sid}"
+            )
+            for sid in self.stages
+        ]
+        try:
+            await asyncio.gather(*tasks)
+            result.output = done[self.final_stage].result()
+        except asyncio.CancelledError:
+            await self._abort(request.request_id, tasks)
+            raise
+        except StageError as exc:
+            await self._abort(request.request_id, tasks)
+            result.error = str(exc)
+            result.error_stage = exc.stage_id
+        except Exception as exc:  # a processor bug must fail its request, not the server
+            logger.exception("request %s failed", request.request_id)
+            await self._abort(request.request_id, tasks)
+            result.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.inflight.pop(request.request_id, None)
+        result.timings["total"] = time.perf_counter() - start
+        return result
+
+    async def _run_stage(
+        self, stage_id: int, request: OmniRequest, done: dict[int, asyncio.Future[Any]], result: OmniResult
+    ) -> None:
+        stage = self.stages[stage_id]
+        try:
+            sources = {sid: await asyncio.shield(done[sid]) for sid in stage.input_sources}
+            t0 = time.perf_counter()
+            processor = self.processors.get(stage_id)
+            if processor is None:
+                raise StageError(f"stage {stage_id} has no input processor", stage_id=stage_id)
+            connector = None
+            if stage.input_sources:
+                name = self.edge_connector.get((stage.input_sources[0], stage_id))
+                connector = self.connectors.get(name) if name else None
+            context = ProcessorContext(self.deployment.model, self.deployment, stage_id, request, connector)
+            stage_request = processor(sources, context)
+            t1 = time.perf_counter()
+            result.timings[f"processor_{stage_id}"] = t1 - t0
+            if stage_id not in self.pools:
+                raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
+            output = await self.pools[stage_id].generate(stage_request)
+            t2 = time.perf_counter()
+            result.intervals.append(StageInterval(stage_id, t1, t2))
+            result.timings[f"stage_{stage_id}"] = t2 - t1
+            for key, value in (getattr(output, "timings", None) or {}).items():
+                result.timings[f"stage_{stage_id}_{key}"] = value
+            result.stage_outputs[stage_id] = output
+            done[stage_id].set_result(output)
+        except BaseException as exc:
+            if not done[stage_id].done():
+                done[stage_id].set_exception(
+                    exc if isinstance(exc, Exception) else RequestAbortedError("aborted")
+                )
+                done[stage_id].exception()  # mark retrieved: the gather reports it
+            raise
+
+    async def _abort(self, request_id: str, tasks: list[asyncio.Task[Any]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(
+            *(pool.abort([request_id]) for pool in self.pools.values()), return_exceptions=True
+        )
+
+    async def abort(self, request_id: str) -> None:
+        task = self.inflight.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    def health(self) -> dict[str, Any]:
+        return {str(sid): pool.health() for sid, pool in self.pools.items()}

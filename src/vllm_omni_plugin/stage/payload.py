@@ -1,0 +1,63 @@
+"""Large tensors in stage messages travel through a connector; the message carries only handles.
+
+``externalize`` replaces every tensor of at least ``min_bytes`` inside a request (struct fields, lists,
+dicts) by the handle of a ``connector.put``; ``internalize`` (in the receiving process, with a connector
+of the same class) fetches them back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+HANDLE_KEY = "__omni_connector_handle__"
+
+
+def externalize(value: Any, connector: Any, min_bytes: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.numel() * value.element_size() >= min_bytes:
+            return {HANDLE_KEY: msgspec.to_builtins(connector.put(value.detach().cpu().contiguous()))}
+        return value
+    if isinstance(value, msgspec.Struct):
+        changes = {f: externalize(getattr(value, f), connector, min_bytes) for f in value.__struct_fields__}
+        return msgspec.structs.replace(value, **changes)
+    if isinstance(value, list | tuple):
+        return type(value)(externalize(v, connector, min_bytes) for v in value)
+    if isinstance(value, dict):
+        return {k: externalize(v, connector, min_bytes) for k, v in value.items()}
+    return value
+
+
+def internalize(value: Any, connector: Any, timeout: float | None = None) -> Any:
+    from vllm_omni_plugin.connectors.base import ConnectorHandle
+
+    if isinstance(value, dict):
+        if HANDLE_KEY in value and len(value) == 1:
+            return connector.get(msgspec.convert(value[HANDLE_KEY], ConnectorHandle), timeout=timeout)
+        return {k: internalize(v, connector, timeout) for k, v in value.items()}
+    if isinstance(value, msgspec.Struct):
+        changes = {f: internalize(getattr(value, f), connector, timeout) for f in value.__struct_fields__}
+        return msgspec.structs.replace(value, **changes)
+    if isinstance(value, list | tuple):
+        return type(value)(internalize(v, connector, timeout) for v in value)
+    return value
+
+
+def release(value: Any, connector: Any) -> None:
+    """Free the handles inside a message that will never be read (its request was aborted)."""
+    from vllm_omni_plugin.connectors.base import ConnectorHandle
+
+    if isinstance(value, dict):
+        if HANDLE_KEY in value and len(value) == 1:
+            connector.cleanup(msgspec.convert(value[HANDLE_KEY], ConnectorHandle))
+            return
+        for v in value.values():
+            release(v, connector)
+    elif isinstance(value, msgspec.Struct):
+        for f in value.__struct_fields__:
+            release(getattr(value, f), connector)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            release(v, connector)

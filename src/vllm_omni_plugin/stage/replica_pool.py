@@ -1,0 +1,69 @@
+"""``StageReplicaPool``: the replicas of one stage, least-loaded routing and replica health."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vllm_omni_plugin.stage.core_client import StageCoreClientBase
+from vllm_omni_plugin.stage.errors import StageDeadError
+
+
+class StageReplicaPool:
+    def __init__(self, stage_id: int, name: str, clients: list[StageCoreClientBase]) -> None:
+        if not clients:
+            raise ValueError(f"stage {stage_id} has no replicas")
+        self.stage_id = stage_id
+        self.name = name
+        self.clients = clients
+
+    async def start(self) -> None:
+        results = await asyncio.gather(*(c.start() for c in self.clients), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.shutdown()
+            raise errors[0]
+
+    def pick(self) -> StageCoreClientBase:
+        """The healthy replica with the fewest requests in flight."""
+        healthy = [c for c in self.clients if c.healthy]
+        if not healthy:
+            states = ", ".join(f"replica {c.replica_id}: {c.state.value}" for c in self.clients)
+            raise StageDeadError(
+                f"stage {self.stage_id} ({self.name}) has no healthy replica ({states})",
+                stage_id=self.stage_id,
+            )
+        return min(healthy, key=lambda c: (len(c.inflight), c.replica_id))
+
+    async def generate(self, request: Any) -> Any:
+        return await self.pick().generate(request)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await asyncio.gather(*(c.abort(request_ids) for c in self.clients), return_exceptions=True)
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(c.shutdown() for c in self.clients), return_exceptions=True)
+
+    @property
+    def healthy(self) -> bool:
+        return any(c.healthy for c in self.clients)
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(len(c.inflight) for c in self.clients)
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "stage_id": self.stage_id,
+            "name": self.name,
+            "healthy": self.healthy,
+            "replicas": [
+                {
+                    "replica_id": c.replica_id,
+                    "state": c.state.value,
+                    "inflight": len(c.inflight),
+                    "restarts": c.restarts,
+                }
+                for c in self.clients
+            ],
+        }
