@@ -268,7 +268,7 @@ STAGE_CASES = [
     ("stages:\n  - stage_id: 0\n    gpu_memory_utilization: 1.5\n", 3, "stages[0].gpu_memory_utilization",
      "<= 1.0"),
     ("connectors:\n  a:\n    name: Mooncake\nstages:\n  - stage_id: 0\n    output_connectors: {to_stage_1: a}\n",
-     3, "connectors.a.name", "known: NixlConnector, SharedMemoryConnector"),
+     3, "connectors.a.name", "known: InProcessConnector, NixlConnector, SharedMemoryConnector"),
     ("connectors:\n  a:\n    nam: X\n", 3, "connectors.a.nam", "unknown field"),
     ("stages:\n  - stage_id: 0\n    env: {A: 1}\n", 3, "stages[0].env.A", "expected str, got 1"),
     ("stages:\n  - stage_id: 0\n    output_connectors:\n      to_stage_1: missing\n", 3,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from vllm_omni_plugin.stage.core_client import StageCoreClientBase
+from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.errors import StageDeadError
+
+RESTART_WAIT_S = 300.0
 
 
 class StageReplicaPool:
@@ -35,8 +37,22 @@ class StageReplicaPool:
             )
         return min(healthy, key=lambda c: (len(c.inflight), c.replica_id))
 
+    async def acquire(self, timeout: float = RESTART_WAIT_S) -> StageCoreClientBase:
+        """A healthy replica; waits while replicas are (re)starting rather than failing the request."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                return self.pick()
+            except StageDeadError:
+                recovering = any(
+                    c.state in (StageState.STARTING, StageState.RESTARTING) for c in self.clients
+                )
+                if not recovering or asyncio.get_running_loop().time() > deadline:
+                    raise
+            await asyncio.sleep(0.05)
+
     async def generate(self, request: Any) -> Any:
-        return await self.pick().generate(request)
+        return await (await self.acquire()).generate(request)
 
     async def abort(self, request_ids: list[str]) -> None:
         await asyncio.gather(*(c.abort(request_ids) for c in self.clients), return_exceptions=True)

@@ -96,9 +96,9 @@ def request2ar(sources: dict[int, Any], context: Any) -> StageLLMCoreRequest:
         target_h=height,
         target_w=width,
         return_dict=True,
+        return_tensors="pt",
     )
-    ids = inputs["input_ids"]
-    prompt_ids = [int(t) for t in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+    prompt_ids = [int(t) for t in inputs["input_ids"][0].tolist()]
     n = glm_image_max_new_tokens(height, width, image_to_image=bool(images))
     sampling = {
         **request.sampling_params,

@@ -1,0 +1,337 @@
+"""Connectors: round trips in and across processes, segment lifetime (get, lease, close, crash), counters."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from vllm_omni_plugin.connectors import CONNECTOR_CLASSES
+from vllm_omni_plugin.connectors.base import (
+    ConnectorError,
+    ConnectorHandle,
+    ConnectorHealth,
+    ConnectorTimeoutError,
+    InProcessConnector,
+    OmniConnector,
+    make_connector,
+)
+from vllm_omni_plugin.connectors.shared_memory import (
+    SEGMENT_PREFIX,
+    SharedMemoryConnector,
+    sweep_orphaned_segments,
+)
+
+SHM = Path("/dev/shm")
+
+
+def sample_values() -> list[torch.Tensor | bytes]:
+    """The same values in every process (seeded), covering dtypes, shapes and bytes."""
+    gen = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(2, 3, 4, generator=gen),
+        torch.randn(5, 7, generator=gen).to(torch.bfloat16),
+        torch.randint(-(2**40), 2**40, (6,), generator=gen, dtype=torch.int64),
+        torch.randint(0, 256, (3, 1, 5), generator=gen, dtype=torch.uint8),
+        torch.tensor(2.5),
+        torch.empty(0, 3),
+        torch.randn(64, 1024, generator=gen),  # 256 KiB
+        b"stage output bytes",
+        b"",
+    ]
+
+
+def assert_same(got: torch.Tensor | bytes, want: torch.Tensor | bytes) -> None:
+    if isinstance(want, bytes):
+        assert isinstance(got, bytes) and got == want
+    else:
+        assert isinstance(got, torch.Tensor)
+        assert got.device.type == "cpu" and got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+
+
+def wire(handle: ConnectorHandle) -> ConnectorHandle:
+    """A handle as the receiving stage sees it: through a msgpack message."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(handle), type=ConnectorHandle)
+
+
+def to_wire(value: torch.Tensor | bytes) -> tuple[str, bytes]:
+    """Serialise for a pipe without torch's shared-memory pickling (which dies with the sender)."""
+    if isinstance(value, bytes):
+        return "bytes", value
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return "tensor", buffer.getvalue()
+
+
+def from_wire(tagged: tuple[str, bytes]) -> torch.Tensor | bytes:
+    kind, raw = tagged
+    return raw if kind == "bytes" else torch.load(io.BytesIO(raw))
+
+
+def segments_of(pid: int) -> list[str]:
+    return sorted(p.name for p in SHM.glob(f"{SEGMENT_PREFIX}{pid}_*"))
+
+
+@pytest.fixture
+def shm() -> SharedMemoryConnector:
+    with SharedMemoryConnector("shm_test", {}) as connector:
+        yield connector
+    assert segments_of(os.getpid()) == []
+
+
+# --- handles -------------------------------------------------------------------------------------------
+
+
+def test_handle_msgpack_round_trip(shm: SharedMemoryConnector) -> None:
+    handle = shm.put(torch.ones(2, 3, dtype=torch.bfloat16))
+    decoded = wire(handle)
+    assert decoded == handle and decoded.shape == (2, 3) and decoded.dtype == "bfloat16"
+    assert decoded.owner_pid == os.getpid() and decoded.key.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_")
+    assert wire(shm.put(b"xyz")).shape is None
+    shm.close()
+
+
+# --- shared memory, one process --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", range(len(sample_values())))
+def test_round_trip_and_segment_freed(shm: SharedMemoryConnector, index: int) -> None:
+    value = sample_values()[index]
+    handle = wire(shm.put(value))
+    path = SHM / handle.key
+    assert path.exists() and path.stat().st_size == handle.nbytes
+    assert_same(shm.get(handle), value)
+    assert not path.exists()
+    assert shm.health().outstanding == 0
+
+
+def test_bytes_like_and_noncontiguous_inputs(shm: SharedMemoryConnector) -> None:
+    assert shm.get(shm.put(bytearray(b"abc"))) == b"abc"
+    assert shm.get(shm.put(memoryview(b"abcdef")[::2])) == b"ace"
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert_same(shm.get(shm.put(base.t())), base.t().contiguous())
+    assert_same(shm.get(shm.put(torch.ones(3, requires_grad=True))), torch.ones(3))
+
+
+def test_get_twice_and_cleanup_fail_clearly(shm: SharedMemoryConnector) -> None:
+    handle = shm.put(b"once")
+    assert shm.get(handle) == b"once"
+    with pytest.raises(ConnectorError, match=handle.key):
+        shm.get(handle)
+    dropped = shm.put(torch.zeros(4))
+    shm.cleanup(dropped)
+    shm.cleanup(dropped)  # idempotent
+    assert not (SHM / dropped.key).exists()
+    with pytest.raises(ConnectorError, match="already collected"):
+        shm.get(dropped)
+
+
+def test_foreign_keys_are_rejected_without_touching_files(shm: SharedMemoryConnector, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    bad = ConnectorHandle(connector="x", key=f"../../{victim}", kind="bytes", nbytes=7)
+    with pytest.raises(ConnectorError, match="not a shared-memory segment name"):
+        shm.get(bad)
+    with pytest.raises(ConnectorError):
+        shm.cleanup(bad)
+    assert victim.read_text() == "keep me"
+
+
+def test_counters(shm: SharedMemoryConnector) -> None:
+    handles = [shm.put(torch.zeros(10, dtype=torch.int64)), shm.put(b"12345")]
+    assert shm.health() == ConnectorHealth(puts=2, bytes_put=85, outstanding=2)
+    shm.get(handles[0])
+    shm.cleanup(handles[1])
+    with pytest.raises(ConnectorError):
+        shm.get(handles[1])
+    assert shm.health() == ConnectorHealth(
+        puts=2, gets=1, bytes_put=85, bytes_got=80, errors=1, outstanding=0
+    )
+
+
+def test_lease_timeout_frees_and_get_fails_clearly() -> None:
+    with SharedMemoryConnector("leased", {"lease_timeout_s": 0.2}) as sender:
+        receiver = SharedMemoryConnector("leased", {})
+        kept = sender.put(torch.ones(4))
+        collected = sender.put(torch.ones(4))
+        assert_same(receiver.get(wire(collected)), torch.ones(4))
+        deadline = time.monotonic() + 10
+        while (SHM / kept.key).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the background reaper frees it
+        assert not (SHM / kept.key).exists()
+        health = sender.health()
+        assert (health.timeouts, health.outstanding, health.puts) == (1, 0, 2)
+        with pytest.raises(ConnectorTimeoutError, match=rf"{kept.key}.*lease of 0.2 s") as info:
+            receiver.get(wire(kept))
+        assert isinstance(info.value, TimeoutError)
+        assert receiver.health().timeouts == 1
+        receiver.close()
+
+
+def test_close_frees_everything_and_refuses_new_puts() -> None:
+    connector = SharedMemoryConnector("closing", {})
+    handles = [connector.put(torch.zeros(100)) for _ in range(3)] + [connector.put(b"x")]
+    assert all((SHM / h.key).exists() for h in handles)
+    connector.close()
+    assert not any((SHM / h.key).exists() for h in handles)
+    assert connector.health().outstanding == 0
+    with pytest.raises(ConnectorError, match="closed"):
+        connector.put(b"late")
+    connector.close()  # idempotent
+
+
+def test_garbage_collected_connector_frees_its_segments() -> None:
+    connector = SharedMemoryConnector("dropped", {})
+    key = connector.put(b"orphan").key
+    del connector
+    assert not (SHM / key).exists()
+
+
+def test_threads_share_one_connector(shm: SharedMemoryConnector) -> None:
+    failures: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(40):
+                value = torch.full((seed + 1, i + 1), float(seed * 100 + i))
+                assert_same(shm.get(shm.put(value)), value)
+        except BaseException as exc:  # reported below, from the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    health = shm.health()
+    assert (health.puts, health.gets, health.outstanding, health.errors) == (160, 160, 0, 0)
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ValueError, match="lease_timeout_s"):
+        SharedMemoryConnector("x", {"lease_timeout_s": -1})
+    with pytest.raises(ValueError, match="does not exist"):
+        SharedMemoryConnector("x", {"shm_dir": "/nonexistent/shm"})
+
+
+# --- shared memory, two processes ----------------------------------------------------------------------
+
+
+def _child_put(conn, lease_timeout_s: float) -> None:
+    connector = SharedMemoryConnector("xproc", {"lease_timeout_s": lease_timeout_s})
+    conn.send([msgspec.msgpack.encode(connector.put(v)) for v in sample_values()])
+    conn.recv()  # parent has collected (or is about to kill us)
+    conn.send(msgspec.to_builtins(connector.health()))
+    connector.close()
+
+
+def _child_get(conn) -> None:
+    connector = SharedMemoryConnector("xproc", {})
+    handles = [msgspec.msgpack.decode(raw, type=ConnectorHandle) for raw in conn.recv()]
+    conn.send([to_wire(connector.get(h)) for h in handles])
+    connector.close()
+
+
+@pytest.fixture(scope="module")
+def spawn() -> multiprocessing.context.SpawnContext:
+    return multiprocessing.get_context("spawn")
+
+
+def test_put_in_child_get_in_parent(spawn) -> None:
+    parent_end, child_end = spawn.Pipe()
+    child = spawn.Process(target=_child_put, args=(child_end, 300.0))
+    child.start()
+    try:
+        handles = [msgspec.msgpack.decode(raw, type=ConnectorHandle) for raw in parent_end.recv()]
+        assert {h.owner_pid for h in handles} == {child.pid}
+        with SharedMemoryConnector("xproc", {}) as receiver:
+            for handle, want in zip(handles, sample_values(), strict=True):
+                assert_same(receiver.get(handle), want)
+            assert segments_of(child.pid) == []
+            assert receiver.health().gets == len(handles)
+        parent_end.send("done")
+        sender_health = parent_end.recv()
+        assert sender_health["puts"] == len(handles) and sender_health["outstanding"] == 0
+    finally:
+        child.join(timeout=60)
+    assert child.exitcode == 0
+
+
+def test_put_in_parent_get_in_child(spawn, shm: SharedMemoryConnector) -> None:
+    parent_end, child_end = spawn.Pipe()
+    child = spawn.Process(target=_child_get, args=(child_end,))
+    child.start()
+    try:
+        handles = [shm.put(v) for v in sample_values()]
+        parent_end.send([msgspec.msgpack.encode(h) for h in handles])
+        for got, want in zip(parent_end.recv(), sample_values(), strict=True):
+            assert_same(from_wire(got), want)
+    finally:
+        child.join(timeout=60)
+    assert child.exitcode == 0
+    assert segments_of(os.getpid()) == []
+    assert shm.health().outstanding == 0  # the sender noticed the receiver freed them
+
+
+def test_sweep_removes_segments_of_a_killed_sender(spawn) -> None:
+    parent_end, child_end = spawn.Pipe()
+    child = spawn.Process(target=_child_put, args=(child_end, 0.0))
+    child.start()
+    try:
+        handles = [msgspec.msgpack.decode(raw, type=ConnectorHandle) for raw in parent_end.recv()]
+        assert segments_of(child.pid) == sorted(h.key for h in handles)
+        sweep_orphaned_segments()  # a live owner's segments are never swept
+        assert segments_of(child.pid) == sorted(h.key for h in handles)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=60)
+    assert child.exitcode == -signal.SIGKILL
+    removed = sweep_orphaned_segments()
+    assert set(removed) >= {h.key for h in handles}
+    assert segments_of(child.pid) == []
+    with SharedMemoryConnector("xproc", {}) as receiver, pytest.raises(ConnectorError, match="exited"):
+        receiver.get(handles[0])
+
+
+# --- in-process connector and factory -----------------------------------------------------------------------
+
+
+def test_in_process_connector_passes_objects() -> None:
+    with InProcessConnector("local", {}) as connector:
+        tensor = torch.randn(3, 3).to(torch.bfloat16)
+        handle = wire(connector.put(tensor))
+        assert (handle.kind, handle.dtype, handle.shape, handle.nbytes) == ("tensor", "bfloat16", (3, 3), 18)
+        assert connector.get(handle) is tensor
+        assert connector.get(connector.put(bytearray(b"ab"))) == b"ab"
+        dropped = connector.put(b"never read")
+        assert connector.health().outstanding == 1
+        connector.cleanup(dropped)
+        with pytest.raises(ConnectorError, match="no value"):
+            connector.get(dropped)
+        assert connector.health() == ConnectorHealth(
+            puts=3, gets=2, bytes_put=30, bytes_got=20, errors=1, outstanding=0
+        )
+    with pytest.raises(ConnectorError, match="closed"):
+        connector.put(b"late")
+
+
+def test_factory_builds_known_classes_and_rejects_unknown() -> None:
+    assert CONNECTOR_CLASSES["InProcessConnector"].endswith(":InProcessConnector")
+    with make_connector("ar_to_dit", "SharedMemoryConnector", {"lease_timeout_s": 5}) as connector:
+        assert isinstance(connector, SharedMemoryConnector) and isinstance(connector, OmniConnector)
+        assert connector.name == "ar_to_dit" and connector.lease_timeout_s == 5
+    assert isinstance(make_connector("local", "InProcessConnector", {}), InProcessConnector)
+    with pytest.raises(
+        ValueError, match=r"unknown connector class 'Mooncake'.*known: .*SharedMemoryConnector"
+    ):
+        make_connector("edge", "Mooncake", {})
