@@ -30,6 +30,9 @@ class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
     (an entry stage's from the user's request)."""
     model_subdir: str | None = None
     tokenizer_subdir: str | None = None
+    engine_args_provider: str | None = None
+    """Dotted path of ``f(model_subdir_path) -> dict``: EngineArgs the pipeline derives from the
+    checkpoint (AR stages). Values a deploy config sets explicitly win."""
     model_arch: str | None = None
     output_type: OutputType = "token_ids"
     final_output: bool = False
@@ -138,6 +141,7 @@ GLM_IMAGE = Pipeline(
             model_subdir="vision_language_encoder",
             tokenizer_subdir="processor",
             input_processor="vllm_omni_plugin.stage.processors.glm_image.request2ar",
+            engine_args_provider="vllm_omni_plugin.models.glm_image_config.sampling_vocab_overrides",
             model_arch="GlmImageForConditionalGeneration",
             output_type="token_ids",
         ),

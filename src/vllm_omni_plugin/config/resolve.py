@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -542,6 +543,12 @@ class _Resolver:
         args["async_scheduling"] = async_final
         args["scheduler_cls"] = scheduler
         args["worker_cls"] = worker
+        if fixed.engine_args_provider:
+            module_name, _, attr = fixed.engine_args_provider.rpartition(".")
+            provided = getattr(importlib.import_module(module_name), attr)(args["model"])
+            for key, value in provided.items():
+                if key not in extras:
+                    args[key] = value
         args.update(extras)
         return dict(sorted(args.items()))
 

@@ -6,8 +6,10 @@ then the large grid (one token per 32x32 pixels), then an end marker; for image-
 and the end marker, conditioned on the source image(s) turned into VQ ids by a small vision tower and a
 vector quantizer. What differs from a plain decoder, and what this module does about it:
 
-* **Vocabularies.** Input embeddings have ``text_config.vocab_size`` rows, the LM head only
+* **Vocabularies.** Input embeddings have the text vocabulary's rows, the LM head only
   ``text_config.vision_vocab_size`` (16512): ids 0..16383 are codebook ids, 16384/16385 image start/end.
+  Configuration resolution narrows vLLM's ``vocab_size`` to the head's width (``hf_overrides``, see
+  ``glm_image_config``) so the sampler works on 16512 ids; without it (a plain ``LLM(...)``)
   ``compute_logits`` pads the head's logits with ``-inf`` up to ``vocab_size`` so vLLM's sampler (which
   sizes its masks by the model config's vocab size, e.g. for ``allowed_token_ids``) sees a consistent width.
 * **Positions (3-D M-RoPE, neox layout, partial rotary).** Text tokens get the same ramp on t/h/w, a
@@ -68,6 +70,8 @@ from vllm.multimodal.processing import (
     PromptUpdate,
 )
 from vllm.sequence import IntermediateTensors
+
+from vllm_omni_plugin.models.glm_image_config import embedding_rows
 
 GRID_BOS_TOKEN = "<sop>"
 GRID_EOS_TOKEN = "<eop>"
@@ -476,7 +480,10 @@ class GlmImageTextModel(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+            embedding_rows(config),
+            config.hidden_size,
+            quant_config=quant_config,
+            prefix=f"{prefix}.embed_tokens",
         )
         self.layers = nn.ModuleList(
             [

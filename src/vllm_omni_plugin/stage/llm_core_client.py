@@ -20,6 +20,7 @@ from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
+from vllm_omni_plugin.stage.tokenizer_view import tokenizer_view
 
 logger = get_logger(__name__)
 
@@ -71,8 +72,11 @@ class StageLLMCoreClient(StageCoreClientBase):
         loop = asyncio.get_running_loop()
 
         def build() -> Any:
+            args = dict(self.engine_args)
+            if args.get("tokenizer") and args.get("model"):
+                args["tokenizer"] = tokenizer_view(args["tokenizer"], args["model"])
             with replica_environment(self.env):
-                return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+                return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
         try:
             self.engine = await loop.run_in_executor(None, build)

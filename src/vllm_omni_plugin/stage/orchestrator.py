@@ -59,6 +59,8 @@ class OmniResult:
     """The final stage's output (GLM-Image: a uint8 HxWx3 image array)."""
     error: str | None = None
     error_stage: int | None = None
+    exception: BaseException | None = field(default=None, repr=False)
+    """What failed the request (lets servers tell a dead stage or a bad request from a bug)."""
     timings: dict[str, float] = field(default_factory=dict)
     intervals: list[StageInterval] = field(default_factory=list)
     stage_outputs: dict[int, Any] = field(default_factory=dict)
@@ -131,10 +133,12 @@ class Orchestrator:
             await self._abort(request.request_id, tasks)
             result.error = str(exc)
             result.error_stage = exc.stage_id
+            result.exception = exc
         except Exception as exc:  # a processor bug must fail its request, not the server
             logger.exception("request %s failed", request.request_id)
             await self._abort(request.request_id, tasks)
             result.error = f"{type(exc).__name__}: {exc}"
+            result.exception = exc
         finally:
             self.inflight.pop(request.request_id, None)
         result.timings["total"] = time.perf_counter() - start
