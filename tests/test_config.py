@@ -130,6 +130,7 @@ def test_every_packaged_config_resolves(path: Path, platform, model_dir: str) ->
     assert ar["model"] == str(Path(model_dir) / "vision_language_encoder")
     assert ar["tokenizer"] == str(Path(model_dir) / "processor")
     assert resolved.stage(1).diffusion_args["model"] == model_dir
+    assert resolved.stage(1).diffusion_args["worker_cls"] == platform.diffusion_worker_cls
     # every edge, including the final hop back to the router, has a connector
     assert [(e.from_stage, e.to) for e in resolved.edges] == [(0, 1), (1, "router")]
     assert all(e.connector in resolved.connectors for e in resolved.edges)
@@ -180,7 +181,9 @@ def test_legacy_nixl_document_resolves_like_its_stages_twin(platform, model_dir:
 
 
 def test_legacy_document_is_refused_by_deploy_config(model_dir: str) -> None:
-    with pytest.raises(ConfigError, match="--stage-configs-path"):
+    with pytest.raises(
+        ConfigError, match=r"legacy_glm_image_nixl.yaml:\d+: stage_args: .*--stage-configs-path"
+    ):
         resolve_deployment(model_dir, deploy_config=str(DATA / "legacy_glm_image_nixl.yaml"), platform=GPU)
 
 
@@ -428,7 +431,7 @@ def test_layers_in_order(tmp_path: Path, model_dir: str) -> None:
 def test_base_config_cycle_and_packaged_base(tmp_path: Path, model_dir: str) -> None:
     write(tmp_path, "pipeline: glm_image\nbase_config: b.yaml\n", "a.yaml")
     write(tmp_path, "pipeline: glm_image\nbase_config: a.yaml\n", "b.yaml")
-    with pytest.raises(ConfigError, match="base_config cycle"):
+    with pytest.raises(ConfigError, match=r"b.yaml:2: base_config: base_config cycle"):
         resolve_deployment(model_dir, deploy_config=str(tmp_path / "a.yaml"), platform=GPU)
     path = write(tmp_path, "base_config: glm_image.yaml\nstages: [{stage_id: 1, height: 512}]\n", "c.yaml")
     resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)

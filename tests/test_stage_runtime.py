@@ -57,6 +57,10 @@ def test_text_to_image_equals_diffusers_reference(omni: Omni, tiny_glm_image: Pa
                                           num_inference_steps=STEPS, guidance_scale=1.5)  # fmt: skip
     assert_same_image(result.output.image, reference)
     assert omni.deployment.stage(1).process  # the DiT ran in a StageDiffusionCoreProc
+    # per-request stage timings: queue, AR, processors, transfers (connector put/get), DiT
+    for key in ("queue", "stage_0", "processor_1", "stage_1", "stage_1_transfer_put", "stage_1_transfer_in",
+                "stage_1_transfer_out", "stage_1_denoise", "stage_1_decode", "total"):  # fmt: skip
+        assert key in result.timings, (key, result.timings)
 
 
 def test_image_to_image_equals_diffusers_reference(omni: Omni, tiny_glm_image: Path) -> None:

@@ -40,6 +40,8 @@ from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDUL
 
 OMNI_GPU_WORKER = "vllm_omni_plugin.runners.gpu_worker.OmniGPUWorker"
 OMNI_CPU_WORKER = "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker"
+CPU_DIFFUSION_WORKER = "vllm_omni_plugin.diffusion.worker.CPUDiffusionWorker"
+CUDA_DIFFUSION_WORKER = "vllm_omni_plugin.diffusion.worker.CUDADiffusionWorker"
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,13 @@ class PlatformInfo:
     device_env: str | None
     """Environment variable that selects a process's devices (None: devices are not selectable)."""
     ar_worker_cls: str | None
+    diffusion_worker_cls: str | None = None
 
 
 PLATFORMS: dict[str, PlatformInfo] = {
-    "cuda": PlatformInfo("cuda", True, "CUDA_VISIBLE_DEVICES", OMNI_GPU_WORKER),
-    "rocm": PlatformInfo("rocm", True, "HIP_VISIBLE_DEVICES", OMNI_GPU_WORKER),
-    "cpu": PlatformInfo("cpu", False, None, OMNI_CPU_WORKER),
+    "cuda": PlatformInfo("cuda", True, "CUDA_VISIBLE_DEVICES", OMNI_GPU_WORKER, CUDA_DIFFUSION_WORKER),
+    "rocm": PlatformInfo("rocm", True, "HIP_VISIBLE_DEVICES", OMNI_GPU_WORKER, CUDA_DIFFUSION_WORKER),
+    "cpu": PlatformInfo("cpu", False, None, OMNI_CPU_WORKER, CPU_DIFFUSION_WORKER),
 }
 PLATFORM_SECTIONS = ("cuda", "rocm", "cpu", "xpu", "npu", "tpu")
 
@@ -553,7 +556,15 @@ class _Resolver:
         return dict(sorted(args.items()))
 
     def diffusion_args(self, stage: StageDeployConfig) -> dict[str, Any]:
-        args: dict[str, Any] = {"model": self.model, "max_batch_size": stage.max_batch_size or 1}
+        if self.platform.diffusion_worker_cls is None:
+            raise self.error(
+                f"diffusion stages are not supported on platform {self.platform.name!r}", stage.stage_id
+            )
+        args: dict[str, Any] = {
+            "model": self.model,
+            "max_batch_size": stage.max_batch_size or 1,
+            "worker_cls": self.platform.diffusion_worker_cls,
+        }
         for name in (
             "dtype",
             "trust_remote_code",

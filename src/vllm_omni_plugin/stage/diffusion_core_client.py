@@ -9,6 +9,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -176,10 +177,13 @@ class StageDiffusionCoreClient(StageCoreClientBase):
     async def generate(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
         if self.state != StageState.READY:
             raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
+        put_seconds = 0.0
         if self.input_connector is not None:
+            t0 = time.perf_counter()
             request = msgspec.structs.replace(
                 request, diffusion=externalize(request.diffusion, self.input_connector)
             )
+            put_seconds = time.perf_counter() - t0
         future: asyncio.Future[StageDiffusionCoreOutput] = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
         self.inflight.add(request.request_id)
@@ -192,12 +196,15 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         finally:
             self.inflight.discard(request.request_id)
             self._pending.pop(request.request_id, None)
+        output.timings["transfer_put"] = put_seconds
         if output.image_handle is not None and self.output_connector is not None:
             from vllm_omni_plugin.connectors.base import ConnectorHandle
 
+            t0 = time.perf_counter()
             image = self.output_connector.get(msgspec.convert(output.image_handle, ConnectorHandle))
             output.image = image.numpy()
             output.image_handle = None
+            output.timings["transfer_out"] = time.perf_counter() - t0
         if output.error is not None:
             raise StageError(output.error, stage_id=self.stage_id, request_id=request.request_id)
         return output

@@ -55,16 +55,24 @@ ENGINE_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width
 
 
 def load_diffusion_engine(diffusion_args: dict[str, Any], platform: str) -> tuple[Any, str]:
-    """The stage's diffusion engine on the platform's worker: (engine, device)."""
+    """The stage's diffusion engine on the worker resolution chose (``worker_cls``): (engine, device)."""
+    import importlib
+
     from vllm_omni_plugin.diffusion.worker import worker_for_platform
 
     args = dict(diffusion_args)
     model = args.pop("model")
+    worker_path = args.pop("worker_cls", None)
+    if worker_path:
+        module_name, _, attr = worker_path.replace(":", ".").rpartition(".")
+        worker_cls = getattr(importlib.import_module(module_name), attr)
+    else:
+        worker_cls = worker_for_platform(platform)
     defaults = args.pop("default_sampling_params", None) or {}
     for key in ENGINE_DEFAULT_KEYS:
         if args.get(key) is None and defaults.get(key) is not None:
             args[key] = defaults[key]
-    worker = worker_for_platform(platform)()
+    worker = worker_cls()
     engine = worker.load_model(model, **args)
     return engine, str(worker.device)
 
@@ -159,12 +167,15 @@ def _run_batch(
     from vllm_omni_plugin.diffusion.params import DiffusionRequest
 
     requests = []
+    transfer: dict[str, float] = {}
     outputs: dict[str, StageDiffusionCoreOutput] = {}
     for message in batch:
         try:
             fields = message.diffusion
             if input_connector is not None:
+                t0 = time.perf_counter()
                 fields = internalize(fields, input_connector)
+                transfer[message.request_id] = time.perf_counter() - t0
             requests.append(msgspec.convert(fields, DiffusionRequest))
         except Exception as exc:  # a bad or lost payload fails this request only
             outputs[message.request_id] = StageDiffusionCoreOutput(
@@ -176,7 +187,7 @@ def _run_batch(
             request_id=result.request_id,
             stage_id=stage_id,
             error=result.error,
-            timings=dict(result.timings or {}),
+            timings={**(result.timings or {}), "transfer_in": transfer.get(result.request_id, 0.0)},
             latents=getattr(result, "latents", None),
         )
         if result.error is None:

@@ -43,6 +43,8 @@ class OmniRequest:
     """AR sampling overrides (e.g. ``{"temperature": 0}`` for greedy decoding)."""
     return_latents: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    """When the request arrived (``time.perf_counter``); the gap to its start is its queue time."""
 
 
 @dataclass
@@ -114,6 +116,7 @@ class Orchestrator:
         self.inflight[request.request_id] = task  # type: ignore[assignment]
         result = OmniResult(request_id=request.request_id)
         start = time.perf_counter()
+        result.timings["queue"] = max(0.0, start - request.arrival_time)
         done: dict[int, asyncio.Future[Any]] = {
             sid: asyncio.get_running_loop().create_future() for sid in self.stages
         }
