@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# One definition of GLM-Image's grid math (re-exported for tests and benchmarks).
+from vllm_omni_plugin.stage.processors.glm_image import glm_image_grid as glm_image_grid
+from vllm_omni_plugin.stage.processors.glm_image import glm_image_max_new_tokens as glm_image_max_new_tokens
 
 STAMP_FILE = "tiny_model.json"
 BUILDER_VERSION = 1
@@ -199,29 +202,6 @@ GLM_IMAGE_CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
 )
-
-
-def glm_image_grid(height: int, width: int) -> tuple[int, int, int, int]:
-    """GLM-Image's AR token grids for an image of ``height`` x ``width`` pixels: ``(th, tw, ph, pw)``.
-
-    ``th x tw`` is the large grid (one token per 32x32 pixels, sizes floored to a multiple of 32);
-    ``ph x pw`` the t2i preview grid (~16x16 tokens, same aspect). Same arithmetic as
-    ``GlmImageProcessor._get_target_shape``.
-    """
-    th = (height // GLM_IMAGE_FACTOR * GLM_IMAGE_FACTOR) // GLM_IMAGE_FACTOR
-    tw = (width // GLM_IMAGE_FACTOR * GLM_IMAGE_FACTOR) // GLM_IMAGE_FACTOR
-    if th < 1 or tw < 1:
-        raise ValueError(f"GLM-Image needs height and width >= {GLM_IMAGE_FACTOR}, got {height}x{width}")
-    ratio = th / tw
-    ph = int(math.sqrt(ratio) * GLM_IMAGE_PREVIEW_SIDE)
-    pw = int(math.sqrt(1 / ratio) * GLM_IMAGE_PREVIEW_SIDE)
-    return th, tw, ph, pw
-
-
-def glm_image_max_new_tokens(height: int, width: int, image_to_image: bool = False) -> int:
-    """The AR tokens the pipeline generates: t2i preview + large grid + end; i2i large grid + end."""
-    th, tw, ph, pw = glm_image_grid(height, width)
-    return th * tw + 1 if image_to_image else th * tw + ph * pw + 1
 
 
 def _glm_image_corpus() -> list[str]:
