@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 # One definition of GLM-Image's grid math (re-exported for tests and benchmarks).
+from vllm_omni_plugin.stage.processors import glm_image as glm_image_processors
 from vllm_omni_plugin.stage.processors.glm_image import glm_image_grid as glm_image_grid
 from vllm_omni_plugin.stage.processors.glm_image import glm_image_max_new_tokens as glm_image_max_new_tokens
 
@@ -157,9 +158,9 @@ def build_text(outdir: Path, cfg: dict[str, Any]) -> None:
 # GlmImageForConditionalGeneration ("vision_language_encoder", stored bf16 like upstream) that writes VQ
 # prior tokens, and a GlmImageTransformer2DModel DiT + AutoencoderKL + glyph T5 that turn them into pixels.
 
-GLM_IMAGE_FACTOR = 32  # pixels per large-grid AR token (the VQ grid is at 1/32 of the image)
-GLM_IMAGE_PREVIEW_SIDE = 16  # t2i preview grid: ~16x16 tokens whatever the target size
-GLM_IMAGE_CODEBOOK_SIZE = 16384  # AR ids 0..16383 are VQ codebook ids, the only ones the DiT embeds
+GLM_IMAGE_FACTOR = glm_image_processors.FACTOR
+GLM_IMAGE_PREVIEW_SIDE = glm_image_processors.PREVIEW_SIDE
+GLM_IMAGE_CODEBOOK_SIZE = glm_image_processors.CODEBOOK_SIZE
 GLM_IMAGE_START_ID = 16384  # <|dit_token_16384|>: image start, the tokenizer's bos
 GLM_IMAGE_END_ID = 16385  # <|dit_token_16385|>: image end, eos
 GLM_IMAGE_VISION_VOCAB = 16512  # lm_head width (text_config.vision_vocab_size)
