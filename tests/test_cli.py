@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from pathlib import Path
 
@@ -146,7 +147,26 @@ def test_config_error_is_one_line_and_exit_2(glm_dir: Path, tmp_path: Path) -> N
     assert "Traceback" not in result.stderr
 
 
-def test_serving_is_not_pretended(glm_dir: Path) -> None:
-    result = vllm("serve", str(glm_dir), "--omni")
-    assert result.returncode == 2
-    assert "not available" in result.stderr and "nothing was started" in result.stderr
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/glm-image", "./no-such-dir"])
+def test_missing_model_directory_exits_2(model: str) -> None:
+    line = one_error_line(vllm("serve", model, "--omni"))
+    assert f"model directory {model} does not exist" in line
+
+
+def test_busy_port_exits_2_before_any_stage_starts(glm_dir: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = vllm("serve", str(glm_dir), "--omni", "--host", "127.0.0.1", "--port", str(port))
+    line = one_error_line(result)
+    assert f"127.0.0.1:{port}" in line and "already in use" in line
+    assert " ready" not in result.stderr  # nothing was started ("already" aside)

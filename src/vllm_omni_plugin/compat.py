@@ -51,6 +51,9 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
         "vllm.entrypoints.launchers.launcher:serve_http",
         "vllm.entrypoints.launcher:serve_http",
     ),
+    "get_uvicorn_log_config": ("vllm.entrypoints.launchers.utils.server_utils:get_uvicorn_log_config",),
+    "configure_logging_from_args": ("vllm.logger:configure_logging_from_args",),
+    "get_prometheus_registry": ("vllm.v1.metrics.prometheus:get_prometheus_registry",),
     "build_async_engine_client": (
         "vllm.entrypoints.launchers.api_server.entry:build_async_engine_client",
         "vllm.entrypoints.openai.api_server:build_async_engine_client",
@@ -80,6 +83,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "EngineDeadError": ("vllm.v1.engine.exceptions:EngineDeadError",),
     "UsageContext": ("vllm.usage.usage_lib:UsageContext",),
     "SamplingParams": ("vllm.sampling_params:SamplingParams", "vllm:SamplingParams"),
+    "VLLMClientError": ("vllm.exceptions:VLLMClientError",),
     "load_general_plugins": ("vllm.plugins:load_general_plugins",),
     "current_platform": ("vllm.platforms:current_platform",),
 }
@@ -122,6 +126,18 @@ def runner_output_payload(output: Any) -> Any:
         if inner is not None:
             return inner
     return output
+
+
+def engine_core_pids(engine: Any) -> list[int]:
+    """Pids of the ``EngineCore`` processes behind an ``AsyncLLM`` (empty where vLLM hides them).
+
+    The attribute path (``engine_core.resources.engine_manager.processes``) is private to vLLM.
+    """
+    manager = getattr(
+        getattr(getattr(engine, "engine_core", None), "resources", None), "engine_manager", None
+    )
+    processes = getattr(manager, "processes", None) or []
+    return [p.pid for p in processes if getattr(p, "pid", None) is not None]
 
 
 def vllm_version() -> str:

@@ -69,6 +69,16 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(
         OMNI_GROUP_TITLE,
@@ -101,6 +111,26 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default=None,
         metavar="JSON",
         help='Per-stage overrides keyed by stage id, e.g. \'{"0": {"max_num_seqs": 4}}\'.',
+    )
+    group.add_argument(
+        "--image-max-size",
+        type=_positive_int,
+        default=2048,
+        metavar="PIXELS",
+        help="Largest image height or width the API accepts.",
+    )
+    group.add_argument(
+        "--image-max-upload-bytes",
+        type=_positive_int,
+        default=20 * 1024 * 1024,
+        metavar="BYTES",
+        help="Largest input image (images/edits upload or chat image_url) the API accepts.",
+    )
+    group.add_argument(
+        "--image-media-dir",
+        default=None,
+        metavar="DIR",
+        help="Directory for generated images served at /media/...; enables response_format=url.",
     )
     group.add_argument(
         "--print-resolved-config",
@@ -207,10 +237,39 @@ def resolve_from_args(args: argparse.Namespace):
     return resolved
 
 
+def looks_local(model: str) -> bool:
+    """A path rather than a Hugging Face repo id (``org/name``)."""
+    return os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
+
+
+def check_local_model(args: argparse.Namespace) -> None:
+    model = getattr(args, "model", None)
+    if model and looks_local(model) and not os.path.isdir(os.path.expanduser(model)):
+        raise OmniCLIError(f"model directory {model} does not exist")
+
+
+def local_model_dir(model: str, revision: str | None = None) -> str:
+    """The model's directory: itself, or a Hugging Face repo id's snapshot (downloaded unless offline)."""
+    if not model or os.path.isdir(os.path.expanduser(model)):
+        return os.path.expanduser(model) if model else model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=model, revision=revision)
+    except Exception as exc:
+        raise OmniCLIError(
+            f"model {model} is neither a local directory nor a Hugging Face repository that could be "
+            f"fetched ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> None:
     from vllm_omni_plugin.log import get_logger
 
     logger = get_logger(__name__)
+    check_local_model(args)
+    if not args.print_resolved_config:
+        args.model = local_model_dir(args.model, getattr(args, "revision", None))
     resolved = resolve_from_args(args)
     if resolved.legacy_source:
         print(
@@ -223,10 +282,16 @@ def run(args: argparse.Namespace) -> None:
         sys.exit(0)
     for note in resolved.notes:
         logger.warning("%s", note)
-    raise OmniCLIError(
-        "serving an omni pipeline is not available in this version of vllm-omni-plugin yet "
-        "(the stage runtime has not landed); nothing was started"
-    )
+    from vllm_omni_plugin.entrypoints.api_server import ServeError, run_server
+    from vllm_omni_plugin.stage.errors import StageStartError
+
+    try:
+        run_server(args, resolved)
+    except ServeError as exc:
+        raise OmniCLIError(str(exc)) from None
+    except StageStartError as exc:  # not a usage error: exit 1, still one line (the log has the detail)
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

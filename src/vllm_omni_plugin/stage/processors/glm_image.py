@@ -106,6 +106,7 @@ def request2ar(sources: dict[int, Any], context: Any) -> StageLLMCoreRequest:
         "min_tokens": n,
         "ignore_eos": True,
         "allowed_token_ids": list(range(CODEBOOK_SIZE)),
+        "detokenize": False,  # image tokens: no text to show, and detokenizing costs API-process CPU
     }
     if request.seed is not None and "seed" not in request.sampling_params:
         sampling["seed"] = request.seed

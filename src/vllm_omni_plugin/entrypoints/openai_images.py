@@ -1,0 +1,445 @@
+"""Wire types of the OpenAI Images API (and of chat completions with image output) for the omni server.
+
+Requests are pydantic models (as in vLLM's own server); every client mistake becomes an
+:class:`OmniAPIError`, which the server turns into OpenAI's error JSON
+(``{"error": {"message", "type", "param", "code"}}``, with vLLM's ``type`` names and the HTTP status as
+``code``). Responses are msgspec structs. Images travel as PNG/JPEG/WebP bytes; decoding and encoding
+live here so the server module only routes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Literal, TypeVar
+
+import msgspec
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+OutputFormat = Literal["png", "jpeg", "webp"]
+MEDIA_TYPES: dict[str, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+PIL_FORMATS: dict[str, str] = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+class OmniAPIError(Exception):
+    """A request the server answers with an error JSON instead of a result."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+def error_body(message: str, status: int, param: str | None = None) -> bytes:
+    err_type = ERROR_TYPES.get(status)
+    if err_type is None:
+        try:
+            err_type = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+        except ValueError:
+            err_type = "Error"
+    return msgspec.json.encode(ErrorResponse(ErrorInfo(message, err_type, param, status)))
+
+
+# --- limits ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What this deployment accepts: the pipeline's size grid and the operator's bounds."""
+
+    multiple: int = 32
+    """Height and width must be multiples of this (GLM-Image: one AR token per 32x32 pixels)."""
+    max_side: int = 2048
+    max_upload_bytes: int = 20 * 1024 * 1024
+    max_input_images: int = 4
+    max_inference_steps: int = 1000
+    default_width: int = 1024
+    default_height: int = 1024
+
+    @property
+    def min_side(self) -> int:
+        return self.multiple
+
+
+_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX\u00d7]\s*(\d{1,6})\s*$")
+
+
+def parse_size(size: str | None, limits: ImageLimits, param: str = "size") -> tuple[int, int] | None:
+    """``"WIDTHxHEIGHT"`` -> ``(width, height)``; ``None``/``"auto"`` -> ``None`` (the default size)."""
+    if size is None or size.strip().lower() == "auto":
+        return None
+    match = _SIZE.match(size)
+    if match is None:
+        raise OmniAPIError(f"size must be WIDTHxHEIGHT in pixels (e.g. 1024x1024), got {size!r}", param=param)
+    width, height = int(match.group(1)), int(match.group(2))
+    check_dimensions(width, height, limits, param)
+    return width, height
+
+
+def check_dimensions(width: int, height: int, limits: ImageLimits, param: str = "size") -> None:
+    m = limits.multiple
+    if width % m or height % m or width < limits.min_side or height < limits.min_side:
+        raise OmniAPIError(
+            f"width and height must be multiples of {m} and at least {limits.min_side} pixels, "
+            f"got {width}x{height}",
+            param=param,
+        )
+    if width > limits.max_side or height > limits.max_side:
+        raise OmniAPIError(
+            f"width and height must be at most {limits.max_side} pixels on this server, got {width}x{height}",
+            param=param,
+        )
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+# OpenAI image fields we accept and ignore: they tune OpenAI's own models or its bookkeeping.
+IGNORED_IMAGE_FIELDS = frozenset(
+    {"quality", "style", "user", "safety_identifier", "moderation", "input_fidelity", "stream_options"}
+)
+# OpenAI image fields this deployment cannot honour when they ask for something.
+UNSUPPORTED_IMAGE_FIELDS = frozenset(
+    {"stream", "partial_images", "mask", "markup", "svg", "complexity", "frame_count", "frame_duration_ms"}
+)
+
+
+def _drop_ignored(data: Any, ignored: frozenset[str]) -> Any:
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for key, value in data.items():
+        if key in ignored:
+            continue
+        if key in UNSUPPORTED_IMAGE_FIELDS:
+            if value in (None, False, 0, ""):
+                continue
+            raise ValueError(f"{key} is not supported by this server")
+        out[key] = value
+    return out
+
+
+class ImageParams(BaseModel):
+    """The generation knobs shared by every endpoint (OpenAI's plus the diffusion ones)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    negative_prompt: str | None = None
+
+
+class ImageGenerationRequest(ImageParams):
+    """``POST /v1/images/generations``."""
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=10)
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] | None = None
+    output_format: OutputFormat | None = None
+    output_compression: int | None = Field(default=None, ge=0, le=100)
+    background: Literal["opaque", "auto"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_fields(cls, data: Any) -> Any:
+        return _drop_ignored(data, IGNORED_IMAGE_FIELDS)
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """``POST /v1/images/edits`` (multipart form; the images come as files)."""
+
+
+# Standard chat-completion fields that do not apply to image output: accepted, ignored.
+IGNORED_CHAT_FIELDS = frozenset(
+    {
+        "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+        "max_completion_tokens", "max_tokens", "metadata", "parallel_tool_calls", "prediction",
+        "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort",
+        "response_format", "safety_identifier", "service_tier", "stop", "store", "stream_options",
+        "tool_choice", "tools", "top_logprobs", "user", "verbosity", "web_search_options",
+    }
+)  # fmt: skip
+
+
+class ChatCompletionRequest(ImageParams):
+    """``POST /v1/chat/completions`` with ``"modalities": ["image"]``.
+
+    Image parameters may sit at the top level or in a literal ``extra_body`` object (what some
+    examples send with curl); the OpenAI client merges its ``extra_body`` into the top level.
+    """
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    modalities: list[str] | None = None
+    n: int = Field(default=1, ge=1, le=10)
+    stream: bool = False
+    size: str | None = None
+    height: int | None = None
+    width: int | None = None
+    output_format: OutputFormat | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_extra_body(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if k not in IGNORED_CHAT_FIELDS}
+        extra = data.pop("extra_body", None)
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise ValueError("extra_body must be an object")
+            for key, value in extra.items():
+                data.setdefault(key, value)
+        return data
+
+    def sampling_params(self) -> dict[str, Any]:
+        """AR-stage sampling overrides (temperature / top_p / top_k), when given."""
+        names = ("temperature", "top_p", "top_k")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+def parse_request(cls: type[RequestT], data: Any) -> RequestT:
+    """Validate ``data`` against ``cls``; the first problem becomes one 400 with its field as ``param``."""
+    if not isinstance(data, dict):
+        raise OmniAPIError("the request body must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        loc = [str(p) for p in first.get("loc", ())]
+        param = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":
+            message = f"unknown field {param!r}"
+        else:
+            message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+            if param:
+                message = f"{param}: {message}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        raise OmniAPIError(message, param=param) from None
+
+
+# --- images in ---------------------------------------------------------------------------------
+
+
+def decode_image(data: bytes, limits: ImageLimits, param: str = "image") -> np.ndarray:
+    """Uploaded bytes -> uint8 HxWx3 RGB; too large or not an image -> 400."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > limits.max_upload_bytes:
+        raise OmniAPIError(
+            f"{param}: the image is {len(data)} bytes; this server accepts at most "
+            f"{limits.max_upload_bytes} bytes per image",
+            param=param,
+        )
+    if not data:
+        raise OmniAPIError(f"{param}: the image is empty", param=param)
+    max_pixels = (4 * limits.max_side) ** 2
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise OmniAPIError(
+                    f"{param}: {width}x{height} pixels is too large (at most {max_pixels} pixels)",
+                    param=param,
+                )
+            image.load()
+            return np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
+    except OmniAPIError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise OmniAPIError(
+            f"{param}: cannot decode the upload as a PNG, JPEG or WebP image", param=param
+        ) from None
+
+
+_DATA_URI = re.compile(
+    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.S
+)
+
+
+def decode_data_uri(url: str, limits: ImageLimits, param: str) -> np.ndarray:
+    """A ``data:image/...;base64,...`` URI -> uint8 HxWx3; this server never fetches remote URLs."""
+    match = _DATA_URI.match(url.strip())
+    if match is None:
+        raise OmniAPIError(
+            f"{param}: only base64 data URIs (data:image/png;base64,...) are accepted; this server does "
+            "not fetch URLs",
+            param=param,
+        )
+    payload = match.group("data")
+    if len(payload) > 4 * (limits.max_upload_bytes // 3 + 2):
+        raise OmniAPIError(
+            f"{param}: the image is larger than this server's limit of {limits.max_upload_bytes} bytes",
+            param=param,
+        )
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise OmniAPIError(f"{param}: the data URI is not valid base64", param=param) from None
+    return decode_image(raw, limits, param)
+
+
+def fit_to_grid(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
+    """The output size for an edit without ``size``: the source's aspect, within bounds, on the grid."""
+    scale = min(1.0, limits.max_side / max(width, height))
+    m = limits.multiple
+    return (
+        max(m, int(width * scale) // m * m),
+        max(m, int(height * scale) // m * m),
+    )
+
+
+# --- chat messages -----------------------------------------------------------------------------
+
+
+def chat_prompt_and_images(
+    messages: list[dict[str, Any]], limits: ImageLimits
+) -> tuple[str, list[np.ndarray]]:
+    """The last user message's text (the prompt) and its ``image_url`` parts (the source images)."""
+    index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    if index is None:
+        raise OmniAPIError("messages: there is no user message to draw", param="messages")
+    content = messages[index].get("content")
+    texts: list[str] = []
+    images: list[np.ndarray] = []
+    parts: list[Any] = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+    if not parts:
+        raise OmniAPIError(f"messages[{index}].content must be a string or a list of parts", param="messages")
+    for j, part in enumerate(parts):
+        where = f"messages[{index}].content[{j}]"
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(str(part.get("text", "")))
+        elif kind == "image_url":
+            ref = part.get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else ref
+            if not isinstance(url, str):
+                raise OmniAPIError(f"{where}.image_url.url must be a string", param="messages")
+            if len(images) >= limits.max_input_images:
+                raise OmniAPIError(
+                    f"at most {limits.max_input_images} input images per request", param="messages"
+                )
+            images.append(decode_data_uri(url, limits, f"{where}.image_url"))
+        else:
+            raise OmniAPIError(
+                f"{where}: unsupported content part type {kind!r} (text and image_url are accepted)",
+                param="messages",
+            )
+    prompt = "\n".join(t for t in texts if t.strip()).strip()
+    if not prompt:
+        raise OmniAPIError(f"messages[{index}] has no text to draw from", param="messages")
+    return prompt, images
+
+
+# --- images out --------------------------------------------------------------------------------
+
+
+def encode_image(image: Any, output_format: str = "png", compression: int | None = None) -> bytes:
+    """A uint8 HxWx3 array -> encoded bytes (``compression`` is OpenAI's 0-100, for JPEG/WebP)."""
+    from PIL import Image
+
+    pil = Image.fromarray(np.asarray(image, dtype=np.uint8))
+    out = io.BytesIO()
+    kwargs: dict[str, Any] = {}
+    if output_format in ("jpeg", "webp"):
+        kwargs["quality"] = 100 - compression if compression is not None else 90
+    pil.save(out, format=PIL_FORMATS[output_format], **kwargs)
+    return out.getvalue()
+
+
+class ImageObject(msgspec.Struct, omit_defaults=True):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(msgspec.Struct, omit_defaults=True):
+    created: int
+    data: list[ImageObject]
+    output_format: str | None = None
+    size: str | None = None
+    background: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    finish_reason: str = "stop"
+    logprobs: None = None
+
+
+class ChatUsage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    object: str = "chat.completion"
+    usage: ChatUsage | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "vllm-omni-plugin"
+    root: str | None = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+def data_uri(encoded: bytes, output_format: str) -> str:
+    return f"data:{MEDIA_TYPES[output_format]};base64,{base64.b64encode(encoded).decode('ascii')}"
