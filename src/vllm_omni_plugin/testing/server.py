@@ -50,6 +50,28 @@ def cpu_test_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = (
     return env
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie main process (not yet reaped) still counts; only live members matter here.
+    return any(_pgid_of(pid) == pgid for pid in _pids() if pid != pgid)
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -121,6 +143,11 @@ class ServerProcess:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 pass
+        # The server's helpers (e.g. multiprocessing's resource tracker, which unlinks shared memory)
+        # finish after the main process: give them time before killing what is left of the group.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _group_alive(self.proc.pid):
+            time.sleep(0.1)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers in the group
         except ProcessLookupError:
