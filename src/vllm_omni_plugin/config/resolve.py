@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from vllm_omni_plugin.config.schema import (
     StageOverride,
 )
 from vllm_omni_plugin.connectors import CONNECTOR_CLASSES, DEFAULT_CONNECTOR_CLASS
+from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER
 
 OMNI_GPU_WORKER = "vllm_omni_plugin.runners.gpu_worker.OmniGPUWorker"
@@ -547,8 +547,7 @@ class _Resolver:
         args["scheduler_cls"] = scheduler
         args["worker_cls"] = worker
         if fixed.engine_args_provider:
-            module_name, _, attr = fixed.engine_args_provider.rpartition(".")
-            provided = getattr(importlib.import_module(module_name), attr)(args["model"])
+            provided = import_object(fixed.engine_args_provider)(args["model"])
             for key, value in provided.items():
                 if key not in extras:
                     args[key] = value

@@ -8,7 +8,6 @@ is read at most once: ``get`` releases it, :meth:`OmniConnector.cleanup` release
 
 from __future__ import annotations
 
-import importlib
 import threading
 from abc import ABC, abstractmethod
 from typing import Any, Literal, Self
@@ -17,6 +16,7 @@ import msgspec
 import torch
 
 from vllm_omni_plugin.connectors import CONNECTOR_CLASSES
+from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
@@ -216,9 +216,8 @@ def make_connector(spec_name: str, class_name: str, extra: dict[str, Any] | None
             f"connector {spec_name!r}: unknown connector class {class_name!r} "
             f"(known: {', '.join(sorted(CONNECTOR_CLASSES))})"
         )
-    module_name, _, attr = target.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
+        cls = import_object(target)
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"connector {spec_name!r}: cannot load {class_name} from {target}: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, OmniConnector)):

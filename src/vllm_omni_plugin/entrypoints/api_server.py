@@ -102,9 +102,9 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
     ar = next((s for s in deployment.stages if s.execution_type == "llm_ar"), None)
     budget = None
     if ar is not None and deployment.pipeline in AR_TOKEN_BUDGET:
-        from vllm_omni_plugin.stage.orchestrator import load_processor
+        from vllm_omni_plugin.dotted import import_object
 
-        budget = load_processor(AR_TOKEN_BUDGET[deployment.pipeline])
+        budget = import_object(AR_TOKEN_BUDGET[deployment.pipeline])
     return ServerSettings(
         served_model_names=names,
         limits=limits,
@@ -484,6 +484,31 @@ def _check_response_format(server: OmniServer, response_format: str | None) -> s
     return response_format or "b64_json"
 
 
+def _image_requests(
+    req: Any,
+    prompt: str,
+    width: int,
+    height: int,
+    images: list[Any] | tuple[Any, ...] = (),
+    sampling_params: dict[str, Any] | None = None,
+) -> list[OmniRequest]:
+    """The ``n`` requests of one API call (every image route): one per seed, the rest shared."""
+    return [
+        OmniRequest(
+            prompt=prompt,
+            height=height,
+            width=width,
+            num_inference_steps=req.num_inference_steps,
+            guidance_scale=req.guidance_scale,
+            seed=seed,
+            negative_prompt=req.negative_prompt,
+            images=list(images),
+            sampling_params=dict(sampling_params or {}),
+        )
+        for seed in _seeds(req.seed, req.n)
+    ]
+
+
 # --- routes ------------------------------------------------------------------------------------
 
 router = APIRouter()
@@ -499,18 +524,7 @@ async def create_images(raw: Request) -> Response:
     width, height = size or (server.limits.default_width, server.limits.default_height)
     server.check_size(width, height, image_to_image=False)
     server.check_steps(req.num_inference_steps)
-    requests = [
-        OmniRequest(
-            prompt=req.prompt,
-            height=height,
-            width=width,
-            num_inference_steps=req.num_inference_steps,
-            guidance_scale=req.guidance_scale,
-            seed=seed,
-            negative_prompt=req.negative_prompt,
-        )
-        for seed in _seeds(req.seed, req.n)
-    ]
+    requests = _image_requests(req, req.prompt, width, height)
     results = await server.run("images/generations", requests, raw)
     return await _images_response(
         server, raw, results, response_format=response_format, output_format=req.output_format or "png",
@@ -571,19 +585,7 @@ async def edit_images(raw: Request) -> Response:
     width, height = size or fit_to_grid(images[0].shape[1], images[0].shape[0], limits)
     server.check_size(width, height, image_to_image=True)
     server.check_steps(req.num_inference_steps)
-    requests = [
-        OmniRequest(
-            prompt=req.prompt,
-            height=height,
-            width=width,
-            num_inference_steps=req.num_inference_steps,
-            guidance_scale=req.guidance_scale,
-            seed=seed,
-            negative_prompt=req.negative_prompt,
-            images=list(images),
-        )
-        for seed in _seeds(req.seed, req.n)
-    ]
+    requests = _image_requests(req, req.prompt, width, height, images)
     results = await server.run("images/edits", requests, raw)
     return await _images_response(
         server, raw, results, response_format=response_format, output_format=req.output_format or "png",
@@ -615,20 +617,7 @@ async def chat_completions(raw: Request) -> Response:
     width, height = size or (limits.default_width, limits.default_height)
     server.check_size(width, height, image_to_image=bool(images), param="size" if req.size else "height")
     output_format = req.output_format or "png"
-    requests = [
-        OmniRequest(
-            prompt=prompt,
-            height=height,
-            width=width,
-            num_inference_steps=req.num_inference_steps,
-            guidance_scale=req.guidance_scale,
-            seed=seed,
-            negative_prompt=req.negative_prompt,
-            images=list(images),
-            sampling_params=req.sampling_params(),
-        )
-        for seed in _seeds(req.seed, req.n)
-    ]
+    requests = _image_requests(req, prompt, width, height, images, req.sampling_params())
     results = await server.run("chat/completions", requests, raw)
     encoded = await _encode_all(results, output_format, None)
     choices = [

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_types import (
     FromStageMessage,
@@ -56,16 +57,13 @@ ENGINE_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width
 
 def load_diffusion_engine(diffusion_args: dict[str, Any], platform: str) -> tuple[Any, str]:
     """The stage's diffusion engine on the worker resolution chose (``worker_cls``): (engine, device)."""
-    import importlib
-
     from vllm_omni_plugin.diffusion.worker import worker_for_platform
 
     args = dict(diffusion_args)
     model = args.pop("model")
     worker_path = args.pop("worker_cls", None)
     if worker_path:
-        module_name, _, attr = worker_path.replace(":", ".").rpartition(".")
-        worker_cls = getattr(importlib.import_module(module_name), attr)
+        worker_cls = import_object(worker_path)
     else:
         worker_cls = worker_for_platform(platform)
     defaults = args.pop("default_sampling_params", None) or {}

@@ -11,14 +11,13 @@ transfers, with absolute intervals so overlap can be checked.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_plugin.config.resolve import ResolvedDeployment
+from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
@@ -84,11 +83,6 @@ class ProcessorContext:
     """The edge's connector (tensors put through it travel as handles)."""
 
 
-def load_processor(path: str) -> Callable[..., Any]:
-    module_name, _, attr = path.replace(":", ".").rpartition(".")
-    return getattr(importlib.import_module(module_name), attr)
-
-
 class Orchestrator:
     def __init__(
         self,
@@ -101,7 +95,7 @@ class Orchestrator:
         self.connectors = connectors or {}
         self.stages = {s.stage_id: s for s in deployment.stages}
         self.processors = {
-            s.stage_id: load_processor(s.input_processor) for s in deployment.stages if s.input_processor
+            s.stage_id: import_object(s.input_processor) for s in deployment.stages if s.input_processor
         }
         self.final_stage = next(s.stage_id for s in deployment.stages if s.final_output)
         self.edge_connector = {

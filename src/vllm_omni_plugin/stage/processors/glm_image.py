@@ -63,7 +63,7 @@ def _processor(model: str) -> Any:
     return AutoProcessor.from_pretrained(os.path.join(model, "processor"))
 
 
-def _size(request: Any, deployment: Any, stage_id: int) -> tuple[int, int]:
+def _size(request: Any, deployment: Any) -> tuple[int, int]:
     dit = next((s for s in deployment.stages if s.execution_type == "diffusion"), None)
     defaults = dit.diffusion_args if dit is not None else {}
     height = request.height or defaults.get("height") or DEFAULT_SIZE
@@ -82,7 +82,7 @@ def _as_pil(image: Any) -> Any:
 def request2ar(sources: dict[int, Any], context: Any) -> StageLLMCoreRequest:
     """The user's request -> the AR stage's prompt ids (with the size scaffold) and sampling."""
     request = context.request
-    height, width = _size(request, context.deployment, context.stage_id)
+    height, width = _size(request, context.deployment)
     try:
         glm_image_grid(height, width)
     except ValueError as exc:
@@ -125,7 +125,7 @@ def ar2diffusion(sources: dict[int, Any], context: Any) -> StageDiffusionCoreReq
 
     request = context.request
     ar: StageLLMCoreOutput = sources[min(sources)]
-    height, width = _size(request, context.deployment, context.stage_id)
+    height, width = _size(request, context.deployment)
     th, tw, ph, pw = glm_image_grid(height, width)
     image_to_image = bool(request.images)
     offset = 0 if image_to_image else ph * pw
