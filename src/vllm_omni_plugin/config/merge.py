@@ -78,6 +78,8 @@ def merge_deploy(base: DeployConfig, over: DeployConfig) -> DeployConfig:
                     section = PlatformSection(stages=merge_stage_lists(platforms[key].stages, section.stages))
                 platforms[key] = section
             value = platforms
+        elif isinstance(value, msgspec.Struct) and isinstance(getattr(base, name), msgspec.Struct):
+            value = msgspec.structs.replace(getattr(base, name), **set_fields(value))
         elif isinstance(value, dict) and isinstance(getattr(base, name), dict):
             value = {**getattr(base, name), **value}
         changes[name] = value

@@ -31,6 +31,7 @@ from vllm_omni_plugin.config.schema import (
     DeployConfig,
     EdgeSpec,
     EngineCommon,
+    HeadSpec,
     StageDeployConfig,
     StageOverride,
 )
@@ -94,6 +95,15 @@ class ResolvedEdge(msgspec.Struct, kw_only=True):
     max_inflight: int | None = None
 
 
+class ResolvedHead(msgspec.Struct, frozen=True, kw_only=True):
+    """Where headless stage workers register (``HeadSpec`` with its defaults applied)."""
+
+    host: str = "0.0.0.0"
+    port: int = 29600
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+
+
 class ResolvedStage(msgspec.Struct, kw_only=True):
     stage_id: int
     name: str
@@ -112,6 +122,8 @@ class ResolvedStage(msgspec.Struct, kw_only=True):
     """AR stages: the vLLM ``EngineArgs`` of every replica."""
     diffusion_args: dict[str, Any] = {}
     """Diffusion stages: the diffusion engine's arguments."""
+    headless: bool = False
+    """Served by a headless worker that registers with the head (see ``StageDeployConfig.headless``)."""
 
 
 class ResolvedDeployment(msgspec.Struct, kw_only=True):
@@ -124,6 +136,7 @@ class ResolvedDeployment(msgspec.Struct, kw_only=True):
     stages: list[ResolvedStage]
     deploy: DeployConfig
     """The completed deploy config: resolving it again gives this same result."""
+    head: ResolvedHead = ResolvedHead()
     notes: list[str] = []
     legacy_source: str | None = None
     """The legacy stage_args file this was translated from, if any."""
@@ -606,6 +619,37 @@ class _Resolver:
             raise self.error(f"rejected by vLLM: {exc}", sid, "default_sampling_params") from None
         return params
 
+    def head(self) -> ResolvedHead:
+        head = ResolvedHead(**set_fields(self.cfg.head or HeadSpec()))
+        if head.heartbeat_timeout_s <= head.heartbeat_interval_s:
+            raise self.doc_error(
+                f"heartbeat_timeout_s ({head.heartbeat_timeout_s}) must be longer than "
+                f"heartbeat_interval_s ({head.heartbeat_interval_s})",
+                ("head", "heartbeat_timeout_s"),
+            )
+        return head
+
+    def check_headless_connectors(
+        self, stage_id: int, connectors: dict[str, ConnectorSpec], io: dict[str, dict[str, str]]
+    ) -> None:
+        """A headless stage's connectors must cross processes, and usually hosts."""
+        for direction in ("input", "output"):
+            for key, name in io[direction].items():
+                cls = connectors[name].name
+                if cls == "InProcessConnector":
+                    raise self.error(
+                        f"{key}: connector {name!r} is an InProcessConnector, which cannot reach a "
+                        "headless worker; use NixlConnector",
+                        stage_id,
+                        f"{direction}_connectors",
+                    )
+                if cls == "SharedMemoryConnector":
+                    self.notes.append(
+                        f"{self.loaded.source}: stage {stage_id} is headless and {key} uses the "
+                        f"SharedMemoryConnector {name!r}: that works only when the worker runs on the "
+                        "head's host; use NixlConnector across hosts"
+                    )
+
     def run(self) -> ResolvedDeployment:
         pipeline = self.pipeline
         if self.cfg.async_chunk and pipeline.streaming_processor is None:
@@ -631,6 +675,15 @@ class _Resolver:
                 raise self.error(
                     "the AR stage always runs in its own vLLM EngineCore process", fixed.stage_id, "process"
                 )
+            headless = bool(stage.headless)
+            if headless and not process:
+                raise self.error(
+                    "a headless stage runs in processes of its own on its worker; drop process: false",
+                    fixed.stage_id,
+                    "process",
+                )
+            if headless:
+                self.check_headless_connectors(fixed.stage_id, connectors, ios[fixed.stage_id])
             engine_args = self.ar_engine_args(stage, fixed) if is_ar else {}
             tp = engine_args.get("tensor_parallel_size", 1) if is_ar else 1
             replicas = self.replicas(stage, tp)
@@ -653,6 +706,7 @@ class _Resolver:
                     default_sampling_params=sampling,
                     engine_args=engine_args,
                     diffusion_args={} if is_ar else self.diffusion_args(stage),
+                    headless=headless,
                 )
             )
             done = msgspec.structs.replace(
@@ -678,6 +732,7 @@ class _Resolver:
             pipeline=pipeline.name,
             async_chunk=bool(self.cfg.async_chunk),
             connectors=connectors,
+            head=self.cfg.head,
             edges=[
                 EdgeSpec(
                     from_stage=e.from_stage, to=e.to, window_size=e.window_size, max_inflight=e.max_inflight
@@ -696,6 +751,7 @@ class _Resolver:
             edges=edges,
             stages=resolved,
             deploy=deploy,
+            head=self.head(),
             notes=self.notes,
             legacy_source=self.loaded.source if self.loaded.legacy else None,
         )

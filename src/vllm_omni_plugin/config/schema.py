@@ -15,6 +15,8 @@ from msgspec import Meta
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
+PositiveFloat = Annotated[float, Meta(gt=0.0)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -54,6 +56,10 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     num_replicas: PositiveInt | None = None
     process: bool | None = None
     """Run the stage in its own process (default) or, for diffusion stages, in the API process."""
+    headless: bool | None = None
+    """Run this stage's replicas in a headless worker (``vllm serve MODEL --omni --deploy-config F
+    --stage-id N --headless --head HEAD_ADDR:PORT``, usually on another host) that registers with the
+    head; the head runs the API server and the other stages and waits for the worker."""
     env: dict[str, str] | None = None
     max_num_seqs: PositiveInt | None = None
     max_num_batched_tokens: PositiveInt | None = None
@@ -84,6 +90,20 @@ class StageOverride(StageDeployConfig, kw_only=True):
     stage_id: int = -1
 
 
+class HeadSpec(_Strict, kw_only=True):
+    """Where the head accepts headless stage workers (they name it with ``--head ADDR:PORT``)."""
+
+    host: str | None = None
+    """Address the head binds for workers (default ``0.0.0.0``: every interface)."""
+    port: Port | None = None
+    """Default 29600."""
+    heartbeat_interval_s: PositiveFloat | None = None
+    """Default 1 s: how often head and workers tell each other they are alive."""
+    heartbeat_timeout_s: PositiveFloat | None = None
+    """Default 10 s: silence after which the head fails a worker's requests (HTTP 503) and waits for
+    it to rejoin, and a worker shuts down because its head is gone."""
+
+
 class PlatformSection(_Strict, kw_only=True):
     stages: list[StageDeployConfig] = []
 
@@ -95,6 +115,7 @@ class DeployConfig(EngineCommon, kw_only=True):
     this file."""
     async_chunk: bool | None = None
     connectors: dict[str, ConnectorSpec] = {}
+    head: HeadSpec | None = None
     edges: list[EdgeSpec] = []
     stages: list[StageDeployConfig] = []
     platforms: dict[str, PlatformSection] = {}

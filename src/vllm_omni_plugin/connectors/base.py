@@ -33,6 +33,20 @@ class ConnectorTimeoutError(ConnectorError, TimeoutError):
     """A value was released before it was collected (its lease ran out), or did not arrive in time."""
 
 
+class RemoteLocation(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Where a value lives in another process's registered memory (connectors that pull, e.g. NIXL).
+
+    ``metadata`` is the owner agent's metadata for this registration, connection info included, so a
+    receiver can read the value without a round trip to the owner.
+    """
+
+    agent: str
+    metadata: bytes
+    addr: int
+    device_id: int = 0
+    mem_type: str = "DRAM"
+
+
 class ConnectorHandle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a control message carries in place of a value.
 
@@ -54,6 +68,7 @@ class ConnectorHandle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
     """Wall-clock time of the put (``time.time()``)."""
     lease_timeout_s: float = 0.0
     """Seconds the owner keeps an uncollected value; 0: until it closes."""
+    remote: RemoteLocation | None = None
 
 
 class ConnectorHealth(msgspec.Struct, kw_only=True):
@@ -69,6 +84,9 @@ class ConnectorHealth(msgspec.Struct, kw_only=True):
     """Values released because their lease ran out, plus gets that found such a value gone."""
     outstanding: int = 0
     """Values put here and not yet released (collected, cleaned up, expired or closed)."""
+    acks: int = 0
+    """Values put here that a receiver confirmed it read (connectors whose receivers acknowledge)."""
+    bytes_acked: int = 0
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -148,7 +148,7 @@ class OmniCollector:
 
         moved = CounterMetricFamily(
             "omni_connector_bytes",
-            "Bytes put into / got from each connector",
+            "Bytes put into / got from each connector, and put bytes a receiver confirmed reading",
             labels=["connector", "direction"],
         )
         ops = CounterMetricFamily(
@@ -168,6 +168,7 @@ class OmniCollector:
                 continue
             moved.add_metric([name, "put"], h.bytes_put)
             moved.add_metric([name, "get"], h.bytes_got)
+            moved.add_metric([name, "acked"], h.bytes_acked)
             ops.add_metric([name, "put"], h.puts)
             ops.add_metric([name, "get"], h.gets)
             errors.add_metric([name], h.errors)
@@ -234,6 +235,8 @@ class OmniMetrics:
 
 
 def replica_pid(client: Any) -> int | None:
+    if hasattr(client, "remote_pid"):  # a headless worker's pid, on its own host
+        return client.remote_pid
     manager = getattr(client, "manager", None)
     if manager is not None:
         return getattr(manager, "pid", None)
@@ -342,9 +345,19 @@ class OmniServer:
             state = pool.health()
             for replica, client in zip(state["replicas"], pool.clients, strict=True):
                 replica["pid"] = replica_pid(client)
+                worker = getattr(client, "worker", None)
+                if hasattr(client, "awaits_worker"):
+                    replica["worker"] = (
+                        f"{worker.host} pid {worker.pid}" if worker and client.healthy else None
+                    )
             stages[str(sid)] = state
-        ok = bool(self.omni.pools) and all(pool.healthy for pool in self.omni.pools.values())
-        return ok, {"status": "ok" if ok else "unavailable", "stages": stages}
+        # A headless stage whose worker is away is the worker's problem, not the head's: the head stays
+        # healthy (its requests for that stage wait for the worker or fail with 503) and says so.
+        waiting = [p for p in self.omni.pools.values() if not p.healthy and all(
+            getattr(c, "awaits_worker", False) for c in p.clients)]  # fmt: skip
+        ok = bool(self.omni.pools) and all(p.healthy or p in waiting for p in self.omni.pools.values())
+        status = "unavailable" if not ok else "waiting_for_workers" if waiting else "ok"
+        return ok, {"status": status, "stages": stages}
 
     def start_stat_logging(self, interval: float) -> None:
         """vLLM's periodic throughput lines for the AR engines, as ``vllm serve`` prints them."""
@@ -716,7 +729,7 @@ def bind_socket(args: argparse.Namespace) -> tuple[str, Any]:
 def _log_ready(deployment: ResolvedDeployment, server: OmniServer) -> None:
     for stage in deployment.stages:
         pool = server.omni.pools.get(stage.stage_id)
-        if pool is None:
+        if pool is None or stage.headless:  # its worker says where it runs when it registers
             continue
         devices = ", ".join(
             f"replica {r.replica_id}: {deployment.platform}{':' + r.devices if r.devices else ''} "

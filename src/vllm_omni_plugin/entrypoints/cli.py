@@ -8,6 +8,7 @@ and add an "Omni" group. Every mistake a user can make here ends in one ``error:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -133,6 +134,21 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Directory for generated images served at /media/...; enables response_format=url.",
     )
     group.add_argument(
+        "--stage-id",
+        type=int,
+        default=None,
+        metavar="N",
+        help="With --headless: run only stage N (marked `headless: true` in the deploy config) on this "
+        "host, for the head named by --head.",
+    )
+    group.add_argument(
+        "--head",
+        default=None,
+        metavar="ADDR:PORT",
+        help="With --headless --stage-id N: the head to register with (its host and the deploy "
+        "config's head.port).",
+    )
+    group.add_argument(
         "--print-resolved-config",
         action="store_true",
         default=False,
@@ -219,6 +235,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ):
         if path is not None and not os.path.isfile(path):
             raise OmniCLIError(f"{flag} {path}: no such file")
+    check_headless_args(args)
     return args
 
 
@@ -282,6 +299,9 @@ def run(args: argparse.Namespace) -> None:
         sys.exit(0)
     for note in resolved.notes:
         logger.warning("%s", note)
+    if args.headless:
+        run_headless(args, resolved)
+        return
     from vllm_omni_plugin.entrypoints.api_server import ServeError, run_server
     from vllm_omni_plugin.stage.errors import StageStartError
 
@@ -292,6 +312,47 @@ def run(args: argparse.Namespace) -> None:
     except StageStartError as exc:  # not a usage error: exit 1, still one line (the log has the detail)
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+
+
+def check_headless_args(args: argparse.Namespace) -> None:
+    """``--stage-id``/``--head`` belong to ``--headless`` (a worker); a head takes neither."""
+    if not getattr(args, "headless", False):
+        if args.stage_id is not None or args.head is not None:
+            raise OmniCLIError("--stage-id and --head are for headless stage workers; add --headless")
+        return
+    if args.stage_id is None or args.head is None:
+        raise OmniCLIError(
+            "--headless runs one stage for a head: give --stage-id N and --head ADDR:PORT "
+            "(the head's host and the deploy config's head.port)"
+        )
+    from vllm_omni_plugin.stage.headless import parse_head_address
+
+    try:
+        parse_head_address(args.head)
+    except ValueError as exc:
+        raise OmniCLIError(str(exc)) from None
+
+
+def run_headless(args: argparse.Namespace, resolved: Any) -> None:
+    from vllm_omni_plugin.stage.headless import run_headless_worker
+
+    stage = next((s for s in resolved.stages if s.stage_id == args.stage_id), None)
+    if stage is None:
+        ids = ", ".join(str(s.stage_id) for s in resolved.stages)
+        raise OmniCLIError(f"--stage-id {args.stage_id}: the pipeline has no such stage (stages: {ids})")
+    if not stage.headless:
+        raise OmniCLIError(
+            f"--stage-id {args.stage_id}: stage {args.stage_id} ({stage.name}) is not marked "
+            "`headless: true` in the deploy config, so the head runs it itself; mark it headless in "
+            "the file both hosts use"
+        )
+    if not os.path.isdir(resolved.model):
+        raise OmniCLIError(f"model directory {resolved.model!r} does not exist")
+    with contextlib.suppress(Exception):
+        from vllm_omni_plugin import compat
+
+        compat.configure_logging_from_args(args)
+    sys.exit(run_headless_worker(resolved, args.stage_id, args.head))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,13 +37,20 @@ def build_connectors(deployment: ResolvedDeployment) -> dict[str, Any]:
 
 
 def build_pools(
-    deployment: ResolvedDeployment, connectors: dict[str, Any], stage_ids: Sequence[int] | None = None
+    deployment: ResolvedDeployment,
+    connectors: dict[str, Any],
+    stage_ids: Sequence[int] | None = None,
+    *,
+    headless_worker: bool = False,
 ) -> dict[int, StageReplicaPool]:
+    """A replica pool per stage. Headless stages get a ``RemoteStageClient`` (their worker registers
+    later), except in the headless worker itself, which runs them here."""
     from vllm_omni_plugin.stage.diffusion_core_client import (
         InlineStageDiffusionClient,
         StageDiffusionCoreClient,
     )
     from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionProcConfig
+    from vllm_omni_plugin.stage.headless import RemoteStageClient
     from vllm_omni_plugin.stage.llm_core_client import StageLLMCoreClient
 
     pools: dict[int, StageReplicaPool] = {}
@@ -51,6 +58,17 @@ def build_pools(
         if stage_ids is not None and stage.stage_id not in stage_ids:
             continue
         clients: list[StageCoreClientBase] = []
+        if stage.headless and not headless_worker:
+            router = stage.output_connectors.get("to_stage_router")
+            source = next(iter(sorted(stage.input_connectors.items())), None)
+            remote = RemoteStageClient(
+                stage.stage_id,
+                stage.name,
+                input_connector=connectors.get(source[1]) if source else None,
+                output_connector=connectors.get(router) if router else None,
+            )
+            pools[stage.stage_id] = StageReplicaPool(stage.stage_id, stage.name, [remote])
+            continue
         for replica in stage.replicas:
             if stage.execution_type == "llm_ar":
                 clients.append(
@@ -115,6 +133,8 @@ class AsyncOmni:
         self.connectors: dict[str, Any] = {}
         self.pools: dict[int, StageReplicaPool] = {}
         self.orchestrator: Orchestrator | None = None
+        self.registry: Any = None
+        """Where headless stage workers register, when the deployment has headless stages."""
 
     @classmethod
     async def create(
@@ -142,16 +162,28 @@ class AsyncOmni:
         return omni
 
     async def start(self) -> None:
+        from vllm_omni_plugin.stage.headless import HeadlessStageRegistry, RemoteStageClient
+
         self.connectors = build_connectors(self.deployment)
         self.pools = build_pools(self.deployment, self.connectors)
+        remote = {
+            sid: client
+            for sid, pool in self.pools.items()
+            for client in pool.clients
+            if isinstance(client, RemoteStageClient)
+        }
         started: list[StageReplicaPool] = []
         try:
             for pool in self.pools.values():
                 await pool.start()
                 started.append(pool)
+            if remote:  # only once the local stages run: starting them blocks this loop at times
+                self.registry = HeadlessStageRegistry(self.deployment, remote)
+                await self.registry.start()
         except BaseException:
             for pool in started:
                 await pool.shutdown()
+            await self._stop_registry()
             self._close_connectors()
             raise
         self.orchestrator = Orchestrator(self.deployment, self.pools, self.connectors)
@@ -161,8 +193,15 @@ class AsyncOmni:
         return await self.orchestrator.generate(request)
 
     async def shutdown(self) -> None:
+        await self._stop_registry()
         await asyncio.gather(*(pool.shutdown() for pool in self.pools.values()), return_exceptions=True)
         self._close_connectors()
+
+    async def _stop_registry(self) -> None:
+        """Tell headless workers that the head is going (they stop their replicas and exit)."""
+        if self.registry is not None:
+            registry, self.registry = self.registry, None
+            await registry.shutdown()
 
     def _close_connectors(self) -> None:
         for connector in self.connectors.values():

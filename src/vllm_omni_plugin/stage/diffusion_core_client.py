@@ -9,7 +9,6 @@ import os
 import queue
 import tempfile
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -30,7 +29,7 @@ from vllm_omni_plugin.stage.core_types import (
 )
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionCoreProcManager, StageDiffusionProcConfig
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
-from vllm_omni_plugin.stage.payload import externalize
+from vllm_omni_plugin.stage.payload import collect_output, send_request_through
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
@@ -177,13 +176,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
     async def generate(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
         if self.state != StageState.READY:
             raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
-        put_seconds = 0.0
-        if self.input_connector is not None:
-            t0 = time.perf_counter()
-            request = msgspec.structs.replace(
-                request, diffusion=externalize(request.diffusion, self.input_connector)
-            )
-            put_seconds = time.perf_counter() - t0
+        request, put_seconds = send_request_through(request, self.input_connector)
         future: asyncio.Future[StageDiffusionCoreOutput] = asyncio.get_running_loop().create_future()
         self._pending[request.request_id] = future
         self.inflight.add(request.request_id)
@@ -197,14 +190,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             self.inflight.discard(request.request_id)
             self._pending.pop(request.request_id, None)
         output.timings["transfer_put"] = put_seconds
-        if output.image_handle is not None and self.output_connector is not None:
-            from vllm_omni_plugin.connectors.base import ConnectorHandle
-
-            t0 = time.perf_counter()
-            image = self.output_connector.get(msgspec.convert(output.image_handle, ConnectorHandle))
-            output.image = image.numpy()
-            output.image_handle = None
-            output.timings["transfer_out"] = time.perf_counter() - t0
+        collect_output(output, self.output_connector)
         if output.error is not None:
             raise StageError(output.error, stage_id=self.stage_id, request_id=request.request_id)
         return output

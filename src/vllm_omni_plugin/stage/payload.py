@@ -61,3 +61,29 @@ def release(value: Any, connector: Any) -> None:
     elif isinstance(value, list | tuple):
         for v in value:
             release(v, connector)
+
+
+def send_request_through(request: Any, connector: Any) -> tuple[Any, float]:
+    """A diffusion stage request with its tensors put through ``connector``; (request, seconds)."""
+    import time
+
+    if connector is None or not hasattr(request, "diffusion"):
+        return request, 0.0
+    t0 = time.perf_counter()
+    request = msgspec.structs.replace(request, diffusion=externalize(request.diffusion, connector))
+    return request, time.perf_counter() - t0
+
+
+def collect_output(output: Any, connector: Any) -> None:
+    """Fetch an output's image from ``connector`` when it travelled as a handle (times it)."""
+    import time
+
+    from vllm_omni_plugin.connectors.base import ConnectorHandle
+
+    if connector is None or getattr(output, "image_handle", None) is None:
+        return
+    t0 = time.perf_counter()
+    image = connector.get(msgspec.convert(output.image_handle, ConnectorHandle))
+    output.image = image.numpy()
+    output.image_handle = None
+    output.timings["transfer_out"] = time.perf_counter() - t0

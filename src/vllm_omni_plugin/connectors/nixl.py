@@ -1,0 +1,456 @@
+"""Tensors and bytes between stage processes, on one host or across hosts, through NIXL (UCX underneath).
+
+One NIXL agent per connector object, i.e. per stage process. The receiver pulls:
+
+* ``put`` registers the caller's tensor with the agent where it lies (no copy; DRAM here, VRAM for a
+  CUDA tensor) and returns a handle carrying the agent's metadata for that registration, connection
+  info included. The handle travels in the stage's control message, so the metadata exchange needs no
+  side channel and no round trip.
+* ``get`` adds the owner's agent from the handle, READs the value into a buffer of its own receive
+  pool (registered once, reused, so its pages stay warm) and returns a tensor view of that buffer; the
+  buffer goes back to the pool when the returned tensor is garbage collected. The READ carries an
+  ``ack`` notification: the owner releases (deregisters and drops) its value when the ack arrives.
+* Nothing leaks: an uncollected value is released when its lease runs out (``lease_timeout_s``); a
+  receiver refuses handles whose lease is about to end (the owner may have reused that memory, and a
+  READ of released DRAM is not an error to every transport). ``cleanup`` on the receiving side sends a
+  ``release`` notification to the owner. ``close()`` releases everything at shutdown.
+
+Deploy config: ``connectors: {x: {name: NixlConnector, extra: {...}}}`` with ``backends`` (default
+``[UCX]``), ``transfer_timeout_s`` (30), ``lease_timeout_s`` (300), ``recv_pool_bytes`` (256 MiB;
+values that do not fit are read into one-off buffers) and ``num_threads`` (backend worker threads).
+UCX itself is configured the usual way, through ``UCX_*`` environment variables (e.g. ``UCX_TLS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+
+from vllm_omni_plugin.connectors.base import (
+    ConnectorError,
+    ConnectorHandle,
+    ConnectorTimeoutError,
+    OmniConnector,
+    RemoteLocation,
+    Value,
+    dtype_from_name,
+    dtype_name,
+)
+from vllm_omni_plugin.log import get_logger
+
+logger = get_logger(__name__)
+
+NIXL_API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+"""Where the ``nixl`` Python API lives: the ``nixl`` meta package, or one CUDA build of it alone."""
+DEFAULTS: dict[str, Any] = {
+    "backends": ["UCX"],
+    "transfer_timeout_s": 30.0,
+    "lease_timeout_s": 300.0,
+    "recv_pool_bytes": 256 << 20,
+    "num_threads": 0,
+}
+LEASE_MARGIN_S = 1.0
+"""A receiver does not start a READ this close to the end of a value's lease."""
+POLL_INTERVAL_S = 0.002
+"""How often the owner looks for acknowledgements while values are outstanding."""
+MIN_POOL_BUFFER = 64 << 10
+ACK, RELEASE = b"ack:", b"release:"
+
+
+def load_nixl_api() -> ModuleType:
+    errors = []
+    for name in NIXL_API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError(
+        "NixlConnector needs NIXL: pip install 'vllm-omni-plugin[nixl]' (or the nixl-cu12 / nixl-cu13 "
+        f"package that matches your CUDA); tried {'; '.join(errors)}"
+    )
+
+
+@dataclass
+class _Owned:
+    tensor: torch.Tensor
+    region: tuple[int, int, int]
+    nbytes: int
+    deadline: float
+    """Monotonic time at which the lease runs out (inf without a lease)."""
+
+
+class _ReceivePool:
+    """Registered receive buffers by power-of-two capacity; a buffer is lent out as a tensor view and
+    comes back when that view is garbage collected."""
+
+    def __init__(self, agent: Any, limit_bytes: int) -> None:
+        self.agent = agent
+        self.limit = limit_bytes
+        self.lock = threading.RLock()  # a finalizer may run inside an acquire of the same thread
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.registrations: list[Any] = []
+        self.total = 0
+        self.closed = False
+
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """A registered buffer of at least ``nbytes`` and whether it belongs to the pool."""
+        capacity = max(MIN_POOL_BUFFER, 1 << (nbytes - 1).bit_length())
+        with self.lock:
+            bucket = self.free.get(capacity)
+            if bucket:
+                return bucket.pop(), True
+            pooled = self.total + capacity <= self.limit
+            if pooled:
+                self.total += capacity
+        buffer = torch.empty(capacity if pooled else nbytes, dtype=torch.uint8)
+        registration = self.agent.register_memory(buffer)
+        if pooled:
+            with self.lock:
+                self.registrations.append(registration)
+        else:
+            buffer._omni_registration = registration  # type: ignore[attr-defined]
+        return buffer, pooled
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self.lock:
+            if not self.closed:
+                self.free.setdefault(buffer.numel(), []).append(buffer)
+
+    def drop_one_off(self, buffer: torch.Tensor) -> None:
+        registration = getattr(buffer, "_omni_registration", None)
+        if registration is not None:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(registration)
+
+    def lend(self, buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of a pooled buffer as a tensor that returns the buffer when collected."""
+        view = buffer.numpy()[:nbytes]
+        weakref.finalize(view, self.give_back, buffer)
+        return torch.from_numpy(view)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            registrations, self.registrations = self.registrations, []
+            self.free.clear()
+        for registration in registrations:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(registration)
+
+
+class NixlConnector(OmniConnector):
+    """See the module docstring. Thread-safe; one agent per connector object."""
+
+    def __init__(self, name: str, extra: dict[str, Any] | None = None) -> None:
+        super().__init__(name, extra)
+        unknown = sorted(set(self.extra) - set(DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"connector {name!r}: unknown NixlConnector extra key(s) {unknown} "
+                f"(known: {sorted(DEFAULTS)})"
+            )
+        settings = {**DEFAULTS, **self.extra}
+        self.backends = [str(b) for b in settings["backends"]]
+        self.transfer_timeout_s = float(settings["transfer_timeout_s"])
+        self.lease_timeout_s = float(settings["lease_timeout_s"])
+        api = load_nixl_api()
+        self.agent_name = f"{name}@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        config = api.nixl_agent_config(
+            backends=self.backends,
+            num_threads=int(settings["num_threads"]),
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        try:
+            self.agent = api.nixl_agent(self.agent_name, config)
+        except Exception as exc:
+            raise ConnectorError(
+                f"connector {name!r}: could not create a NIXL agent with backends {self.backends}: "
+                f"{type(exc).__name__}: {exc} (check the UCX_* environment, e.g. UCX_TLS)"
+            ) from exc
+        missing = [b for b in self.backends if b not in self.agent.backends]
+        if missing:
+            raise ConnectorError(
+                f"connector {name!r}: NIXL backend(s) {missing} are not available here "
+                f"(NIXL plugins found: {', '.join(self.agent.plugin_list) or 'none'})"
+            )
+        self._lock = threading.Lock()
+        self._owned: dict[str, _Owned] = {}
+        self._regions: dict[tuple[int, int, int], list[Any]] = {}
+        """(address, bytes, device) -> [registration, values using it]: a tensor put twice is
+        registered once."""
+        self._pool = _ReceivePool(self.agent, int(settings["recv_pool_bytes"]))
+        self._closed = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name=f"nixl-{name}-acks", daemon=True)
+        self._reaper.start()
+        self._finalizer = weakref.finalize(self, NixlConnector._stop_reaper, self._stop, self._wake)
+        logger.debug("connector %s: NIXL agent %s (%s)", name, self.agent_name, self.backends)
+
+    # --- owner side ---------------------------------------------------------------------------------
+
+    def put(self, value: Value) -> ConnectorHandle:
+        kind: Literal["tensor", "bytes"]
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            kind, dtype, shape = "tensor", dtype_name(tensor.dtype), tuple(tensor.shape)
+        elif isinstance(value, bytes | bytearray | memoryview):
+            tensor = torch.frombuffer(bytearray(value), dtype=torch.uint8) if len(value) else torch.empty(0)
+            kind, dtype, shape = "bytes", None, None
+        else:
+            self._stats.add(errors=1)
+            raise TypeError(f"{self.name}: cannot put a {type(value).__name__}; expected a tensor or bytes")
+        nbytes = tensor.numel() * tensor.element_size()
+        key = secrets.token_hex(8)
+        device_id = max(tensor.get_device(), 0)
+        mem_type = "VRAM" if tensor.is_cuda else "DRAM"
+        region = (tensor.data_ptr(), nbytes, device_id)
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(f"connector {self.name!r} is closed")
+            try:
+                metadata = self._register(tensor, region) if nbytes else b""
+            except Exception as exc:
+                self._stats.add(errors=1)
+                raise ConnectorError(f"{self.name}: NIXL could not register {nbytes} bytes: {exc}") from exc
+            deadline = time.monotonic() + self.lease_timeout_s if self.lease_timeout_s > 0 else float("inf")
+            if nbytes:  # an empty value has nothing to read, hence nothing to release
+                self._owned[key] = _Owned(tensor, region, nbytes, deadline)
+        self._stats.add(puts=1, bytes_put=nbytes)
+        self._wake.set()
+        return ConnectorHandle(
+            connector=self.name,
+            key=key,
+            kind=kind,
+            nbytes=nbytes,
+            dtype=dtype,
+            shape=shape,
+            owner_pid=os.getpid(),
+            created_at=time.time(),
+            lease_timeout_s=self.lease_timeout_s,
+            remote=RemoteLocation(
+                agent=self.agent_name,
+                metadata=metadata,
+                addr=region[0],
+                device_id=device_id,
+                mem_type=mem_type,
+            ),
+        )
+
+    def _register(self, tensor: torch.Tensor, region: tuple[int, int, int]) -> bytes:
+        """Register ``tensor`` (once per region) and return the metadata a receiver needs; lock held."""
+        entry = self._regions.get(region)
+        if entry is None:
+            entry = self._regions[region] = [self.agent.register_memory(tensor), 0]
+        entry[1] += 1
+        return self.agent.get_partial_agent_metadata(entry[0], True, self.backends)
+
+    def _release(self, key: str, *, acked: bool = False, expired: bool = False) -> bool:
+        with self._lock:
+            owned = self._owned.pop(key, None)
+            if owned is None:
+                return False
+            entry = self._regions.get(owned.region)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._regions[owned.region]
+                    with contextlib.suppress(Exception):
+                        self.agent.deregister_memory(entry[0])
+        if acked:
+            self._stats.add(acks=1, bytes_acked=owned.nbytes)
+        if expired:
+            self._stats.add(timeouts=1)
+        return True
+
+    def _reap_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._outstanding():
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            try:
+                self._reap()
+            except Exception:  # keep releasing; one failed poll must not end the lease guarantee
+                logger.exception("%s: polling NIXL notifications failed", self.name)
+            self._stop.wait(POLL_INTERVAL_S)
+
+    def _reap(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            notifications = self.agent.get_new_notifs()
+        for messages in notifications.values():
+            for message in messages:
+                if message.startswith(ACK):
+                    self._release(message[len(ACK) :].decode(errors="replace"), acked=True)
+                elif message.startswith(RELEASE):
+                    self._release(message[len(RELEASE) :].decode(errors="replace"))
+        now = time.monotonic()
+        with self._lock:
+            expired = [key for key, owned in self._owned.items() if now >= owned.deadline]
+        for key in expired:
+            self._release(key, expired=True)
+        if expired:
+            logger.warning(
+                "%s: released %d value(s) not collected within the %.0f s lease",
+                self.name,
+                len(expired),
+                self.lease_timeout_s,
+            )
+
+    # --- receiver side -------------------------------------------------------------------------------
+
+    def get(self, handle: ConnectorHandle, timeout: float | None = None) -> torch.Tensor | bytes:
+        remote = handle.remote
+        if remote is None:
+            self._stats.add(errors=1)
+            raise ConnectorError(
+                f"{self.name}: handle {handle.key!r} was not made by a NixlConnector (connector "
+                f"{handle.connector!r})"
+            )
+        if remote.agent == self.agent_name:  # put and got in this process: hand the object over
+            with self._lock:
+                owned = self._owned.get(handle.key)
+            if owned is None:
+                self._stats.add(errors=1)
+                raise ConnectorError(f"{self.name}: no value for handle {handle.key!r} (already collected?)")
+            tensor = owned.tensor
+            self._release(handle.key)
+            self._stats.add(gets=1, bytes_got=handle.nbytes)
+            return tensor.numpy().tobytes() if handle.kind == "bytes" else tensor
+        if (
+            handle.lease_timeout_s > 0
+            and time.time() > handle.created_at + handle.lease_timeout_s - LEASE_MARGIN_S
+        ):
+            self._stats.add(timeouts=1)
+            raise ConnectorTimeoutError(
+                f"{self.name}: value {handle.key!r} of {remote.agent} was not collected within its "
+                f"{handle.lease_timeout_s:.0f} s lease and has been released"
+            )
+        if handle.nbytes == 0:
+            self._stats.add(gets=1)
+            return _as_value(torch.empty(0, dtype=torch.uint8), handle)
+        buffer, pooled = self._pool.acquire(handle.nbytes)
+        try:
+            self._read(handle, remote, buffer, timeout)
+        except BaseException:
+            if pooled:
+                self._pool.give_back(buffer)
+            else:
+                self._pool.drop_one_off(buffer)
+            raise
+        self._stats.add(gets=1, bytes_got=handle.nbytes)
+        if pooled:
+            data = self._pool.lend(buffer, handle.nbytes)
+        else:
+            self._pool.drop_one_off(buffer)
+            data = buffer
+        return _as_value(data, handle)
+
+    def _read(
+        self, handle: ConnectorHandle, remote: RemoteLocation, buffer: torch.Tensor, timeout: float | None
+    ) -> None:
+        limit = self.transfer_timeout_s if timeout is None else min(timeout, self.transfer_timeout_s)
+        what = f"{self.name}: reading {handle.key!r} ({handle.nbytes} bytes) from {remote.agent}"
+        transfer = None
+        try:
+            with self._lock:
+                peer = self.agent.add_remote_agent(remote.metadata)
+                local = self.agent.get_xfer_descs([(buffer.data_ptr(), handle.nbytes, 0)], "DRAM")
+                far = self.agent.get_xfer_descs(
+                    [(remote.addr, handle.nbytes, remote.device_id)], remote.mem_type
+                )
+                transfer = self.agent.initialize_xfer(
+                    "READ", local, far, _agent_name(peer), ACK + handle.key.encode()
+                )
+                state = self.agent.transfer(transfer)
+            deadline = time.monotonic() + limit
+            pause = 0.0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    self._stats.add(timeouts=1)
+                    raise ConnectorTimeoutError(f"{what} did not finish within {limit:.1f} s")
+                if pause:
+                    time.sleep(pause)
+                pause = min(pause * 2 or 2e-5, 1e-3)
+                state = self.agent.check_xfer_state(transfer)
+            if state != "DONE":
+                raise ConnectorError(f"{what} failed (NIXL state {state})")
+        except ConnectorTimeoutError:
+            raise
+        except ConnectorError:
+            self._stats.add(errors=1)
+            raise
+        except Exception as exc:  # nixl raises its own error types (e.g. the owner has gone away)
+            self._stats.add(errors=1)
+            raise ConnectorError(
+                f"{what} failed: {type(exc).__name__}: {exc} (has the sending stage exited?)"
+            ) from exc
+        finally:
+            if transfer is not None:
+                with contextlib.suppress(Exception):
+                    self.agent.release_xfer_handle(transfer)
+
+    def cleanup(self, handle: ConnectorHandle) -> None:
+        remote = handle.remote
+        if remote is None or self._release(handle.key):
+            return
+        with contextlib.suppress(Exception), self._lock:  # best effort: the lease frees it otherwise
+            peer = self.agent.add_remote_agent(remote.metadata)
+            self.agent.send_notif(_agent_name(peer), RELEASE + handle.key.encode())
+
+    # --- lifetime ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            keys = list(self._owned)
+        self._stop_reaper(self._stop, self._wake)
+        self._reaper.join(5)
+        with self._lock:
+            regions, self._regions = self._regions, {}
+            self._owned.clear()
+        for registration, _count in regions.values():
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(registration)
+        self._pool.close()
+        if keys:
+            logger.debug("%s: released %d uncollected value(s) at close", self.name, len(keys))
+
+    @staticmethod
+    def _stop_reaper(stop: threading.Event, wake: threading.Event) -> None:
+        stop.set()
+        wake.set()
+
+    def _outstanding(self) -> int:
+        with self._lock:
+            return len(self._owned)
+
+
+def _agent_name(peer: Any) -> str:
+    return peer.decode() if isinstance(peer, bytes) else str(peer)
+
+
+def _as_value(data: torch.Tensor, handle: ConnectorHandle) -> torch.Tensor | bytes:
+    """Raw bytes (uint8, flat) -> what was put: a tensor of the handle's dtype and shape, or bytes."""
+    if handle.kind == "bytes":
+        return data.numpy().tobytes()
+    dtype = dtype_from_name(handle.dtype or "uint8")
+    flat = data.view(dtype) if data.numel() else torch.empty(0, dtype=dtype)
+    return flat.reshape(handle.shape or (flat.numel(),))
