@@ -75,6 +75,9 @@ def test_vllm_omni_distribution_conflict_exits_2(tmp_path: Path) -> None:
         (["--deploy-config", "/nonexistent/x.yaml"], "/nonexistent/x.yaml: no such file"),
         (["--stage-overrides", "[1]"], "expected a JSON object keyed by stage id"),
         (["--stage-overrides", "{bad"], "not valid JSON"),
+        (["--headless"], "give --stage-id N and --head ADDR:PORT"),
+        (["--stage-id", "1", "--head", "10.0.0.1:29600"], "add --headless"),
+        (["--headless", "--stage-id", "1", "--head", "10.0.0.1"], "expected ADDR:PORT"),
     ],
 )
 def test_bad_omni_arguments_exit_2(args: list[str], message: str) -> None:
@@ -170,3 +173,11 @@ def test_busy_port_exits_2_before_any_stage_starts(glm_dir: Path) -> None:
     line = one_error_line(result)
     assert f"127.0.0.1:{port}" in line and "already in use" in line
     assert " ready" not in result.stderr  # nothing was started ("already" aside)
+
+
+def test_headless_worker_for_a_stage_the_head_runs_exits_2(glm_dir: Path) -> None:
+    result = vllm("serve", str(glm_dir), "--omni", "--deploy-config", str(REPO / "deploy" / "glm_image.yaml"),
+                  "--headless", "--stage-id", "1", "--head", "127.0.0.1:29600")  # fmt: skip
+    assert result.returncode == 2
+    assert "stage 1 (dit) is not marked `headless: true`" in result.stderr
+    assert "Traceback" not in result.stderr

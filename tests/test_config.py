@@ -147,6 +147,63 @@ def test_nixl_config_puts_both_hops_on_nixl(model_dir: str) -> None:
     assert resolved.stage(0).replicas[0].env == {"CUDA_VISIBLE_DEVICES": "0"}
 
 
+def test_nixl_config_runs_the_dit_in_a_headless_worker(model_dir: str) -> None:
+    path = next(p for p in packaged_deploy_configs() if p.name == "glm_image_nixl.yaml")
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
+    assert [s.headless for s in resolved.stages] == [False, True]
+    assert (resolved.head.host, resolved.head.port) == ("0.0.0.0", 29600)
+    assert resolved.head.heartbeat_timeout_s > resolved.head.heartbeat_interval_s
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            """
+            pipeline: glm_image
+            stages: [{stage_id: 1, headless: true, process: false}]
+            """,
+            "stages[stage_id=1].process: a headless stage runs in processes of its own",
+        ),
+        (
+            """
+            pipeline: glm_image
+            connectors: {local: {name: InProcessConnector}}
+            stages:
+              - {stage_id: 1, headless: true, input_connectors: {from_stage_0: local}}
+            """,
+            "InProcessConnector, which cannot reach a headless worker",
+        ),
+        (
+            """
+            pipeline: glm_image
+            head: {heartbeat_interval_s: 5, heartbeat_timeout_s: 2}
+            """,
+            "head.heartbeat_timeout_s: heartbeat_timeout_s (2.0) must be longer than heartbeat_interval_s",
+        ),
+        (
+            """
+            pipeline: glm_image
+            head: {port: 70000}
+            """,
+            "head.port",
+        ),
+    ],
+)
+def test_bad_headless_settings(tmp_path: Path, model_dir: str, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_deployment(model_dir, deploy_config=str(write(tmp_path, text)), platform=CPU)
+    assert message in str(info.value)
+
+
+def test_headless_stage_over_shared_memory_gets_a_note(tmp_path: Path, model_dir: str) -> None:
+    path = write(tmp_path, "pipeline: glm_image\nstages: [{stage_id: 1, headless: true}]\n")
+    resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=CPU)
+    assert any("works only when the worker runs on the head's host" in n for n in resolved.notes)
+    again = reresolve(resolved, load_deploy_file(path, model=model_dir, allow_legacy=False), CPU)
+    assert again.stage(1).headless and again.head == resolved.head
+
+
 def test_default_packaged_config_for_detected_pipeline(model_dir: str) -> None:
     resolved = resolve_deployment(model_dir, platform=GPU)
     assert resolved.stage(1).replicas[0].devices == "1"  # glm_image.yaml: DiT on device 1
