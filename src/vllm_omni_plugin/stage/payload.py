@@ -18,7 +18,10 @@ HANDLE_KEY = "__omni_connector_handle__"
 def externalize(value: Any, connector: Any, min_bytes: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() * value.element_size() >= min_bytes:
-            return {HANDLE_KEY: msgspec.to_builtins(connector.put(value.detach().cpu().contiguous()))}
+            tensor = value.detach()
+            if not getattr(connector, "device_memory", False):  # it can only store host memory
+                tensor = tensor.cpu()
+            return {HANDLE_KEY: msgspec.to_builtins(connector.put(tensor.contiguous()))}
         return value
     if isinstance(value, msgspec.Struct):
         changes = {f: externalize(getattr(value, f), connector, min_bytes) for f in value.__struct_fields__}
