@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -59,13 +60,17 @@ DEFAULTS: dict[str, Any] = {
     "lease_timeout_s": 300.0,
     "recv_pool_bytes": 256 << 20,
     "num_threads": 0,
+    "progress_thread": False,
 }
-LEASE_MARGIN_S = 1.0
-"""A receiver does not start a READ this close to the end of a value's lease."""
+LEASE_MARGIN = (1.0, 0.1)
+"""A receiver does not start a READ this close to the end of a value's lease: the lesser of 1 s and a
+tenth of the lease."""
 POLL_INTERVAL_S = 0.002
 """How often the owner looks for acknowledgements while values are outstanding."""
 MIN_POOL_BUFFER = 64 << 10
 ACK, RELEASE = b"ack:", b"release:"
+COLLECTED_MEMORY = 1 << 16
+"""How many collected or cleaned-up keys a receiver remembers to refuse a second ``get`` of a handle."""
 
 
 def load_nixl_api() -> ModuleType:
@@ -152,6 +157,9 @@ class _ReceivePool:
 class NixlConnector(OmniConnector):
     """See the module docstring. Thread-safe; one agent per connector object."""
 
+    device_memory = True
+    """``put`` takes device tensors where they lie (NIXL registers VRAM); others are moved to the host."""
+
     def __init__(self, name: str, extra: dict[str, Any] | None = None) -> None:
         super().__init__(name, extra)
         unknown = sorted(set(self.extra) - set(DEFAULTS))
@@ -161,14 +169,25 @@ class NixlConnector(OmniConnector):
                 f"(known: {sorted(DEFAULTS)})"
             )
         settings = {**DEFAULTS, **self.extra}
-        self.backends = [str(b) for b in settings["backends"]]
-        self.transfer_timeout_s = float(settings["transfer_timeout_s"])
-        self.lease_timeout_s = float(settings["lease_timeout_s"])
+        backends = settings["backends"]
+        if not isinstance(backends, list | tuple) or not backends:
+            raise ValueError(
+                f"connector {name!r}: NixlConnector extra 'backends' must be a non-empty list of NIXL "
+                f"backend names, got {backends!r}"
+            )
+        self.backends = [str(b) for b in backends]
+        self.transfer_timeout_s = _option(name, settings, "transfer_timeout_s", float, minimum=1e-3)
+        self.lease_timeout_s = _option(name, settings, "lease_timeout_s", float)
+        recv_pool_bytes = _option(name, settings, "recv_pool_bytes", int)
+        num_threads = _option(name, settings, "num_threads", int)
         api = load_nixl_api()
         self.agent_name = f"{name}@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         config = api.nixl_agent_config(
             backends=self.backends,
-            num_threads=int(settings["num_threads"]),
+            num_threads=num_threads,
+            # NIXL's progress thread polls without pausing: a core per agent. Our ack poller and the
+            # receiver's wait for its READ drive UCX's progress instead.
+            enable_prog_thread=bool(settings["progress_thread"]),
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
@@ -189,8 +208,13 @@ class NixlConnector(OmniConnector):
         self._regions: dict[tuple[int, int, int], list[Any]] = {}
         """(address, bytes, device) -> [registration, values using it]: a tensor put twice is
         registered once."""
-        self._pool = _ReceivePool(self.agent, int(settings["recv_pool_bytes"]))
+        self._pool = _ReceivePool(self.agent, recv_pool_bytes)
         self._closed = False
+        self._abandoned: list[torch.Tensor] = []
+        """Receive buffers of timed-out READs, kept alive because the transfer may still write them."""
+        self._collected: OrderedDict[str, None] = OrderedDict()
+        """Keys this side read or cleaned up: a second READ would see memory the owner has released,
+        which shared-memory transports (e.g. UCX cma) deliver without an error."""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name=f"nixl-{name}-acks", daemon=True)
@@ -222,7 +246,7 @@ class NixlConnector(OmniConnector):
             if self._closed:
                 raise ConnectorError(f"connector {self.name!r} is closed")
             try:
-                metadata = self._register(tensor, region) if nbytes else b""
+                metadata = self._register(region, mem_type) if nbytes else b""
             except Exception as exc:
                 self._stats.add(errors=1)
                 raise ConnectorError(f"{self.name}: NIXL could not register {nbytes} bytes: {exc}") from exc
@@ -250,11 +274,14 @@ class NixlConnector(OmniConnector):
             ),
         )
 
-    def _register(self, tensor: torch.Tensor, region: tuple[int, int, int]) -> bytes:
-        """Register ``tensor`` (once per region) and return the metadata a receiver needs; lock held."""
+    def _register(self, region: tuple[int, int, int], mem_type: str) -> bytes:
+        """Register ``region`` (once) and return the metadata a receiver needs; lock held.
+
+        The region is passed as a descriptor, not as the tensor: NIXL cannot describe a 0-d tensor.
+        """
         entry = self._regions.get(region)
         if entry is None:
-            entry = self._regions[region] = [self.agent.register_memory(tensor), 0]
+            entry = self._regions[region] = [self.agent.register_memory([(*region, "")], mem_type), 0]
         entry[1] += 1
         return self.agent.get_partial_agent_metadata(entry[0], True, self.backends)
 
@@ -322,6 +349,9 @@ class NixlConnector(OmniConnector):
                 f"{self.name}: handle {handle.key!r} was not made by a NixlConnector (connector "
                 f"{handle.connector!r})"
             )
+        if handle.nbytes == 0:  # nothing was registered or kept: nothing to read or release
+            self._stats.add(gets=1)
+            return _as_value(torch.empty(0, dtype=torch.uint8), handle)
         if remote.agent == self.agent_name:  # put and got in this process: hand the object over
             with self._lock:
                 owned = self._owned.get(handle.key)
@@ -332,22 +362,31 @@ class NixlConnector(OmniConnector):
             self._release(handle.key)
             self._stats.add(gets=1, bytes_got=handle.nbytes)
             return tensor.numpy().tobytes() if handle.kind == "bytes" else tensor
-        if (
-            handle.lease_timeout_s > 0
-            and time.time() > handle.created_at + handle.lease_timeout_s - LEASE_MARGIN_S
-        ):
+        lease = handle.lease_timeout_s
+        margin = min(LEASE_MARGIN[0], lease * LEASE_MARGIN[1])
+        if lease > 0 and time.time() > handle.created_at + lease - margin:
             self._stats.add(timeouts=1)
             raise ConnectorTimeoutError(
                 f"{self.name}: value {handle.key!r} of {remote.agent} was not collected within its "
-                f"{handle.lease_timeout_s:.0f} s lease and has been released"
+                f"{lease:g} s lease; its owner releases it (or has released it)"
             )
-        if handle.nbytes == 0:
-            self._stats.add(gets=1)
-            return _as_value(torch.empty(0, dtype=torch.uint8), handle)
+        if self._closed:
+            raise ConnectorError(f"connector {self.name!r} is closed")
+        if not self._remember(handle.key):
+            self._stats.add(errors=1)
+            raise ConnectorError(
+                f"{self.name}: value {handle.key!r} of {remote.agent} was already collected or cleaned up"
+            )
         buffer, pooled = self._pool.acquire(handle.nbytes)
         try:
             self._read(handle, remote, buffer, timeout)
+        except ConnectorTimeoutError:
+            # The READ may still land in this buffer: never reuse or free it (timeouts are rare).
+            self._abandoned.append(buffer)
+            raise
         except BaseException:
+            with self._lock:  # not delivered: a retry may read it
+                self._collected.pop(handle.key, None)
             if pooled:
                 self._pool.give_back(buffer)
             else:
@@ -397,18 +436,31 @@ class NixlConnector(OmniConnector):
             raise
         except Exception as exc:  # nixl raises its own error types (e.g. the owner has gone away)
             self._stats.add(errors=1)
+            gone = "DISCONNECT" in f"{type(exc).__name__} {exc}".upper()
             raise ConnectorError(
-                f"{what} failed: {type(exc).__name__}: {exc} (has the sending stage exited?)"
+                f"{what} failed: {type(exc).__name__}: {exc}"
+                + (" (the sending stage has exited)" if gone else "")
             ) from exc
         finally:
             if transfer is not None:
                 with contextlib.suppress(Exception):
                     self.agent.release_xfer_handle(transfer)
 
+    def _remember(self, key: str) -> bool:
+        """Record ``key`` as collected here; False if it already was."""
+        with self._lock:
+            if key in self._collected:
+                return False
+            self._collected[key] = None
+            if len(self._collected) > COLLECTED_MEMORY:
+                self._collected.popitem(last=False)
+            return True
+
     def cleanup(self, handle: ConnectorHandle) -> None:
         remote = handle.remote
         if remote is None or self._release(handle.key):
             return
+        self._remember(handle.key)
         with contextlib.suppress(Exception), self._lock:  # best effort: the lease frees it otherwise
             peer = self.agent.add_remote_agent(remote.metadata)
             self.agent.send_notif(_agent_name(peer), RELEASE + handle.key.encode())
@@ -443,6 +495,22 @@ class NixlConnector(OmniConnector):
             return len(self._owned)
 
 
+def _option(connector: str, settings: dict[str, Any], key: str, kind: type, minimum: float = 0) -> Any:
+    """A numeric ``extra`` setting; a bad one is named in the error (``float("soon")`` alone is not)."""
+    value = settings[key]
+    try:
+        number = kind(value)
+        valid = not isinstance(value, bool) and number >= minimum
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"connector {connector!r}: NixlConnector extra {key!r} must be a number >= {minimum:g}, "
+            f"got {value!r}"
+        )
+    return number
+
+
 def _agent_name(peer: Any) -> str:
     return peer.decode() if isinstance(peer, bytes) else str(peer)
 
@@ -453,4 +521,4 @@ def _as_value(data: torch.Tensor, handle: ConnectorHandle) -> torch.Tensor | byt
         return data.numpy().tobytes()
     dtype = dtype_from_name(handle.dtype or "uint8")
     flat = data.view(dtype) if data.numel() else torch.empty(0, dtype=dtype)
-    return flat.reshape(handle.shape or (flat.numel(),))
+    return flat.reshape(handle.shape if handle.shape is not None else (flat.numel(),))
