@@ -65,8 +65,12 @@ DEFAULTS: dict[str, Any] = {
 LEASE_MARGIN = (1.0, 0.1)
 """A receiver does not start a READ this close to the end of a value's lease: the lesser of 1 s and a
 tenth of the lease."""
-POLL_INTERVAL_S = 0.002
-"""How often the owner looks for acknowledgements while values are outstanding."""
+POLL_INTERVAL_S = (5e-5, 0.002)
+"""How often the owner polls NIXL while values are outstanding: often right after a put or an ack,
+backing off to the slower pace while nothing happens. The polls also drive UCX's progress, which
+READs through transports that emulate them with active messages (e.g. TCP) wait for."""
+SPIN_S = 0.005
+"""How long a receiver polls its READ without pausing."""
 MIN_POOL_BUFFER = 64 << 10
 ACK, RELEASE = b"ack:", b"release:"
 COLLECTED_MEMORY = 1 << 16
@@ -304,21 +308,28 @@ class NixlConnector(OmniConnector):
         return True
 
     def _reap_loop(self) -> None:
+        fastest, slowest = POLL_INTERVAL_S
+        interval = fastest
         while not self._stop.is_set():
             if not self._outstanding():
                 self._wake.wait(1.0)
                 self._wake.clear()
+                interval = fastest
                 continue
+            busy = self._wake.is_set()
+            self._wake.clear()
             try:
-                self._reap()
+                busy = self._reap() or busy
             except Exception:  # keep releasing; one failed poll must not end the lease guarantee
                 logger.exception("%s: polling NIXL notifications failed", self.name)
-            self._stop.wait(POLL_INTERVAL_S)
+            interval = fastest if busy else min(interval * 2, slowest)
+            time.sleep(interval)
 
-    def _reap(self) -> None:
+    def _reap(self) -> bool:
+        """Handle acknowledgements, release requests and expired leases; whether anything came."""
         with self._lock:
             if self._closed:
-                return
+                return False
             notifications = self.agent.get_new_notifs()
         for messages in notifications.values():
             for message in messages:
@@ -338,6 +349,7 @@ class NixlConnector(OmniConnector):
                 len(expired),
                 self.lease_timeout_s,
             )
+        return bool(notifications)
 
     # --- receiver side -------------------------------------------------------------------------------
 
@@ -417,15 +429,15 @@ class NixlConnector(OmniConnector):
                     "READ", local, far, _agent_name(peer), ACK + handle.key.encode()
                 )
                 state = self.agent.transfer(transfer)
-            deadline = time.monotonic() + limit
-            pause = 0.0
+            start = time.monotonic()
             while state == "PROC":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now - start > limit:
                     self._stats.add(timeouts=1)
                     raise ConnectorTimeoutError(f"{what} did not finish within {limit:.1f} s")
-                if pause:
-                    time.sleep(pause)
-                pause = min(pause * 2 or 2e-5, 1e-3)
+                # Most READs finish within milliseconds: poll (this drives UCX's progress) while
+                # letting other threads run, then back off so a slow transfer does not take a core.
+                time.sleep(0 if now - start < SPIN_S else min((now - start) / 10, 1e-3))
                 state = self.agent.check_xfer_state(transfer)
             if state != "DONE":
                 raise ConnectorError(f"{what} failed (NIXL state {state})")
