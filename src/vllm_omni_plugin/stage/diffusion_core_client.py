@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_client import PendingReplies, StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     FromStageMessage,
     StageAbort,
@@ -62,7 +62,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         self.restart_on_death = restart
         self._to_stage = StageMessageCodec(ToStageMessage)
         self._from_stage = StageMessageCodec(FromStageMessage)
-        self._pending: dict[str, asyncio.Future[StageDiffusionCoreOutput]] = {}
+        self._pending = PendingReplies(self)
         self._ready: asyncio.Future[StageReady] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._context: Any = None
@@ -127,12 +127,9 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 continue
             assert isinstance(message, StageCoreOutputs)
             for output in message.outputs:
-                future = self._pending.pop(output.request_id, None)
-                if future is None or future.done():
+                if not self._pending.resolve(output.request_id, output):
                     if output.image_handle is not None and self.output_connector is not None:
                         self._release(output.image_handle)  # aborted meanwhile: free its image
-                    continue
-                future.set_result(output)
 
     def _release(self, handle: Any) -> None:
         from vllm_omni_plugin.connectors.base import ConnectorHandle
@@ -157,10 +154,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 f"{self.label} died (exit code {code}) while serving this request; the stage is restarting",
                 stage_id=self.stage_id,
             )
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(error)
-            self._pending.clear()
+            self._pending.fail_all(error)
             self.manager.stop()
             if not self.restart_on_death:
                 self.state = StageState.DEAD
@@ -177,18 +171,9 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         if self.state != StageState.READY:
             raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
         request, put_seconds = send_request_through(request, self.input_connector)
-        future: asyncio.Future[StageDiffusionCoreOutput] = asyncio.get_running_loop().create_future()
-        self._pending[request.request_id] = future
-        self.inflight.add(request.request_id)
-        try:
-            await self._push.send(self._to_stage.encode(request))
-            output = await future
-        except asyncio.CancelledError:
-            await self.abort([request.request_id])
-            raise
-        finally:
-            self.inflight.discard(request.request_id)
-            self._pending.pop(request.request_id, None)
+        output: StageDiffusionCoreOutput = await self._pending.wait(
+            request.request_id, self._push.send(self._to_stage.encode(request))
+        )
         output.timings["transfer_put"] = put_seconds
         collect_output(output, self.output_connector)
         if output.error is not None:
@@ -196,12 +181,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         return output
 
     async def abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            future = self._pending.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(
-                    RequestAbortedError("aborted", stage_id=self.stage_id, request_id=request_id)
-                )
+        self._pending.fail(request_ids)
         if self._push is not None and self.state == StageState.READY:
             await self._push.send(self._to_stage.encode(StageAbort(request_ids=list(request_ids))))
 
@@ -221,11 +201,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 sock.close(linger=0)
         if self._context is not None:
             self._context.term()
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(
-                    RequestAbortedError("the stage is shutting down", stage_id=self.stage_id)
-                )
+        self._pending.fail_all(RequestAbortedError("the stage is shutting down", stage_id=self.stage_id))
         for address in (self.config.input_address, self.config.output_address):
             with contextlib.suppress(OSError):
                 os.unlink(address.removeprefix("ipc://"))

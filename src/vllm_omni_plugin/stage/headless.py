@@ -34,7 +34,7 @@ import msgspec
 
 from vllm_omni_plugin.config.resolve import ResolvedDeployment, ResolvedHead
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_client import PendingReplies, StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     StageAbort,
     StageDiffusionCoreOutput,
@@ -144,7 +144,7 @@ class RemoteStageClient(StageCoreClientBase):
         self.last_seen = 0.0
         self.joins = 0
         self._send: Any = None
-        self._pending: dict[str, asyncio.Future[RemoteOutput]] = {}
+        self._pending = PendingReplies(self)
 
     @property
     def label(self) -> str:
@@ -178,16 +178,15 @@ class RemoteStageClient(StageCoreClientBase):
             f"{self.label} {why} while serving this request; waiting for the worker to rejoin",
             stage_id=self.stage_id,
         )
-        self._fail_pending(error)
+        self._pending.fail_all(error)
         self.identity = None
         if self.state != StageState.STOPPED:
             self.state = StageState.RESTARTING
 
     def deliver(self, message: RemoteOutput) -> None:
-        future = self._pending.pop(message.request_id, None)
-        if future is not None and not future.done():
-            future.set_result(message)
-        elif message.output is not None and getattr(message.output, "image_handle", None) is not None:
+        if self._pending.resolve(message.request_id, message):
+            return
+        if message.output is not None and getattr(message.output, "image_handle", None) is not None:
             with contextlib.suppress(Exception):  # aborted meanwhile: free its image
                 from vllm_omni_plugin.connectors.base import ConnectorHandle
 
@@ -197,18 +196,9 @@ class RemoteStageClient(StageCoreClientBase):
         if self.state != StageState.READY or self.identity is None:
             raise StageDeadError(f"{self.label} has no worker registered", stage_id=self.stage_id)
         request, put_seconds = send_request_through(request, self.input_connector)
-        future: asyncio.Future[RemoteOutput] = asyncio.get_running_loop().create_future()
-        self._pending[request.request_id] = future
-        self.inflight.add(request.request_id)
-        try:
-            await self._send(self.identity, RemoteRequest(request=request))
-            message = await future
-        except asyncio.CancelledError:
-            await self.abort([request.request_id])
-            raise
-        finally:
-            self.inflight.discard(request.request_id)
-            self._pending.pop(request.request_id, None)
+        message: RemoteOutput = await self._pending.wait(
+            request.request_id, self._send(self.identity, RemoteRequest(request=request))
+        )
         if message.error is not None or message.output is None:
             error = message.error or "the worker returned no output"
             kind = {"dead": StageDeadError, "aborted": RequestAbortedError}.get(
@@ -221,25 +211,14 @@ class RemoteStageClient(StageCoreClientBase):
         return output
 
     async def abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            future = self._pending.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(
-                    RequestAbortedError("aborted", stage_id=self.stage_id, request_id=request_id)
-                )
+        self._pending.fail(request_ids)
         if self.identity is not None and self._send is not None:
             with contextlib.suppress(Exception):
                 await self._send(self.identity, StageAbort(request_ids=list(request_ids)))
 
     async def shutdown(self) -> None:
         self.state = StageState.STOPPED
-        self._fail_pending(RequestAbortedError("the head is shutting down", stage_id=self.stage_id))
-
-    def _fail_pending(self, error: BaseException) -> None:
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
+        self._pending.fail_all(RequestAbortedError("the head is shutting down", stage_id=self.stage_id))
 
 
 class HeadlessStageRegistry:
