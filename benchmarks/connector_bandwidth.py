@@ -1,14 +1,29 @@
-"""Connector bandwidth, put in one process and get in another, against an in-process memcpy.
+"""Connector bandwidth, put in one process and get in another, against an in-process memcpy and a bare
+two-agent NIXL transfer.
 
-    python benchmarks/connector_bandwidth.py [--min-size 1K] [--max-size 256M] [--seconds 0.4]
+    python benchmarks/connector_bandwidth.py [--min-size 1K] [--max-size 256M] [--seconds 0.25]
+                                             [--repeats 2] [--connectors shm,nixl]
 
 For each size, the parent puts one tensor after another and sends each handle (msgpack, over a pipe) to a
-spawned receiver process, which gets it and acknowledges; a rate counts bytes from the first put to
-the last acknowledgement. "1 in flight" waits for each acknowledgement before the next put (latency
-bound); "2 in flight" lets the next put overlap the previous get (what a stream of stage outputs sees).
-Baselines in the same run: ``dst.copy_(src)`` into a warm buffer (the target's reference), and
-``src.clone()``, which like ``get`` returns fresh memory and so pays for first-touching its pages.
-Every process runs torch with one thread.
+spawned receiver process, which gets it, checks two bytes, drops it and acknowledges; a rate counts bytes
+from the first put to the last acknowledgement, and a cell shows the best of ``--repeats`` rates (single
+rates are noisy on small machines). "1 in flight" waits for each acknowledgement before the next put
+(latency bound); "2 in flight" lets the next put overlap the previous get (what a stream of stage outputs
+sees).
+
+Baselines in the same run: ``dst.copy_(src)`` into a warm buffer (the shared-memory connector's
+reference); ``src.clone()``, which returns fresh memory and so pays for first-touching its pages; and, when
+a NIXL connector row is asked for, "bare nixl" (its reference): two NIXL agents (UCX; see
+``bare_nixl_agent``) in this process and a spawned one, each with one DRAM buffer of the largest size,
+registered and touched up front, metadata exchanged once. Per transfer the parent sends the size over the
+pipe and the child READs that many bytes (``initialize_xfer`` / ``transfer`` / poll ``check_xfer_state``
+/ ``release_xfer_handle``) and acknowledges: same windows, same clock as the connector rows.
+
+Every row shows its ratio to memcpy; NIXL connector rows also to bare nixl (same window); a summary gives
+the worst ratio against each target. Rows whose connector class or NIXL cannot be loaded are skipped with
+the reason. Every process runs torch with one thread. A NIXL agent's progress thread, where it runs,
+keeps a core busy, so rows are measured in phases, each with only its own processes alive (memcpy and
+clone; bare nixl; the other connectors; each NIXL connector), and the table comes at the end.
 
 A connector is one more entry in ``CONNECTORS`` (its class name and ``extra``, as in a deploy config).
 """
@@ -16,26 +31,42 @@ A connector is one more entry in ``CONNECTORS`` (its class name and ``extra``, a
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs each agent's start to stdout otherwise
 
 import msgspec  # noqa: E402
 import torch  # noqa: E402
 
+from vllm_omni_plugin.connectors import CONNECTOR_CLASSES  # noqa: E402
 from vllm_omni_plugin.connectors.base import ConnectorHandle, OmniConnector, make_connector  # noqa: E402
+from vllm_omni_plugin.dotted import import_object  # noqa: E402
 
 CONNECTORS: dict[str, tuple[str, dict]] = {
-    "shm": ("SharedMemoryConnector", {}),
+    # Room for two 256 MiB values in flight; the default pool (256 MiB) holds one such value, and a
+    # second one in flight takes the slower one-off path.
+    "shm": ("SharedMemoryConnector", {"pool_bytes": 512 << 20}),
+    "nixl": ("NixlConnector", {}),
 }
 """Row label -> (connector class, extra), built in both processes through ``make_connector``."""
 
+NIXL_CLASS = "NixlConnector"
+"""Connector rows of this class are compared with bare nixl too."""
+
 WINDOWS = (1, 2)
 """Transfers in flight at once, one row each."""
+
+TARGETS = {"shm": ("memcpy", 0.5, 1 << 20), "nixl": ("bare nixl", 0.8, 0)}
+"""Row label -> (reference, minimum ratio, from this size on), for the summary."""
 
 _STOP = b"stop"
 
@@ -47,20 +78,75 @@ def _receiver(conn, class_name: str, extra: dict) -> None:
     while (message := conn.recv_bytes()) != _STOP:
         value = connector.get(decoder.decode(message))
         flat = value.reshape(-1).view(torch.uint8)
-        conn.send_bytes(bytes([int(flat[0]), int(flat[-1])]) if flat.numel() else b"")
+        reply = bytes([int(flat[0]), int(flat[-1])]) if flat.numel() else b""
+        del value, flat  # done with it: pooled connectors may reuse its memory
+        conn.send_bytes(reply)
     connector.close()
+
+
+def load_nixl() -> tuple[Any, Any]:
+    """``(nixl_agent, nixl_agent_config)``, from the ``nixl`` meta package or the CUDA 12 build."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config
+
+
+def bare_nixl_agent(name: str, progress_thread: bool) -> Any:
+    """A UCX agent (strict thread sync, as NixlConnector's) for the bare baseline, set up the fastest way
+    we found: the owner runs NIXL's progress thread, so that it serves READs at once (between processes
+    UCX emulates them with active messages, which need the owner's progress; without any progress
+    thread they hang) while its main thread sleeps on the pipe; the receiver runs none and drives its
+    READ by polling, like NixlConnector's receiver. (On a 2-core VM, progress threads on both sides read
+    at 60-70% of that rate.)"""
+    nixl_agent, nixl_agent_config = load_nixl()
+    sync = getattr(sys.modules[nixl_agent.__module__], "nixl_thread_sync_t", None)
+    options = {"sync_mode": sync.NIXL_THREAD_SYNC_STRICT} if sync is not None else {}
+    return nixl_agent(
+        name, nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread, **options)
+    )
+
+
+def _touched_buffer(nbytes: int) -> torch.Tensor:
+    """The benchmark's byte pattern (``i % 251``), in memory whose pages are all touched."""
+    return torch.arange(251, dtype=torch.uint8).repeat(-(-nbytes // 251))[:nbytes]
+
+
+def _bare_nixl_receiver(conn, max_bytes: int) -> None:
+    torch.set_num_threads(1)
+    agent = bare_nixl_agent(f"bench-bare-rx-{os.getpid()}", progress_thread=False)
+    buffer = torch.zeros(max_bytes, dtype=torch.uint8).fill_(1)
+    agent.register_memory(buffer)
+    metadata, remote_addr = conn.recv()
+    remote = agent.add_remote_agent(metadata)
+    conn.send(agent.get_agent_metadata())
+    while (message := conn.recv_bytes()) != _STOP:
+        nbytes = int.from_bytes(message, "little")
+        local = agent.get_xfer_descs([(buffer.data_ptr(), nbytes, 0)], "DRAM")
+        remote_descs = agent.get_xfer_descs([(remote_addr, nbytes, 0)], "DRAM")
+        xfer = agent.initialize_xfer("READ", local, remote_descs, remote, b"")
+        state = agent.transfer(xfer)
+        while state == "PROC":
+            state = agent.check_xfer_state(xfer)
+        agent.release_xfer_handle(xfer)
+        if state != "DONE":
+            raise RuntimeError(f"bare nixl READ of {nbytes} bytes ended in state {state}")
+        conn.send_bytes(bytes([int(buffer[0]), int(buffer[nbytes - 1])]))
 
 
 @dataclass
 class Peer:
-    """A connector in this process and a receiver process getting through the same connector class."""
+    """A receiver process, and how this side hands it one value (returns the message to send)."""
 
-    connector: OmniConnector
     process: multiprocessing.process.BaseProcess
     conn: multiprocessing.connection.Connection
+    send: Callable[[torch.Tensor], bytes]
+    keep: list[Any] = field(default_factory=list)
+    """This side's objects that must live as long as the peer (agent, registered buffer)."""
+    connector: OmniConnector | None = None
 
-    def transfer_rate(self, src: torch.Tensor, window: int, seconds: float) -> float:
-        encoder = msgspec.msgpack.Encoder()
+    def transfer_rate(self, src: torch.Tensor, window: int, seconds: float, repeats: int) -> float:
         want = bytes([int(src[0]), int(src[-1])])
 
         def run(minimum: int, seconds: float) -> tuple[int, float]:
@@ -69,7 +155,7 @@ class Peer:
             start = time.perf_counter()
             while True:
                 while sent - acked < window and (sent < minimum or time.perf_counter() - start < seconds):
-                    self.conn.send_bytes(encoder.encode(self.connector.put(src)))
+                    self.conn.send_bytes(self.send(src))
                     sent += 1
                 if acked == sent:
                     return sent, time.perf_counter() - start
@@ -77,31 +163,53 @@ class Peer:
                     raise RuntimeError("receiver got different bytes than were put")
                 acked += 1
 
-        run(2, 0.0)  # warm-up: page tables, allocator caches
-        sent, elapsed = run(3, seconds)
-        return sent * src.numel() / elapsed / 1e9
+        run(2, 0.0)  # warm-up: page tables, allocator caches, pools
+        rates = []
+        for _ in range(repeats):
+            sent, elapsed = run(3, seconds)
+            rates.append(sent * src.numel() / elapsed / 1e9)
+        return max(rates)
 
     def close(self) -> None:
         self.conn.send_bytes(_STOP)
         self.process.join(timeout=60)
-        self.connector.close()
+        if self.connector is not None:
+            self.connector.close()
 
 
-def start_peer(ctx, class_name: str, extra: dict) -> Peer:
+def start_connector_peer(ctx, class_name: str, extra: dict) -> Peer:
+    import_object(CONNECTOR_CLASSES[class_name])  # raises ImportError before a process is started
+    connector = make_connector("bench", class_name, extra)
     parent_end, child_end = ctx.Pipe()
     process = ctx.Process(target=_receiver, args=(child_end, class_name, extra), daemon=True)
     process.start()
-    return Peer(make_connector("bench", class_name, extra), process, parent_end)
+    encoder = msgspec.msgpack.Encoder()
+    return Peer(process, parent_end, lambda src: encoder.encode(connector.put(src)), connector=connector)
 
 
-def local_rate(op: Callable[[], object], nbytes: int, seconds: float) -> float:
+def start_bare_nixl_peer(ctx, max_bytes: int) -> Peer:
+    agent = bare_nixl_agent(f"bench-bare-tx-{os.getpid()}", progress_thread=True)
+    buffer = _touched_buffer(max_bytes)
+    agent.register_memory(buffer)
+    parent_end, child_end = ctx.Pipe()
+    process = ctx.Process(target=_bare_nixl_receiver, args=(child_end, max_bytes), daemon=True)
+    process.start()
+    parent_end.send((agent.get_agent_metadata(), buffer.data_ptr()))
+    agent.add_remote_agent(parent_end.recv())
+    return Peer(process, parent_end, lambda src: src.numel().to_bytes(8, "little"), keep=[agent, buffer])
+
+
+def local_rate(op: Callable[[], object], nbytes: int, seconds: float, repeats: int) -> float:
     op()
-    count = 0
-    start = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or count < 3:
-        op()
-        count += 1
-    return count * nbytes / elapsed / 1e9
+    rates = []
+    for _ in range(repeats):
+        count = 0
+        start = time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or count < 3:
+            op()
+            count += 1
+        rates.append(count * nbytes / elapsed / 1e9)
+    return max(rates)
 
 
 def parse_size(text: str) -> int:
@@ -117,18 +225,95 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def measure(nbytes: int, peers: dict[str, Peer], seconds: float) -> list[tuple[str, float]]:
-    """(row label, GB/s) for one size: the baselines first, memcpy being the reference."""
-    src = torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8)
-    dst = torch.empty_like(src)
-    rows = [
-        ("memcpy (copy_)", local_rate(lambda: dst.copy_(src), nbytes, seconds)),
-        ("clone (fresh dst)", local_rate(src.clone, nbytes, seconds)),
-    ]
-    for label, peer in peers.items():
-        for window in WINDOWS:
-            rows.append((f"{label}, {window} in flight", peer.transfer_rate(src, window, seconds)))
-    return rows
+@dataclass
+class Row:
+    label: str
+    """``CONNECTORS`` key, or a baseline's name."""
+    window: int
+    rate: float
+    vs_memcpy: float = 0.0
+    vs_bare: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.label}, {self.window} in flight" if self.window else self.label
+
+
+def measure_phase(
+    starters: dict[str, Callable[[], Peer]],
+    sizes: list[int],
+    seconds: float,
+    repeats: int,
+    table: dict[int, list[Row]],
+) -> None:
+    """Start some peers, measure every size through them, and stop them again.
+
+    A NIXL progress thread keeps a core busy, so agents are alive only in their own phase.
+    """
+    peers: dict[str, Peer] = {}
+    try:
+        for label, start in starters.items():
+            try:
+                peers[label] = start()
+            except Exception as exc:  # noqa: BLE001 - any failure only skips the row
+                reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+                print(f"skipped {label}: {type(exc).__name__}: {reason}", flush=True)
+        if peers:
+            print(f"measuring {', '.join(peers)} ...", file=sys.stderr, flush=True)
+        for nbytes in sizes if peers else []:
+            src = _touched_buffer(nbytes)
+            for label, peer in peers.items():
+                for window in WINDOWS:
+                    table[nbytes].append(
+                        Row(label, window, peer.transfer_rate(src, window, seconds, repeats))
+                    )
+    finally:
+        for peer in peers.values():
+            peer.close()
+        peers.clear()
+        gc.collect()  # the agents' progress threads stop with them
+
+
+def measure_local(sizes: list[int], seconds: float, repeats: int, table: dict[int, list[Row]]) -> None:
+    for nbytes in sizes:
+        src = _touched_buffer(nbytes)
+        dst = torch.empty_like(src).fill_(0)
+        table[nbytes] += [
+            Row("memcpy (copy_)", 0, local_rate(partial(dst.copy_, src), nbytes, seconds, repeats)),
+            Row("clone (fresh dst)", 0, local_rate(src.clone, nbytes, seconds, repeats)),
+        ]
+
+
+def add_ratios(rows: list[Row]) -> None:
+    memcpy = rows[0].rate
+    bare = {row.window: row.rate for row in rows if row.label == "bare nixl"}
+    for row in rows:
+        row.vs_memcpy = row.rate / memcpy
+        if row.label in CONNECTORS and CONNECTORS[row.label][0] == NIXL_CLASS and row.window in bare:
+            row.vs_bare = row.rate / bare[row.window]
+
+
+def summarize(table: dict[int, list[Row]]) -> list[str]:
+    lines = []
+    for label, (reference, target, min_size) in TARGETS.items():
+        cells = [
+            (row.vs_bare if reference == "bare nixl" else row.vs_memcpy, nbytes, row)
+            for nbytes, rows in table.items()
+            if nbytes >= min_size
+            for row in rows
+            if row.label == label
+        ]
+        cells = [cell for cell in cells if cell[0] is not None]
+        if not cells:
+            continue
+        worst, nbytes, row = min(cells, key=lambda cell: cell[0])
+        verdict = "met" if worst >= target else "NOT met"
+        lines.append(
+            f"{label} >= {target}x {reference}"
+            + (f" at >= {format_size(min_size)}" if min_size else "")
+            + f": {verdict}, worst {worst:.2f}x ({row.name}, {format_size(nbytes)})"
+        )
+    return lines
 
 
 def main() -> None:
@@ -138,7 +323,8 @@ def main() -> None:
     parser.add_argument("--min-size", default="1K")
     parser.add_argument("--max-size", default="256M")
     parser.add_argument("--step", type=int, default=4, help="size multiplier between rows")
-    parser.add_argument("--seconds", type=float, default=0.4, help="measuring time per cell")
+    parser.add_argument("--seconds", type=float, default=0.25, help="measuring time per rate")
+    parser.add_argument("--repeats", type=int, default=2, help="rates per cell; the best is shown")
     parser.add_argument("--connectors", default=",".join(CONNECTORS), help="comma-separated labels")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -149,19 +335,35 @@ def main() -> None:
         sizes.append(size)
         size *= args.step
     ctx = multiprocessing.get_context("spawn")
-    peers = {label: start_peer(ctx, *CONNECTORS[label]) for label in args.connectors.split(",")}
+    labels = [label for label in args.connectors.split(",") if label]
+    unknown = [label for label in labels if label not in CONNECTORS]
+    if unknown:
+        parser.error(f"unknown connector label(s) {unknown}; known: {', '.join(CONNECTORS)}")
+    nixl = [label for label in labels if CONNECTORS[label][0] == NIXL_CLASS]
 
-    print(f"{'size':>9}  {'transport':<22} {'GB/s':>7}  {'x memcpy':>8}")
-    try:
-        for nbytes in sizes:
-            rows = measure(nbytes, peers, args.seconds)
-            memcpy = rows[0][1]
-            for i, (name, rate) in enumerate(rows):
-                size_text = format_size(nbytes) if i == 0 else ""
-                print(f"{size_text:>9}  {name:<22} {rate:7.2f}  {rate / memcpy:8.2f}", flush=True)
-    finally:
-        for peer in peers.values():
-            peer.close()
+    def connector(label: str) -> Callable[[], Peer]:
+        return lambda: start_connector_peer(ctx, *CONNECTORS[label])
+
+    table: dict[int, list[Row]] = {nbytes: [] for nbytes in sizes}
+    timing = (args.seconds, args.repeats)
+    measure_local(sizes, *timing, table)
+    if nixl:
+        measure_phase({"bare nixl": lambda: start_bare_nixl_peer(ctx, sizes[-1])}, sizes, *timing, table)
+    measure_phase({label: connector(label) for label in labels if label not in nixl}, sizes, *timing, table)
+    for label in nixl:
+        measure_phase({label: connector(label)}, sizes, *timing, table)
+
+    print(f"{'size':>9}  {'transport':<22} {'GB/s':>7}  {'x memcpy':>8}  {'x bare nixl':>11}")
+    for nbytes, rows in table.items():
+        add_ratios(rows)
+        for i, row in enumerate(rows):
+            size_text = format_size(nbytes) if i == 0 else ""
+            bare_text = f"{row.vs_bare:11.2f}" if row.vs_bare is not None else ""
+            print(
+                f"{size_text:>9}  {row.name:<22} {row.rate:7.2f}  {row.vs_memcpy:8.2f}  {bare_text}".rstrip()
+            )
+    for line in summarize(table):
+        print(line)
 
 
 if __name__ == "__main__":

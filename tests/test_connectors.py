@@ -1,7 +1,9 @@
-"""Connectors: round trips in and across processes, segment lifetime (get, lease, close, crash), counters."""
+"""Connectors: round trips in and across processes, segment lifetime (get, lease, close, crash), the
+shared-memory pool (views, reuse, reclaim, fallback), counters."""
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing
 import os
@@ -25,6 +27,7 @@ from vllm_omni_plugin.connectors.base import (
     make_connector,
 )
 from vllm_omni_plugin.connectors.shared_memory import (
+    DEFAULT_POOL_BYTES,
     SEGMENT_PREFIX,
     SharedMemoryConnector,
     sweep_orphaned_segments,
@@ -81,9 +84,21 @@ def segments_of(pid: int) -> list[str]:
     return sorted(p.name for p in SHM.glob(f"{SEGMENT_PREFIX}{pid}_*"))
 
 
-@pytest.fixture
-def shm() -> SharedMemoryConnector:
-    with SharedMemoryConnector("shm_test", {}) as connector:
+def segment_of(handle: ConnectorHandle) -> str:
+    """The file behind a handle: a pooled value's key is its segment's name plus ``@generation``."""
+    return handle.key.partition("@")[0]
+
+
+def pooled(handle: ConnectorHandle) -> bool:
+    return "@" in handle.key
+
+
+POOL_MODES = {"pooled": DEFAULT_POOL_BYTES, "one-off": 0}
+
+
+@pytest.fixture(params=list(POOL_MODES))
+def shm(request) -> SharedMemoryConnector:
+    with SharedMemoryConnector("shm_test", {"pool_bytes": POOL_MODES[request.param]}) as connector:
         yield connector
     assert segments_of(os.getpid()) == []
 
@@ -107,11 +122,18 @@ def test_handle_msgpack_round_trip(shm: SharedMemoryConnector) -> None:
 def test_round_trip_and_segment_freed(shm: SharedMemoryConnector, index: int) -> None:
     value = sample_values()[index]
     handle = wire(shm.put(value))
-    path = SHM / handle.key
-    assert path.exists() and path.stat().st_size == handle.nbytes
-    assert_same(shm.get(handle), value)
-    assert not path.exists()
+    path = SHM / segment_of(handle)
+    assert pooled(handle) == (shm.pool_bytes > 0 and handle.nbytes > 0)
+    assert path.exists() and path.stat().st_size >= handle.nbytes
+    assert shm.health().outstanding == 1
+    assert_same(shm.get(handle), value)  # a pooled tensor is a view, dropped right here
     assert shm.health().outstanding == 0
+    if pooled(handle):
+        again = shm.put(value)
+        assert segment_of(again) == segment_of(handle) and again.key != handle.key  # reused, new generation
+        assert_same(shm.get(again), value)
+    else:
+        assert not path.exists()
 
 
 def test_bytes_like_and_noncontiguous_inputs(shm: SharedMemoryConnector) -> None:
@@ -120,6 +142,10 @@ def test_bytes_like_and_noncontiguous_inputs(shm: SharedMemoryConnector) -> None
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert_same(shm.get(shm.put(base.t())), base.t().contiguous())
     assert_same(shm.get(shm.put(torch.ones(3, requires_grad=True))), torch.ones(3))
+    assert_same(shm.get(shm.put(base[1:])), base[1:].clone())  # a view with a storage offset
+    complex_values = torch.randn(4, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    assert_same(shm.get(shm.put(complex_values.conj())), complex_values.conj().resolve_conj())
+    assert_same(shm.get(shm.put(torch._neg_view(base))), -base)
 
 
 def test_get_twice_and_cleanup_fail_clearly(shm: SharedMemoryConnector) -> None:
@@ -130,7 +156,9 @@ def test_get_twice_and_cleanup_fail_clearly(shm: SharedMemoryConnector) -> None:
     dropped = shm.put(torch.zeros(4))
     shm.cleanup(dropped)
     shm.cleanup(dropped)  # idempotent
-    assert not (SHM / dropped.key).exists()
+    assert shm.health().outstanding == 0
+    if not pooled(dropped):
+        assert not (SHM / dropped.key).exists()
     with pytest.raises(ConnectorError, match="already collected"):
         shm.get(dropped)
 
@@ -158,16 +186,19 @@ def test_counters(shm: SharedMemoryConnector) -> None:
     )
 
 
-def test_lease_timeout_frees_and_get_fails_clearly() -> None:
-    with SharedMemoryConnector("leased", {"lease_timeout_s": 0.2}) as sender:
+@pytest.mark.parametrize("pool_bytes", POOL_MODES.values(), ids=POOL_MODES.keys())
+def test_lease_timeout_frees_and_get_fails_clearly(pool_bytes: int) -> None:
+    with SharedMemoryConnector("leased", {"lease_timeout_s": 0.2, "pool_bytes": pool_bytes}) as sender:
         receiver = SharedMemoryConnector("leased", {})
         kept = sender.put(torch.ones(4))
         collected = sender.put(torch.ones(4))
+        assert pooled(kept) == (pool_bytes > 0)
         assert_same(receiver.get(wire(collected)), torch.ones(4))
         deadline = time.monotonic() + 10
-        while (SHM / kept.key).exists() and time.monotonic() < deadline:
-            time.sleep(0.02)  # the background reaper frees it
-        assert not (SHM / kept.key).exists()
+        while sender._outstanding() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the background reaper frees it (health() would reap by itself)
+        assert sender._outstanding() == 0
+        assert (SHM / segment_of(kept)).exists() == pooled(kept)  # a pool keeps its segment for reuse
         health = sender.health()
         assert (health.timeouts, health.outstanding, health.puts) == (1, 0, 2)
         with pytest.raises(ConnectorTimeoutError, match=rf"{kept.key}.*lease of 0.2 s") as info:
@@ -178,11 +209,14 @@ def test_lease_timeout_frees_and_get_fails_clearly() -> None:
 
 
 def test_close_frees_everything_and_refuses_new_puts() -> None:
-    connector = SharedMemoryConnector("closing", {})
+    connector = SharedMemoryConnector("closing", {"pool_bytes": 1 << 20})
     handles = [connector.put(torch.zeros(100)) for _ in range(3)] + [connector.put(b"x")]
-    assert all((SHM / h.key).exists() for h in handles)
+    handles.append(connector.put(torch.zeros((1 << 20) // 4 + 1)))  # too big for the pool
+    assert [pooled(h) for h in handles] == [True, True, True, True, False]
+    assert all((SHM / segment_of(h)).exists() for h in handles)
     connector.close()
-    assert not any((SHM / h.key).exists() for h in handles)
+    assert not any((SHM / segment_of(h)).exists() for h in handles)
+    assert segments_of(os.getpid()) == []
     assert connector.health().outstanding == 0
     with pytest.raises(ConnectorError, match="closed"):
         connector.put(b"late")
@@ -191,9 +225,9 @@ def test_close_frees_everything_and_refuses_new_puts() -> None:
 
 def test_garbage_collected_connector_frees_its_segments() -> None:
     connector = SharedMemoryConnector("dropped", {})
-    key = connector.put(b"orphan").key
+    keys = [segment_of(connector.put(b"orphan")), segment_of(connector.put(torch.zeros(100)))]
     del connector
-    assert not (SHM / key).exists()
+    assert not any((SHM / key).exists() for key in keys)
 
 
 def test_threads_share_one_connector(shm: SharedMemoryConnector) -> None:
@@ -220,6 +254,9 @@ def test_threads_share_one_connector(shm: SharedMemoryConnector) -> None:
 def test_bad_options() -> None:
     with pytest.raises(ValueError, match="lease_timeout_s"):
         SharedMemoryConnector("x", {"lease_timeout_s": -1})
+    for bad in (-1, "256M", 1.5, True):
+        with pytest.raises(ValueError, match="pool_bytes"):
+            SharedMemoryConnector("x", {"pool_bytes": bad})
     with pytest.raises(ValueError, match="does not exist"):
         SharedMemoryConnector("x", {"shm_dir": "/nonexistent/shm"})
 
@@ -257,7 +294,7 @@ def test_put_in_child_get_in_parent(spawn) -> None:
         with SharedMemoryConnector("xproc", {}) as receiver:
             for handle, want in zip(handles, sample_values(), strict=True):
                 assert_same(receiver.get(handle), want)
-            assert segments_of(child.pid) == []
+            assert not any((SHM / h.key).exists() for h in handles if not pooled(h))  # one-off: freed
             assert receiver.health().gets == len(handles)
         parent_end.send("done")
         sender_health = parent_end.recv()
@@ -265,6 +302,7 @@ def test_put_in_child_get_in_parent(spawn) -> None:
     finally:
         child.join(timeout=60)
     assert child.exitcode == 0
+    assert segments_of(child.pid) == []  # its pool went with close()
 
 
 def test_put_in_parent_get_in_child(spawn, shm: SharedMemoryConnector) -> None:
@@ -279,8 +317,15 @@ def test_put_in_parent_get_in_child(spawn, shm: SharedMemoryConnector) -> None:
     finally:
         child.join(timeout=60)
     assert child.exitcode == 0
-    assert segments_of(os.getpid()) == []
-    assert shm.health().outstanding == 0  # the sender noticed the receiver freed them
+    assert shm.health().outstanding == 0  # the sender noticed the receiver collected them
+    pool = segments_of(os.getpid())
+    assert pool == sorted({segment_of(h) for h in handles if pooled(h)})  # one-off segments: freed
+    if pool:  # the child dropped its views, so the same values fit in the same segments again
+        again = [shm.put(v) for v in sample_values()]
+        assert {segment_of(h) for h in again if pooled(h)} <= set(pool)
+        for handle in again:
+            shm.cleanup(handle)
+        assert segments_of(os.getpid()) == pool
 
 
 def test_sweep_removes_segments_of_a_killed_sender(spawn) -> None:
@@ -289,18 +334,161 @@ def test_sweep_removes_segments_of_a_killed_sender(spawn) -> None:
     child.start()
     try:
         handles = [msgspec.msgpack.decode(raw, type=ConnectorHandle) for raw in parent_end.recv()]
-        assert segments_of(child.pid) == sorted(h.key for h in handles)
+        assert segments_of(child.pid) == sorted({segment_of(h) for h in handles})
+        assert any(pooled(h) for h in handles) and not all(pooled(h) for h in handles)
         sweep_orphaned_segments()  # a live owner's segments are never swept
-        assert segments_of(child.pid) == sorted(h.key for h in handles)
+        assert segments_of(child.pid) == sorted({segment_of(h) for h in handles})
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.join(timeout=60)
     assert child.exitcode == -signal.SIGKILL
     removed = sweep_orphaned_segments()
-    assert set(removed) >= {h.key for h in handles}
+    assert set(removed) >= {segment_of(h) for h in handles}
     assert segments_of(child.pid) == []
     with SharedMemoryConnector("xproc", {}) as receiver, pytest.raises(ConnectorError, match="exited"):
         receiver.get(handles[0])
+
+
+# --- shared memory: the pool ----------------------------------------------------------------------------
+
+
+def _child_hold(conn) -> None:
+    """A receiver that keeps what it gets (zero-copy views) until told to drop it."""
+    connector = SharedMemoryConnector("xproc", {})
+    held: dict[str, torch.Tensor | bytes] = {}
+    while (message := conn.recv())[0] != "exit":
+        command, payload = message
+        if command == "get":
+            handle = msgspec.msgpack.decode(payload, type=ConnectorHandle)
+            held[handle.key] = connector.get(handle)
+            conn.send(handle.key)
+        elif command == "show":
+            conn.send({key: to_wire(value.clone()) for key, value in held.items()})
+        elif command == "drop":
+            del held[payload]
+            gc.collect()
+            conn.send("dropped")
+    connector.close()
+
+
+def _start_holder(spawn):
+    parent_end, child_end = spawn.Pipe()
+    child = spawn.Process(target=_child_hold, args=(child_end,))
+    child.start()
+    return child, parent_end
+
+
+def _hand_over(conn, handle: ConnectorHandle) -> None:
+    conn.send(("get", msgspec.msgpack.encode(handle)))
+    assert conn.recv() == handle.key
+
+
+def test_pooled_value_lives_until_the_view_is_dropped_then_its_segment_is_reused(spawn) -> None:
+    value = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+    with SharedMemoryConnector("xproc", {}) as sender:
+        child, conn = _start_holder(spawn)
+        try:
+            first = sender.put(value)
+            _hand_over(conn, first)
+            assert sender.health().outstanding == 0  # collected, though its view is still held
+            second = sender.put(value * 2)
+            assert pooled(first) and pooled(second) and segment_of(second) != segment_of(first)
+            conn.send(("show", None))
+            assert_same(from_wire(conn.recv()[first.key]), value)  # not overwritten by the next put
+            conn.send(("drop", first.key))
+            assert conn.recv() == "dropped"
+            third = sender.put(value * 3)
+            assert segment_of(third) == segment_of(first)  # freed by the view's finalizer, reused
+            assert_same(sender.get(third), value * 3)
+            assert_same(sender.get(second), value * 2)
+            conn.send(("exit", None))
+        finally:
+            child.join(timeout=60)
+        assert child.exitcode == 0
+        assert sender.health() == ConnectorHealth(
+            puts=3, gets=2, bytes_put=3 << 20, bytes_got=2 << 20, outstanding=0
+        )
+
+
+def test_segment_held_by_a_killed_reader_is_reclaimed_and_a_full_pool_falls_back(spawn) -> None:
+    value = torch.arange(1 << 16, dtype=torch.int32)  # 256 KiB: the pool has room for one segment
+    with SharedMemoryConnector("xproc", {"pool_bytes": 256 << 10}) as sender:
+        child, conn = _start_holder(spawn)
+        try:
+            first = sender.put(value)
+            _hand_over(conn, first)
+            fallback = sender.put(value + 1)
+            assert pooled(first) and not pooled(fallback)  # the one segment is held by a live reader
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(timeout=60)
+        assert child.exitcode == -signal.SIGKILL
+        reclaimed = sender.put(value + 2)
+        assert segment_of(reclaimed) == segment_of(first)
+        assert_same(sender.get(reclaimed), value + 2)
+        assert_same(sender.get(fallback), value + 1)
+        assert sender.health().outstanding == 0
+
+
+def test_pool_limits_fallback_and_eviction() -> None:
+    small = torch.arange(1000, dtype=torch.float32)  # 64 KiB size class
+    with SharedMemoryConnector("small_pool", {"pool_bytes": 128 << 10}) as connector:
+        a, b, c = (connector.put(small + i) for i in range(3))
+        big = connector.put(torch.zeros(40 << 10, dtype=torch.float32))  # 160 KiB: over the cap
+        assert [pooled(h) for h in (a, b, c, big)] == [True, True, False, False]
+        for i, handle in enumerate((a, b, c)):
+            assert_same(connector.get(handle), small + i)
+        assert_same(connector.get(big), torch.zeros(40 << 10))
+        two = segments_of(os.getpid())
+        assert two == sorted({segment_of(a), segment_of(b)})
+        mid = connector.put(torch.ones(25 << 10, dtype=torch.float32))  # 100 KiB: evicts both free ones
+        assert pooled(mid) and segments_of(os.getpid()) == [segment_of(mid)] and segment_of(mid) not in two
+        assert_same(connector.get(mid), torch.ones(25 << 10))
+        assert connector.health().outstanding == 0
+
+
+def test_garbage_pooled_handles_fail_clearly_without_consuming_the_value() -> None:
+    with SharedMemoryConnector("garbage", {}) as connector:
+        handle = connector.put(torch.ones(8))
+        name, _, gen = handle.key.partition("@")
+        replace = msgspec.structs.replace
+        with pytest.raises(ConnectorError, match="already collected"):
+            connector.get(replace(handle, key=f"{name}@{int(gen) + 1}"))
+        with pytest.raises(ConnectorError, match="holds 32 bytes, its handle says 64"):
+            connector.get(replace(handle, nbytes=64, shape=(16,)))
+        with pytest.raises(ConnectorError, match="cannot hold"):
+            connector.get(replace(handle, shape=(3,)))
+        with pytest.raises(ConnectorError, match="unknown dtype"):
+            connector.get(replace(handle, dtype="os"))
+        with pytest.raises(ConnectorError, match="not a shared-memory segment name"):
+            connector.get(replace(handle, key=f"{name}@x"))
+        missing = f"{SEGMENT_PREFIX}{os.getpid()}_pool_{'0' * 16}@1"
+        with pytest.raises(ConnectorError, match="does not exist"):
+            connector.get(replace(handle, key=missing))
+        junk = SHM / f"{SEGMENT_PREFIX}{os.getpid()}_pool_{'f' * 16}"
+        junk.write_bytes(b"\xff" * 8192)
+        try:
+            with pytest.raises(ConnectorError, match="not a pooled segment"):
+                connector.get(replace(handle, key=f"{junk.name}@1"))
+            connector.cleanup(replace(handle, key=f"{junk.name}@1"))
+            assert junk.read_bytes() == b"\xff" * 8192
+        finally:
+            junk.unlink()
+        assert_same(connector.get(handle), torch.ones(8))  # none of the above consumed it
+        assert connector.health().errors == 7
+
+
+def test_values_of_a_closed_sender_are_gone_even_for_a_receiver_that_maps_them() -> None:
+    sender = SharedMemoryConnector("closing", {})
+    with SharedMemoryConnector("closing", {}) as receiver:
+        assert_same(receiver.get(sender.put(torch.ones(4))), torch.ones(4))  # the receiver maps it now
+        kept = receiver.get(sender.put(torch.full((4,), 7.0)))
+        late = sender.put(torch.zeros(4))
+        sender.close()
+        with pytest.raises(ConnectorError, match="does not exist"):
+            receiver.get(late)
+        assert_same(kept, torch.full((4,), 7.0))  # a view outlives its segment's file
+    assert segments_of(os.getpid()) == []
 
 
 # --- in-process connector and factory -----------------------------------------------------------------------

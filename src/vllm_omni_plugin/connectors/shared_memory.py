@@ -1,19 +1,39 @@
 """Tensors and bytes between processes on one host, through files in ``/dev/shm``.
 
-One value is one segment: a tmpfs file named ``vllm_omni_<owner pid>_<random>``. ``put`` creates it
-and writes the value into it with ``pwrite`` (one copy, no pickle); ``get`` reads it with ``preadv``
-straight into the returned tensor's memory (one copy) and unlinks it. We manage the files ourselves
-rather than through ``multiprocessing.shared_memory``, whose resource tracker warns about (and unlinks
-again) segments that one process creates and another unlinks. ``pwrite``/``preadv`` beat a mapped
-``memcpy`` here: they skip the per-page faults of a fresh mapping, and the data ends up in one copy.
+Values travel in segments, tmpfs files named ``vllm_omni_<owner pid>_...``. Fresh tmpfs pages are
+expensive (allocating, zeroing and mapping a page costs about as much as copying it several times), so
+a connector reuses its segments:
+
+* **Pooled segments** (the common case). The sender keeps a pool of segments, each mapped once, so
+  their pages stay allocated and mapped. ``put`` is one ``memcpy`` into a free segment of the value's
+  size class (quarter-octave steps, at least 64 KiB) behind a one-page header: a state word (free,
+  put or held, plus a generation number that the handle key carries), the reader's pid and the
+  value's size. A receiver keeps its mapping of each segment it has read from; ``get`` claims the
+  value (state put -> held, under ``flock``) and returns a zero-copy tensor **view** of the segment.
+  The value then lives until that tensor, and every view of it, is garbage collected; a finalizer
+  marks the segment free and the sender reuses it for a later value. A ``get`` result is safe to
+  read and to keep as long as needed, but treat it as read-only: it is the sender's shared memory,
+  refilled with a later value as soon as the tensor is gone (``clone()`` it for memory of your own).
+  Byte strings are copied out, and their segment freed, at once. ``extra: {pool_bytes: ...}`` caps
+  the pool's total segment capacity (default 256 MiB per connector, allocated as values need it and
+  kept until ``close``; 0 disables pooling). Values larger than the cap, and values that find every
+  segment of their size class put or held with no room for another, take the one-off path.
+* **One-off segments.** ``put`` creates a file for one value and writes it with ``pwrite`` (one copy,
+  no pickle); ``get`` reads it with ``preadv`` straight into a fresh tensor (one copy) and unlinks it.
+
+We manage the files ourselves rather than through ``multiprocessing.shared_memory``, whose resource
+tracker warns about (and unlinks again) segments that one process creates and another unlinks.
 
 Nothing leaks when a stage dies:
 
-* receiver crashed (or never came): the owner frees segments not collected within their lease
+* receiver crashed (or never came): the owner frees values not collected within their lease
   (``extra: {lease_timeout_s: ...}``, default 300 s); a later ``get`` raises
   :class:`ConnectorTimeoutError` naming the handle;
+* receiver crashed while holding a view: the owner reclaims the pooled segment when it looks for a
+  free one (the header records the reader's pid);
 * owner exiting: ``close()`` (also run at interpreter exit, and when the connector is collected) frees
-  what it still owns;
+  what it still owns, its pool included; views a receiver still holds stay valid (their mapping
+  outlives the file), and receivers drop their mappings of removed segments on a later ``get``;
 * owner crashed: :func:`sweep_orphaned_segments` removes segments whose owner pid is gone; every new
   connector runs it. Pids are compared within this host's pid namespace, so processes that share
   ``/dev/shm`` must share the pid namespace too (the usual case: one container or none).
@@ -21,16 +41,23 @@ Nothing leaks when a stage dies:
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
+import logging
+import mmap
 import os
 import re
 import secrets
+import struct
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from vllm_omni_plugin.connectors.base import (
@@ -51,13 +78,32 @@ logger = get_logger(__name__)
 SEGMENT_PREFIX = "vllm_omni_"
 DEFAULT_SHM_DIR = "/dev/shm"
 DEFAULT_LEASE_TIMEOUT_S = 300.0
+DEFAULT_POOL_BYTES = 256 << 20
 
 _SEGMENT_NAME = re.compile(r"^vllm_omni_(\d+)_[0-9a-f]{16}$")
-"""Names this module creates; a handle is external input, so its key must match before we touch a file."""
+"""One-off segment names; a handle is external input, so its key must match before we touch a file."""
+_POOL_KEY = re.compile(r"^(vllm_omni_(\d+)_pool_[0-9a-f]{16})@(\d{1,18})$")
+"""Keys of pooled values: the segment's file name, ``@``, the generation of the value in it."""
 _OWNER_PID = re.compile(r"^vllm_omni_(\d+)_")
 _MAX_IO = 1 << 30
 """Bytes per read/write call: Linux moves at most ~2 GiB per call."""
-_KNOWN_EXTRA = ("lease_timeout_s", "shm_dir")
+_KNOWN_EXTRA = ("lease_timeout_s", "shm_dir", "pool_bytes")
+
+# Pooled segment layout: a header page, then the data (page aligned, so every dtype is aligned).
+_HEADER_BYTES = 4096
+_WORD = struct.Struct("Q")
+"""Native byte order and size: struct copies native words with one store, so a reader never sees half."""
+_OFF_MAGIC, _OFF_STATE, _OFF_READER, _OFF_NBYTES, _OFF_CAPACITY = 0, 8, 16, 24, 32
+_MAGIC = int.from_bytes(b"vomnipl1", "little")
+_FREE, _PUT, _HELD = 0, 1, 2
+"""State word: ``generation << 2 | state``. Put -> held and put -> free happen under ``flock``;
+free -> put only in the owner (nobody else writes a free segment); held -> free only by the holder,
+or by the owner once the holder's pid is gone."""
+_MIN_CLASS = 64 << 10
+_MAX_POOL_SEGMENTS = 256
+_RECEIVER_MAPPINGS = 1024
+"""Segments a receiver keeps mapped (each holds an fd); past that, the oldest mappings go first."""
+_STALE_CHECK_S = 1.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -80,8 +126,9 @@ def _pid_alive(pid: int) -> bool:
 def sweep_orphaned_segments(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> list[str]:
     """Remove ``vllm_omni_*`` segments whose owner process no longer exists; return their names.
 
-    This is the cleanup for a sender that crashed (SIGKILL, OOM) with segments nobody collected.
-    Segments of other users are left alone (``/dev/shm`` is sticky, we could not unlink them anyway).
+    This is the cleanup for a sender that crashed (SIGKILL, OOM) with segments nobody collected, or with
+    its pool. Segments of other users are left alone (``/dev/shm`` is sticky, we could not unlink them
+    anyway).
     """
     removed: list[str] = []
     dead: set[int] = set()
@@ -117,50 +164,300 @@ def sweep_orphaned_segments(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -
     return removed
 
 
-class _Segments:
-    """The segments one connector owns, kept apart from the connector so that the reaper thread and
-    the exit-time finalizer can run without keeping the connector alive."""
+def _size_class(nbytes: int) -> int:
+    """Pool segment capacity for a value: quarter-octave steps (at most 25% slack), at least 64 KiB."""
+    if nbytes <= _MIN_CLASS:
+        return _MIN_CLASS
+    step = 1 << max(nbytes.bit_length() - 3, 12)
+    return -(-nbytes // step) * step
 
-    def __init__(self, name: str, shm_dir: str, lease_timeout_s: float, stats: _Stats) -> None:
+
+def _word(buf: mmap.mmap, offset: int) -> int:
+    return _WORD.unpack_from(buf, offset)[0]
+
+
+def _set_word(buf: mmap.mmap, offset: int, value: int) -> None:
+    _WORD.pack_into(buf, offset, value)
+
+
+class _PoolSegment:
+    """One reusable segment, as its owner sees it."""
+
+    __slots__ = ("name", "path", "capacity", "mm", "data", "addr", "gen", "deadline", "writing", "last_used")
+
+    def __init__(self, name: str, path: str, capacity: int, mm: mmap.mmap) -> None:
+        self.name = name
+        self.path = path
+        self.capacity = capacity
+        self.mm = mm
+        self.data = np.frombuffer(mm, dtype=np.uint8, count=capacity, offset=_HEADER_BYTES)
+        self.addr: int = self.data.ctypes.data
+        self.gen = 0
+        """Generation of the latest value put here."""
+        self.deadline = float("inf")
+        """Monotonic time the latest value's lease runs out."""
+        self.writing = True
+        """Claimed by a ``put`` that has not published its value yet."""
+        self.last_used = time.monotonic()
+
+    def state(self) -> int:
+        return _word(self.mm, _OFF_STATE)
+
+
+def _create_pool_segment(shm_dir: str, capacity: int) -> _PoolSegment:
+    """A new pool file, with its space reserved (a write to a mapped tmpfs file that is out of space
+    would kill us with SIGBUS, so ``fallocate`` must fail here instead)."""
+    name = f"{SEGMENT_PREFIX}{os.getpid()}_pool_{secrets.token_hex(8)}"
+    path = os.path.join(shm_dir, name)
+    size = _HEADER_BYTES + capacity
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size)
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+    _set_word(mm, _OFF_CAPACITY, capacity)
+    _set_word(mm, _OFF_STATE, _FREE)
+    _set_word(mm, _OFF_MAGIC, _MAGIC)
+    return _PoolSegment(name, path, capacity, mm)
+
+
+def _locked_transition(path: str, expect: int, new: int) -> bool | None:
+    """Change a pooled segment's state word from ``expect`` to ``new`` under ``flock``.
+
+    Returns whether it changed, or None if the file is gone. Uses its own file descriptor (its own
+    lock), so it excludes a receiver's claim in any process, this one included.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _WORD.unpack(os.pread(fd, _WORD.size, _OFF_STATE).ljust(_WORD.size, b"\0"))[0] != expect:
+            return False
+        os.pwrite(fd, _WORD.pack(new), _OFF_STATE)
+        return True
+    finally:
+        os.close(fd)  # also drops the lock
+
+
+class _Segments:
+    """The segments one connector owns (one-off and pooled), kept apart from the connector so that the
+    reaper thread and the exit-time finalizer can run without keeping the connector alive."""
+
+    def __init__(
+        self, name: str, shm_dir: str, lease_timeout_s: float, pool_bytes: int, stats: _Stats
+    ) -> None:
         self.name = name
         self.shm_dir = shm_dir
         self.lease_timeout_s = lease_timeout_s
+        self.pool_bytes = pool_bytes
         self.stats = stats
         self.lock = threading.Lock()
         self.owned: dict[str, float] = {}
-        """Segment name -> monotonic deadline of its lease (inf without a lease)."""
+        """One-off segment name -> monotonic deadline of its lease (inf without a lease)."""
+        self.pool: dict[int, list[_PoolSegment]] = {}
+        """Capacity -> the pool's segments of that size class."""
+        self.pool_reserved = 0
+        """Capacity of the pool's segments, plus of those being created."""
+        self.pool_count = 0
+        self.pool_failed = False
+        """A segment could not be created (e.g. ``/dev/shm`` is full): warn once."""
         self.pid = os.getpid()
         self.closed = False
         self.stop = threading.Event()
         self.reaper: threading.Thread | None = None
 
+    def deadline(self) -> float:
+        return time.monotonic() + self.lease_timeout_s if self.lease_timeout_s > 0 else float("inf")
+
+    def _start_reaper_locked(self) -> None:
+        if self.reaper is None and self.lease_timeout_s > 0:
+            self.reaper = threading.Thread(target=self._reap_loop, name="vllm-omni-shm-reaper", daemon=True)
+            self.reaper.start()
+
     def add(self, name: str) -> None:
-        deadline = time.monotonic() + self.lease_timeout_s if self.lease_timeout_s > 0 else float("inf")
+        deadline = self.deadline()
         with self.lock:
             if self.closed:
                 raise ConnectorError(f"connector {self.name!r} is closed")
             self.owned[name] = deadline
-            if self.reaper is None and self.lease_timeout_s > 0:
-                self.reaper = threading.Thread(
-                    target=self._reap_loop, name="vllm-omni-shm-reaper", daemon=True
-                )
-                self.reaper.start()
+            self._start_reaper_locked()
 
     def forget(self, name: str) -> None:
         with self.lock:
             self.owned.pop(name, None)
 
     def count(self) -> int:
+        """Values put and not yet collected or released."""
         with self.lock:
-            return len(self.owned)
+            segments = [segment for group in self.pool.values() for segment in group]
+            count = len(self.owned)
+        return count + sum(segment.state() & 3 == _PUT for segment in segments)
+
+    # -- the pool --------------------------------------------------------------------------------------
+
+    def acquire(self, nbytes: int) -> _PoolSegment | None:
+        """A pool segment for a value of ``nbytes``, claimed for writing; None: take the one-off path."""
+        capacity = _size_class(nbytes)
+        if nbytes == 0 or capacity > self.pool_bytes:
+            return None
+        victims: list[_PoolSegment] = []
+        with self.lock:
+            if self.closed:
+                raise ConnectorError(f"connector {self.name!r} is closed")
+            segment = self._find_free_locked(capacity)
+            if segment is not None:
+                segment.writing = True
+                return segment
+            if not self._make_room_locked(capacity, victims):
+                self._drop(victims)
+                return None
+            self.pool_reserved += capacity
+            self.pool_count += 1
+        self._drop(victims)
+        try:
+            segment = _create_pool_segment(self.shm_dir, capacity)
+        except OSError as exc:
+            with self.lock:
+                self.pool_reserved -= capacity
+                self.pool_count -= 1
+            logger.log(
+                logging.DEBUG if self.pool_failed else logging.WARNING,
+                "connector %s: cannot add a %d-byte segment to the shared-memory pool in %s (%s); "
+                "taking the one-off path",
+                self.name,
+                capacity,
+                self.shm_dir,
+                exc,
+            )
+            self.pool_failed = True
+            return None
+        with self.lock:
+            if self.closed:
+                self.pool_reserved -= capacity
+                self.pool_count -= 1
+                closed = True
+            else:
+                self.pool.setdefault(capacity, []).append(segment)
+                closed = False
+        if closed:
+            _unlink_quietly(segment.path)
+            raise ConnectorError(f"connector {self.name!r} is closed")
+        return segment
+
+    def _find_free_locked(self, capacity: int) -> _PoolSegment | None:
+        """A free segment of the value's size class, else of a larger one (up to twice the size);
+        reclaims segments whose reader died holding them. Oldest first (the likeliest to be free again)."""
+        held: list[_PoolSegment] = []
+        classes = [capacity] if capacity in self.pool else []
+        classes += sorted(c for c in self.pool if capacity < c <= 2 * capacity)
+        for cap in classes:
+            group = self.pool[cap]
+            for segment in group:
+                if segment.writing:
+                    continue
+                state = segment.state()
+                if state & 3 == _FREE:
+                    group.remove(segment)
+                    group.append(segment)
+                    return segment
+                if state & 3 == _HELD:
+                    held.append(segment)
+        verdicts: dict[int, bool] = {}
+        for segment in held:
+            if self._reclaim_if_reader_died(segment, verdicts):
+                return segment
+        return None
+
+    def _reclaim_if_reader_died(self, segment: _PoolSegment, verdicts: dict[int, bool]) -> bool:
+        state = segment.state()
+        if state & 3 != _HELD:
+            return False
+        reader = _word(segment.mm, _OFF_READER)
+        if reader not in verdicts:
+            verdicts[reader] = _pid_alive(reader)
+        if verdicts[reader]:
+            return False
+        _set_word(segment.mm, _OFF_STATE, state & ~3 | _FREE)  # the holder is gone: nobody else writes
+        logger.warning(
+            "connector %s: reclaimed shared-memory segment %s from reader pid %d, which exited holding it",
+            self.name,
+            segment.name,
+            reader,
+        )
+        return True
+
+    def _make_room_locked(self, capacity: int, victims: list[_PoolSegment]) -> bool:
+        """Whether a new segment of ``capacity`` fits, evicting free segments (least recently used
+        first) if that makes it fit; evicted ones are appended to ``victims`` (unlinked by the caller,
+        outside the lock)."""
+
+        def fits() -> bool:
+            return self.pool_reserved + capacity <= self.pool_bytes and self.pool_count < _MAX_POOL_SEGMENTS
+
+        if fits():
+            return True
+        free = sorted(
+            (s for group in self.pool.values() for s in group if not s.writing and s.state() & 3 == _FREE),
+            key=lambda s: s.last_used,
+        )
+        if self.pool_reserved - sum(s.capacity for s in free) + capacity > self.pool_bytes:
+            return False  # evicting every free segment would not make room: keep them
+        for segment in free:
+            self.pool[segment.capacity].remove(segment)
+            if not self.pool[segment.capacity]:
+                del self.pool[segment.capacity]
+            self.pool_reserved -= segment.capacity
+            self.pool_count -= 1
+            victims.append(segment)
+            if fits():
+                return True
+        return False
+
+    @staticmethod
+    def _drop(segments: list[_PoolSegment]) -> None:
+        for segment in segments:
+            _unlink_quietly(segment.path)  # receivers' mappings keep any views they hold valid
+
+    def publish(self, segment: _PoolSegment, nbytes: int) -> int:
+        """Make the value just written into ``segment`` collectable; returns its generation."""
+        gen = segment.gen + 1
+        segment.gen = gen
+        segment.deadline = self.deadline()
+        segment.last_used = time.monotonic()
+        _set_word(segment.mm, _OFF_NBYTES, nbytes)
+        _set_word(segment.mm, _OFF_READER, 0)
+        _set_word(segment.mm, _OFF_STATE, gen << 2 | _PUT)
+        with self.lock:
+            segment.writing = False
+            closed = self.closed
+            if not closed:
+                self._start_reaper_locked()
+        if closed:
+            raise ConnectorError(f"connector {self.name!r} is closed")  # its file went with close()
+        return gen
+
+    def unclaim(self, segment: _PoolSegment) -> None:
+        """Give back a segment a failed ``put`` claimed (its state is still free)."""
+        with self.lock:
+            segment.writing = False
+
+    # -- leases, close, fork ---------------------------------------------------------------------------
 
     def reap(self) -> list[str]:
-        """Forget segments a receiver has freed and free those whose lease ran out; return the latter."""
+        """Forget segments a receiver has freed, free those whose lease ran out and reclaim pooled
+        segments whose reader died; return the keys of expired values."""
         now = time.monotonic()
         with self.lock:
             if self.pid != os.getpid():
                 return []
             snapshot = list(self.owned.items())
+            pooled = [s for group in self.pool.values() for s in group if not s.writing]
         collected: list[str] = []
         expired: list[str] = []
         for name, deadline in snapshot:
@@ -177,10 +474,21 @@ class _Segments:
             with self.lock:
                 for name in collected + expired:
                     self.owned.pop(name, None)
+        for segment in pooled:
+            state = segment.state()
+            # A lease ends under flock, against a receiver's claim; a put only takes free segments.
+            if state & 3 == _PUT and now >= segment.deadline:
+                if _locked_transition(segment.path, state, state & ~3 | _FREE):
+                    expired.append(f"{segment.name}@{state >> 2}")
+        verdicts: dict[int, bool] = {}
+        with self.lock:  # against a put reclaiming (and refilling) the same segment
+            for segment in pooled:
+                if not segment.writing:
+                    self._reclaim_if_reader_died(segment, verdicts)
         if expired:
             self.stats.add(timeouts=len(expired))
             logger.warning(
-                "freed %d shared-memory segment(s) not collected within the %.0f s lease: %s",
+                "freed %d shared-memory value(s) not collected within the %.0f s lease: %s",
                 len(expired),
                 self.lease_timeout_s,
                 ", ".join(expired[:8]) + (" ..." if len(expired) > 8 else ""),
@@ -201,6 +509,9 @@ class _Segments:
             self.closed = True
             names = list(self.owned)
             self.owned.clear()
+            pooled = [s for group in self.pool.values() for s in group]
+            self.pool.clear()
+            self.pool_reserved = self.pool_count = 0
             mine = self.pid == os.getpid()
         self.stop.set()
         if not mine:
@@ -212,15 +523,101 @@ class _Segments:
                 freed += 1
             except FileNotFoundError:
                 pass
+        # Unlinked, not unmapped: a put still writing keeps its segment alive, and so do receivers'
+        # views; the memory goes with the last mapping.
+        self._drop(pooled)
         return freed
 
     def after_fork_in_child(self) -> None:
-        """A forked child owns none of its parent's segments, and must not wait on a lock held at fork."""
+        """A forked child owns none of its parent's segments (nor its pool: writing there would
+        overwrite the parent's values), and must not wait on a lock held at fork."""
         self.lock = threading.Lock()
         self.owned = {}
+        self.pool = {}
+        self.pool_reserved = self.pool_count = 0
         self.pid = os.getpid()
         self.stop = threading.Event()
         self.reaper = None
+
+
+class _Mapping:
+    """A receiver's mapping of one pooled segment (kept, so its page tables stay warm)."""
+
+    __slots__ = ("fd", "mm", "capacity")
+
+    def __init__(self, fd: int, mm: mmap.mmap, capacity: int) -> None:
+        self.fd = fd
+        self.mm = mm
+        self.capacity = capacity
+
+
+class _Mappings:
+    """The pooled segments a receiver has mapped, oldest first."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        """Also serialises claims: threads share a mapping's fd, and ``flock`` excludes other fds only."""
+        self.entries: OrderedDict[str, _Mapping] = OrderedDict()
+        self.checked = time.monotonic()
+
+    def add(self, name: str, entry: _Mapping) -> None:
+        """Keep a new mapping (unless another thread mapped the segment meanwhile); also forgets
+        mappings of removed segments and, past the limit, the oldest ones."""
+        with self.lock:
+            if name in self.entries:
+                os.close(entry.fd)
+                return
+            self.entries[name] = entry
+            while len(self.entries) > _RECEIVER_MAPPINGS:
+                os.close(self.entries.popitem(last=False)[1].fd)
+        self.drop_stale()
+
+    def drop_stale(self) -> None:
+        """Forget mappings of segments their owner removed (so the memory can go once views are gone)."""
+        with self.lock:
+            self.checked = time.monotonic()
+            for name, entry in list(self.entries.items()):
+                try:
+                    gone = os.fstat(entry.fd).st_nlink == 0
+                except OSError:
+                    gone = True
+                if gone:
+                    del self.entries[name]
+                    os.close(entry.fd)
+
+    def close_all(self) -> None:
+        with self.lock:
+            entries = list(self.entries.values())
+            self.entries.clear()
+        for entry in entries:
+            os.close(entry.fd)  # the mappings stay while views of them exist
+
+    def after_fork_in_child(self) -> None:
+        """The inherited fds share their lock with the parent's: open our own from now on."""
+        self.lock = threading.Lock()
+        entries, self.entries = self.entries, OrderedDict()
+        for entry in entries.values():
+            try:
+                os.close(entry.fd)
+            except OSError:
+                pass
+
+
+def _release_view(mm: mmap.mmap, held: int, pid: int) -> None:
+    """Finalizer of a ``get`` result: mark its segment free for the sender (in the process that got it;
+    a forked child dropping its copy must not free its parent's value)."""
+    if os.getpid() != pid:
+        return
+    try:
+        if _word(mm, _OFF_STATE) == held:
+            _set_word(mm, _OFF_STATE, held & ~3 | _FREE)
+    except ValueError:  # mapping closed
+        pass
+
+
+def _close_all(segments: _Segments, mappings: _Mappings) -> None:
+    segments.release_all()
+    mappings.close_all()
 
 
 _LIVE: weakref.WeakSet[SharedMemoryConnector] = weakref.WeakSet()
@@ -249,6 +646,27 @@ def _read_all(fd: int, out: memoryview, name: str) -> None:
         offset += got
 
 
+def _plain_cpu_tensor(value: torch.Tensor) -> bool:
+    """A dense contiguous CPU tensor whose memory holds its values as they are (no lazy conj/neg)."""
+    return (
+        value.device.type == "cpu"
+        and value.layout == torch.strided
+        and value.is_contiguous()
+        and not value.is_conj()
+        and not value.is_neg()
+    )
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
 def _as_bytes_view(value: Value) -> tuple[memoryview, torch.Tensor | None]:
     """A flat byte view of ``value``, plus the CPU tensor that must stay alive while it is used."""
     if isinstance(value, torch.Tensor):
@@ -268,8 +686,9 @@ def _as_bytes_view(value: Value) -> tuple[memoryview, torch.Tensor | None]:
 class SharedMemoryConnector(OmniConnector):
     """Stage outputs between processes on one host via ``/dev/shm``; see the module docstring.
 
-    ``extra``: ``lease_timeout_s`` (float, default 300; 0 keeps segments until ``close``) and
-    ``shm_dir`` (default ``/dev/shm``).
+    ``extra``: ``lease_timeout_s`` (float, default 300; 0 keeps uncollected values until ``close``),
+    ``pool_bytes`` (int, default 256 MiB; 0: no pool, every value in a one-off segment) and ``shm_dir``
+    (default ``/dev/shm``).
     """
 
     def __init__(self, name: str, extra: dict[str, Any] | None = None) -> None:
@@ -286,15 +705,23 @@ class SharedMemoryConnector(OmniConnector):
         if lease < 0:
             raise ValueError(f"connector {name!r}: lease_timeout_s must be >= 0, got {lease}")
         self.lease_timeout_s = lease
+        pool_bytes = self.extra.get("pool_bytes", DEFAULT_POOL_BYTES)
+        if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes < 0:
+            raise ValueError(
+                f"connector {name!r}: pool_bytes must be an integer >= 0 (0 disables the pool), "
+                f"got {pool_bytes!r}"
+            )
+        self.pool_bytes = pool_bytes
         # Paths are plain strings: pathlib costs ~10 us per put and get, a third of a small transfer.
         self.shm_dir = str(self.extra.get("shm_dir", DEFAULT_SHM_DIR))
         if not os.path.isdir(self.shm_dir):
             raise ValueError(f"connector {name!r}: shared-memory directory {self.shm_dir} does not exist")
         sweep_orphaned_segments(self.shm_dir)
-        self._segments = _Segments(name, self.shm_dir, lease, self._stats)
+        self._segments = _Segments(name, self.shm_dir, lease, pool_bytes, self._stats)
+        self._mappings = _Mappings()
         # weakref.finalize also runs at interpreter exit (it registers with atexit itself), and does so
         # without keeping the connector alive.
-        self._finalizer = weakref.finalize(self, self._segments.release_all)
+        self._finalizer = weakref.finalize(self, _close_all, self._segments, self._mappings)
         _LIVE.add(self)
 
     # -- OmniConnector ----------------------------------------------------------------------------------
@@ -302,16 +729,70 @@ class SharedMemoryConnector(OmniConnector):
     def put(self, value: Value) -> ConnectorHandle:
         if self._segments.closed:
             raise ConnectorError(f"connector {self.name!r} is closed")
+        created_at = time.time()
         try:
-            data, keepalive = _as_bytes_view(value)
+            if isinstance(value, torch.Tensor):
+                kind: Literal["tensor", "bytes"] = "tensor"
+                if value.layout != torch.strided:
+                    raise TypeError(f"cannot put a {value.layout} tensor; only dense (strided) tensors")
+                nbytes = value.numel() * value.element_size()
+                key = self._put_pooled_tensor(value, nbytes)
+                one_off = None if key is not None else _as_bytes_view(value)[0]
+            else:
+                kind = "bytes"
+                data = _as_bytes_view(value)[0]
+                nbytes = data.nbytes
+                key = self._put_pooled_bytes(data)
+                one_off = None if key is not None else data
         except (TypeError, ValueError) as exc:
             self._stats.add(errors=1)
             raise TypeError(f"{self.name}: cannot put {type(value).__name__}: {exc}") from exc
-        kind: Literal["tensor", "bytes"] = "tensor" if keepalive is not None else "bytes"
-        pid = os.getpid()
-        segment = f"{SEGMENT_PREFIX}{pid}_{secrets.token_hex(8)}"
+        if one_off is not None:  # no room in the pool (or pooling is off)
+            key = self._put_one_off(one_off)
+        self._stats.add(puts=1, bytes_put=nbytes)
+        tensor = value if kind == "tensor" else None
+        return ConnectorHandle(
+            connector=self.name,
+            key=key,
+            kind=kind,
+            nbytes=nbytes,
+            dtype=_dtype_name(tensor.dtype) if tensor is not None else None,
+            shape=tuple(tensor.shape) if tensor is not None else None,
+            owner_pid=os.getpid(),
+            created_at=created_at,
+            lease_timeout_s=self.lease_timeout_s,
+        )
+
+    def _put_pooled_tensor(self, value: torch.Tensor, nbytes: int) -> str | None:
+        """Copy a tensor into a pool segment and return the key, or None if the pool cannot take it."""
+        segment = self._segments.acquire(nbytes)
+        if segment is None:
+            return None
+        try:
+            if _plain_cpu_tensor(value):  # the common case: one memmove (without the GIL), no dispatch
+                ctypes.memmove(segment.addr, value.data_ptr(), nbytes)
+            else:  # one copy from any device or layout of strides, conj/neg resolved on the way
+                target = torch.from_numpy(segment.data[:nbytes])
+                target.view(value.dtype).view(value.shape).copy_(value.detach())
+        except BaseException:
+            self._segments.unclaim(segment)
+            raise
+        return f"{segment.name}@{self._segments.publish(segment, nbytes)}"
+
+    def _put_pooled_bytes(self, data: memoryview) -> str | None:
+        segment = self._segments.acquire(data.nbytes)
+        if segment is None:
+            return None
+        try:
+            np.copyto(segment.data[: data.nbytes], np.frombuffer(data, dtype=np.uint8))  # memcpy, no GIL
+        except BaseException:
+            self._segments.unclaim(segment)
+            raise
+        return f"{segment.name}@{self._segments.publish(segment, data.nbytes)}"
+
+    def _put_one_off(self, data: memoryview) -> str:
+        segment = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
         path = os.path.join(self.shm_dir, segment)
-        created_at = time.time()
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
             try:
@@ -332,27 +813,25 @@ class SharedMemoryConnector(OmniConnector):
         except ConnectorError:
             _unlink_quietly(path)  # closed while we wrote
             raise
-        self._stats.add(puts=1, bytes_put=data.nbytes)
-        tensor = value if isinstance(value, torch.Tensor) else None
-        return ConnectorHandle(
-            connector=self.name,
-            key=segment,
-            kind=kind,
-            nbytes=data.nbytes,
-            dtype=dtype_name(tensor.dtype) if tensor is not None else None,
-            shape=tuple(tensor.shape) if tensor is not None else None,
-            owner_pid=pid,
-            created_at=created_at,
-            lease_timeout_s=self.lease_timeout_s,
-        )
+        return segment
 
     def get(self, handle: ConnectorHandle, timeout: float | None = None) -> torch.Tensor | bytes:
-        """Copy the value out and free its segment.
+        """Return the value: a view of a pooled segment (freed when the tensor is collected), or a copy
+        out of a one-off segment, which is then freed.
 
         ``timeout`` is accepted for the interface: a segment is complete before its handle exists, so
         there is nothing to wait for.
         """
-        path = self._path_of(handle)
+        pooled = _POOL_KEY.match(handle.key)
+        if pooled is not None:
+            value = self._get_pooled(handle, pooled.group(1), int(pooled.group(3)))
+        else:
+            value = self._get_one_off(handle)
+        self._stats.add(gets=1, bytes_got=handle.nbytes)
+        return value
+
+    def _get_one_off(self, handle: ConnectorHandle) -> torch.Tensor | bytes:
+        path = self._one_off_path(handle)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -378,12 +857,97 @@ class SharedMemoryConnector(OmniConnector):
         # The owner's lease may have run out while we read; we hold the data already, so that is fine.
         _unlink_quietly(path)
         self._segments.forget(handle.key)
-        self._stats.add(gets=1, bytes_got=handle.nbytes)
         return value
 
+    def _get_pooled(self, handle: ConnectorHandle, name: str, gen: int) -> torch.Tensor | bytes:
+        try:
+            spec = self._tensor_spec(handle) if handle.kind != "bytes" else None
+        except ConnectorError:
+            self._stats.add(errors=1)
+            raise
+        if handle.nbytes <= 0:
+            self._stats.add(errors=1)
+            raise ConnectorError(
+                f"{self.name}: handle {handle.key} of a pooled value says {handle.nbytes} bytes"
+            )
+        put, held = gen << 2 | _PUT, gen << 2 | _HELD
+        mappings = self._mappings
+        entry = None
+        while entry is None:
+            with mappings.lock:
+                entry = mappings.entries.get(name)
+                if entry is not None and handle.nbytes <= entry.capacity:
+                    mm = entry.mm
+                    fcntl.flock(entry.fd, fcntl.LOCK_EX)  # against the owner ending a lease or a cleanup
+                    try:
+                        # A removed segment (its owner closed or died) holds no values, whatever it says.
+                        state = _word(mm, _OFF_STATE) if os.fstat(entry.fd).st_nlink else _FREE
+                        stored = _word(mm, _OFF_NBYTES)
+                        if state == put and stored == handle.nbytes:
+                            _set_word(mm, _OFF_READER, os.getpid())
+                            _set_word(mm, _OFF_STATE, held)
+                    finally:
+                        fcntl.flock(entry.fd, fcntl.LOCK_UN)
+            if entry is None:
+                mappings.add(name, self._map(handle, name))  # first value from this segment: map it
+        if handle.nbytes > entry.capacity:
+            self._stats.add(errors=1)
+            raise ConnectorError(
+                f"{self.name}: handle {handle.key} says {handle.nbytes} bytes, but its segment holds "
+                f"up to {entry.capacity}"
+            )
+        if state != put:
+            raise self._gone(handle)
+        if stored != handle.nbytes:
+            self._stats.add(errors=1)
+            raise ConnectorError(
+                f"{self.name}: segment of {handle.key} holds {stored} bytes, its handle says {handle.nbytes}"
+            )
+        if time.monotonic() - mappings.checked >= _STALE_CHECK_S:
+            mappings.drop_stale()
+        if spec is None:
+            data = mm[_HEADER_BYTES : _HEADER_BYTES + handle.nbytes]
+            _release_view(mm, held, os.getpid())
+            return data
+        dtype, shape = spec
+        array = np.frombuffer(mm, dtype=np.uint8, count=handle.nbytes, offset=_HEADER_BYTES)
+        weakref.finalize(array, _release_view, mm, held, os.getpid())
+        tensor = torch.from_numpy(array)
+        if dtype != torch.uint8:
+            tensor = tensor.view(dtype)
+        return tensor.view(shape) if len(shape) != 1 else tensor
+
+    def _map(self, handle: ConnectorHandle, name: str) -> _Mapping:
+        """Map a pooled segment into this process (kept: its page tables stay warm)."""
+        path = os.path.join(self.shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise self._gone(handle) from None
+        except OSError as exc:
+            self._stats.add(errors=1)
+            raise ConnectorError(f"{self.name}: cannot open segment of {handle.key}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size <= _HEADER_BYTES:
+                raise ConnectorError(f"is {size} bytes, too short for a pooled segment")
+            mm = mmap.mmap(fd, size)
+            if _word(mm, _OFF_MAGIC) != _MAGIC or _word(mm, _OFF_CAPACITY) != size - _HEADER_BYTES:
+                raise ConnectorError("is not a pooled segment (bad header)")
+        except (ConnectorError, OSError, ValueError) as exc:
+            os.close(fd)
+            self._stats.add(errors=1)
+            raise ConnectorError(f"{self.name}: segment of {handle.key} {exc}") from None
+        return _Mapping(fd, mm, size - _HEADER_BYTES)
+
     def cleanup(self, handle: ConnectorHandle) -> None:
-        _unlink_quietly(self._path_of(handle))
-        self._segments.forget(handle.key)
+        pooled = _POOL_KEY.match(handle.key)
+        if pooled is None:
+            _unlink_quietly(self._one_off_path(handle))
+            self._segments.forget(handle.key)
+            return
+        gen = int(pooled.group(3))
+        _locked_transition(os.path.join(self.shm_dir, pooled.group(1)), gen << 2 | _PUT, gen << 2 | _FREE)
 
     def close(self) -> None:
         self._finalizer()
@@ -399,14 +963,15 @@ class SharedMemoryConnector(OmniConnector):
     # -- helpers ---------------------------------------------------------------------------------------
 
     def reap(self) -> list[str]:
-        """Free segments whose lease ran out now (the background reaper does this periodically)."""
+        """Free values whose lease ran out now (the background reaper does this periodically)."""
         return self._segments.reap()
 
     def _after_fork_in_child(self) -> None:
         self._segments.after_fork_in_child()  # in place: the finalizer now releases the child's own
+        self._mappings.after_fork_in_child()
         self._stats.lock = threading.Lock()
 
-    def _path_of(self, handle: ConnectorHandle) -> str:
+    def _one_off_path(self, handle: ConnectorHandle) -> str:
         if _SEGMENT_NAME.match(handle.key) is None:
             self._stats.add(errors=1)
             raise ConnectorError(
@@ -416,24 +981,42 @@ class SharedMemoryConnector(OmniConnector):
         return os.path.join(self.shm_dir, handle.key)
 
     def _gone(self, handle: ConnectorHandle) -> ConnectorError:
-        """Why a segment is missing, as far as the handle lets us tell."""
+        """Why a value is missing, as far as the handle lets us tell."""
         age = time.time() - handle.created_at
         if handle.lease_timeout_s > 0 and age >= handle.lease_timeout_s:
             self._stats.add(timeouts=1)
             return ConnectorTimeoutError(
-                f"{self.name}: segment {handle.key} was not collected within its lease of "
+                f"{self.name}: value {handle.key} was not collected within its lease of "
                 f"{handle.lease_timeout_s:g} s (put {age:.1f} s ago); its owner (pid {handle.owner_pid}) "
                 "freed it"
             )
         self._stats.add(errors=1)
         if handle.owner_pid and not _pid_alive(handle.owner_pid):
             return ConnectorError(
-                f"{self.name}: segment {handle.key} is gone: its owner (pid {handle.owner_pid}) exited"
+                f"{self.name}: value {handle.key} is gone: its owner (pid {handle.owner_pid}) exited"
             )
         return ConnectorError(
-            f"{self.name}: segment {handle.key} does not exist: already collected by a get, or released "
+            f"{self.name}: value {handle.key} does not exist: already collected by a get, or released "
             f"by cleanup/close of its owner (pid {handle.owner_pid})"
         )
+
+    def _tensor_spec(self, handle: ConnectorHandle) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The dtype and shape a tensor handle names, checked against its size."""
+        if handle.kind != "tensor" or handle.dtype is None or handle.shape is None:
+            raise ConnectorError(f"{self.name}: handle {handle.key} is malformed (kind {handle.kind!r})")
+        dtype = dtype_from_name(handle.dtype)
+        shape = tuple(handle.shape)
+        numel = 1
+        for dim in shape:
+            if dim < 0:
+                raise ConnectorError(f"{self.name}: handle {handle.key} has a negative dimension {shape}")
+            numel *= dim
+        if numel * dtype.itemsize != handle.nbytes:
+            raise ConnectorError(
+                f"{self.name}: handle {handle.key}: {handle.nbytes} bytes cannot hold "
+                f"{handle.dtype}{list(shape)}"
+            )
+        return dtype, shape
 
     def _read(self, fd: int, handle: ConnectorHandle) -> torch.Tensor | bytes:
         if handle.kind == "bytes":
@@ -445,18 +1028,7 @@ class SharedMemoryConnector(OmniConnector):
             buf = bytearray(handle.nbytes)
             _read_all(fd, memoryview(buf), handle.key)
             return bytes(buf)
-        if handle.kind != "tensor" or handle.dtype is None or handle.shape is None:
-            raise ConnectorError(f"{self.name}: handle {handle.key} is malformed (kind {handle.kind!r})")
-        dtype = dtype_from_name(handle.dtype)
-        shape = tuple(handle.shape)
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if numel * dtype.itemsize != handle.nbytes:
-            raise ConnectorError(
-                f"{self.name}: handle {handle.key}: {handle.nbytes} bytes cannot hold "
-                f"{handle.dtype}{list(shape)}"
-            )
+        dtype, shape = self._tensor_spec(handle)
         out = torch.empty(shape, dtype=dtype)
         if handle.nbytes:
             _read_all(fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), handle.key)
