@@ -71,6 +71,9 @@ backing off to the slower pace while nothing happens. The polls also drive UCX's
 READs through transports that emulate them with active messages (e.g. TCP) wait for."""
 SPIN_S = 0.005
 """How long a receiver polls its READ without pausing."""
+IDLE_REGIONS = 64
+"""Released registrations an owner keeps for reuse."""
+LOADED_METADATA = 4096
 MIN_POOL_BUFFER = 64 << 10
 ACK, RELEASE = b"ack:", b"release:"
 COLLECTED_MEMORY = 1 << 16
@@ -108,25 +111,38 @@ class _ReceivePool:
         self.limit = limit_bytes
         self.lock = threading.RLock()  # a finalizer may run inside an acquire of the same thread
         self.free: dict[int, list[torch.Tensor]] = {}
-        self.registrations: list[Any] = []
+        self.registrations: dict[int, Any] = {}
+        """Pool buffer address -> its registration."""
         self.total = 0
         self.closed = False
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """A registered buffer of at least ``nbytes`` and whether it belongs to the pool."""
         capacity = max(MIN_POOL_BUFFER, 1 << (nbytes - 1).bit_length())
+        evicted: list[Any] = []
         with self.lock:
             bucket = self.free.get(capacity)
             if bucket:
                 return bucket.pop(), True
+            # Make room by dropping idle buffers of other sizes, largest first.
+            while self.total + capacity > self.limit and capacity <= self.limit and self.free:
+                size = max(self.free)
+                victim = self.free[size].pop()
+                if not self.free[size]:
+                    del self.free[size]
+                self.total -= size
+                evicted.append(self.registrations.pop(victim.data_ptr()))
             pooled = self.total + capacity <= self.limit
             if pooled:
                 self.total += capacity
+        for registration in evicted:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(registration)
         buffer = torch.empty(capacity if pooled else nbytes, dtype=torch.uint8)
         registration = self.agent.register_memory(buffer)
         if pooled:
             with self.lock:
-                self.registrations.append(registration)
+                self.registrations[buffer.data_ptr()] = registration
         else:
             buffer._omni_registration = registration  # type: ignore[attr-defined]
         return buffer, pooled
@@ -151,9 +167,9 @@ class _ReceivePool:
     def close(self) -> None:
         with self.lock:
             self.closed = True
-            registrations, self.registrations = self.registrations, []
+            registrations, self.registrations = self.registrations, {}
             self.free.clear()
-        for registration in registrations:
+        for registration in registrations.values():
             with contextlib.suppress(Exception):
                 self.agent.deregister_memory(registration)
 
@@ -210,8 +226,12 @@ class NixlConnector(OmniConnector):
         self._lock = threading.Lock()
         self._owned: dict[str, _Owned] = {}
         self._regions: dict[tuple[int, int, int], list[Any]] = {}
-        """(address, bytes, device) -> [registration, values using it]: a tensor put twice is
-        registered once."""
+        """(address, bytes, device) -> [registration, values using it, metadata]: a tensor put twice
+        is registered once."""
+        self._idle: OrderedDict[tuple[int, int, int], list[Any]] = OrderedDict()
+        """Registrations no value uses any more, oldest first (see ``_register``)."""
+        self._loaded: OrderedDict[bytes, str] = OrderedDict()
+        """Remote metadata this agent has loaded -> the agent it names (receivers skip reloading it)."""
         self._pool = _ReceivePool(self.agent, recv_pool_bytes)
         self._closed = False
         self._abandoned: list[torch.Tensor] = []
@@ -281,13 +301,29 @@ class NixlConnector(OmniConnector):
     def _register(self, region: tuple[int, int, int], mem_type: str) -> bytes:
         """Register ``region`` (once) and return the metadata a receiver needs; lock held.
 
+        Regions whose values were released stay registered for a while (``_idle``): a stage that puts
+        tensors from recycled memory then sends the same metadata, which receivers have loaded already.
         The region is passed as a descriptor, not as the tensor: NIXL cannot describe a 0-d tensor.
         """
         entry = self._regions.get(region)
         if entry is None:
-            entry = self._regions[region] = [self.agent.register_memory([(*region, "")], mem_type), 0]
+            entry = self._idle.pop(region, None)
+            if entry is None:
+                entry = [self._register_region(region, mem_type), 0, b""]
+                entry[2] = self.agent.get_partial_agent_metadata(entry[0], True, self.backends)
+            self._regions[region] = entry
         entry[1] += 1
-        return self.agent.get_partial_agent_metadata(entry[0], True, self.backends)
+        return entry[2]
+
+    def _register_region(self, region: tuple[int, int, int], mem_type: str) -> Any:
+        try:
+            return self.agent.register_memory([(*region, "")], mem_type)
+        except Exception:  # may overlap an idle registration of memory since reused: drop those, retry
+            start, end = region[0], region[0] + region[1]
+            for other in [r for r in self._idle if r[0] < end and start < r[0] + r[1]]:
+                with contextlib.suppress(Exception):
+                    self.agent.deregister_memory(self._idle.pop(other)[0])
+            return self.agent.register_memory([(*region, "")], mem_type)
 
     def _release(self, key: str, *, acked: bool = False, expired: bool = False) -> bool:
         with self._lock:
@@ -298,9 +334,10 @@ class NixlConnector(OmniConnector):
             if entry is not None:
                 entry[1] -= 1
                 if entry[1] <= 0:
-                    del self._regions[owned.region]
-                    with contextlib.suppress(Exception):
-                        self.agent.deregister_memory(entry[0])
+                    self._idle[owned.region] = self._regions.pop(owned.region)
+                    while len(self._idle) > IDLE_REGIONS:
+                        with contextlib.suppress(Exception):
+                            self.agent.deregister_memory(self._idle.popitem(last=False)[1][0])
         if acked:
             self._stats.add(acks=1, bytes_acked=owned.nbytes)
         if expired:
@@ -420,14 +457,12 @@ class NixlConnector(OmniConnector):
         transfer = None
         try:
             with self._lock:
-                peer = self.agent.add_remote_agent(remote.metadata)
+                peer = self._load_remote(remote.metadata)
                 local = self.agent.get_xfer_descs([(buffer.data_ptr(), handle.nbytes, 0)], "DRAM")
                 far = self.agent.get_xfer_descs(
                     [(remote.addr, handle.nbytes, remote.device_id)], remote.mem_type
                 )
-                transfer = self.agent.initialize_xfer(
-                    "READ", local, far, _agent_name(peer), ACK + handle.key.encode()
-                )
+                transfer = self.agent.initialize_xfer("READ", local, far, peer, ACK + handle.key.encode())
                 state = self.agent.transfer(transfer)
             start = time.monotonic()
             while state == "PROC":
@@ -458,6 +493,18 @@ class NixlConnector(OmniConnector):
                 with contextlib.suppress(Exception):
                     self.agent.release_xfer_handle(transfer)
 
+    def _load_remote(self, metadata: bytes) -> str:
+        """Add the remote agent a handle's metadata describes, unless exactly this was loaded; lock held."""
+        name = self._loaded.get(metadata)
+        if name is None:
+            name = _agent_name(self.agent.add_remote_agent(metadata))
+            self._loaded[metadata] = name
+            if len(self._loaded) > LOADED_METADATA:
+                self._loaded.popitem(last=False)
+        else:
+            self._loaded.move_to_end(metadata)
+        return name
+
     def _remember(self, key: str) -> bool:
         """Record ``key`` as collected here; False if it already was."""
         with self._lock:
@@ -474,8 +521,8 @@ class NixlConnector(OmniConnector):
             return
         self._remember(handle.key)
         with contextlib.suppress(Exception), self._lock:  # best effort: the lease frees it otherwise
-            peer = self.agent.add_remote_agent(remote.metadata)
-            self.agent.send_notif(_agent_name(peer), RELEASE + handle.key.encode())
+            peer = self._load_remote(remote.metadata)
+            self.agent.send_notif(peer, RELEASE + handle.key.encode())
 
     # --- lifetime ------------------------------------------------------------------------------------
 
@@ -488,9 +535,10 @@ class NixlConnector(OmniConnector):
         self._stop_reaper(self._stop, self._wake)
         self._reaper.join(5)
         with self._lock:
-            regions, self._regions = self._regions, {}
+            regions, self._regions = {**self._idle, **self._regions}, {}
+            self._idle.clear()
             self._owned.clear()
-        for registration, _count in regions.values():
+        for registration, *_ in regions.values():
             with contextlib.suppress(Exception):
                 self.agent.deregister_memory(registration)
         self._pool.close()
