@@ -69,8 +69,8 @@ POLL_INTERVAL_S = (5e-5, 0.002)
 """How often the owner polls NIXL while values are outstanding: often right after a put or an ack,
 backing off to the slower pace while nothing happens. The polls also drive UCX's progress, which
 READs through transports that emulate them with active messages (e.g. TCP) wait for."""
-SPIN_S = 0.005
-"""How long a receiver polls its READ without pausing."""
+SPIN_S = (2e-4, 0.005)
+"""How long a receiver polls its READ without yielding to other threads, then without pausing."""
 IDLE_REGIONS = 64
 """Released registrations an owner keeps for reuse."""
 LOADED_METADATA = 4096
@@ -346,12 +346,12 @@ class NixlConnector(OmniConnector):
 
     def _reap_loop(self) -> None:
         fastest, slowest = POLL_INTERVAL_S
-        interval = fastest
+        interval, last_activity = fastest, time.monotonic()
         while not self._stop.is_set():
             if not self._outstanding():
                 self._wake.wait(1.0)
                 self._wake.clear()
-                interval = fastest
+                interval, last_activity = fastest, time.monotonic()
                 continue
             busy = self._wake.is_set()
             self._wake.clear()
@@ -359,8 +359,13 @@ class NixlConnector(OmniConnector):
                 busy = self._reap() or busy
             except Exception:  # keep releasing; one failed poll must not end the lease guarantee
                 logger.exception("%s: polling NIXL notifications failed", self.name)
-            interval = fastest if busy else min(interval * 2, slowest)
-            time.sleep(interval)
+            now = time.monotonic()
+            if busy:
+                interval, last_activity = fastest, now
+            else:
+                interval = min(interval * 2, slowest)
+            # Right after a put or an ack a READ is likely under way: poll without pausing for a moment.
+            time.sleep(0 if now - last_activity < SPIN_S[1] else interval)
 
     def _reap(self) -> bool:
         """Handle acknowledgements, release requests and expired leases; whether anything came."""
@@ -472,7 +477,9 @@ class NixlConnector(OmniConnector):
                     raise ConnectorTimeoutError(f"{what} did not finish within {limit:.1f} s")
                 # Most READs finish within milliseconds: poll (this drives UCX's progress) while
                 # letting other threads run, then back off so a slow transfer does not take a core.
-                time.sleep(0 if now - start < SPIN_S else min((now - start) / 10, 1e-3))
+                elapsed = now - start
+                if elapsed > SPIN_S[0]:
+                    time.sleep(0 if elapsed < SPIN_S[1] else min(elapsed / 10, 1e-3))
                 state = self.agent.check_xfer_state(transfer)
             if state != "DONE":
                 raise ConnectorError(f"{what} failed (NIXL state {state})")
