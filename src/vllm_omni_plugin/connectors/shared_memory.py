@@ -830,15 +830,19 @@ class SharedMemoryConnector(OmniConnector):
         self._stats.add(gets=1, bytes_got=handle.nbytes)
         return value
 
-    def _get_one_off(self, handle: ConnectorHandle) -> torch.Tensor | bytes:
-        path = self._one_off_path(handle)
+    def _open(self, handle: ConnectorHandle, path: str, flags: int) -> int:
+        """The segment file behind ``handle``; gone or unreadable ones raise ConnectorError."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(path, flags | os.O_CLOEXEC)
         except FileNotFoundError:
             raise self._gone(handle) from None
         except OSError as exc:
             self._stats.add(errors=1)
-            raise ConnectorError(f"{self.name}: cannot open segment {handle.key}: {exc}") from exc
+            raise ConnectorError(f"{self.name}: cannot open the segment of {handle.key}: {exc}") from exc
+
+    def _get_one_off(self, handle: ConnectorHandle) -> torch.Tensor | bytes:
+        path = self._one_off_path(handle)
+        fd = self._open(handle, path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if size != handle.nbytes:
@@ -919,14 +923,7 @@ class SharedMemoryConnector(OmniConnector):
 
     def _map(self, handle: ConnectorHandle, name: str) -> _Mapping:
         """Map a pooled segment into this process (kept: its page tables stay warm)."""
-        path = os.path.join(self.shm_dir, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise self._gone(handle) from None
-        except OSError as exc:
-            self._stats.add(errors=1)
-            raise ConnectorError(f"{self.name}: cannot open segment of {handle.key}: {exc}") from exc
+        fd = self._open(handle, os.path.join(self.shm_dir, name), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             if size <= _HEADER_BYTES:
