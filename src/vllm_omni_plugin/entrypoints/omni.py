@@ -58,13 +58,15 @@ def build_pools(
         if stage_ids is not None and stage.stage_id not in stage_ids:
             continue
         clients: list[StageCoreClientBase] = []
+        # The connectors this stage reads its input through and sends its final output back through.
+        router = stage.output_connectors.get("to_stage_router")
+        source = next(iter(sorted(stage.input_connectors.items())), None)
+        in_name = source[1] if source else None
         if stage.headless and not headless_worker:
-            router = stage.output_connectors.get("to_stage_router")
-            source = next(iter(sorted(stage.input_connectors.items())), None)
             remote = RemoteStageClient(
                 stage.stage_id,
                 stage.name,
-                input_connector=connectors.get(source[1]) if source else None,
+                input_connector=connectors.get(in_name) if in_name else None,
                 output_connector=connectors.get(router) if router else None,
             )
             pools[stage.stage_id] = StageReplicaPool(stage.stage_id, stage.name, [remote])
@@ -82,11 +84,8 @@ def build_pools(
                     )
                 )
             elif stage.process:
-                router = stage.output_connectors.get("to_stage_router")
                 spec = deployment.connectors.get(router) if router else None
                 out_connector = (router, spec.name, dict(spec.extra)) if spec and router else None
-                source = next(iter(sorted(stage.input_connectors.items())), None)
-                in_name = source[1] if source else None
                 in_spec = deployment.connectors.get(in_name) if in_name else None
                 in_connector = (in_name, in_spec.name, dict(in_spec.extra)) if in_spec and in_name else None
                 config = StageDiffusionProcConfig(

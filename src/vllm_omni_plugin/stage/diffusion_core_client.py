@@ -29,7 +29,7 @@ from vllm_omni_plugin.stage.core_types import (
 )
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionCoreProcManager, StageDiffusionProcConfig
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
-from vllm_omni_plugin.stage.payload import collect_output, send_request_through
+from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
@@ -128,14 +128,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             assert isinstance(message, StageCoreOutputs)
             for output in message.outputs:
                 if not self._pending.resolve(output.request_id, output):
-                    if output.image_handle is not None and self.output_connector is not None:
-                        self._release(output.image_handle)  # aborted meanwhile: free its image
-
-    def _release(self, handle: Any) -> None:
-        from vllm_omni_plugin.connectors.base import ConnectorHandle
-
-        with contextlib.suppress(Exception):
-            self.output_connector.cleanup(msgspec.convert(handle, ConnectorHandle))
+                    discard_output(output, self.output_connector)  # aborted meanwhile
 
     async def _watch(self) -> None:
         while True:

@@ -43,7 +43,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageLLMCoreRequest,
 )
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
-from vllm_omni_plugin.stage.payload import collect_output, send_request_through
+from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
@@ -184,13 +184,8 @@ class RemoteStageClient(StageCoreClientBase):
             self.state = StageState.RESTARTING
 
     def deliver(self, message: RemoteOutput) -> None:
-        if self._pending.resolve(message.request_id, message):
-            return
-        if message.output is not None and getattr(message.output, "image_handle", None) is not None:
-            with contextlib.suppress(Exception):  # aborted meanwhile: free its image
-                from vllm_omni_plugin.connectors.base import ConnectorHandle
-
-                self.output_connector.cleanup(msgspec.convert(message.output.image_handle, ConnectorHandle))
+        if not self._pending.resolve(message.request_id, message):
+            discard_output(message.output, self.output_connector)  # aborted meanwhile
 
     async def generate(self, request: Any) -> Any:
         if self.state != StageState.READY or self.identity is None:

@@ -7,6 +7,8 @@ of the same class) fetches them back.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any
 
 import msgspec
@@ -68,8 +70,6 @@ def release(value: Any, connector: Any) -> None:
 
 def send_request_through(request: Any, connector: Any) -> tuple[Any, float]:
     """A diffusion stage request with its tensors put through ``connector``; (request, seconds)."""
-    import time
-
     if connector is None or not hasattr(request, "diffusion"):
         return request, 0.0
     t0 = time.perf_counter()
@@ -79,8 +79,6 @@ def send_request_through(request: Any, connector: Any) -> tuple[Any, float]:
 
 def collect_output(output: Any, connector: Any) -> None:
     """Fetch an output's image from ``connector`` when it travelled as a handle (times it)."""
-    import time
-
     from vllm_omni_plugin.connectors.base import ConnectorHandle
 
     if connector is None or getattr(output, "image_handle", None) is None:
@@ -90,3 +88,13 @@ def collect_output(output: Any, connector: Any) -> None:
     output.image = image.numpy()
     output.image_handle = None
     output.timings["transfer_out"] = time.perf_counter() - t0
+
+
+def discard_output(output: Any, connector: Any) -> None:
+    """Free the image behind an output nobody waits for any more (its request was aborted)."""
+    from vllm_omni_plugin.connectors.base import ConnectorHandle
+
+    if connector is None or getattr(output, "image_handle", None) is None:
+        return
+    with contextlib.suppress(Exception):  # best effort: the owner's lease frees it otherwise
+        connector.cleanup(msgspec.convert(output.image_handle, ConnectorHandle))
