@@ -372,6 +372,8 @@ class HeadlessStageWorker:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._dealer: Any = None
         self._stopping: asyncio.Future[tuple[int, str]] | None = None
+        self._leaving = False
+        """Stopped by a signal: tell the head we go, so it fails our requests at once."""
 
     async def run(self) -> int:
         import zmq
@@ -382,7 +384,7 @@ class HeadlessStageWorker:
         loop = asyncio.get_running_loop()
         self._stopping = loop.create_future()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop, 0, f"{signal.Signals(sig).name} received")
+            loop.add_signal_handler(sig, self._on_signal, sig)
         stage = next(s for s in self.deployment.stages if s.stage_id == self.stage_id)
         # No connectors in this process: the replica processes build them and messages pass through.
         pool = build_pools(self.deployment, {}, [self.stage_id], headless_worker=True)[self.stage_id]
@@ -417,7 +419,7 @@ class HeadlessStageWorker:
             with contextlib.suppress(asyncio.CancelledError):
                 await serve
             code, why = self._stopping.result()
-            if code == 0 and why.endswith("received"):
+            if self._leaving:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._send(WorkerLeaving(reason=why)), 1.0)
             return code
@@ -429,6 +431,11 @@ class HeadlessStageWorker:
             context.term()
             log = logger.info if code == 0 else logger.error
             log("headless worker for stage %d exiting: %s", self.stage_id, why)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stopping is not None and not self._stopping.done():
+            self._leaving = True
+            self._stop(0, f"{signal.Signals(sig).name} received")
 
     def _stop(self, code: int, why: str) -> None:
         if self._stopping is not None and not self._stopping.done():
