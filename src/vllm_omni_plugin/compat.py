@@ -75,6 +75,13 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
         "vllm.model_executor.layers.rotary_embedding:MRotaryEmbedding",
         "vllm.model_executor.layers.rotary_embedding.mrope:MRotaryEmbedding",
     ),
+    "Attention": (
+        "vllm.model_executor.layers.attention:Attention",
+        "vllm.attention.layer:Attention",
+    ),
+    "get_attention_context": ("vllm.model_executor.layers.attention.attention:get_attention_context",),
+    "extract_layer_index": ("vllm.model_executor.models.utils:extract_layer_index",),
+    "uses_mrope": ("vllm.transformers_utils.config:uses_mrope",),
     "RequestStatus": ("vllm.v1.request:RequestStatus",),
     "FinishReason": ("vllm.v1.engine:FinishReason",),
     "EngineCoreOutput": ("vllm.v1.engine:EngineCoreOutput",),

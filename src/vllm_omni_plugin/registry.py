@@ -13,6 +13,11 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "GlmImageForConditionalGeneration": (
         "vllm_omni_plugin.models.glm_image_ar:GlmImageForConditionalGeneration"
     ),
+    # BAGEL's thinker: stock vLLM's BagelForConditionalGeneration extended for generation. A name of its
+    # own, so plain vLLM keeps serving stock BAGEL; the bagel pipeline selects it through hf_overrides.
+    "OmniBagelForConditionalGeneration": (
+        "vllm_omni_plugin.models.bagel_thinker:OmniBagelForConditionalGeneration"
+    ),
 }
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.runners.omni_model_runner import OmniModelRunnerMixin
+from vllm_omni_plugin.runners.worker_mixin import OmniWorkerMixin
 
 CPUWorker = resolve("CPUWorker")
 CPUModelRunner = resolve("CPUModelRunner")
@@ -15,7 +16,7 @@ class OmniCPUModelRunner(OmniModelRunnerMixin, CPUModelRunner):  # type: ignore[
     pass
 
 
-class OmniCPUWorker(CPUWorker):  # type: ignore[misc, valid-type]
+class OmniCPUWorker(OmniWorkerMixin, CPUWorker):  # type: ignore[misc, valid-type]
     """vLLM's CPU worker with the Omni model runner.
 
     ``CPUWorker.init_device`` builds its runner inline (there is no factory hook as on GPU), so the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.runners.omni_model_runner import OmniModelRunnerMixin
+from vllm_omni_plugin.runners.worker_mixin import OmniWorkerMixin
 
 GPUWorker = resolve("GPUWorker")
 GPUModelRunner = resolve("GPUModelRunner")
@@ -13,7 +14,7 @@ class OmniGPUModelRunner(OmniModelRunnerMixin, GPUModelRunner):  # type: ignore[
     pass
 
 
-class OmniGPUWorker(GPUWorker):  # type: ignore[misc, valid-type]
+class OmniGPUWorker(OmniWorkerMixin, GPUWorker):  # type: ignore[misc, valid-type]
     def _make_model_runner(self) -> OmniGPUModelRunner:
         if getattr(self, "use_v2_model_runner", False):
             raise RuntimeError(

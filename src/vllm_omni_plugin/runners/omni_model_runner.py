@@ -23,6 +23,7 @@ from typing import Any
 
 from vllm_omni_plugin.compat import runner_output_payload
 from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.runners.context_export import ContextExporter
 
 logger = get_logger(__name__)
 
@@ -51,7 +52,20 @@ class OmniModelRunnerMixin:
         pending: dict[str, dict[str, Any]] = self.__dict__.setdefault("_omni_stage_outputs", {})
         pending.setdefault(req_id, {})[key] = value
 
+    @property
+    def context_exporter(self) -> ContextExporter:
+        exporter = self.__dict__.get("_omni_context_exporter")
+        if exporter is None:
+            exporter = self.__dict__["_omni_context_exporter"] = ContextExporter(self.vllm_config)  # type: ignore[attr-defined]
+        return exporter
+
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        exporter = self.context_exporter
+        if exporter.due:  # the forward pass has written these prompts' K/V into the paged cache
+            static = self.compilation_config.static_forward_context  # type: ignore[attr-defined]
+            for req_id, outputs in exporter.export_due(self.requests, static).items():
+                for key, value in outputs.items():
+                    self.set_stage_output(req_id, key, value)
         output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
         pending = self.__dict__.get("_omni_stage_outputs")
         if pending:
@@ -141,6 +155,7 @@ class OmniModelRunnerMixin:
     def _update_states(self, scheduler_output: Any) -> Any:
         result = super()._update_states(self._omni_resume_prepass(scheduler_output))  # type: ignore[misc]
         self._collect_model_stage_outputs(scheduler_output)
+        self.context_exporter.note_scheduled(self.requests, scheduler_output)
         return result
 
     def _collect_model_stage_outputs(self, scheduler_output: Any) -> None:
