@@ -266,7 +266,6 @@ class BagelReference:
         self.latent_patch = int(config.get("latent_patch_size", 2))
         self.latent_channels = int(vae["z_channels"])
         self.latent_downsample = int(vae["downsample"]) * self.latent_patch
-        self.max_latent_size = int(config.get("max_latent_size", 32))
         if config.get("interpolate_pos", False):
             raise ValueError("interpolate_pos=true is not implemented (BAGEL-7B-MoT uses extrapolation)")
 
@@ -283,6 +282,9 @@ class BagelReference:
 
         self.w = load("ema.safetensors")
         self.ae = load("ae.safetensors")
+        # max_latent_size is the side of the latent position table: the hub's config.json says 32 while
+        # BAGEL-7B-MoT's table is 64 x 64, the value the original app passes when it builds the model.
+        self.max_latent_size = math.isqrt(int(self.w["latent_pos_embed.pos_embed"].shape[0]))
         for i in range(self.vit_layers):
             if f"vit_model.vision_model.encoder.layers.{i}.layer_norm1.weight" not in self.w:
                 raise ValueError(f"the checkpoint lacks ViT layer {i} (config: {self.vit_layers + 1} layers)")
