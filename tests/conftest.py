@@ -32,3 +32,10 @@ def tiny_glm_image() -> Path:
     from vllm_omni_plugin.testing.tiny_models import build
 
     return build("glm-image", tiny_model_cache() / "glm-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_bagel() -> Path:
+    from vllm_omni_plugin.testing.tiny_models import build
+
+    return build("bagel", tiny_model_cache() / "bagel")

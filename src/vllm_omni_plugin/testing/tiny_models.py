@@ -8,8 +8,9 @@ hash, and a second build with the same hash returns at once.
 Every attention layer vLLM runs has head_dim 32, the smallest head size vLLM's CPU attention supports
 (vLLM's Qwen2 derives head_dim as hidden_size / num_attention_heads).
 
-Kinds: ``text`` (Qwen2 with a ChatML tokenizer) and ``glm-image`` (the diffusers GLM-Image pipeline in the
-upstream repository layout: AR model, processor, DiT, VAE, glyph T5, scheduler; 64x64 images in seconds).
+Kinds: ``text`` (Qwen2 with a ChatML tokenizer), ``glm-image`` (the diffusers GLM-Image pipeline in the
+upstream repository layout: AR model, processor, DiT, VAE, glyph T5, scheduler; 64x64 images in seconds) and
+``bagel`` (BAGEL-7B-MoT's hub layout: both MoT experts, NaViT SigLIP, FLUX autoencoder; see ``tiny_bagel``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +59,26 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_chat_tokenizer(outdir: Path, vocab_size: int = 1024) -> int:
-    """A byte-level BPE tokenizer with ChatML specials and a chat template; returns its size."""
+CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_chat_tokenizer(
+    outdir: Path,
+    vocab_size: int = 1024,
+    specials: Sequence[str] = CHATML_SPECIAL_TOKENS,
+    model_max_length: int = 512,
+) -> int:
+    """A byte-level BPE tokenizer with ChatML specials (ids 0, 1, ... in ``specials`` order) and a chat
+    template; returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=specials,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -80,7 +89,7 @@ def build_chat_tokenizer(outdir: Path, vocab_size: int = 1024) -> int:
         pad_token="<|endoftext|>",
         unk_token=None,
         bos_token=None,
-        model_max_length=512,
+        model_max_length=model_max_length,
     )
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(outdir)
@@ -517,9 +526,30 @@ def _build_glm_image(outdir: Path, cfg: dict[str, Any]) -> None:
     )
 
 
+# --- BAGEL -----------------------------------------------------------------------------------------------
+# The builder lives in tiny_bagel.py (imported lazily: it uses this module's tokenizer builder).
+
+
+def _bagel_config() -> dict[str, Any]:
+    from vllm_omni_plugin.testing.tiny_bagel import bagel_config
+
+    return bagel_config()
+
+
+def build_bagel(outdir: Path, cfg: dict[str, Any]) -> None:
+    """A tiny BAGEL (ByteDance-Seed/BAGEL-7B-MoT hub layout); see ``tiny_bagel``."""
+    import torch
+
+    from vllm_omni_plugin.testing.tiny_bagel import build_bagel as _build
+
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
+        _build(outdir, cfg)
+
+
 BUILDERS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[Path, dict[str, Any]], None]]] = {
     "text": (_text_config, build_text),
     "glm-image": (_glm_image_config, build_glm_image),
+    "bagel": (_bagel_config, build_bagel),
 }
 
 
