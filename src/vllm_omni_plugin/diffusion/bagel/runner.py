@@ -23,6 +23,7 @@ from vllm_omni_plugin.diffusion.bagel.request import (
     RENORM_TYPES,
     BagelContext,
     BagelGenerationRequest,
+    BagelSampling,
 )
 from vllm_omni_plugin.diffusion.bagel.transformer import ContextBank, GenerationTransformer
 from vllm_omni_plugin.diffusion.pipelines import BatchOutput
@@ -122,6 +123,8 @@ class BagelGenerationRunner:
             if value > largest:
                 raise ValueError(f"{name} {value} is larger than this model's {largest} pixels")
         s = request.sampling
+        if not isinstance(s, BagelSampling):
+            raise ValueError(f"sampling must be a BagelSampling, got {type(s).__name__}")
         steps = s.num_inference_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
             raise ValueError(f"num_inference_steps must be an integer of at least 2, got {steps!r}")
@@ -220,16 +223,14 @@ class BagelGenerationRunner:
             for g in generators
         ]
         x = torch.stack(noise).to(self.device)
-        # Fixed across steps: position + time embeddings and the per-request guidance settings.
-        offsets = (
-            model.latent_position_embedding(first.height, first.width)[None]
-            + model.time_embedding(timesteps)[:, None]
-        )
+        # Fixed across steps: position and time embeddings, the per-request guidance settings.
+        positions = model.latent_position_embedding(first.height, first.width)
+        times = model.time_embedding(timesteps)
         guidance = _Guidance(batch, self.device)
         dts = dts.to(self.device)
         for step in range(len(timesteps)):
             rows = plan.at(step, bank, self.device)
-            inputs = model.latent_input(x, offsets[step])
+            inputs = model.latent_input(x, times[step], positions)
             velocity = model.velocity(
                 inputs.index_select(0, rows.request_of_row), bank.rows(rows.slots)
             ).float()
@@ -374,7 +375,9 @@ def _same_context(a: BagelContext, b: BagelContext) -> bool:
     """Equal contexts give equal velocities: one row serves both."""
     if a.kv_len != b.kv_len or a.rope != b.rope:
         return False
-    return a.kv_len == 0 or a.kv is b.kv or torch.equal(a.kv, b.kv)
+    if a.kv_len == 0 or a.kv is b.kv:
+        return True
+    return a.kv.dtype == b.kv.dtype and a.kv.device == b.kv.device and torch.equal(a.kv, b.kv)
 
 
 def _finite(value: Any) -> bool:

@@ -217,10 +217,10 @@ class GenerationTransformer:
 
     # --- the step ----------------------------------------------------------------------------------
 
-    def latent_input(self, x: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """``vae2llm(x_t) + time embedding + position embedding``; ``offset`` is the sum of the last two."""
+    def latent_input(self, x: torch.Tensor, time: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``vae2llm(x_t) + time embedding + position embedding``: ``[B, h*w, hidden]``."""
         weight, bias = self.vae2llm
-        return F.linear(x.to(self.dtype), weight, bias) + offset
+        return F.linear(x.to(self.dtype), weight, bias) + time + positions
 
     def velocity(self, latents: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
         """``[rows, h*w, hidden]`` latent-token inputs -> ``[rows, h*w, p*p*z]`` velocities."""
