@@ -36,7 +36,6 @@ from vllm_omni_plugin.models.bagel.weights import CheckpointReader
 logger = get_logger(__name__)
 
 COND, CFG_TEXT, CFG_IMG = 0, 1, 2
-BRANCHES = ("cond", "cfg_text", "cfg_img")
 DECODE_PIXELS_PER_CALL = 4 * 1024 * 1024
 """Images decode together up to this many pixels per decoder call (bounds the decoder's activations)."""
 
