@@ -492,6 +492,109 @@ def test_autoencoder_encoder_mean_is_deterministic_and_decoder_inverts_shape(
     assert runner.decoder.decode(z).shape == (1, 3, 64, 96)
 
 
+# --- against the independent reference ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bagel: Path):
+    from vllm_omni_plugin.testing.bagel_reference import BagelReference
+
+    return BagelReference(tiny_bagel, dtype=torch.float32)
+
+
+def _test_image(seed: int, width: int, height: int):
+    import PIL.Image
+
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, size=(height // 8, width // 8, 3), dtype=np.uint8)
+    return PIL.Image.fromarray(coarse).resize((width, height), PIL.Image.Resampling.BILINEAR)
+
+
+@pytest.fixture(scope="module")
+def reference_contexts(reference) -> dict:
+    """T2I and edit contexts as the reference builds them (stage 0's job in serving)."""
+    empty = reference.new_context()
+    image = reference.add_image(empty, reference.vae_transform.resize(_test_image(0, 64, 64)))
+    return {
+        "empty": empty,
+        "t2i_cond": reference.add_text(empty, "a red fox in the snow"),
+        "image": image,
+        "edit_cond": reference.add_text(image, "make the sky green"),
+        "edit_text_only": reference.add_text(empty, "make the sky green"),
+    }
+
+
+def _handoff(ctx) -> BagelContext:
+    return BagelContext(kv=ctx.kv(), kv_len=ctx.kv_len, rope=ctx.rope)
+
+
+@pytest.mark.parametrize("renorm", ["global", "channel", "text_channel"])
+def test_runner_reproduces_the_reference(
+    runner: BagelGenerationRunner, reference, reference_contexts: dict, renorm: str
+) -> None:
+    """T2I and edit in one batch, fed the reference's three contexts: the reference's images."""
+    c = reference_contexts
+    t2i_params = dict(
+        num_inference_steps=12,
+        timestep_shift=3.0,
+        cfg_text_scale=4.0,
+        cfg_img_scale=1.5,  # T2I cfg_img is cond: exercises the shared row
+        cfg_interval=(0.4, 1.0),
+        cfg_renorm_type=renorm,
+        cfg_renorm_min=0.0,
+    )
+    edit_params = dict(t2i_params, cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_min=0.2)
+    cases = [
+        ("t2i", ("t2i_cond", "empty", "t2i_cond"), t2i_params, 11),
+        ("edit", ("edit_cond", "image", "edit_text_only"), edit_params, 12),
+    ]
+    batch = []
+    expected = []
+    for name, (cond, cfg_text, cfg_img), params, seed in cases:
+        expected.append(
+            reference.generate_image(
+                c[cond], c[cfg_text], c[cfg_img], height=64, width=64, seed=seed, **params
+            )
+        )
+        batch.append(
+            BagelGenerationRequest(
+                request_id=name,
+                cond=_handoff(c[cond]),
+                cfg_text=_handoff(c[cfg_text]),
+                cfg_img=_handoff(c[cfg_img]),
+                height=64,
+                width=64,
+                sampling=msgspec.convert(params, type(T2I_DEFAULTS)),
+                seed=seed,
+            )
+        )
+    got = generate(runner, batch)
+    for (name, *_), mine, theirs in zip(cases, got, expected, strict=True):
+        diff = np.abs(mine.astype(np.int16) - theirs.astype(np.int16))
+        assert diff.max() <= 2 and diff.mean() <= 0.1, (name, int(diff.max()), float(diff.mean()))
+        assert theirs.std() > 10  # a real image, not a flat one
+
+
+def test_transforms_and_autoencoder_match_the_reference(tiny_bagel: Path, runner, reference) -> None:
+    """The pieces stage 0 shares: resize rules, normalisation, encoder mean and decoder."""
+    cfg = load_bagel_config(tiny_bagel)
+    for width, height in ((64, 64), (100, 60), (37, 250), (640, 480)):
+        image = _test_image(width, max(width, 8), max(height, 8)).resize((width, height))
+        for ours, theirs in (
+            (cfg.vae_transform, reference.vae_transform),
+            (cfg.vit_transform, reference.vit_transform),
+        ):
+            assert transforms.resized_size(width, height, ours) == theirs.target_size(width, height)
+            assert torch.equal(transforms.ImageTransform(ours)(image), theirs(image))
+    pixels = transforms.ImageTransform(cfg.vae_transform)(_test_image(3, 96, 64))[None]
+    encoder = load_vae_encoder(cfg.vae_weights, cfg.vae, dtype=torch.float32, device="cpu")
+    z = encoder.encode(pixels)
+    assert torch.allclose(z, reference.vae_encode(pixels), atol=1e-5)
+    assert torch.allclose(runner.decoder.decode(z), reference.vae_decode(z), atol=1e-5)
+    latent_tokens, _, _ = reference.vae_latent_tokens(_test_image(3, 96, 64))
+    assert torch.allclose(transforms.patchify(z[0], cfg.latent_patch_size), latent_tokens, atol=1e-5)
+
+
 def _bf16_close_to_fp32(device: str, tiny_bagel: Path, runner: BagelGenerationRunner) -> None:
     low = BagelGenerationRunner.load(str(tiny_bagel), dtype=torch.bfloat16, device=device)
     batch = [t2i("t2i", 1), edit("edit", 2), t2i("short", 3, prompt_len=3, cfg_renorm_type="channel")]
