@@ -6,9 +6,10 @@ A *row* is one (request, context) pair. Every denoising step runs the block ``[l
 context plus the block itself (non-causal). The order of tokens inside the block is ours (latents first, so
 each expert reads one contiguous slice); attention is order-free, so it changes nothing.
 
-Rows of a batch have contexts of different lengths. :class:`ContextBank` copies them once per batch into one
-padded buffer per layer, block first: ``[block (Q) | context (L_r) | padding]``; each step writes the block's
-fresh K/V into the first ``Q`` slots and attends with a key mask. Rows are kept longest-context first, so
+Rows of a batch have contexts of different lengths. :class:`ContextBank` copies them (already post-RoPE, so
+fixed across steps) once per batch into one padded buffer, per layer and row block first:
+``[block (Q) | context (L_r) | padding]``; each step writes the block's fresh K/V into the first ``Q`` slots
+and attends with a key mask. Rows are kept longest-context first, so
 rows of similar length form contiguous groups that attend over their own (shorter) key range.
 """
 
