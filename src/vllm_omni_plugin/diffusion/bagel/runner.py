@@ -1,0 +1,392 @@
+"""BAGEL's generation stage: rectified flow with three-branch guidance over received contexts, then decode.
+
+Diffusers has no BAGEL pipeline; this is ours, following BAGEL's ``generate_image`` / ``_forward_flow``:
+``t = linspace(1, 0, N)`` shifted by ``s * t / (1 + (s - 1) * t)``, ``x <- x - v(x, t_i) * (t_i - t_{i+1})``
+for the first ``N - 1`` points; at a step inside a request's ``cfg_interval`` (and with
+``cfg_text_scale > 1``) its velocity is guided by the ``cfg_text`` (and, with ``cfg_img_scale > 1``, the
+``cfg_img``) context.
+
+A batch shares size, step count and shift (so one schedule); everything else is per request. Each step is one
+forward over every (request, active branch) row; a branch whose context equals the request's ``cond`` (e.g.
+text-to-image ``cfg_img``) reuses the ``cond`` row instead of computing it again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from vllm_omni_plugin.diffusion.bagel.request import (
+    RENORM_TYPES,
+    BagelContext,
+    BagelGenerationRequest,
+    BagelSampling,
+)
+from vllm_omni_plugin.diffusion.bagel.transformer import ContextBank, GenerationTransformer
+from vllm_omni_plugin.diffusion.pipelines import BatchOutput
+from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.models.bagel.autoencoder import VaeDecoder, load_vae_decoder
+from vllm_omni_plugin.models.bagel.config import BagelConfig, load_bagel_config
+from vllm_omni_plugin.models.bagel.transforms import unpatchify
+from vllm_omni_plugin.models.bagel.weights import CheckpointReader
+
+logger = get_logger(__name__)
+
+COND, CFG_TEXT, CFG_IMG = 0, 1, 2
+DECODE_PIXELS_PER_CALL = 4 * 1024 * 1024
+"""Images decode together up to this many pixels per decoder call (bounds the decoder's activations)."""
+
+
+def flow_schedule(num_steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shifted times ``t_i`` of the steps that run, and their ``dt_i`` (fp32, CPU), as BAGEL computes them."""
+    t = torch.linspace(1, 0, num_steps)
+    t = shift * t / (1 + (shift - 1) * t)
+    return t[:-1], t[:-1] - t[1:]
+
+
+def guidance_active(t: torch.Tensor, interval: tuple[float, float]) -> bool:
+    """BAGEL's gate ``lo < t <= hi``, compared as it does (an fp32 ``t`` against Python floats)."""
+    return bool(t > interval[0]) and bool(t <= interval[1])
+
+
+class BagelGenerationRunner:
+    """Loads BAGEL's generation weights and the autoencoder's decoder; runs batches of requests.
+
+    Use: ``runner = BagelGenerationRunner.load(model_dir, dtype=..., device=...)``; for each request
+    ``runner.validate(r)`` (``ValueError`` naming the problem); batch requests with equal
+    ``runner.batch_key(r)``; ``runner.run(batch, generators)`` with one CPU ``torch.Generator`` per request.
+    """
+
+    def __init__(
+        self,
+        cfg: BagelConfig,
+        transformer: GenerationTransformer,
+        decoder: VaeDecoder,
+        *,
+        tensors_read: dict[str, list[str]],
+    ) -> None:
+        self.cfg = cfg
+        self.transformer = transformer
+        self.decoder = decoder
+        self.dtype = transformer.dtype
+        self.device = transformer.device
+        self.tensors_read = tensors_read
+        """Per weights file, the names of the tensors loading read (nothing else was read)."""
+
+    @classmethod
+    def load(cls, model_dir: str, *, dtype: Any, device: Any) -> BagelGenerationRunner:
+        start = time.perf_counter()
+        dtype = _as_dtype(dtype)
+        device = torch.device(device)
+        cfg = load_bagel_config(model_dir)
+        with CheckpointReader(cfg.llm_weights) as reader:
+            transformer = GenerationTransformer.load(cfg, reader, dtype=dtype, device=device)
+            llm_read = list(reader.read)
+        with CheckpointReader(cfg.vae_weights) as reader:
+            decoder = load_vae_decoder(reader, cfg.vae, dtype=dtype, device=device)
+            vae_read = list(reader.read)
+        logger.info(
+            "loaded BAGEL generation (%d layers, %d + %d tensors) from %s (%s, %s) in %.2f s",
+            cfg.llm.num_layers,
+            len(llm_read),
+            len(vae_read),
+            model_dir,
+            dtype,
+            device,
+            time.perf_counter() - start,
+        )
+        return cls(
+            cfg,
+            transformer,
+            decoder,
+            tensors_read={cfg.llm_weights.name: llm_read, cfg.vae_weights.name: vae_read},
+        )
+
+    # --- per-request hooks -------------------------------------------------------------------------
+
+    def validate(self, request: BagelGenerationRequest) -> None:
+        """Raise ``ValueError`` naming what is wrong; run before batching, so one bad request fails alone."""
+        cfg = self.cfg
+        stride, largest = cfg.latent_downsample, cfg.max_image_side
+        for name in ("height", "width"):
+            value = getattr(request, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value % stride:
+                raise ValueError(
+                    f"{name} {value} is not a multiple of {stride} (BAGEL's latent patch in pixels)"
+                )
+            if value > largest:
+                raise ValueError(f"{name} {value} is larger than this model's {largest} pixels")
+        s = request.sampling
+        if not isinstance(s, BagelSampling):
+            raise ValueError(f"sampling must be a BagelSampling, got {type(s).__name__}")
+        steps = s.num_inference_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+            raise ValueError(f"num_inference_steps must be an integer of at least 2, got {steps!r}")
+        for name in ("timestep_shift", "cfg_text_scale", "cfg_img_scale", "cfg_renorm_min"):
+            if not _finite(getattr(s, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(s, name)!r}")
+        if s.timestep_shift <= 0:
+            raise ValueError(f"timestep_shift must be positive, got {s.timestep_shift}")
+        if not 0.0 <= s.cfg_renorm_min <= 1.0:
+            raise ValueError(f"cfg_renorm_min must lie in [0, 1], got {s.cfg_renorm_min}")
+        if s.cfg_renorm_type not in RENORM_TYPES:
+            raise ValueError(
+                f"cfg_renorm_type must be one of {', '.join(RENORM_TYPES)}; got {s.cfg_renorm_type!r}"
+            )
+        interval = s.cfg_interval
+        if not (isinstance(interval, tuple | list) and len(interval) == 2 and all(map(_finite, interval))):
+            raise ValueError(f"cfg_interval must be two numbers (lo, hi), got {interval!r}")
+        if not 0.0 <= interval[0] <= interval[1] <= 1.0:
+            raise ValueError(f"cfg_interval must satisfy 0 <= lo <= hi <= 1, got {tuple(interval)}")
+        self._check_context("cond", request.cond)
+        wants_text = s.cfg_text_scale > 1.0
+        if request.cfg_text is not None or wants_text:
+            if request.cfg_text is None:
+                raise ValueError(
+                    "cfg_text_scale > 1 needs the cfg_text context (the context without the text)"
+                )
+            self._check_context("cfg_text", request.cfg_text)
+        if request.cfg_img is not None or (wants_text and s.cfg_img_scale > 1.0):
+            if request.cfg_img is None:
+                raise ValueError(
+                    "cfg_img_scale > 1 needs the cfg_img context (the context without the image)"
+                )
+            self._check_context("cfg_img", request.cfg_img)
+
+    def _check_context(self, name: str, ctx: Any) -> None:
+        llm = self.cfg.llm
+        if not isinstance(ctx, BagelContext):
+            raise ValueError(f"{name} must be a BagelContext, got {type(ctx).__name__}")
+        for field in ("kv_len", "rope"):
+            value = getattr(ctx, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}.{field} must be a non-negative integer, got {value!r}")
+        want = (llm.num_layers, 2, ctx.kv_len, llm.num_kv_heads, llm.head_dim)
+        if ctx.kv is None:
+            if ctx.kv_len:
+                raise ValueError(f"{name} has kv_len {ctx.kv_len} but no kv tensor")
+            return
+        if not isinstance(ctx.kv, torch.Tensor):
+            raise ValueError(f"{name}.kv must be a torch.Tensor, got {type(ctx.kv).__name__}")
+        if tuple(ctx.kv.shape) != want:
+            raise ValueError(
+                f"{name}.kv has shape {tuple(ctx.kv.shape)}; this model needs [num_layers, 2, kv_len, "
+                f"num_kv_heads, head_dim] = {list(want)}"
+            )
+        if not ctx.kv.dtype.is_floating_point:
+            raise ValueError(f"{name}.kv must be a floating-point tensor, got {ctx.kv.dtype}")
+
+    def batch_key(self, request: BagelGenerationRequest) -> tuple[Any, ...]:
+        """Requests share a batch when this matches: they then share the latent grid and the schedule."""
+        s = request.sampling
+        return (request.height, request.width, s.num_inference_steps, float(s.timestep_shift))
+
+    # --- the batch ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: list[BagelGenerationRequest], generators: list[Any]) -> BatchOutput:
+        """Denoise and decode ``batch`` (one ``batch_key``); uint8 HxWx3 arrays in batch order."""
+        if not batch:
+            return BatchOutput([], None, {"denoise": 0.0, "decode": 0.0, "total": 0.0})
+        if len(generators) != len(batch):
+            raise ValueError(f"{len(batch)} requests but {len(generators)} generators")
+        keys = {self.batch_key(r) for r in batch}
+        if len(keys) != 1:
+            raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
+        start = time.perf_counter()
+        latents = self._denoise(batch, generators)
+        self._sync()
+        denoised = time.perf_counter()
+        images = self._decode(latents, batch[0].height, batch[0].width)
+        end = time.perf_counter()
+        return BatchOutput(
+            images, None, {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
+        )
+
+    def _denoise(self, batch: list[BagelGenerationRequest], generators: list[Any]) -> torch.Tensor:
+        cfg, model = self.cfg, self.transformer
+        first = batch[0]
+        rows_h, cols_w = first.height // cfg.latent_downsample, first.width // cfg.latent_downsample
+        tokens = rows_h * cols_w
+        timesteps, dts = flow_schedule(first.sampling.num_inference_steps, first.sampling.timestep_shift)
+        plan = _RowPlan(batch, timesteps)
+        bank = ContextBank(plan.contexts, tokens + 2, model)
+
+        noise = [
+            torch.randn((tokens, cfg.latent_token_dim), generator=g, device=g.device, dtype=torch.float32)
+            for g in generators
+        ]
+        x = torch.stack(noise).to(self.device)
+        # Fixed across steps: position and time embeddings, the per-request guidance settings.
+        positions = model.latent_position_embedding(first.height, first.width)
+        times = model.time_embedding(timesteps)
+        guidance = _Guidance(batch, self.device)
+        dts = dts.to(self.device)
+        for step in range(len(timesteps)):
+            rows = plan.at(step, bank, self.device)
+            inputs = model.latent_input(x, times[step], positions)
+            velocity = model.velocity(
+                inputs.index_select(0, rows.request_of_row), bank.rows(rows.slots)
+            ).float()
+            v = guidance.combine(
+                velocity.index_select(0, rows.cond),
+                velocity.index_select(0, rows.text),
+                velocity.index_select(0, rows.img),
+                rows.guided,
+                rows.image_guided,
+            )
+            x = x - v * dts[step]
+        return x
+
+    def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[Any]:
+        cfg = self.cfg
+        p, z = cfg.latent_patch_size, cfg.latent_channels
+        grid = unpatchify(latents, height // cfg.latent_downsample, width // cfg.latent_downsample, p, z)
+        per_call = max(1, DECODE_PIXELS_PER_CALL // (height * width))
+        images = []
+        for chunk in grid.split(per_call):
+            pixels = self.decoder.decode(chunk.to(self.dtype)).float()
+            pixels = ((pixels * 0.5 + 0.5).clamp(0, 1) * 255).to(torch.uint8)  # truncation, as BAGEL
+            images.extend(pixels.permute(0, 2, 3, 1).cpu().numpy())
+        return images
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class _RowPlan:
+    """A batch's rows (one per distinct context of each request) and which of them run at each step."""
+
+    def __init__(self, batch: list[BagelGenerationRequest], timesteps: torch.Tensor) -> None:
+        self.contexts: list[BagelContext] = []
+        self.row_request: list[int] = []
+        self.branch_row: list[list[int]] = []
+        """Per request, the rows of its cond, cfg_text and cfg_img velocities (a branch whose context
+        equals an earlier branch's, or that never runs, shares that row)."""
+        steps = len(timesteps)
+        self.guided = torch.zeros((steps, len(batch)), dtype=torch.bool)
+        self.image_guided = torch.zeros((steps, len(batch)), dtype=torch.bool)
+        for r, request in enumerate(batch):
+            s = request.sampling
+            if s.cfg_text_scale > 1.0:
+                interval = (s.cfg_interval[0], s.cfg_interval[1])
+                self.guided[:, r] = torch.tensor([guidance_active(t, interval) for t in timesteps])
+                if s.cfg_img_scale > 1.0:
+                    self.image_guided[:, r] = self.guided[:, r]
+            branches = [request.cond]
+            if self.guided[:, r].any():
+                branches.append(request.cfg_text)
+                if self.image_guided[:, r].any():
+                    branches.append(request.cfg_img)
+            rows: list[int] = []
+            for ctx in branches:
+                row = next((row for row in rows if _same_context(self.contexts[row], ctx)), None)
+                if row is None:
+                    row = len(self.contexts)
+                    self.contexts.append(ctx)
+                    self.row_request.append(r)
+                rows.append(row)
+            self.branch_row.append(rows + [rows[0]] * (3 - len(rows)))
+        self._steps: dict[tuple[bool, ...], _StepRows] = {}
+
+    def at(self, step: int, bank: ContextBank, device: torch.device) -> _StepRows:
+        key = tuple(self.guided[step].tolist() + self.image_guided[step].tolist())
+        if key not in self._steps:
+            self._steps[key] = _StepRows(self, step, bank, device)
+        return self._steps[key]
+
+
+class _StepRows:
+    """The rows that run at a step (in bank-slot order, as the forward returns them) and, per request, the
+    positions of its three velocities among them."""
+
+    def __init__(self, plan: _RowPlan, step: int, bank: ContextBank, device: torch.device) -> None:
+        guided, image_guided = plan.guided[step], plan.image_guided[step]
+        active = set()
+        for r, (cond, text, img) in enumerate(plan.branch_row):
+            active.add(cond)
+            if guided[r]:
+                active.add(text)
+            if image_guided[r]:
+                active.add(img)
+        by_slot = sorted(active, key=lambda row: bank.slot_of[row])
+        self.slots = tuple(bank.slot_of[row] for row in by_slot)
+        position = {row: i for i, row in enumerate(by_slot)}
+        self.request_of_row = torch.tensor([plan.row_request[row] for row in by_slot], device=device)
+        branch = torch.tensor(
+            [[position.get(row, position[rows[0]]) for row in rows] for rows in plan.branch_row]
+        )
+        self.cond, self.text, self.img = (branch[:, b].to(device) for b in (COND, CFG_TEXT, CFG_IMG))
+        self.guided = guided.to(device)
+        self.image_guided = image_guided.to(device)
+
+
+class _Guidance:
+    """Per-request guidance settings as tensors, and BAGEL's combination of the three velocities."""
+
+    def __init__(self, batch: list[BagelGenerationRequest], device: torch.device) -> None:
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)[:, None, None]
+
+        sampling = [r.sampling for r in batch]
+        self.text_scale = column([s.cfg_text_scale for s in sampling])
+        self.img_scale = column([s.cfg_img_scale for s in sampling])
+        self.renorm_min = column([s.cfg_renorm_min for s in sampling])
+        kinds = [RENORM_TYPES.index(s.cfg_renorm_type) for s in sampling]
+        self.is_global = torch.tensor([k == 0 for k in kinds], device=device)[:, None, None]
+        self.is_text_channel = torch.tensor([k == 2 for k in kinds], device=device)[:, None, None]
+
+    def _clamp(self, ratio: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(ratio, self.renorm_min).clamp(max=1.0)
+
+    def combine(
+        self,
+        v: torch.Tensor,
+        v_text: torch.Tensor,
+        v_img: torch.Tensor,
+        guided: torch.Tensor,
+        image_guided: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[B, tokens, C]`` cond / no-text / no-image velocities -> each request's guided velocity
+        (its cond velocity where it is not guided at this step)."""
+        image_guided = image_guided[:, None, None]
+        text_guided = v_text + self.text_scale * (v - v_text)
+        token_norm = v.norm(dim=-1, keepdim=True)
+        # text_channel: per-token renorm of the text-guided velocity, then image guidance as is
+        renormed = text_guided * self._clamp(token_norm / (text_guided.norm(dim=-1, keepdim=True) + 1e-8))
+        by_text_channel = torch.where(image_guided, v_img + self.img_scale * (renormed - v_img), renormed)
+        # global / channel: image guidance, then renorm over the whole image or per token
+        both = torch.where(image_guided, v_img + self.img_scale * (text_guided - v_img), text_guided)
+        global_ratio = v.flatten(1).norm(dim=1) / (both.flatten(1).norm(dim=1) + 1e-8)
+        token_ratio = token_norm / (both.norm(dim=-1, keepdim=True) + 1e-8)
+        ratio = torch.where(self.is_global, global_ratio[:, None, None], token_ratio)
+        out = torch.where(self.is_text_channel, by_text_channel, both * self._clamp(ratio))
+        return torch.where(guided[:, None, None], out, v)
+
+
+def _same_context(a: BagelContext, b: BagelContext) -> bool:
+    """Equal contexts give equal velocities: one row serves both."""
+    if a.kv_len != b.kv_len or a.rope != b.rope:
+        return False
+    if a.kv_len == 0 or a.kv is b.kv:
+        return True
+    return a.kv.dtype == b.kv.dtype and a.kv.device == b.kv.device and torch.equal(a.kv, b.kv)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _as_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a torch floating-point dtype")
+    return value
