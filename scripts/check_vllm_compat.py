@@ -1633,7 +1633,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     for note in notes:
         print(f"note: {note}")
-    ranges = ", ".join(f"{dist}{spec}" for dist, spec in specifiers.items())
+    ranges = ", ".join(
+        dist + ",".join(sorted(map(str, spec), key=lambda text: text.startswith("<")))
+        for dist, spec in specifiers.items()
+    )
     if failures:
         print(f"FAILED: {failures} problem(s) in supported releases ({ranges})")
         return EXIT_FAILED

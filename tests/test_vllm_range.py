@@ -9,6 +9,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 from vllm_omni_plugin.entrypoints.cli import installed_vllm, supported_vllm_range
 from vllm_omni_plugin.testing.server import bin_script, cpu_test_env
 
@@ -82,3 +84,24 @@ def test_a_vllm_outside_the_range_gets_one_warning_line(tmp_path: Path) -> None:
         "--omni may fail. Install a vLLM in that range or a vllm-omni-plugin release that supports this one"
     ]
     assert "Traceback" not in result.stderr
+
+
+def test_a_vllm_that_moved_a_name_we_need_is_one_error_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What 0.33 did to 0.32's plugin: a name in none of the locations compat knows."""
+    from vllm_omni_plugin import compat
+    from vllm_omni_plugin.entrypoints import cli
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setitem(compat.LOCATIONS, "cli_env_setup", ("vllm.entrypoints.moved_away:cli_env_setup",))
+    monkeypatch.delitem(vars(compat), "cli_env_setup", raising=False)  # resolved earlier in this process
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "some-model", "--omni"])
+    assert info.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: cannot find vLLM's cli_env_setup in the installed vLLM")
+    assert lines[0].endswith(
+        f"(supported: {cli.installed_vllm()[0]}{cli.supported_vllm_range(cli.installed_vllm()[0])})"
+    )
