@@ -1,5 +1,7 @@
-"""The seed's failure (shared/seeds/000) with vLLM's real classes: a request that must be rebuilt by the
-model runner under async scheduling, with no ``all_token_ids`` entry from the scheduler.
+"""The production crash this project was started from, with vLLM's real classes: a request that must be
+rebuilt by the model runner under async scheduling, with no ``all_token_ids`` entry from the scheduler
+(a legacy config had pinned the synchronous scheduler while async scheduling was on; the runner's
+``KeyError`` killed the engine core).
 
 Prints one JSON line ``RESULT {...}``; tests/test_ar_stage.py asserts on it. Run as a script: it
 initialises vLLM's distributed state for one CPU process.

@@ -55,15 +55,17 @@ import time
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from msgspec import Meta
 
 from vllm_omni_plugin.connectors.base import (
     ConnectorError,
     ConnectorHandle,
     ConnectorHealth,
+    ConnectorSettings,
     ConnectorTimeoutError,
     OmniConnector,
     Value,
@@ -87,7 +89,6 @@ _POOL_KEY = re.compile(r"^(vllm_omni_(\d+)_pool_[0-9a-f]{16})@(\d{1,18})$")
 _OWNER_PID = re.compile(r"^vllm_omni_(\d+)_")
 _MAX_IO = 1 << 30
 """Bytes per read/write call: Linux moves at most ~2 GiB per call."""
-_KNOWN_EXTRA = ("lease_timeout_s", "shm_dir", "pool_bytes")
 
 # Pooled segment layout: a header page, then the data (page aligned, so every dtype is aligned).
 _HEADER_BYTES = 4096
@@ -683,41 +684,34 @@ def _as_bytes_view(value: Value) -> tuple[memoryview, torch.Tensor | None]:
     return view.cast("B"), None
 
 
-class SharedMemoryConnector(OmniConnector):
-    """Stage outputs between processes on one host via ``/dev/shm``; see the module docstring.
+class SharedMemorySettings(ConnectorSettings, frozen=True, kw_only=True):
+    """``extra`` of a ``SharedMemoryConnector``."""
 
-    ``extra``: ``lease_timeout_s`` (float, default 300; 0 keeps uncollected values until ``close``),
-    ``pool_bytes`` (int, default 256 MiB; 0: no pool, every value in a one-off segment) and ``shm_dir``
-    (default ``/dev/shm``).
-    """
+    lease_timeout_s: Annotated[float, Meta(ge=0)] = DEFAULT_LEASE_TIMEOUT_S
+    """Seconds the owner keeps an uncollected value; 0: until ``close``."""
+    pool_bytes: Annotated[int, Meta(ge=0)] = DEFAULT_POOL_BYTES
+    """Total capacity of the pool of reusable segments; 0: no pool, every value in a one-off segment."""
+    shm_dir: str = DEFAULT_SHM_DIR
+    """Where segment files live (a plain string: pathlib costs ~10 us per put and get, a third of a small
+    transfer)."""
+
+
+class SharedMemoryConnector(OmniConnector):
+    """Stage outputs between processes on one host via ``/dev/shm``; see the module docstring and
+    :class:`SharedMemorySettings` for ``extra``."""
+
+    Settings = SharedMemorySettings
 
     def __init__(self, name: str, extra: dict[str, Any] | None = None) -> None:
         super().__init__(name, extra)
-        unknown = sorted(set(self.extra) - set(_KNOWN_EXTRA))
-        if unknown:
-            logger.warning(
-                "connector %s: ignoring unknown SharedMemoryConnector option(s) %s (known: %s)",
-                name,
-                ", ".join(unknown),
-                ", ".join(_KNOWN_EXTRA),
-            )
-        lease = float(self.extra.get("lease_timeout_s", DEFAULT_LEASE_TIMEOUT_S))
-        if lease < 0:
-            raise ValueError(f"connector {name!r}: lease_timeout_s must be >= 0, got {lease}")
-        self.lease_timeout_s = lease
-        pool_bytes = self.extra.get("pool_bytes", DEFAULT_POOL_BYTES)
-        if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes < 0:
-            raise ValueError(
-                f"connector {name!r}: pool_bytes must be an integer >= 0 (0 disables the pool), "
-                f"got {pool_bytes!r}"
-            )
-        self.pool_bytes = pool_bytes
-        # Paths are plain strings: pathlib costs ~10 us per put and get, a third of a small transfer.
-        self.shm_dir = str(self.extra.get("shm_dir", DEFAULT_SHM_DIR))
+        settings: SharedMemorySettings = self.settings
+        self.lease_timeout_s = settings.lease_timeout_s
+        self.pool_bytes = settings.pool_bytes
+        self.shm_dir = settings.shm_dir
         if not os.path.isdir(self.shm_dir):
             raise ValueError(f"connector {name!r}: shared-memory directory {self.shm_dir} does not exist")
         sweep_orphaned_segments(self.shm_dir)
-        self._segments = _Segments(name, self.shm_dir, lease, pool_bytes, self._stats)
+        self._segments = _Segments(name, self.shm_dir, self.lease_timeout_s, self.pool_bytes, self._stats)
         self._mappings = _Mappings()
         # weakref.finalize also runs at interpreter exit (it registers with atexit itself), and does so
         # without keeping the connector alive.

@@ -3,9 +3,9 @@
 - **Safe resume.** Under async scheduling vLLM's ``_update_states`` rebuilds a request that left the
   persistent batch (resumed after preemption, or not scheduled last step) from
   ``CachedRequestData.all_token_ids[req_id]``, and raises ``KeyError`` when the scheduler did not fill
-  it: the engine core dies (the production crash in shared/seeds/000). A pre-pass fills any missing
-  entry from the runner's own request state; a request it cannot rebuild is left out of this step and
-  the Omni scheduler finishes it with an error, so the engine keeps serving everyone else.
+  it: the engine core dies (the production crash told in ``docs/architecture.md``). A pre-pass fills
+  any missing entry from the runner's own request state; a request it cannot rebuild is left out of
+  this step and the Omni scheduler finishes it with an error, so the engine keeps serving everyone else.
 - **Precomputed decode positions.** M-RoPE models whose generated tokens have 2-D grid positions
   (GLM-Image) return them from ``get_mrope_input_positions`` after the prompt's; stock vLLM gives
   generated tokens ``delta + context_len`` on every axis. After vLLM's own computation we copy the

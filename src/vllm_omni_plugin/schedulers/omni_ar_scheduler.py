@@ -6,7 +6,7 @@ resolution picks the variant from the final ``async_scheduling`` flag.
 
 - ``all_token_ids`` is filled for every request the model runner may have to rebuild (resumed, or
   absent from its persistent batch), whatever the base or the runner version: the runner's async resume
-  path reads it (shared/seeds/000: a missing entry killed the engine core).
+  path reads it (a missing entry once killed an engine core in production, see ``docs/architecture.md``).
 - A request the runner had to leave out of a step (it could not be rebuilt) is finished with an error
   that reaches its client, instead of a ``KeyError`` that would kill the engine core.
 - Per-request stage outputs from the runner (``ModelRunnerOutput.omni_stage_outputs``) travel back with

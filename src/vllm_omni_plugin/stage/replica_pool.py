@@ -60,9 +60,19 @@ class StageReplicaPool:
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.shutdown() for c in self.clients), return_exceptions=True)
 
+    def stop_restarting(self) -> None:
+        """From now on a replica that dies stays down (the server is shutting down)."""
+        for client in self.clients:
+            client.restart_on_death = False
+
     @property
     def healthy(self) -> bool:
         return any(c.healthy for c in self.clients)
+
+    @property
+    def awaits_worker(self) -> bool:
+        """Down only because its remote workers are away (they rejoin; this host is fine)."""
+        return not self.healthy and all(c.awaits_worker for c in self.clients)
 
     @property
     def queue_depth(self) -> int:
@@ -73,13 +83,5 @@ class StageReplicaPool:
             "stage_id": self.stage_id,
             "name": self.name,
             "healthy": self.healthy,
-            "replicas": [
-                {
-                    "replica_id": c.replica_id,
-                    "state": c.state.value,
-                    "inflight": len(c.inflight),
-                    "restarts": c.restarts,
-                }
-                for c in self.clients
-            ],
+            "replicas": [c.health() for c in self.clients],
         }
