@@ -9,11 +9,11 @@ GPUWorker = resolve("GPUWorker")
 GPUModelRunner = resolve("GPUModelRunner")
 
 
-class OmniGPUModelRunner(OmniModelRunnerMixin, GPUModelRunner):  # type: ignore[misc, valid-type]
+class OmniGPUModelRunner(OmniModelRunnerMixin, GPUModelRunner):
     pass
 
 
-class OmniGPUWorker(GPUWorker):  # type: ignore[misc, valid-type]
+class OmniGPUWorker(GPUWorker):
     def _make_model_runner(self) -> OmniGPUModelRunner:
         if getattr(self, "use_v2_model_runner", False):
             raise RuntimeError(
