@@ -359,7 +359,7 @@ def test_register_diffusion_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     assert registry.runner_class("FluxPipeline") is FluxRunner
     assert registry.runner_class("GlmImagePipeline") is registry.GlmImageRunner
     with pytest.raises(TypeError):
-        registry.register_diffusion_pipeline("X", object)  # type: ignore[arg-type]
+        registry.register_diffusion_pipeline("X", object)
 
 
 def test_platform_table_names_the_diffusion_workers(tiny_glm_image: Path) -> None:

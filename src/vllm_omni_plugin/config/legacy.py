@@ -64,7 +64,8 @@ class _Translator:
         node: Any = self.out
         for index, part in enumerate(new_path[:-1]):
             if isinstance(node, list):
-                node = node[part]  # type: ignore[index]
+                assert isinstance(part, int)
+                node = node[part]
                 continue
             nxt = new_path[index + 1]
             node = node.setdefault(part, [] if isinstance(nxt, int) else {})
@@ -84,10 +85,11 @@ class _Translator:
     def check_fixed(self, path: Path, given: Any, fixed: Any, what: str) -> None:
         """A field the pipeline fixes: equal is dropped silently, different is an error."""
         if given != fixed:
+            name = self.pipeline.name if self.pipeline is not None else "?"
             raise self.doc.error(
                 path,
-                f"{what} is fixed by pipeline {self.pipeline.name!r} as {fixed!r}, "  # type: ignore[union-attr]
-                f"the legacy file says {given!r}; remove the field",
+                f"{what} is fixed by pipeline {name!r} as {fixed!r}, the legacy file says {given!r}; "
+                "remove the field",
             )
 
     def translate(self) -> Translation:

@@ -124,6 +124,8 @@ class _ReceivePool:
         self.free: dict[int, list[torch.Tensor]] = {}
         self.registrations: dict[int, Any] = {}
         """Pool buffer address -> its registration."""
+        self.one_off: dict[int, Any] = {}
+        """Address of a buffer outside the pool (a value too large for it) -> its registration."""
         self.total = 0
         self.closed = False
 
@@ -151,11 +153,8 @@ class _ReceivePool:
                 self.agent.deregister_memory(registration)
         buffer = torch.empty(capacity if pooled else nbytes, dtype=torch.uint8)
         registration = self.agent.register_memory(buffer)
-        if pooled:
-            with self.lock:
-                self.registrations[buffer.data_ptr()] = registration
-        else:
-            buffer._omni_registration = registration  # type: ignore[attr-defined]
+        with self.lock:
+            (self.registrations if pooled else self.one_off)[buffer.data_ptr()] = registration
         return buffer, pooled
 
     def give_back(self, buffer: torch.Tensor) -> None:
@@ -164,7 +163,8 @@ class _ReceivePool:
                 self.free.setdefault(buffer.numel(), []).append(buffer)
 
     def drop_one_off(self, buffer: torch.Tensor) -> None:
-        registration = getattr(buffer, "_omni_registration", None)
+        with self.lock:
+            registration = self.one_off.pop(buffer.data_ptr(), None)
         if registration is not None:
             with contextlib.suppress(Exception):
                 self.agent.deregister_memory(registration)

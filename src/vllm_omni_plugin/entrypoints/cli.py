@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser_cls = compat.FlexibleArgumentParser
 
-    class OmniServeArgumentParser(parser_cls):  # type: ignore[misc, valid-type]
+    class OmniServeArgumentParser(parser_cls):
         """vLLM's serve parser whose short ``--help`` also lists the Omni flags in full."""
 
         def format_help(self) -> str:
