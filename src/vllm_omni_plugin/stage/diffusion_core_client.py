@@ -273,7 +273,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
                 if result is not None:
                     output.error = result.error
                     output.image = result.image
-                    output.latents = getattr(result, "latents", None)
+                    output.latents = result.latents
                     output.timings = dict(result.timings or {})
                 loop.call_soon_threadsafe(_set_result, future, output)
 

@@ -177,7 +177,7 @@ def _run_batch(
             stage_id=stage_id,
             error=result.error,
             timings={**(result.timings or {}), "transfer_in": transfer.get(result.request_id, 0.0)},
-            latents=getattr(result, "latents", None),
+            latents=result.latents,
         )
         if result.error is None:
             image = result.image

@@ -154,7 +154,7 @@ class Orchestrator:
                 t2 = time.perf_counter()
             result.intervals.append(StageInterval(stage_id, t1, t2))
             result.timings[f"stage_{stage_id}"] = t2 - t1
-            for key, value in (getattr(output, "timings", None) or {}).items():
+            for key, value in output.timings.items():
                 result.timings[f"stage_{stage_id}_{key}"] = value
             result.stage_outputs[stage_id] = output
             done[stage_id].set_result(output)

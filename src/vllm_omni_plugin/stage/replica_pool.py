@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_types import StageCoreOutput
 from vllm_omni_plugin.stage.errors import StageDeadError
 
 RESTART_WAIT_S = 300.0
@@ -51,7 +52,7 @@ class StageReplicaPool:
                     raise
             await asyncio.sleep(0.05)
 
-    async def generate(self, request: Any) -> Any:
+    async def generate(self, request: Any) -> StageCoreOutput:
         return await (await self.acquire()).generate(request)
 
     async def abort(self, request_ids: list[str]) -> None:
