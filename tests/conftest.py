@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -39,3 +40,9 @@ def tiny_bagel() -> Path:
     from vllm_omni_plugin.testing.tiny_models import build
 
     return build("bagel", tiny_model_cache() / "bagel")
+
+
+@pytest.fixture(scope="module")
+def spawn() -> multiprocessing.context.SpawnContext:
+    """Child processes started fresh (no fork of a process holding engines, sockets and segments)."""
+    return multiprocessing.get_context("spawn")

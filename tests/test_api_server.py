@@ -18,6 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
+from helpers import our_segments
 from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 pytestmark = pytest.mark.server
@@ -355,7 +356,6 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server: ServerProcess) ->
     while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a stage process outlived the server"
-    leftovers = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"vllm_omni_{pid}_") for pid in pids)]
-    assert leftovers == []
+    assert our_segments(set(pids)) == []
     with pytest.raises(httpx.ConnectError):
         httpx.get(base + "/health", timeout=5)

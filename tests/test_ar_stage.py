@@ -52,7 +52,9 @@ def test_omni_runner_rebuilds_the_resumed_request(resume: dict) -> None:
 def test_unrecoverable_request_is_left_out_not_fatal(resume: dict) -> None:
     lost = resume["omni_runner_unrecoverable"]
     assert lost["error"] is None  # no KeyError: the engine goes on
-    assert lost["in_batch"] is False  # the request was left out of the step
+    assert lost["in_batch"] is False  # the request was left out of the step ...
+    assert lost["dropped"] == ["r0"]  # ... and the step's output says so, for the scheduler
+    assert resume["omni_runner"]["dropped"] == []
 
 
 @pytest.mark.parametrize("cls", ["OmniARScheduler", "OmniARAsyncScheduler"])

@@ -158,6 +158,26 @@ def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("connector", ["SharedMemoryConnector", "NixlConnector", "InProcessConnector"])
+def test_typo_in_a_connectors_extra_stops_serve_at_start_up(
+    glm_dir: Path, tmp_path: Path, connector: str
+) -> None:
+    """Checked by resolution against the connector's settings, before any stage process could trip on it."""
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(
+        "pipeline: glm_image\n"
+        "connectors:\n"
+        f"  edge: {{name: {connector}, extra: {{lease_timout_s: 5}}}}\n"
+        "stages:\n"
+        "  - {stage_id: 1, input_connectors: {from_stage_0: edge}}\n"
+    )
+    result = vllm("serve", str(glm_dir), "--omni", "--deploy-config", str(bad), "--port", "0")
+    line = one_error_line(result)
+    assert line.startswith(f"error: {bad}:3: connectors.edge.extra.lease_timout_s: unknown field"), line
+    assert ("did you mean 'lease_timeout_s'" in line) is (connector != "InProcessConnector")
+    assert " ready" not in result.stderr
+
+
 @pytest.mark.parametrize("model", ["/nonexistent/glm-image", "./no-such-dir"])
 def test_missing_model_directory_exits_2(model: str) -> None:
     line = one_error_line(vllm("serve", model, "--omni"))

@@ -145,6 +145,7 @@ def test_nixl_config_puts_both_hops_on_nixl(model_dir: str) -> None:
     }
     assert resolved.stage(1).output_connectors["to_stage_router"] == "nixl_dit_to_router"
     assert resolved.stage(0).replicas[0].env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert resolved.edge(0, 1).max_inflight == 4 and resolved.edge(1, "router").max_inflight is None
 
 
 def test_nixl_config_runs_the_dit_in_a_headless_worker(model_dir: str) -> None:
@@ -330,6 +331,14 @@ STAGE_CASES = [
     ("connectors:\n  a:\n    name: Mooncake\nstages:\n  - stage_id: 0\n    output_connectors: {to_stage_1: a}\n",
      3, "connectors.a.name", "known: InProcessConnector, NixlConnector, SharedMemoryConnector"),
     ("connectors:\n  a:\n    nam: X\n", 3, "connectors.a.nam", "unknown field"),
+    ("connectors:\n  a:\n    name: NixlConnector\n    extra:\n      backend: [UCX]\n", 5, "connectors.a.extra.backend",
+     "unknown field (did you mean 'backends'?)"),
+    ("connectors:\n  a:\n    name: SharedMemoryConnector\n    extra: {pool_bytes: big}\n", 4,
+     "connectors.a.extra.pool_bytes", 'expected int, got "big"'),
+    ("connectors:\n  a:\n    name: InProcessConnector\n    extra: {x: 1}\n", 4, "connectors.a.extra.x", "unknown field"),
+    ("edges:\n  - {from: 0, to: 1, window_size: 8}\n", 2, "edges[0].window_size", "which has no effect here"),
+    ("stages:\n  - stage_id: 1\n    default_sampling_params: {negative_prompt: blurry}\n", 3,
+     "default_sampling_params", "negative_prompt, which would have no effect"),
     ("stages:\n  - stage_id: 0\n    env: {A: 1}\n", 3, "stages[0].env.A", "expected str, got 1"),
     ("stages:\n  - stage_id: 0\n    output_connectors:\n      to_stage_1: missing\n", 3,
      "output_connectors", "connector 'missing' is not defined"),
@@ -483,6 +492,23 @@ def test_layers_in_order(tmp_path: Path, model_dir: str) -> None:
     assert ar["dtype"] == "float16"  # pipeline-wide field of the base
     assert resolved.stage(1).diffusion_args["num_inference_steps"] == 7
     assert resolved.stage(1).diffusion_args["dtype"] == "float16"
+
+
+def test_diffusion_defaults_are_merged_once_by_resolution(tmp_path: Path, model_dir: str) -> None:
+    path = write(
+        tmp_path,
+        """
+        pipeline: glm_image
+        stages:
+          - stage_id: 1
+            num_inference_steps: 9
+            default_sampling_params: {num_inference_steps: 3, guidance_scale: 2.5, seed: 5}
+        """,
+    )
+    args = resolve_deployment(model_dir, deploy_config=str(path), platform=CPU).stage(1).diffusion_args
+    assert (args["num_inference_steps"], args["guidance_scale"], args["seed"]) == (9, 2.5, 5)  # field wins
+    assert (args["height"], args["width"]) == (1024, 1024)  # the pipeline's defaults
+    assert "default_sampling_params" not in args  # nothing is left to merge at run time
 
 
 def test_base_config_cycle_and_packaged_base(tmp_path: Path, model_dir: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import io
-import multiprocessing
 import os
 import signal
 import threading
@@ -16,6 +15,7 @@ import msgspec
 import pytest
 import torch
 
+from helpers import our_segments, unwire, wire
 from vllm_omni_plugin.connectors import CONNECTOR_CLASSES
 from vllm_omni_plugin.connectors.base import (
     ConnectorError,
@@ -61,9 +61,9 @@ def assert_same(got: torch.Tensor | bytes, want: torch.Tensor | bytes) -> None:
         assert torch.equal(got, want)
 
 
-def wire(handle: ConnectorHandle) -> ConnectorHandle:
-    """A handle as the receiving stage sees it: through a msgpack message."""
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(handle), type=ConnectorHandle)
+def through_wire(handle: ConnectorHandle) -> ConnectorHandle:
+    """A handle as the receiving stage sees it: through a control message."""
+    return unwire(wire(handle))
 
 
 def to_wire(value: torch.Tensor | bytes) -> tuple[str, bytes]:
@@ -81,7 +81,7 @@ def from_wire(tagged: tuple[str, bytes]) -> torch.Tensor | bytes:
 
 
 def segments_of(pid: int) -> list[str]:
-    return sorted(p.name for p in SHM.glob(f"{SEGMENT_PREFIX}{pid}_*"))
+    return our_segments({pid})
 
 
 def segment_of(handle: ConnectorHandle) -> str:
@@ -108,10 +108,10 @@ def shm(request) -> SharedMemoryConnector:
 
 def test_handle_msgpack_round_trip(shm: SharedMemoryConnector) -> None:
     handle = shm.put(torch.ones(2, 3, dtype=torch.bfloat16))
-    decoded = wire(handle)
+    decoded = through_wire(handle)
     assert decoded == handle and decoded.shape == (2, 3) and decoded.dtype == "bfloat16"
     assert decoded.owner_pid == os.getpid() and decoded.key.startswith(f"{SEGMENT_PREFIX}{os.getpid()}_")
-    assert wire(shm.put(b"xyz")).shape is None
+    assert through_wire(shm.put(b"xyz")).shape is None
     shm.close()
 
 
@@ -121,7 +121,7 @@ def test_handle_msgpack_round_trip(shm: SharedMemoryConnector) -> None:
 @pytest.mark.parametrize("index", range(len(sample_values())))
 def test_round_trip_and_segment_freed(shm: SharedMemoryConnector, index: int) -> None:
     value = sample_values()[index]
-    handle = wire(shm.put(value))
+    handle = through_wire(shm.put(value))
     path = SHM / segment_of(handle)
     assert pooled(handle) == (shm.pool_bytes > 0 and handle.nbytes > 0)
     assert path.exists() and path.stat().st_size >= handle.nbytes
@@ -193,7 +193,7 @@ def test_lease_timeout_frees_and_get_fails_clearly(pool_bytes: int) -> None:
         kept = sender.put(torch.ones(4))
         collected = sender.put(torch.ones(4))
         assert pooled(kept) == (pool_bytes > 0)
-        assert_same(receiver.get(wire(collected)), torch.ones(4))
+        assert_same(receiver.get(through_wire(collected)), torch.ones(4))
         deadline = time.monotonic() + 10
         while sender._outstanding() and time.monotonic() < deadline:
             time.sleep(0.02)  # the background reaper frees it (health() would reap by itself)
@@ -202,7 +202,7 @@ def test_lease_timeout_frees_and_get_fails_clearly(pool_bytes: int) -> None:
         health = sender.health()
         assert (health.timeouts, health.outstanding, health.puts) == (1, 0, 2)
         with pytest.raises(ConnectorTimeoutError, match=rf"{kept.key}.*lease of 0.2 s") as info:
-            receiver.get(wire(kept))
+            receiver.get(through_wire(kept))
         assert isinstance(info.value, TimeoutError)
         assert receiver.health().timeouts == 1
         receiver.close()
@@ -277,11 +277,6 @@ def _child_get(conn) -> None:
     handles = [msgspec.msgpack.decode(raw, type=ConnectorHandle) for raw in conn.recv()]
     conn.send([to_wire(connector.get(h)) for h in handles])
     connector.close()
-
-
-@pytest.fixture(scope="module")
-def spawn() -> multiprocessing.context.SpawnContext:
-    return multiprocessing.get_context("spawn")
 
 
 def test_put_in_child_get_in_parent(spawn) -> None:
@@ -497,7 +492,7 @@ def test_values_of_a_closed_sender_are_gone_even_for_a_receiver_that_maps_them()
 def test_in_process_connector_passes_objects() -> None:
     with InProcessConnector("local", {}) as connector:
         tensor = torch.randn(3, 3).to(torch.bfloat16)
-        handle = wire(connector.put(tensor))
+        handle = through_wire(connector.put(tensor))
         assert (handle.kind, handle.dtype, handle.shape, handle.nbytes) == ("tensor", "bfloat16", (3, 3), 18)
         assert connector.get(handle) is tensor
         assert connector.get(connector.put(bytearray(b"ab"))) == b"ab"

@@ -11,13 +11,12 @@ import msgspec
 import numpy as np
 import pytest
 
+import helpers
+from vllm_omni_plugin.config import PLATFORMS
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.diffusion import pipelines as registry
-from vllm_omni_plugin.diffusion.worker import (
-    CPUDiffusionWorker,
-    CUDADiffusionWorker,
-    worker_for_platform,
-)
+from vllm_omni_plugin.diffusion.worker import CPUDiffusionWorker, CUDADiffusionWorker
+from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.testing.glm_image_reference import (
     glm_image_reference_image,
     glm_image_reference_prior_tokens,
@@ -37,7 +36,7 @@ def engine(tiny_glm_image: Path) -> DiffusionEngine:
 
 @pytest.fixture(scope="module")
 def source_image() -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    return helpers.source_image()
 
 
 def random_prior(size: int, seed: int) -> Any:
@@ -360,19 +359,13 @@ def test_register_diffusion_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     assert registry.runner_class("FluxPipeline") is FluxRunner
     assert registry.runner_class("GlmImagePipeline") is registry.GlmImageRunner
     with pytest.raises(TypeError):
-        registry.register_diffusion_pipeline("X", object)  # type: ignore[arg-type]
+        registry.register_diffusion_pipeline("X", object)
 
 
-def test_worker_for_platform(tiny_glm_image: Path) -> None:
-    assert worker_for_platform("cpu") is CPUDiffusionWorker
-    assert worker_for_platform("CUDA") is worker_for_platform("rocm") is CUDADiffusionWorker
-    with pytest.raises(ValueError, match="known: cpu, cuda, rocm"):
-        worker_for_platform("tpu")
-    worker = (
-        worker_for_platform(None)()
-        if worker_for_platform(None) is CPUDiffusionWorker
-        else CPUDiffusionWorker()
-    )
+def test_platform_table_names_the_diffusion_workers(tiny_glm_image: Path) -> None:
+    workers = {name: import_object(p.diffusion_worker_cls) for name, p in PLATFORMS.items()}
+    assert workers == {"cpu": CPUDiffusionWorker, "cuda": CUDADiffusionWorker, "rocm": CUDADiffusionWorker}
+    worker = workers["cpu"]()
     engine = worker.load_model(tiny_glm_image, dtype="auto", num_inference_steps=2, max_batch_size=2)
     assert str(engine.dtype) == "torch.float32" and engine.device.type == "cpu"
     results = worker.execute([t2i("w1", seed=1), t2i("w2", seed=2)])

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from helpers import source_image
+
 ARCH = "GlmImageForConditionalGeneration"
 MODEL_CLASS = "vllm_omni_plugin.models.glm_image_ar:GlmImageForConditionalGeneration"
 WORKER_CLS = "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker"
@@ -39,11 +41,10 @@ POSITION_CASES: dict[str, tuple[int | None, int, int]] = {
 }
 
 
-def source_image(side: int, seed: int = 0) -> Any:
+def source_pil(side: int) -> Any:
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+    return Image.fromarray(source_image(side))
 
 
 def collapse_image_runs(ids: list[int], image_token_id: int) -> list[int]:
@@ -74,7 +75,7 @@ def hf_inputs(hf: SimpleNamespace, case: tuple[int | None, int, int]) -> Any:
     side, height, width = case
     content: list[dict[str, Any]] = []
     if side is not None:
-        content.append({"type": "image", "image": source_image(side)})
+        content.append({"type": "image", "image": source_pil(side)})
     content.append({"type": "text", "text": EDIT_PROMPT if side is not None else PROMPT})
     return hf.processor.apply_chat_template(
         [{"role": "user", "content": content}],
@@ -323,7 +324,7 @@ def run_engine(model_dir: str, spec_path: str) -> dict[str, Any]:
     def request(r: dict[str, Any]) -> tuple[dict[str, Any], SamplingParams]:
         prompt: dict[str, Any] = {"prompt_token_ids": r["prompt"]}
         if r["image"] is not None:
-            prompt["multi_modal_data"] = {"image": source_image(r["image"])}
+            prompt["multi_modal_data"] = {"image": source_pil(r["image"])}
         params = SamplingParams(
             temperature=0.0,
             ignore_eos=True,
@@ -366,7 +367,7 @@ def run_engine(model_dir: str, spec_path: str) -> dict[str, Any]:
         from transformers import GlmImageProcessor
 
         image_processor = GlmImageProcessor.from_pretrained(f"{model_dir}/processor").image_processor
-        data = image_processor(images=[source_image(64)], return_tensors="pt")
+        data = image_processor(images=[source_pil(64)], return_tensors="pt")
         with torch.no_grad():
             ids, grids = model.source_image_prior_token_ids(
                 data["pixel_values"].float(), data["image_grid_thw"]

@@ -158,7 +158,7 @@ def hosts(
         tiny_glm_image, deploy, "--stage-id", "1", "--headless", "--head", f"{namespaces.a_addr}:{HEAD_PORT}"
     )
     http = NamespaceHTTP(namespaces.a)
-    hosts = TwoHosts(head, None, http, namespaces, worker_argv, worker_env, log_dir)  # type: ignore[arg-type]
+    hosts = TwoHosts(head, None, http, namespaces, worker_argv, worker_env, log_dir)
     head.start()
     hosts.start_worker("worker.log")
     try:

@@ -109,7 +109,7 @@ def test_registration_refusals_and_a_round_trip(deployment) -> None:
             assert isinstance(accepted, WorkerAccepted) and accepted.heartbeat_timeout_s == 0.6
             await worker.send(worker.register(deployment))  # a repeated registration changes nothing
             assert isinstance(await worker.receive(), WorkerAccepted)
-            assert client.healthy and client.joins == 1 and client.remote_pid == 4242
+            assert client.healthy and client.joins == 1 and client.pid == 4242
 
             second = Peer(context, registry.address)
             await second.send(second.register(deployment, pid=99))
@@ -171,7 +171,7 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
             again = Peer(context, registry.address)
             await again.send(again.register(deployment, pid=5151))
             assert isinstance(await again.receive(), WorkerAccepted)
-            assert client.healthy and client.restarts == 1 and client.remote_pid == 5151
+            assert client.healthy and client.restarts == 1 and client.pid == 5151
 
             await registry.shutdown()
             assert isinstance(await again.receive(), HeadShutdown)

@@ -27,6 +27,7 @@ import msgspec
 import pytest
 import torch
 
+from helpers import unwire, wire
 from vllm_omni_plugin.connectors.base import (
     ConnectorError,
     ConnectorHandle,
@@ -113,15 +114,6 @@ def describe(value: torch.Tensor | bytes) -> tuple[Any, ...]:
     if isinstance(value, bytes):
         return ("bytes", len(value), digest)
     return ("tensor", str(value.dtype), tuple(value.shape), digest)
-
-
-def wire(handle: ConnectorHandle) -> bytes:
-    """A handle as a stage sends it in a control message."""
-    return msgspec.msgpack.encode(msgspec.to_builtins(handle))
-
-
-def unwire(data: bytes) -> ConnectorHandle:
-    return msgspec.convert(msgspec.msgpack.decode(data), ConnectorHandle)
 
 
 def _attempt(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -291,11 +283,6 @@ def run_guarded(call: Callable[[], T], limit: float) -> T:
 
 
 # --- fixtures -----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def spawn() -> multiprocessing.context.SpawnContext:
-    return multiprocessing.get_context("spawn")
 
 
 @pytest.fixture(scope="module")
@@ -542,7 +529,7 @@ def test_put_of_something_else_is_a_type_error(main: NixlConnector) -> None:
     before = main.health()
     for value in ([1, 2, 3], "text", 3.0, None):
         with pytest.raises(TypeError, match=type(value).__name__):
-            main.put(value)  # type: ignore[arg-type]
+            main.put(value)
     assert delta(before, main.health()) == {"errors": 4}
     assert main.health().outstanding == 0
 

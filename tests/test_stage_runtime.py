@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import our_segments, source_image
 from vllm_omni_plugin.entrypoints.omni import Omni
 from vllm_omni_plugin.stage.orchestrator import OmniRequest
 from vllm_omni_plugin.testing.glm_image_reference import glm_image_reference_image
@@ -19,15 +20,6 @@ REPO = Path(__file__).resolve().parent.parent
 DEPLOY = str(REPO / "deploy" / "tiny_glm_image_cpu.yaml")
 STEPS = 4
 GREEDY = {"temperature": 0.0}
-
-
-def our_segments() -> list[str]:
-    return sorted(name for name in os.listdir("/dev/shm") if name.startswith("vllm_omni_"))
-
-
-def source_image(side: int = 64) -> np.ndarray:
-    rng = np.random.default_rng(7)
-    return rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,6 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
         "vllm.entrypoints.launchers.cli_args:make_arg_parser",
         "vllm.entrypoints.openai.cli_args:make_arg_parser",
     ),
-    "validate_parsed_serve_args": (
-        "vllm.entrypoints.common.cli_args:validate_parsed_serve_args",
-        "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
-        "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args",
-    ),
     "cli_env_setup": (
         "vllm.entrypoints.common.startup:cli_env_setup",
         "vllm.entrypoints.serve.utils.api_utils:cli_env_setup",
@@ -39,14 +34,6 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "build_app": (
         "vllm.entrypoints.launchers.app:build_app",
         "vllm.entrypoints.openai.api_server:build_app",
-    ),
-    "run_server": (
-        "vllm.entrypoints.launchers.api_server.entry:run_server",
-        "vllm.entrypoints.openai.api_server:run_server",
-    ),
-    "init_app_state": (
-        "vllm.entrypoints.launchers.api_server.app_state:init_app_state",
-        "vllm.entrypoints.openai.api_server:init_app_state",
     ),
     "setup_server": (
         "vllm.entrypoints.launchers.launcher:setup_server",
@@ -59,10 +46,6 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "get_uvicorn_log_config": ("vllm.entrypoints.launchers.utils.server_utils:get_uvicorn_log_config",),
     "configure_logging_from_args": ("vllm.logger:configure_logging_from_args",),
     "get_prometheus_registry": ("vllm.v1.metrics.prometheus:get_prometheus_registry",),
-    "build_async_engine_client": (
-        "vllm.entrypoints.launchers.api_server.entry:build_async_engine_client",
-        "vllm.entrypoints.openai.api_server:build_async_engine_client",
-    ),
     # Engine configuration
     "EngineArgs": ("vllm.engine.arg_utils:EngineArgs",),
     "AsyncEngineArgs": ("vllm.engine.arg_utils:AsyncEngineArgs",),
@@ -76,10 +59,6 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "CPUModelRunner": ("vllm.v1.worker.cpu_model_runner:CPUModelRunner",),
     "GPUWorker": ("vllm.v1.worker.gpu_worker:Worker",),
     "GPUModelRunner": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner",),
-    "MRotaryEmbedding": (
-        "vllm.model_executor.layers.rotary_embedding:MRotaryEmbedding",
-        "vllm.model_executor.layers.rotary_embedding.mrope:MRotaryEmbedding",
-    ),
     "Attention": (
         "vllm.model_executor.layers.attention:Attention",
         "vllm.attention.layer:Attention",
@@ -93,10 +72,8 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "EngineCoreOutputs": ("vllm.v1.engine:EngineCoreOutputs",),
     "AsyncLLM": ("vllm.v1.engine.async_llm:AsyncLLM",),
     "EngineDeadError": ("vllm.v1.engine.exceptions:EngineDeadError",),
-    "UsageContext": ("vllm.usage.usage_lib:UsageContext",),
     "SamplingParams": ("vllm.sampling_params:SamplingParams", "vllm:SamplingParams"),
     "VLLMClientError": ("vllm.exceptions:VLLMClientError",),
-    "load_general_plugins": ("vllm.plugins:load_general_plugins",),
     "current_platform": ("vllm.platforms:current_platform",),
 }
 

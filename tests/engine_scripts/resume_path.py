@@ -1,5 +1,7 @@
-"""The seed's failure (shared/seeds/000) with vLLM's real classes: a request that must be rebuilt by the
-model runner under async scheduling, with no ``all_token_ids`` entry from the scheduler.
+"""The production crash this project was started from, with vLLM's real classes: a request that must be
+rebuilt by the model runner under async scheduling, with no ``all_token_ids`` entry from the scheduler
+(a legacy config had pinned the synchronous scheduler while async scheduling was on; the runner's
+``KeyError`` killed the engine core).
 
 Prints one JSON line ``RESULT {...}``; tests/test_ar_stage.py asserts on it. Run as a script: it
 initialises vLLM's distributed state for one CPU process.
@@ -26,6 +28,7 @@ def main() -> None:
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from vllm_omni_plugin.ar_channel import RUNNER_OUTPUT_ATTR, OmniRunnerOutput
     from vllm_omni_plugin.runners.cpu_worker import CPUModelRunner, OmniCPUModelRunner
     from vllm_omni_plugin.schedulers.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 
@@ -118,8 +121,13 @@ def main() -> None:
                 return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-800:]}
             row = runner.input_batch.req_id_to_index.get("r0")
             state = runner.requests["r0"]
+            step_output = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            if hasattr(runner, "_attach_omni_output"):
+                runner._attach_omni_output(step_output)  # what sample_tokens does with the step's output
+            extras = getattr(step_output, RUNNER_OUTPUT_ATTR, None)
             return {
                 "error": None,
+                "dropped": extras.dropped_req_ids if extras is not None else [],
                 "in_batch": row is not None,
                 "output_token_ids": list(state.output_token_ids),
                 "batch_tokens": (
@@ -142,7 +150,8 @@ def main() -> None:
             step = scheduler.schedule()
             runner_output = ModelRunnerOutput(
                 req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[42]]
-            )  # "a" was left out by the runner
+            )
+            setattr(runner_output, RUNNER_OUTPUT_ATTR, OmniRunnerOutput(dropped_req_ids=["a"]))  # left out
             outs = scheduler.update_from_output(step, runner_output)
             flat = [o for bucket in outs.values() for o in bucket.outputs]
             result[f"dropped_{cls.__name__}"] = {
@@ -165,7 +174,8 @@ def main() -> None:
         scheduler.add_request(Request("h", list(prompt), params, None))
         step = scheduler.schedule()
         runner_output = ModelRunnerOutput(req_ids=["h"], req_id_to_index={"h": 0}, sampled_token_ids=[[5]])
-        runner_output.omni_stage_outputs = {"h": {"source_prior_token_ids": [1, 2, 3]}}
+        stage_outputs = {"h": {"source_prior_token_ids": [1, 2, 3]}}
+        setattr(runner_output, RUNNER_OUTPUT_ATTR, OmniRunnerOutput(stage_outputs=stage_outputs))
         outs = scheduler.update_from_output(step, runner_output)
         (first,) = [o for bucket in outs.values() for o in bucket.outputs]
         step = scheduler.schedule()

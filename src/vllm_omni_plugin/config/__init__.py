@@ -14,24 +14,21 @@ from vllm_omni_plugin.config.loader import (
     parse_stage_overrides,
 )
 from vllm_omni_plugin.config.pipeline import (
+    DiffusionDefaults,
     Pipeline,
     PipelineStage,
     detect_pipeline,
     get_pipeline,
     register_pipeline,
 )
-from vllm_omni_plugin.config.resolve import (
-    PLATFORMS,
-    PlatformInfo,
-    ResolvedDeployment,
-    ResolvedStage,
-    current_platform,
-    resolve,
-)
+from vllm_omni_plugin.config.platform import PLATFORMS, PlatformInfo, current_platform
+from vllm_omni_plugin.config.resolve import resolve
+from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedStage
 
 __all__ = [
     "PLATFORMS",
     "ConfigError",
+    "DiffusionDefaults",
     "LoadedConfig",
     "Pipeline",
     "PipelineStage",

@@ -13,12 +13,10 @@ from typing import Any
 
 from vllm_omni_plugin.config.errors import Path
 from vllm_omni_plugin.config.pipeline import Pipeline
+from vllm_omni_plugin.config.platform import is_omni_worker
 from vllm_omni_plugin.config.schema import DIFFUSION_ONLY_FIELDS, ENGINE_ARG_FIELDS
 from vllm_omni_plugin.config.yaml_source import Document
 
-# vllm-omni class paths that mean "the Omni AR scheduler family" / "the Omni worker family".
-OMNI_AR_SCHEDULER_NAMES = frozenset({"OmniARScheduler", "OmniARAsyncScheduler"})
-OMNI_WORKER_PREFIXES = ("vllm_omni.worker.", "vllm_omni_plugin.runners.")
 OMNI_WORKER_TYPES = frozenset({"ar", "generation", "diffusion", "llm"})
 
 # vllm-omni stage-input processors -> ours.
@@ -33,16 +31,6 @@ LEGACY_OUTPUT_TYPES = {"token_ids": "token_ids", "latent": "latents", "latents":
 
 # engine_args keys that are stage fields of the stages form (everything else goes to engine_extras).
 STAGE_FIELDS_FROM_ENGINE_ARGS = frozenset(ENGINE_ARG_FIELDS) | (DIFFUSION_ONLY_FIELDS - {"max_batch_size"})
-
-
-def is_omni_ar_scheduler(path: str) -> bool:
-    """True for our scheduler family and vllm-omni's, under any module path."""
-    module, _, name = path.replace(":", ".").rpartition(".")
-    return name in OMNI_AR_SCHEDULER_NAMES and module.split(".")[0] in ("vllm_omni", "vllm_omni_plugin")
-
-
-def is_omni_worker(path: str) -> bool:
-    return path.replace(":", ".").startswith(OMNI_WORKER_PREFIXES)
 
 
 def is_legacy_document(data: Any) -> bool:
@@ -76,7 +64,8 @@ class _Translator:
         node: Any = self.out
         for index, part in enumerate(new_path[:-1]):
             if isinstance(node, list):
-                node = node[part]  # type: ignore[index]
+                assert isinstance(part, int)
+                node = node[part]
                 continue
             nxt = new_path[index + 1]
             node = node.setdefault(part, [] if isinstance(nxt, int) else {})
@@ -96,10 +85,11 @@ class _Translator:
     def check_fixed(self, path: Path, given: Any, fixed: Any, what: str) -> None:
         """A field the pipeline fixes: equal is dropped silently, different is an error."""
         if given != fixed:
+            name = self.pipeline.name if self.pipeline is not None else "?"
             raise self.doc.error(
                 path,
-                f"{what} is fixed by pipeline {self.pipeline.name!r} as {fixed!r}, "  # type: ignore[union-attr]
-                f"the legacy file says {given!r}; remove the field",
+                f"{what} is fixed by pipeline {name!r} as {fixed!r}, the legacy file says {given!r}; "
+                "remove the field",
             )
 
     def translate(self) -> Translation:

@@ -88,8 +88,9 @@ def _replace_at(data: Any, path: Path, value: Any) -> Any:
     head, rest = path[0], path[1:]
     if isinstance(data, dict):
         return {**data, head: _replace_at(data[head], rest, value)}
+    assert isinstance(head, int)
     copy = list(data)
-    copy[head] = _replace_at(copy[head], rest, value)  # type: ignore[index]
+    copy[head] = _replace_at(copy[head], rest, value)
     return copy
 
 

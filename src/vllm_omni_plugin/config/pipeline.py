@@ -38,6 +38,16 @@ class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
     final_output: bool = False
 
 
+class DiffusionDefaults(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What the pipeline's diffusion stage uses when neither a request nor the deploy config says
+    (``None``: the diffusion runner's own default)."""
+
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+
+
 class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     stages: tuple[PipelineStage, ...]
@@ -51,6 +61,12 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     """Processor that streams chunks to the next stage (``async_chunk: true``); None: not supported."""
     default_deploy_config: str | None = None
     """Packaged deploy config (file name under ``deploy/``) used when none is given."""
+    image_size_multiple: int = 16
+    """Height and width of the images this pipeline makes must be multiples of this."""
+    ar_token_budget: str | None = None
+    """Dotted path of ``f(height, width, image_to_image) -> int``: the AR tokens one image takes, so a
+    server can refuse a size the AR stage's ``max_model_len`` cannot hold. None: no AR stage bounds it."""
+    diffusion_defaults: DiffusionDefaults = DiffusionDefaults()
 
     def stage(self, stage_id: int) -> PipelineStage | None:
         for stage in self.stages:
@@ -61,9 +77,6 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def stage_ids(self) -> tuple[int, ...]:
         return tuple(s.stage_id for s in self.stages)
-
-    def consumers_of(self, stage_id: int) -> tuple[int, ...]:
-        return tuple(s.stage_id for s in self.stages if stage_id in s.input_sources)
 
     @property
     def final_stage(self) -> PipelineStage:
@@ -160,6 +173,9 @@ GLM_IMAGE = Pipeline(
     architectures=("GlmImageForConditionalGeneration",),
     repo_ids=("zai-org/GLM-Image",),
     default_deploy_config="glm_image.yaml",
+    image_size_multiple=32,  # one AR token per 32x32 pixels
+    ar_token_budget="vllm_omni_plugin.stage.processors.glm_image.glm_image_max_new_tokens",
+    diffusion_defaults=DiffusionDefaults(height=1024, width=1024),
 )
 
 register_pipeline(GLM_IMAGE)

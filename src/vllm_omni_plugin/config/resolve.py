@@ -3,26 +3,32 @@
 Layers, lowest first: ``base_config`` parents, the file, its ``platforms:`` section for the current
 platform, vLLM flags given on the command line (AR stages) and ``--stage-overrides``. Only after all of
 them does resolution derive what must never be hand-declared: the AR scheduler class follows the final
-``async_scheduling`` flag (which the platform may force off), and the worker follows the platform.
+``async_scheduling`` flag (which the platform may force off), the workers follow the platform, every
+edge gets its connector and every connector's ``extra`` is checked. What comes out
+(:mod:`vllm_omni_plugin.config.resolved`) is complete: nothing downstream applies defaults again.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import yaml
 
 from vllm_omni_plugin.config.errors import ConfigError
-from vllm_omni_plugin.config.legacy import is_omni_ar_scheduler, is_omni_worker
-from vllm_omni_plugin.config.loader import LoadedConfig
+from vllm_omni_plugin.config.loader import LoadedConfig, convert
 from vllm_omni_plugin.config.merge import merge_stage, set_fields
 from vllm_omni_plugin.config.pipeline import Pipeline, PipelineStage
+from vllm_omni_plugin.config.platform import PLATFORM_SECTIONS, PlatformInfo, current_platform, is_omni_worker
+from vllm_omni_plugin.config.resolved import (
+    ROUTER,
+    ResolvedDeployment,
+    ResolvedEdge,
+    ResolvedHead,
+    ResolvedReplica,
+    ResolvedStage,
+)
 from vllm_omni_plugin.config.schema import (
     AR_ONLY_FIELDS,
     DIFFUSION_ONLY_FIELDS,
@@ -35,186 +41,28 @@ from vllm_omni_plugin.config.schema import (
     StageDeployConfig,
     StageOverride,
 )
+from vllm_omni_plugin.config.vllm_fields import (
+    check_engine_value,
+    check_sampling_params,
+    engine_arg_types,
+    sampling_param_fields,
+)
 from vllm_omni_plugin.connectors import CONNECTOR_CLASSES, DEFAULT_CONNECTOR_CLASS
 from vllm_omni_plugin.dotted import import_object
-from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER
+from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER, is_omni_ar_scheduler
 
-OMNI_GPU_WORKER = "vllm_omni_plugin.runners.gpu_worker.OmniGPUWorker"
-OMNI_CPU_WORKER = "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker"
-CPU_DIFFUSION_WORKER = "vllm_omni_plugin.diffusion.worker.CPUDiffusionWorker"
-CUDA_DIFFUSION_WORKER = "vllm_omni_plugin.diffusion.worker.CUDADiffusionWorker"
-
-
-@dataclass(frozen=True)
-class PlatformInfo:
-    name: str
-    supports_async_scheduling: bool
-    device_env: str | None
-    """Environment variable that selects a process's devices (None: devices are not selectable)."""
-    ar_worker_cls: str | None
-    diffusion_worker_cls: str | None = None
-
-
-PLATFORMS: dict[str, PlatformInfo] = {
-    "cuda": PlatformInfo("cuda", True, "CUDA_VISIBLE_DEVICES", OMNI_GPU_WORKER, CUDA_DIFFUSION_WORKER),
-    "rocm": PlatformInfo("rocm", True, "HIP_VISIBLE_DEVICES", OMNI_GPU_WORKER, CUDA_DIFFUSION_WORKER),
-    "cpu": PlatformInfo("cpu", False, None, OMNI_CPU_WORKER, CPU_DIFFUSION_WORKER),
-}
-PLATFORM_SECTIONS = ("cuda", "rocm", "cpu", "xpu", "npu", "tpu")
-
-
-def current_platform() -> PlatformInfo:
-    from vllm_omni_plugin.compat import resolve as compat_resolve
-
-    platform = compat_resolve("current_platform")
-    if platform.is_cpu():
-        return PLATFORMS["cpu"]
-    if platform.is_rocm():
-        return PLATFORMS["rocm"]
-    if platform.is_cuda():
-        return PLATFORMS["cuda"]
-    name = str(getattr(platform, "device_type", "unknown"))
-    return PlatformInfo(name, False, None, None)
-
-
-# --- resolved form -----------------------------------------------------------------------------
-
-
-class ResolvedReplica(msgspec.Struct, kw_only=True):
-    replica_id: int
-    devices: str | None = None
-    env: dict[str, str] = {}
-
-
-class ResolvedEdge(msgspec.Struct, kw_only=True):
-    from_stage: int = msgspec.field(name="from")
-    to: int | str
-    """A stage id, or ``"router"`` for the final output's way back to the API server."""
-    connector: str
-    window_size: int = -1
-    max_inflight: int | None = None
-
-
-class ResolvedHead(msgspec.Struct, frozen=True, kw_only=True):
-    """Where headless stage workers register (``HeadSpec`` with its defaults applied)."""
-
-    host: str = "0.0.0.0"
-    port: int = 29600
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 10.0
-
-
-class ResolvedStage(msgspec.Struct, kw_only=True):
-    stage_id: int
-    name: str
-    execution_type: str
-    process: bool
-    num_replicas: int
-    replicas: list[ResolvedReplica]
-    input_sources: list[int]
-    input_processor: str | None
-    final_output: bool
-    output_type: str
-    input_connectors: dict[str, str]
-    output_connectors: dict[str, str]
-    default_sampling_params: dict[str, Any]
-    engine_args: dict[str, Any] = {}
-    """AR stages: the vLLM ``EngineArgs`` of every replica."""
-    diffusion_args: dict[str, Any] = {}
-    """Diffusion stages: the diffusion engine's arguments."""
-    headless: bool = False
-    """Served by a headless worker that registers with the head (see ``StageDeployConfig.headless``)."""
-
-
-class ResolvedDeployment(msgspec.Struct, kw_only=True):
-    pipeline: str
-    model: str
-    platform: str
-    async_chunk: bool
-    connectors: dict[str, ConnectorSpec]
-    edges: list[ResolvedEdge]
-    stages: list[ResolvedStage]
-    deploy: DeployConfig
-    """The completed deploy config: resolving it again gives this same result."""
-    head: ResolvedHead = ResolvedHead()
-    notes: list[str] = []
-    legacy_source: str | None = None
-    """The legacy stage_args file this was translated from, if any."""
-
-    def stage(self, stage_id: int) -> ResolvedStage:
-        return next(s for s in self.stages if s.stage_id == stage_id)
-
-    def summary(self) -> dict[str, Any]:
-        """Everything that decides how the deployment runs (no notes, no completed config)."""
-        out = msgspec.to_builtins(self)
-        out.pop("deploy")
-        out.pop("notes")
-        out.pop("legacy_source", None)
-        return out
-
-    def to_yaml(self) -> str:
-        head = "".join(f"# note: {note}\n" for note in self.notes)
-        return head + yaml.safe_dump(self.summary(), sort_keys=False, default_flow_style=False)
-
-
-# --- helpers -----------------------------------------------------------------------------------
-
-
-@functools.cache
-def engine_arg_types() -> dict[str, Any]:
-    """EngineArgs field -> type hint (or None where vLLM's hint cannot be evaluated)."""
-    from vllm_omni_plugin.compat import resolve as compat_resolve
-
-    engine_args = compat_resolve("EngineArgs")
-    module = __import__(engine_args.__module__, fromlist=["_"])
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(engine_args):
-        hint: Any = f.type
-        if isinstance(hint, str):  # a forward reference; some of vLLM's do not evaluate outside vLLM
-            try:
-                hint = eval(hint, vars(module))  # noqa: S307 - vLLM's own annotation text
-            except Exception:
-                hint = None
-        out[f.name] = hint
-    return out
-
-
-def check_engine_value(name: str, value: Any) -> str | None:
-    """Why ``value`` is wrong for EngineArgs field ``name``, or None when it is acceptable."""
-    hint = engine_arg_types().get(name)
-    if hint is None:
-        return None
-    try:
-        msgspec.convert(value, hint, strict=False)
-    except msgspec.ValidationError as exc:
-        return str(exc).split(" - at ")[0].replace("Expected", "expected")
-    except Exception:  # msgspec cannot express this vLLM type; vLLM checks it at start-up
-        return None
-    return None
-
-
-@functools.cache
-def sampling_param_fields() -> frozenset[str]:
-    from vllm_omni_plugin.compat import resolve as compat_resolve
-
-    sampling = compat_resolve("SamplingParams")
-    return frozenset(f.name for f in msgspec.structs.fields(sampling))
-
-
-DIFFUSION_SAMPLING_KEYS = frozenset(
-    {
-        "seed",
-        "num_inference_steps",
-        "guidance_scale",
-        "height",
-        "width",
-        "negative_prompt",
-        "num_images_per_prompt",
-        "output_type",
-    }
-)
+DIFFUSION_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
+"""What a diffusion stage's ``default_sampling_params`` may set: defaults of the diffusion engine for
+requests that leave them unset (a stage field of the same name wins)."""
+DIFFUSION_ENGINE_FIELDS = ("dtype", "trust_remote_code", "enforce_eager")
+"""Further stage fields handed to the diffusion engine as they are."""
 RESERVED_ENGINE_EXTRAS = frozenset({"model", "tokenizer"})
+WHOLE_OUTPUT = -1
+"""``window_size`` of an edge that hands each output over whole, the only hand-over we implement."""
 _CONNECTOR_KEY = re.compile(r"^(from|to)_stage_(\d+|router)$")
+
+StageIO = dict[str, dict[str, str]]
+"""A stage's connectors: ``{"input": {"from_stage_N": name}, "output": {"to_stage_N": name}}``."""
 
 
 class _Resolver:
@@ -258,25 +106,34 @@ class _Resolver:
         where = self.where.get((stage_id, field), self.loaded.source)
         self.notes.append(f"{where}: stage {stage_id} {field}: {text}")
 
-    # --- layers ---
+    def unknown_stage(self, stage_id: int) -> str:
+        stages = list(self.pipeline.stage_ids)
+        return f"pipeline {self.pipeline.name!r} has no stage {stage_id} (stages: {stages})"
+
+    # --- layers -----------------------------------------------------------------------------------
 
     def layered_stages(self) -> dict[int, StageDeployConfig]:
-        pipeline = self.pipeline
+        """Every stage of the pipeline with all layers merged, lowest first."""
         common = {k: v for k, v in set_fields(self.cfg).items() if k in EngineCommon.__struct_fields__}
-        stages = {sid: StageDeployConfig(stage_id=sid, **common) for sid in pipeline.stage_ids}
+        stages = {sid: StageDeployConfig(stage_id=sid, **common) for sid in self.pipeline.stage_ids}
+        self.merge_file_stages(stages)
+        self.merge_platform_section(stages)
+        self.merge_command_line(stages)
+        self.merge_overrides(stages)
+        return stages
+
+    def merge_file_stages(self, stages: dict[int, StageDeployConfig]) -> None:
         seen: set[int] = set()
         for stage in self.cfg.stages:
             if stage.stage_id not in stages:
-                raise self.error(
-                    f"pipeline {pipeline.name!r} has no stage {stage.stage_id} "
-                    f"(stages: {list(pipeline.stage_ids)})",
-                    stage.stage_id,
-                    "stage_id",
-                )
+                raise self.error(self.unknown_stage(stage.stage_id), stage.stage_id, "stage_id")
             if stage.stage_id in seen:
                 raise self.error(f"stage {stage.stage_id} is listed twice", stage.stage_id, "stage_id")
             seen.add(stage.stage_id)
             stages[stage.stage_id] = merge_stage(stages[stage.stage_id], stage)
+
+    def merge_platform_section(self, stages: dict[int, StageDeployConfig]) -> None:
+        """Every section is checked; only the current platform's is merged."""
         for key, section in self.cfg.platforms.items():
             if key not in PLATFORM_SECTIONS:
                 raise self.doc_error(
@@ -285,125 +142,139 @@ class _Resolver:
             for index, stage in enumerate(section.stages):
                 if stage.stage_id not in stages:
                     raise self.doc_error(
-                        f"pipeline {pipeline.name!r} has no stage {stage.stage_id}",
+                        f"pipeline {self.pipeline.name!r} has no stage {stage.stage_id}",
                         ("platforms", key, "stages", index, "stage_id"),
                     )
                 if key == self.platform.name:
                     for name in set_fields(stage):
                         self.where[(stage.stage_id, name)] = f"{self.loaded.source} (platforms.{key})"
                     stages[stage.stage_id] = merge_stage(stages[stage.stage_id], stage)
-        if self.cli:
-            fields = {k: v for k, v in self.cli.items() if k in StageDeployConfig.__struct_fields__}
-            extras = {k: v for k, v in self.cli.items() if k not in fields}
-            for s in pipeline.stages:
-                if s.execution_type != "llm_ar":
-                    continue
-                layer = StageDeployConfig(stage_id=s.stage_id, engine_extras=extras or None, **fields)
-                for name in self.cli:
-                    key = name if name in fields else f"engine_extras.{name}"
-                    self.where[(s.stage_id, key)] = f"command line (--{name.replace('_', '-')})"
-                stages[s.stage_id] = merge_stage(stages[s.stage_id], layer)
+
+    def merge_command_line(self, stages: dict[int, StageDeployConfig]) -> None:
+        """vLLM flags given on the command line apply to the AR stages."""
+        if not self.cli:
+            return
+        fields = {k: v for k, v in self.cli.items() if k in StageDeployConfig.__struct_fields__}
+        extras = {k: v for k, v in self.cli.items() if k not in fields}
+        for s in self.pipeline.stages:
+            if s.execution_type != "llm_ar":
+                continue
+            layer = StageDeployConfig(stage_id=s.stage_id, engine_extras=extras or None, **fields)
+            for name in self.cli:
+                key = name if name in fields else f"engine_extras.{name}"
+                self.where[(s.stage_id, key)] = f"command line (--{name.replace('_', '-')})"
+            stages[s.stage_id] = merge_stage(stages[s.stage_id], layer)
+
+    def merge_overrides(self, stages: dict[int, StageDeployConfig]) -> None:
         for stage_id, override in self.overrides.items():
             if stage_id not in stages:
                 raise ConfigError(
-                    f"pipeline {pipeline.name!r} has no stage {stage_id} "
-                    f"(stages: {list(pipeline.stage_ids)})",
-                    source="--stage-overrides",
-                    path=(str(stage_id),),
+                    self.unknown_stage(stage_id), source="--stage-overrides", path=(str(stage_id),)
                 )
             for name in set_fields(override):
                 self.where[(stage_id, name)] = "--stage-overrides"
             for key in override.engine_extras or {}:
                 self.where[(stage_id, f"engine_extras.{key}")] = "--stage-overrides"
             stages[stage_id] = merge_stage(stages[stage_id], override)
-        return stages
 
-    # --- connectors and edges ---
+    # --- connectors and edges -----------------------------------------------------------------------
 
-    def connectors_and_edges(
-        self, stages: dict[int, StageDeployConfig]
-    ) -> tuple[dict[str, ConnectorSpec], list[ResolvedEdge], dict[int, dict[str, dict[str, str]]]]:
-        pipeline = self.pipeline
-        connectors = dict(self.cfg.connectors)
-        for key, spec in connectors.items():
+    def checked_connectors(self) -> dict[str, ConnectorSpec]:
+        """The declared connectors, each class known and its ``extra`` valid for that class: a typo there
+        is a config error now, not a stage that fails to start."""
+        from vllm_omni_plugin.connectors.base import connector_class
+
+        for key, spec in self.cfg.connectors.items():
             if spec.name not in CONNECTOR_CLASSES:
                 raise self.doc_error(
                     f"unknown connector class {spec.name!r} (known: {', '.join(sorted(CONNECTOR_CLASSES))})",
                     ("connectors", key, "name"),
                 )
-        pipeline_edges = [(src, s.stage_id) for s in pipeline.stages for src in s.input_sources]
-        final = pipeline.final_stage.stage_id
-        ios: dict[int, dict[str, dict[str, str]]] = {
+            try:
+                cls = connector_class(key, spec.name)
+            except (ImportError, TypeError) as exc:
+                raise self.doc_error(str(exc), ("connectors", key, "name")) from None
+            convert(
+                spec.extra,
+                cls.Settings,
+                source=self.loaded.source,
+                line_of=self.loaded.locate,
+                prefix=("connectors", key, "extra"),
+            )
+        return dict(self.cfg.connectors)
+
+    def pipeline_edges(self) -> list[tuple[int, int]]:
+        return [(src, s.stage_id) for s in self.pipeline.stages for src in s.input_sources]
+
+    def stage_connectors(
+        self, stages: dict[int, StageDeployConfig], connectors: dict[str, ConnectorSpec]
+    ) -> dict[int, StageIO]:
+        """Each stage's ``input_connectors`` / ``output_connectors`` as written, checked."""
+        ios = {
             sid: {
-                "input": dict(stages[sid].input_connectors or {}),
-                "output": dict(stages[sid].output_connectors or {}),
+                "input": dict(stage.input_connectors or {}),
+                "output": dict(stage.output_connectors or {}),
             }
-            for sid in stages
+            for sid, stage in stages.items()
         }
         for sid, io in ios.items():
             for direction, mapping in io.items():
-                field = f"{direction}_connectors"
                 for key, name in mapping.items():
-                    match = _CONNECTOR_KEY.match(key)
-                    want = "from" if direction == "input" else "to"
-                    if not match or match.group(1) != want:
-                        raise self.error(
-                            f"key {key!r}: expected {want}_stage_N"
-                            + (" or to_stage_router" if direction == "output" else ""),
-                            sid,
-                            field,
-                        )
-                    other = match.group(2)
-                    if other == "router":
-                        if direction == "input" or sid != final:
-                            raise self.error(
-                                f"{key}: only the final stage ({final}) sends its output to the router",
-                                sid,
-                                field,
-                            )
-                    else:
-                        edge = (int(other), sid) if direction == "input" else (sid, int(other))
-                        if edge not in pipeline_edges:
-                            raise self.error(
-                                f"{key}: pipeline {pipeline.name!r} has no edge {edge[0]} -> {edge[1]} "
-                                f"(edges: {', '.join(f'{a} -> {b}' for a, b in pipeline_edges)})",
-                                sid,
-                                field,
-                            )
-                    if name not in connectors:
-                        defined = ", ".join(sorted(connectors)) or "none"
-                        raise self.error(
-                            f"{key}: connector {name!r} is not defined under connectors: "
-                            f"(defined: {defined})",
-                            sid,
-                            field,
-                        )
-        configured = {(e.from_stage, e.to): e for e in self.cfg.edges}
-        for index, e in enumerate(self.cfg.edges):
-            if (e.from_stage, e.to) not in pipeline_edges:
-                raise self.doc_error(
-                    f"pipeline {pipeline.name!r} has no edge {e.from_stage} -> {e.to} "
-                    f"(edges: {', '.join(f'{a} -> {b}' for a, b in pipeline_edges)})",
-                    ("edges", index),
+                    self.check_connector_key(sid, direction, key, name, connectors)
+        return ios
+
+    def check_connector_key(
+        self, sid: int, direction: str, key: str, name: str, connectors: dict[str, ConnectorSpec]
+    ) -> None:
+        field = f"{direction}_connectors"
+        final = self.pipeline.final_stage.stage_id
+        match = _CONNECTOR_KEY.match(key)
+        want = "from" if direction == "input" else "to"
+        if not match or match.group(1) != want:
+            router = " or to_stage_router" if direction == "output" else ""
+            raise self.error(f"key {key!r}: expected {want}_stage_N{router}", sid, field)
+        other = match.group(2)
+        if other == ROUTER:
+            if direction == "input" or sid != final:
+                raise self.error(
+                    f"{key}: only the final stage ({final}) sends its output to the router", sid, field
                 )
-        default_name: str | None = None
+        else:
+            edge = (int(other), sid) if direction == "input" else (sid, int(other))
+            if edge not in self.pipeline_edges():
+                raise self.error(f"{key}: {self.no_edge(*edge)}", sid, field)
+        if name not in connectors:
+            defined = ", ".join(sorted(connectors)) or "none"
+            raise self.error(
+                f"{key}: connector {name!r} is not defined under connectors: (defined: {defined})", sid, field
+            )
 
-        def default_connector() -> str:
-            nonlocal default_name
-            if default_name is None:
-                for key, spec in connectors.items():
-                    if spec.name == DEFAULT_CONNECTOR_CLASS:
-                        default_name = key
-                        break
-                else:
-                    default_name = "shared_memory"
-                    while default_name in connectors:
-                        default_name += "_default"
-                    connectors[default_name] = ConnectorSpec(name=DEFAULT_CONNECTOR_CLASS)
-            return default_name
+    def no_edge(self, src: int, dst: int) -> str:
+        edges = ", ".join(f"{a} -> {b}" for a, b in self.pipeline_edges())
+        return f"pipeline {self.pipeline.name!r} has no edge {src} -> {dst} (edges: {edges})"
 
+    def checked_edge_specs(self) -> dict[tuple[int, int], EdgeSpec]:
+        """The ``edges:`` entries: on a pipeline edge, and asking only for what we implement."""
+        for index, e in enumerate(self.cfg.edges):
+            if (e.from_stage, e.to) not in self.pipeline_edges():
+                raise self.doc_error(self.no_edge(e.from_stage, e.to), ("edges", index))
+            if e.window_size is not None and e.window_size != WHOLE_OUTPUT:
+                raise self.doc_error(
+                    f"window_size {e.window_size} would hand the output over in chunks, which has no effect "
+                    f"here: every edge hands each output over whole; set window_size: {WHOLE_OUTPUT} or "
+                    "remove it",
+                    ("edges", index, "window_size"),
+                )
+        return {(e.from_stage, e.to): e for e in self.cfg.edges}
+
+    def resolve_edges(
+        self, ios: dict[int, StageIO], connectors: dict[str, ConnectorSpec]
+    ) -> list[ResolvedEdge]:
+        """One connector per edge: what either end names (both must agree), else shared memory. Fills
+        ``ios`` (both ends) and ``connectors`` (the default connector) in place."""
+        specs = self.checked_edge_specs()
         edges: list[ResolvedEdge] = []
-        for src, dst in pipeline_edges:
+        for src, dst in self.pipeline_edges():
             out_name = ios[src]["output"].get(f"to_stage_{dst}")
             in_name = ios[dst]["input"].get(f"from_stage_{src}")
             if out_name and in_name and out_name != in_name:
@@ -413,224 +284,39 @@ class _Resolver:
                     dst,
                     "input_connectors",
                 )
-            name = out_name or in_name or default_connector()
+            name = out_name or in_name or self.default_connector(connectors)
             ios[src]["output"][f"to_stage_{dst}"] = name
             ios[dst]["input"][f"from_stage_{src}"] = name
-            spec = configured.get((src, dst))
+            spec = specs.get((src, dst))
             edges.append(
                 ResolvedEdge(
-                    from_stage=src,
-                    to=dst,
-                    connector=name,
-                    window_size=spec.window_size if spec and spec.window_size is not None else -1,
-                    max_inflight=spec.max_inflight if spec else None,
+                    from_stage=src, to=dst, connector=name, max_inflight=spec.max_inflight if spec else None
                 )
             )
-        router = ios[final]["output"].get("to_stage_router") or default_connector()
-        ios[final]["output"]["to_stage_router"] = router
-        edges.append(ResolvedEdge(from_stage=final, to="router", connector=router))
+        final = self.pipeline.final_stage.stage_id
+        router = ios[final]["output"].get(f"to_stage_{ROUTER}") or self.default_connector(connectors)
+        ios[final]["output"][f"to_stage_{ROUTER}"] = router
+        edges.append(ResolvedEdge(from_stage=final, to=ROUTER, connector=router))
         used = {e.connector for e in edges}
         for key in connectors:
             if key not in used:
                 self.notes.append(f"{self.loaded.source}: connector {key!r} is defined but not used")
-        return connectors, edges, ios
+        return edges
 
-    # --- stages ---
-
-    def replicas(self, stage: StageDeployConfig, tp: int) -> list[ResolvedReplica]:
-        n = stage.num_replicas or 1
-        env = dict(stage.env or {})
-        devices = [d.strip() for d in (stage.devices or "").split(",") if d.strip()]
-        if devices and self.platform.device_env is None:
-            self.note_at(stage.stage_id, "devices", f"ignored on {self.platform.name}")
-            devices = []
-        if not devices:
-            return [ResolvedReplica(replica_id=i, env=env) for i in range(n)]
-        if len(devices) == n * tp:
-            chunks = [devices[i * tp : (i + 1) * tp] for i in range(n)]
-        elif len(devices) == tp:
-            chunks = [devices] * n
-        else:
-            raise self.error(
-                f"{len(devices)} device(s) {','.join(devices)} cannot hold {n} replica(s) of "
-                f"tensor_parallel_size {tp}: give {n * tp} device ids (one set per replica) or {tp} "
-                "(shared by all replicas)",
-                stage.stage_id,
-                "devices",
-            )
-        out = []
-        for i, chunk in enumerate(chunks):
-            replica_env = dict(env)
-            assert self.platform.device_env is not None
-            replica_env[self.platform.device_env] = ",".join(chunk)
-            out.append(ResolvedReplica(replica_id=i, devices=",".join(chunk), env=replica_env))
-        return out
-
-    def check_not_applicable(self, stage: StageDeployConfig, fixed: PipelineStage) -> None:
-        wrong = AR_ONLY_FIELDS if fixed.execution_type == "diffusion" else DIFFUSION_ONLY_FIELDS
-        for name in set_fields(stage):
-            if name in wrong:
-                self.note_at(
-                    stage.stage_id,
-                    name,
-                    f"does not apply to a {fixed.execution_type} stage; ignored",
-                )
-
-    def ar_engine_args(self, stage: StageDeployConfig, fixed: PipelineStage) -> dict[str, Any]:
-        sid = stage.stage_id
-        extras = dict(stage.engine_extras or {})
-        known = engine_arg_types()
-        for key, value in list(extras.items()):
-            field = f"engine_extras.{key}"
-            if key in RESERVED_ENGINE_EXTRAS:
-                raise self.error(f"{key} is set by the pipeline (model directory + subdir)", sid, field)
-            if key in StageDeployConfig.__struct_fields__:
-                raise self.error(f"{key} is a stage field; set `{key}:` on the stage instead", sid, field)
-            if key not in known:
-                raise self.error(f"{key!r} is not a vLLM EngineArgs field", sid, field)
-            problem = check_engine_value(key, value)
-            if problem:
-                raise self.error(f"{problem}, got {value!r}", sid, field)
-
-        requested = stage.async_scheduling
-        if self.platform.supports_async_scheduling:
-            async_final = True if requested is None else requested
-        else:
-            if requested:
-                self.note_at(
-                    sid,
-                    "async_scheduling",
-                    f"{self.platform.name} does not support async scheduling; using synchronous "
-                    "scheduling (OmniARScheduler)",
-                )
-            async_final = False
-        variant = OMNI_AR_ASYNC_SCHEDULER if async_final else OMNI_AR_SCHEDULER
-
-        scheduler = variant
-        pinned = extras.pop("scheduler_cls", None)
-        if pinned is not None:
-            where = self.where.get((sid, "engine_extras.scheduler_cls"), self.loaded.source)
-            if not isinstance(pinned, str):
-                raise self.error(
-                    "scheduler_cls: expected a dotted class path", sid, "engine_extras.scheduler_cls"
-                )
-            if is_omni_ar_scheduler(pinned):
-                if pinned.replace(":", ".").rsplit(".", 1)[1] != variant.rsplit(".", 1)[1]:
-                    self.notes.append(
-                        f"{where}: stage {sid} scheduler_cls pinned to {pinned}, which contradicts the "
-                        f"final async_scheduling={str(async_final).lower()}; using {variant} instead"
-                    )
-            elif stage.allow_custom_scheduler:
-                scheduler = pinned
-                self.notes.append(f"{where}: stage {sid} uses the custom scheduler {pinned}")
-            else:
-                raise self.error(
-                    f"scheduler_cls {pinned} is not an Omni AR scheduler; the AR stage runs "
-                    "OmniARScheduler or OmniARAsyncScheduler, chosen from async_scheduling. "
-                    "Remove it, or set allow_custom_scheduler: true to run your own",
-                    sid,
-                    "engine_extras.scheduler_cls",
-                )
-
-        worker = self.platform.ar_worker_cls
-        pinned_worker = extras.pop("worker_cls", None)
-        if pinned_worker is not None:
-            if isinstance(pinned_worker, str) and is_omni_worker(pinned_worker):
-                pass
-            else:
-                raise self.error(
-                    f"worker_cls {pinned_worker} is not an Omni worker; the AR stage needs the "
-                    "Omni worker for the platform (chosen by resolution). Remove it",
-                    sid,
-                    "engine_extras.worker_cls",
-                )
-        if worker is None:
-            raise self.error(f"the AR stage is not supported on platform {self.platform.name!r}", sid)
-
-        args: dict[str, Any] = {
-            "model": os.path.join(self.model, fixed.model_subdir or ""),
-        }
-        if fixed.tokenizer_subdir:
-            args["tokenizer"] = os.path.join(self.model, fixed.tokenizer_subdir)
-        for name in ENGINE_ARG_FIELDS:
-            value = getattr(stage, name)
-            if value is not None and name != "async_scheduling":
-                args[name] = value
-        args["async_scheduling"] = async_final
-        args["scheduler_cls"] = scheduler
-        args["worker_cls"] = worker
-        if fixed.engine_args_provider:
-            provided = import_object(fixed.engine_args_provider)(args["model"])
-            for key, value in provided.items():
-                if key not in extras:
-                    args[key] = value
-        args.update(extras)
-        return dict(sorted(args.items()))
-
-    def diffusion_args(self, stage: StageDeployConfig) -> dict[str, Any]:
-        if self.platform.diffusion_worker_cls is None:
-            raise self.error(
-                f"diffusion stages are not supported on platform {self.platform.name!r}", stage.stage_id
-            )
-        args: dict[str, Any] = {
-            "model": self.model,
-            "max_batch_size": stage.max_batch_size or 1,
-            "worker_cls": self.platform.diffusion_worker_cls,
-        }
-        for name in (
-            "dtype",
-            "trust_remote_code",
-            "enforce_eager",
-            "seed",
-            "num_inference_steps",
-            "guidance_scale",
-            "height",
-            "width",
-        ):
-            value = getattr(stage, name)
-            if value is not None:
-                args[name] = value
-        return dict(sorted(args.items()))
-
-    def sampling_params(self, stage: StageDeployConfig, fixed: PipelineStage) -> dict[str, Any]:
-        params = dict(stage.default_sampling_params or {})
-        sid = stage.stage_id
-        if fixed.execution_type == "diffusion":
-            unknown = sorted(set(params) - DIFFUSION_SAMPLING_KEYS)
-            if unknown:
-                raise self.error(
-                    f"unknown diffusion sampling parameter(s) {', '.join(unknown)} "
-                    f"(known: {', '.join(sorted(DIFFUSION_SAMPLING_KEYS))})",
-                    sid,
-                    "default_sampling_params",
-                )
-            return params
-        known = sampling_param_fields()
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise self.error(
-                f"{', '.join(unknown)}: not a vLLM SamplingParams field", sid, "default_sampling_params"
-            )
-        from vllm_omni_plugin.compat import resolve as compat_resolve
-
-        try:
-            compat_resolve("SamplingParams")(**params)
-        except Exception as exc:  # vLLM's own validation message
-            raise self.error(f"rejected by vLLM: {exc}", sid, "default_sampling_params") from None
-        return params
-
-    def head(self) -> ResolvedHead:
-        head = ResolvedHead(**set_fields(self.cfg.head or HeadSpec()))
-        if head.heartbeat_timeout_s <= head.heartbeat_interval_s:
-            raise self.doc_error(
-                f"heartbeat_timeout_s ({head.heartbeat_timeout_s}) must be longer than "
-                f"heartbeat_interval_s ({head.heartbeat_interval_s})",
-                ("head", "heartbeat_timeout_s"),
-            )
-        return head
+    @staticmethod
+    def default_connector(connectors: dict[str, ConnectorSpec]) -> str:
+        """The first declared connector of the default class, else a new one added to ``connectors``."""
+        for key, spec in connectors.items():
+            if spec.name == DEFAULT_CONNECTOR_CLASS:
+                return key
+        name = "shared_memory"
+        while name in connectors:
+            name += "_default"
+        connectors[name] = ConnectorSpec(name=DEFAULT_CONNECTOR_CLASS)
+        return name
 
     def check_headless_connectors(
-        self, stage_id: int, connectors: dict[str, ConnectorSpec], io: dict[str, dict[str, str]]
+        self, stage_id: int, connectors: dict[str, ConnectorSpec], io: StageIO
     ) -> None:
         """A headless stage's connectors must cross processes, and usually hosts."""
         for direction in ("input", "output"):
@@ -650,6 +336,265 @@ class _Resolver:
                         "head's host; use NixlConnector across hosts"
                     )
 
+    # --- stages -------------------------------------------------------------------------------------
+
+    def replicas(self, stage: StageDeployConfig, tp: int) -> list[ResolvedReplica]:
+        n = stage.num_replicas or 1
+        env = dict(stage.env or {})
+        devices = [d.strip() for d in (stage.devices or "").split(",") if d.strip()]
+        device_env = self.platform.device_env
+        if devices and device_env is None:
+            self.note_at(stage.stage_id, "devices", f"ignored on {self.platform.name}")
+            devices = []
+        if not devices or device_env is None:
+            return [ResolvedReplica(replica_id=i, env=env) for i in range(n)]
+        if len(devices) == n * tp:
+            chunks = [devices[i * tp : (i + 1) * tp] for i in range(n)]
+        elif len(devices) == tp:
+            chunks = [devices] * n
+        else:
+            raise self.error(
+                f"{len(devices)} device(s) {','.join(devices)} cannot hold {n} replica(s) of "
+                f"tensor_parallel_size {tp}: give {n * tp} device ids (one set per replica) or {tp} "
+                "(shared by all replicas)",
+                stage.stage_id,
+                "devices",
+            )
+        return [
+            ResolvedReplica(replica_id=i, devices=",".join(chunk), env={**env, device_env: ",".join(chunk)})
+            for i, chunk in enumerate(chunks)
+        ]
+
+    def check_not_applicable(self, stage: StageDeployConfig, fixed: PipelineStage) -> None:
+        wrong = AR_ONLY_FIELDS if fixed.execution_type == "diffusion" else DIFFUSION_ONLY_FIELDS
+        for name in set_fields(stage):
+            if name in wrong:
+                self.note_at(
+                    stage.stage_id, name, f"does not apply to a {fixed.execution_type} stage; ignored"
+                )
+
+    def process_mode(self, stage: StageDeployConfig, fixed: PipelineStage) -> tuple[bool, bool]:
+        """(runs in its own process, served by a headless worker)."""
+        sid, is_ar = fixed.stage_id, fixed.execution_type == "llm_ar"
+        if not is_ar and (stage.tensor_parallel_size or 1) != 1:
+            raise self.error("diffusion stages run with tensor_parallel_size 1", sid, "tensor_parallel_size")
+        process = True if stage.process is None else stage.process
+        if is_ar and not process:
+            raise self.error("the AR stage always runs in its own vLLM EngineCore process", sid, "process")
+        headless = bool(stage.headless)
+        if headless and not process:
+            raise self.error(
+                "a headless stage runs in processes of its own on its worker; drop process: false",
+                sid,
+                "process",
+            )
+        return process, headless
+
+    def checked_engine_extras(self, stage: StageDeployConfig) -> dict[str, Any]:
+        """``engine_extras``, every key a vLLM EngineArgs field that no stage field or pipeline owns."""
+        sid = stage.stage_id
+        extras = dict(stage.engine_extras or {})
+        known = engine_arg_types()
+        for key, value in extras.items():
+            field = f"engine_extras.{key}"
+            if key in RESERVED_ENGINE_EXTRAS:
+                raise self.error(f"{key} is set by the pipeline (model directory + subdir)", sid, field)
+            if key in StageDeployConfig.__struct_fields__:
+                raise self.error(f"{key} is a stage field; set `{key}:` on the stage instead", sid, field)
+            if key not in known:
+                raise self.error(f"{key!r} is not a vLLM EngineArgs field", sid, field)
+            problem = check_engine_value(key, value)
+            if problem:
+                raise self.error(f"{problem}, got {value!r}", sid, field)
+        return extras
+
+    def final_async_scheduling(self, stage: StageDeployConfig) -> bool:
+        requested = stage.async_scheduling
+        if self.platform.supports_async_scheduling:
+            return True if requested is None else requested
+        if requested:
+            self.note_at(
+                stage.stage_id,
+                "async_scheduling",
+                f"{self.platform.name} does not support async scheduling; using synchronous scheduling "
+                "(OmniARScheduler)",
+            )
+        return False
+
+    def scheduler(self, stage: StageDeployConfig, pinned: Any, async_final: bool) -> str:
+        """The Omni scheduler that matches ``async_final``; a pin of the other variant is corrected."""
+        sid = stage.stage_id
+        variant = OMNI_AR_ASYNC_SCHEDULER if async_final else OMNI_AR_SCHEDULER
+        if pinned is None:
+            return variant
+        where = self.where.get((sid, "engine_extras.scheduler_cls"), self.loaded.source)
+        if not isinstance(pinned, str):
+            raise self.error(
+                "scheduler_cls: expected a dotted class path", sid, "engine_extras.scheduler_cls"
+            )
+        if is_omni_ar_scheduler(pinned):
+            if pinned.replace(":", ".").rsplit(".", 1)[1] != variant.rsplit(".", 1)[1]:
+                self.notes.append(
+                    f"{where}: stage {sid} scheduler_cls pinned to {pinned}, which contradicts the "
+                    f"final async_scheduling={str(async_final).lower()}; using {variant} instead"
+                )
+            return variant
+        if stage.allow_custom_scheduler:
+            self.notes.append(f"{where}: stage {sid} uses the custom scheduler {pinned}")
+            return pinned
+        raise self.error(
+            f"scheduler_cls {pinned} is not an Omni AR scheduler; the AR stage runs "
+            "OmniARScheduler or OmniARAsyncScheduler, chosen from async_scheduling. "
+            "Remove it, or set allow_custom_scheduler: true to run your own",
+            sid,
+            "engine_extras.scheduler_cls",
+        )
+
+    def ar_worker(self, stage: StageDeployConfig, pinned: Any) -> str:
+        """The platform's Omni worker; a pin may only name the Omni worker family."""
+        sid = stage.stage_id
+        if pinned is not None and not (isinstance(pinned, str) and is_omni_worker(pinned)):
+            raise self.error(
+                f"worker_cls {pinned} is not an Omni worker; the AR stage needs the "
+                "Omni worker for the platform (chosen by resolution). Remove it",
+                sid,
+                "engine_extras.worker_cls",
+            )
+        if self.platform.ar_worker_cls is None:
+            raise self.error(f"the AR stage is not supported on platform {self.platform.name!r}", sid)
+        return self.platform.ar_worker_cls
+
+    def ar_engine_args(self, stage: StageDeployConfig, fixed: PipelineStage) -> dict[str, Any]:
+        extras = self.checked_engine_extras(stage)
+        async_final = self.final_async_scheduling(stage)
+        scheduler = self.scheduler(stage, extras.pop("scheduler_cls", None), async_final)
+        worker = self.ar_worker(stage, extras.pop("worker_cls", None))
+        args: dict[str, Any] = {"model": os.path.join(self.model, fixed.model_subdir or "")}
+        if fixed.tokenizer_subdir:
+            args["tokenizer"] = os.path.join(self.model, fixed.tokenizer_subdir)
+        for name in ENGINE_ARG_FIELDS:
+            value = getattr(stage, name)
+            if value is not None and name != "async_scheduling":
+                args[name] = value
+        args.update(async_scheduling=async_final, scheduler_cls=scheduler, worker_cls=worker)
+        if fixed.engine_args_provider:
+            provided = import_object(fixed.engine_args_provider)(args["model"])
+            args.update({k: v for k, v in provided.items() if k not in extras})
+        args.update(extras)
+        return dict(sorted(args.items()))
+
+    def diffusion_args(self, stage: StageDeployConfig, sampling: dict[str, Any]) -> dict[str, Any]:
+        """The diffusion worker's arguments, with its request defaults merged here once: the stage's
+        field, else its ``default_sampling_params``, else the pipeline's diffusion defaults."""
+        if self.platform.diffusion_worker_cls is None:
+            raise self.error(
+                f"diffusion stages are not supported on platform {self.platform.name!r}", stage.stage_id
+            )
+        pipeline_defaults = set_fields(self.pipeline.diffusion_defaults)
+        args: dict[str, Any] = {
+            "model": self.model,
+            "max_batch_size": stage.max_batch_size or 1,
+            "worker_cls": self.platform.diffusion_worker_cls,
+        }
+        for name in DIFFUSION_ENGINE_FIELDS:
+            if getattr(stage, name) is not None:
+                args[name] = getattr(stage, name)
+        for name in DIFFUSION_DEFAULT_KEYS:
+            for value in (getattr(stage, name), sampling.get(name), pipeline_defaults.get(name)):
+                if value is not None:
+                    args[name] = value
+                    break
+        return dict(sorted(args.items()))
+
+    def sampling_params(self, stage: StageDeployConfig, fixed: PipelineStage) -> dict[str, Any]:
+        params = dict(stage.default_sampling_params or {})
+        sid = stage.stage_id
+        if fixed.execution_type == "diffusion":
+            unknown = sorted(set(params) - set(DIFFUSION_DEFAULT_KEYS))
+            if unknown:
+                raise self.error(
+                    f"unknown diffusion sampling parameter(s) {', '.join(unknown)}, which would have no "
+                    f"effect (known: {', '.join(sorted(DIFFUSION_DEFAULT_KEYS))})",
+                    sid,
+                    "default_sampling_params",
+                )
+            return params
+        unknown = sorted(set(params) - sampling_param_fields())
+        if unknown:
+            raise self.error(
+                f"{', '.join(unknown)}: not a vLLM SamplingParams field", sid, "default_sampling_params"
+            )
+        problem = check_sampling_params(params)
+        if problem is not None:
+            raise self.error(f"rejected by vLLM: {problem}", sid, "default_sampling_params")
+        return params
+
+    def head(self) -> ResolvedHead:
+        head = ResolvedHead(**set_fields(self.cfg.head or HeadSpec()))
+        if head.heartbeat_timeout_s <= head.heartbeat_interval_s:
+            raise self.doc_error(
+                f"heartbeat_timeout_s ({head.heartbeat_timeout_s}) must be longer than "
+                f"heartbeat_interval_s ({head.heartbeat_interval_s})",
+                ("head", "heartbeat_timeout_s"),
+            )
+        return head
+
+    def resolve_stage(
+        self,
+        stage: StageDeployConfig,
+        fixed: PipelineStage,
+        io: StageIO,
+        connectors: dict[str, ConnectorSpec],
+    ) -> ResolvedStage:
+        self.check_not_applicable(stage, fixed)
+        is_ar = fixed.execution_type == "llm_ar"
+        process, headless = self.process_mode(stage, fixed)
+        if headless:
+            self.check_headless_connectors(fixed.stage_id, connectors, io)
+        engine_args = self.ar_engine_args(stage, fixed) if is_ar else {}
+        replicas = self.replicas(stage, engine_args.get("tensor_parallel_size", 1))
+        sampling = self.sampling_params(stage, fixed)
+        return ResolvedStage(
+            stage_id=fixed.stage_id,
+            name=fixed.name,
+            execution_type=fixed.execution_type,
+            process=process,
+            num_replicas=len(replicas),
+            replicas=replicas,
+            input_sources=list(fixed.input_sources),
+            input_processor=fixed.input_processor,
+            final_output=fixed.final_output,
+            output_type=fixed.output_type,
+            input_connectors=dict(sorted(io["input"].items())),
+            output_connectors=dict(sorted(io["output"].items())),
+            default_sampling_params=sampling,
+            engine_args=engine_args,
+            diffusion_args={} if is_ar else self.diffusion_args(stage, sampling),
+            headless=headless,
+        )
+
+    @staticmethod
+    def completed_stage(stage: StageDeployConfig, resolved: ResolvedStage) -> StageDeployConfig:
+        """The stage as a deploy config that resolves to ``resolved`` again (derived values written out,
+        corrected pins dropped)."""
+        done = msgspec.structs.replace(
+            stage,
+            num_replicas=resolved.num_replicas,
+            process=resolved.process,
+            input_connectors=resolved.input_connectors or None,
+            output_connectors=resolved.output_connectors or None,
+        )
+        if resolved.execution_type != "llm_ar":
+            return done
+        extras = {
+            k: v
+            for k, v in (stage.engine_extras or {}).items()
+            if k not in ("scheduler_cls", "worker_cls") or stage.allow_custom_scheduler
+        }
+        return msgspec.structs.replace(
+            done, async_scheduling=resolved.engine_args["async_scheduling"], engine_extras=extras or None
+        )
+
     def run(self) -> ResolvedDeployment:
         pipeline = self.pipeline
         if self.cfg.async_chunk and pipeline.streaming_processor is None:
@@ -659,88 +604,19 @@ class _Resolver:
                 ("async_chunk",),
             )
         stages = self.layered_stages()
-        connectors, edges, ios = self.connectors_and_edges(stages)
-        resolved: list[ResolvedStage] = []
-        completed: list[StageDeployConfig] = []
-        for fixed in pipeline.stages:
-            stage = stages[fixed.stage_id]
-            self.check_not_applicable(stage, fixed)
-            is_ar = fixed.execution_type == "llm_ar"
-            if not is_ar and (stage.tensor_parallel_size or 1) != 1:
-                raise self.error(
-                    "diffusion stages run with tensor_parallel_size 1", fixed.stage_id, "tensor_parallel_size"
-                )
-            process = True if stage.process is None else stage.process
-            if is_ar and not process:
-                raise self.error(
-                    "the AR stage always runs in its own vLLM EngineCore process", fixed.stage_id, "process"
-                )
-            headless = bool(stage.headless)
-            if headless and not process:
-                raise self.error(
-                    "a headless stage runs in processes of its own on its worker; drop process: false",
-                    fixed.stage_id,
-                    "process",
-                )
-            if headless:
-                self.check_headless_connectors(fixed.stage_id, connectors, ios[fixed.stage_id])
-            engine_args = self.ar_engine_args(stage, fixed) if is_ar else {}
-            tp = engine_args.get("tensor_parallel_size", 1) if is_ar else 1
-            replicas = self.replicas(stage, tp)
-            sampling = self.sampling_params(stage, fixed)
-            io = ios[fixed.stage_id]
-            resolved.append(
-                ResolvedStage(
-                    stage_id=fixed.stage_id,
-                    name=fixed.name,
-                    execution_type=fixed.execution_type,
-                    process=process,
-                    num_replicas=len(replicas),
-                    replicas=replicas,
-                    input_sources=list(fixed.input_sources),
-                    input_processor=fixed.input_processor,
-                    final_output=fixed.final_output,
-                    output_type=fixed.output_type,
-                    input_connectors=dict(sorted(io["input"].items())),
-                    output_connectors=dict(sorted(io["output"].items())),
-                    default_sampling_params=sampling,
-                    engine_args=engine_args,
-                    diffusion_args={} if is_ar else self.diffusion_args(stage),
-                    headless=headless,
-                )
-            )
-            done = msgspec.structs.replace(
-                stage,
-                num_replicas=len(replicas),
-                process=process,
-                input_connectors=dict(sorted(io["input"].items())) or None,
-                output_connectors=dict(sorted(io["output"].items())) or None,
-            )
-            if is_ar:
-                extras = {
-                    k: v
-                    for k, v in (stage.engine_extras or {}).items()
-                    if k not in ("scheduler_cls", "worker_cls") or stage.allow_custom_scheduler
-                }
-                done = msgspec.structs.replace(
-                    done,
-                    async_scheduling=engine_args["async_scheduling"],
-                    engine_extras=extras or None,
-                )
-            completed.append(done)
+        connectors = self.checked_connectors()
+        ios = self.stage_connectors(stages, connectors)
+        edges = self.resolve_edges(ios, connectors)
+        resolved = [
+            self.resolve_stage(stages[f.stage_id], f, ios[f.stage_id], connectors) for f in pipeline.stages
+        ]
         deploy = DeployConfig(
             pipeline=pipeline.name,
             async_chunk=bool(self.cfg.async_chunk),
             connectors=connectors,
             head=self.cfg.head,
-            edges=[
-                EdgeSpec(
-                    from_stage=e.from_stage, to=e.to, window_size=e.window_size, max_inflight=e.max_inflight
-                )
-                for e in edges
-                if isinstance(e.to, int)
-            ],
-            stages=completed,
+            edges=list(self.cfg.edges),
+            stages=[self.completed_stage(stages[r.stage_id], r) for r in resolved],
         )
         return ResolvedDeployment(
             pipeline=pipeline.name,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 import msgspec
 import torch
@@ -118,16 +118,45 @@ class _Stats:
             return msgspec.structs.replace(self.health, outstanding=outstanding)
 
 
+class ConnectorSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A connector's ``extra`` settings. Each connector class declares its own subclass; an unknown key
+    or a mistyped value is an error, found when the deploy config is resolved (before anything starts)
+    and again when a connector is built from a plain dict."""
+
+
 class OmniConnector(ABC):
     """Moves tensors and byte strings between stages; built as ``Cls(name, extra)`` from a deploy config.
 
     Implementations are thread-safe: the orchestrator calls them from several threads.
     """
 
+    Settings: ClassVar[type[ConnectorSettings]] = ConnectorSettings
+    """What ``extra`` may hold (the class without fields: nothing)."""
+    device_memory: ClassVar[bool] = False
+    """Whether ``put`` takes device tensors where they lie; False: callers move them to the host first."""
+
     def __init__(self, name: str, extra: dict[str, Any] | None = None) -> None:
         self.name = name
-        self.extra = dict(extra or {})
+        self.settings = self.parse_settings(name, extra)
         self._stats = _Stats()
+
+    @classmethod
+    def parse_settings(cls, name: str, extra: dict[str, Any] | None) -> Any:
+        """``extra`` as this class's ``Settings``; a ValueError naming the connector and the key."""
+        try:
+            return msgspec.convert(dict(extra or {}), cls.Settings)
+        except msgspec.ValidationError as exc:
+            message, _, where = str(exc).partition(" - at `$.")
+            key = where.rstrip("`").split(".")[0].split("[")[0]
+            unknown = message.removeprefix("Object contains unknown field `")
+            known = ", ".join(f.encode_name for f in msgspec.structs.fields(cls.Settings)) or "none"
+            if unknown != message:
+                text = f"unknown {cls.__name__} extra key {unknown.rstrip('`')!r} (known: {known})"
+            else:
+                text = f"{cls.__name__} extra {key!r}: " + (
+                    message.replace("`", "").replace("Expected", "expected").replace("array", "list")
+                )
+            raise ValueError(f"connector {name!r}: {text}") from None
 
     @abstractmethod
     def put(self, value: Value) -> ConnectorHandle:
@@ -226,8 +255,8 @@ class InProcessConnector(OmniConnector):
             return len(self._values)
 
 
-def make_connector(spec_name: str, class_name: str, extra: dict[str, Any] | None = None) -> OmniConnector:
-    """Build the connector a deploy config names; classes are imported only when used."""
+def connector_class(spec_name: str, class_name: str) -> type[OmniConnector]:
+    """The class a deploy config names (imported on first use; heavy transports load in ``__init__``)."""
     target = CONNECTOR_CLASSES.get(class_name)
     if target is None:
         raise ValueError(
@@ -240,5 +269,11 @@ def make_connector(spec_name: str, class_name: str, extra: dict[str, Any] | None
         raise ImportError(f"connector {spec_name!r}: cannot load {class_name} from {target}: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, OmniConnector)):
         raise TypeError(f"connector {spec_name!r}: {target} is not an OmniConnector subclass")
+    return cls
+
+
+def make_connector(spec_name: str, class_name: str, extra: dict[str, Any] | None = None) -> OmniConnector:
+    """Build the connector a deploy config names."""
+    cls = connector_class(spec_name, class_name)
     logger.debug("connector %s: %s(%s)", spec_name, class_name, extra)
     return cls(spec_name, dict(extra or {}))

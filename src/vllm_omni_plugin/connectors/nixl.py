@@ -34,13 +34,16 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import msgspec
 import torch
+from msgspec import Meta
 
 from vllm_omni_plugin.connectors.base import (
     ConnectorError,
     ConnectorHandle,
+    ConnectorSettings,
     ConnectorTimeoutError,
     OmniConnector,
     RemoteLocation,
@@ -54,14 +57,22 @@ logger = get_logger(__name__)
 
 NIXL_API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 """Where the ``nixl`` Python API lives: the ``nixl`` meta package, or one CUDA build of it alone."""
-DEFAULTS: dict[str, Any] = {
-    "backends": ["UCX"],
-    "transfer_timeout_s": 30.0,
-    "lease_timeout_s": 300.0,
-    "recv_pool_bytes": 256 << 20,
-    "num_threads": 0,
-    "progress_thread": False,
-}
+
+
+class NixlSettings(ConnectorSettings, frozen=True, kw_only=True):
+    """``extra`` of a ``NixlConnector``."""
+
+    backends: Annotated[list[str], Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["UCX"])
+    """NIXL backends to create in the agent (every one must be available)."""
+    transfer_timeout_s: Annotated[float, Meta(ge=1e-3)] = 30.0
+    lease_timeout_s: Annotated[float, Meta(ge=0)] = 300.0
+    """Seconds the owner keeps an uncollected value; 0: until it closes."""
+    recv_pool_bytes: Annotated[int, Meta(ge=0)] = 256 << 20
+    num_threads: Annotated[int, Meta(ge=0)] = 0
+    """Backend worker threads (0: NIXL's default)."""
+    progress_thread: bool = False
+
+
 LEASE_MARGIN = (1.0, 0.1)
 """A receiver does not start a READ this close to the end of a value's lease: the lesser of 1 s and a
 tenth of the lease."""
@@ -113,6 +124,8 @@ class _ReceivePool:
         self.free: dict[int, list[torch.Tensor]] = {}
         self.registrations: dict[int, Any] = {}
         """Pool buffer address -> its registration."""
+        self.one_off: dict[int, Any] = {}
+        """Address of a buffer outside the pool (a value too large for it) -> its registration."""
         self.total = 0
         self.closed = False
 
@@ -140,11 +153,8 @@ class _ReceivePool:
                 self.agent.deregister_memory(registration)
         buffer = torch.empty(capacity if pooled else nbytes, dtype=torch.uint8)
         registration = self.agent.register_memory(buffer)
-        if pooled:
-            with self.lock:
-                self.registrations[buffer.data_ptr()] = registration
-        else:
-            buffer._omni_registration = registration  # type: ignore[attr-defined]
+        with self.lock:
+            (self.registrations if pooled else self.one_off)[buffer.data_ptr()] = registration
         return buffer, pooled
 
     def give_back(self, buffer: torch.Tensor) -> None:
@@ -153,7 +163,8 @@ class _ReceivePool:
                 self.free.setdefault(buffer.numel(), []).append(buffer)
 
     def drop_one_off(self, buffer: torch.Tensor) -> None:
-        registration = getattr(buffer, "_omni_registration", None)
+        with self.lock:
+            registration = self.one_off.pop(buffer.data_ptr(), None)
         if registration is not None:
             with contextlib.suppress(Exception):
                 self.agent.deregister_memory(registration)
@@ -177,37 +188,24 @@ class _ReceivePool:
 class NixlConnector(OmniConnector):
     """See the module docstring. Thread-safe; one agent per connector object."""
 
-    device_memory = True
-    """``put`` takes device tensors where they lie (NIXL registers VRAM); others are moved to the host."""
+    Settings = NixlSettings
+
+    device_memory = True  # NIXL registers VRAM
 
     def __init__(self, name: str, extra: dict[str, Any] | None = None) -> None:
         super().__init__(name, extra)
-        unknown = sorted(set(self.extra) - set(DEFAULTS))
-        if unknown:
-            raise ValueError(
-                f"connector {name!r}: unknown NixlConnector extra key(s) {unknown} "
-                f"(known: {sorted(DEFAULTS)})"
-            )
-        settings = {**DEFAULTS, **self.extra}
-        backends = settings["backends"]
-        if not isinstance(backends, list | tuple) or not backends:
-            raise ValueError(
-                f"connector {name!r}: NixlConnector extra 'backends' must be a non-empty list of NIXL "
-                f"backend names, got {backends!r}"
-            )
-        self.backends = [str(b) for b in backends]
-        self.transfer_timeout_s = _option(name, settings, "transfer_timeout_s", float, minimum=1e-3)
-        self.lease_timeout_s = _option(name, settings, "lease_timeout_s", float)
-        recv_pool_bytes = _option(name, settings, "recv_pool_bytes", int)
-        num_threads = _option(name, settings, "num_threads", int)
+        settings: NixlSettings = self.settings
+        self.backends = list(settings.backends)
+        self.transfer_timeout_s = settings.transfer_timeout_s
+        self.lease_timeout_s = settings.lease_timeout_s
         api = load_nixl_api()
         self.agent_name = f"{name}@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         config = api.nixl_agent_config(
             backends=self.backends,
-            num_threads=num_threads,
+            num_threads=settings.num_threads,
             # NIXL's progress thread polls without pausing: a core per agent. Our ack poller and the
             # receiver's wait for its READ drive UCX's progress instead.
-            enable_prog_thread=bool(settings["progress_thread"]),
+            enable_prog_thread=settings.progress_thread,
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
@@ -232,7 +230,7 @@ class NixlConnector(OmniConnector):
         """Registrations no value uses any more, oldest first (see ``_register``)."""
         self._loaded: OrderedDict[bytes, str] = OrderedDict()
         """Remote metadata this agent has loaded -> the agent it names (receivers skip reloading it)."""
-        self._pool = _ReceivePool(self.agent, recv_pool_bytes)
+        self._pool = _ReceivePool(self.agent, settings.recv_pool_bytes)
         self._closed = False
         self._abandoned: list[torch.Tensor] = []
         """Receive buffers of timed-out READs, kept alive because the transfer may still write them."""
@@ -560,22 +558,6 @@ class NixlConnector(OmniConnector):
     def _outstanding(self) -> int:
         with self._lock:
             return len(self._owned)
-
-
-def _option(connector: str, settings: dict[str, Any], key: str, kind: type, minimum: float = 0) -> Any:
-    """A numeric ``extra`` setting; a bad one is named in the error (``float("soon")`` alone is not)."""
-    value = settings[key]
-    try:
-        number = kind(value)
-        valid = not isinstance(value, bool) and number >= minimum
-    except (TypeError, ValueError):
-        valid = False
-    if not valid:
-        raise ValueError(
-            f"connector {connector!r}: NixlConnector extra {key!r} must be a number >= {minimum:g}, "
-            f"got {value!r}"
-        )
-    return number
 
 
 def _agent_name(peer: Any) -> str:

@@ -49,21 +49,23 @@ import mmap
 import os
 import re
 import secrets
-import struct
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from msgspec import Meta
 
+from vllm_omni_plugin.connectors import shm_segment as seg
 from vllm_omni_plugin.connectors.base import (
     ConnectorError,
     ConnectorHandle,
     ConnectorHealth,
+    ConnectorSettings,
     ConnectorTimeoutError,
     OmniConnector,
     Value,
@@ -87,18 +89,6 @@ _POOL_KEY = re.compile(r"^(vllm_omni_(\d+)_pool_[0-9a-f]{16})@(\d{1,18})$")
 _OWNER_PID = re.compile(r"^vllm_omni_(\d+)_")
 _MAX_IO = 1 << 30
 """Bytes per read/write call: Linux moves at most ~2 GiB per call."""
-_KNOWN_EXTRA = ("lease_timeout_s", "shm_dir", "pool_bytes")
-
-# Pooled segment layout: a header page, then the data (page aligned, so every dtype is aligned).
-_HEADER_BYTES = 4096
-_WORD = struct.Struct("Q")
-"""Native byte order and size: struct copies native words with one store, so a reader never sees half."""
-_OFF_MAGIC, _OFF_STATE, _OFF_READER, _OFF_NBYTES, _OFF_CAPACITY = 0, 8, 16, 24, 32
-_MAGIC = int.from_bytes(b"vomnipl1", "little")
-_FREE, _PUT, _HELD = 0, 1, 2
-"""State word: ``generation << 2 | state``. Put -> held and put -> free happen under ``flock``;
-free -> put only in the owner (nobody else writes a free segment); held -> free only by the holder,
-or by the owner once the holder's pid is gone."""
 _MIN_CLASS = 64 << 10
 _MAX_POOL_SEGMENTS = 256
 _RECEIVER_MAPPINGS = 1024
@@ -172,14 +162,6 @@ def _size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
-def _word(buf: mmap.mmap, offset: int) -> int:
-    return _WORD.unpack_from(buf, offset)[0]
-
-
-def _set_word(buf: mmap.mmap, offset: int, value: int) -> None:
-    _WORD.pack_into(buf, offset, value)
-
-
 class _PoolSegment:
     """One reusable segment, as its owner sees it."""
 
@@ -190,7 +172,7 @@ class _PoolSegment:
         self.path = path
         self.capacity = capacity
         self.mm = mm
-        self.data = np.frombuffer(mm, dtype=np.uint8, count=capacity, offset=_HEADER_BYTES)
+        self.data = np.frombuffer(mm, dtype=np.uint8, count=capacity, offset=seg.HEADER_BYTES)
         self.addr: int = self.data.ctypes.data
         self.gen = 0
         """Generation of the latest value put here."""
@@ -201,48 +183,14 @@ class _PoolSegment:
         self.last_used = time.monotonic()
 
     def state(self) -> int:
-        return _word(self.mm, _OFF_STATE)
+        """The segment's state word (see ``shm_segment``)."""
+        return seg.read_state(self.mm)
 
 
 def _create_pool_segment(shm_dir: str, capacity: int) -> _PoolSegment:
-    """A new pool file, with its space reserved (a write to a mapped tmpfs file that is out of space
-    would kill us with SIGBUS, so ``fallocate`` must fail here instead)."""
     name = f"{SEGMENT_PREFIX}{os.getpid()}_pool_{secrets.token_hex(8)}"
     path = os.path.join(shm_dir, name)
-    size = _HEADER_BYTES + capacity
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-        mm = mmap.mmap(fd, size)
-    except BaseException:
-        _unlink_quietly(path)
-        raise
-    finally:
-        os.close(fd)
-    _set_word(mm, _OFF_CAPACITY, capacity)
-    _set_word(mm, _OFF_STATE, _FREE)
-    _set_word(mm, _OFF_MAGIC, _MAGIC)
-    return _PoolSegment(name, path, capacity, mm)
-
-
-def _locked_transition(path: str, expect: int, new: int) -> bool | None:
-    """Change a pooled segment's state word from ``expect`` to ``new`` under ``flock``.
-
-    Returns whether it changed, or None if the file is gone. Uses its own file descriptor (its own
-    lock), so it excludes a receiver's claim in any process, this one included.
-    """
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if _WORD.unpack(os.pread(fd, _WORD.size, _OFF_STATE).ljust(_WORD.size, b"\0"))[0] != expect:
-            return False
-        os.pwrite(fd, _WORD.pack(new), _OFF_STATE)
-        return True
-    finally:
-        os.close(fd)  # also drops the lock
+    return _PoolSegment(name, path, capacity, seg.create_segment(path, capacity))
 
 
 class _Segments:
@@ -297,7 +245,7 @@ class _Segments:
         with self.lock:
             segments = [segment for group in self.pool.values() for segment in group]
             count = len(self.owned)
-        return count + sum(segment.state() & 3 == _PUT for segment in segments)
+        return count + sum(seg.state_of(segment.state()) == seg.PUT for segment in segments)
 
     # -- the pool --------------------------------------------------------------------------------------
 
@@ -361,12 +309,12 @@ class _Segments:
             for segment in group:
                 if segment.writing:
                     continue
-                state = segment.state()
-                if state & 3 == _FREE:
+                state = seg.state_of(segment.state())
+                if state == seg.FREE:
                     group.remove(segment)
                     group.append(segment)
                     return segment
-                if state & 3 == _HELD:
+                if state == seg.HELD:
                     held.append(segment)
         verdicts: dict[int, bool] = {}
         for segment in held:
@@ -375,15 +323,15 @@ class _Segments:
         return None
 
     def _reclaim_if_reader_died(self, segment: _PoolSegment, verdicts: dict[int, bool]) -> bool:
-        state = segment.state()
-        if state & 3 != _HELD:
+        held = segment.state()
+        if seg.state_of(held) != seg.HELD:
             return False
-        reader = _word(segment.mm, _OFF_READER)
+        reader = seg.read_reader(segment.mm)
         if reader not in verdicts:
             verdicts[reader] = _pid_alive(reader)
         if verdicts[reader]:
             return False
-        _set_word(segment.mm, _OFF_STATE, state & ~3 | _FREE)  # the holder is gone: nobody else writes
+        seg.reclaim(segment.mm, held)
         logger.warning(
             "connector %s: reclaimed shared-memory segment %s from reader pid %d, which exited holding it",
             self.name,
@@ -403,7 +351,12 @@ class _Segments:
         if fits():
             return True
         free = sorted(
-            (s for group in self.pool.values() for s in group if not s.writing and s.state() & 3 == _FREE),
+            (
+                s
+                for group in self.pool.values()
+                for s in group
+                if not s.writing and seg.state_of(s.state()) == seg.FREE
+            ),
             key=lambda s: s.last_used,
         )
         if self.pool_reserved - sum(s.capacity for s in free) + capacity > self.pool_bytes:
@@ -430,9 +383,7 @@ class _Segments:
         segment.gen = gen
         segment.deadline = self.deadline()
         segment.last_used = time.monotonic()
-        _set_word(segment.mm, _OFF_NBYTES, nbytes)
-        _set_word(segment.mm, _OFF_READER, 0)
-        _set_word(segment.mm, _OFF_STATE, gen << 2 | _PUT)
+        seg.publish(segment.mm, gen, nbytes)
         with self.lock:
             segment.writing = False
             closed = self.closed
@@ -449,13 +400,13 @@ class _Segments:
 
     # -- leases, close, fork ---------------------------------------------------------------------------
 
-    def reap(self) -> list[str]:
-        """Forget segments a receiver has freed, free those whose lease ran out and reclaim pooled
-        segments whose reader died; return the keys of expired values."""
+    def reap(self) -> None:
+        """Forget segments a receiver has freed, free those whose lease ran out (logged) and reclaim
+        pooled segments whose reader died."""
         now = time.monotonic()
         with self.lock:
             if self.pid != os.getpid():
-                return []
+                return
             snapshot = list(self.owned.items())
             pooled = [s for group in self.pool.values() for s in group if not s.writing]
         collected: list[str] = []
@@ -477,9 +428,9 @@ class _Segments:
         for segment in pooled:
             state = segment.state()
             # A lease ends under flock, against a receiver's claim; a put only takes free segments.
-            if state & 3 == _PUT and now >= segment.deadline:
-                if _locked_transition(segment.path, state, state & ~3 | _FREE):
-                    expired.append(f"{segment.name}@{state >> 2}")
+            if seg.state_of(state) == seg.PUT and now >= segment.deadline:
+                if seg.locked_transition(segment.path, state, seg.freed(state)):
+                    expired.append(f"{segment.name}@{seg.generation_of(state)}")
         verdicts: dict[int, bool] = {}
         with self.lock:  # against a put reclaiming (and refilling) the same segment
             for segment in pooled:
@@ -493,7 +444,6 @@ class _Segments:
                 self.lease_timeout_s,
                 ", ".join(expired[:8]) + (" ..." if len(expired) > 8 else ""),
             )
-        return expired
 
     def _reap_loop(self) -> None:
         interval = min(max(self.lease_timeout_s / 4, 0.02), 10.0)
@@ -503,7 +453,7 @@ class _Segments:
             except Exception:  # keep reaping; one bad stat must not end the lease guarantee
                 logger.exception("shared-memory lease reaper failed")
 
-    def release_all(self) -> int:
+    def release_all(self) -> None:
         """Free every owned segment (close, exit, garbage collection); a forked child frees nothing."""
         with self.lock:
             self.closed = True
@@ -515,18 +465,12 @@ class _Segments:
             mine = self.pid == os.getpid()
         self.stop.set()
         if not mine:
-            return 0
-        freed = 0
+            return
         for name in names:
-            try:
-                os.unlink(os.path.join(self.shm_dir, name))
-                freed += 1
-            except FileNotFoundError:
-                pass
+            _unlink_quietly(os.path.join(self.shm_dir, name))
         # Unlinked, not unmapped: a put still writing keeps its segment alive, and so do receivers'
         # views; the memory goes with the last mapping.
         self._drop(pooled)
-        return freed
 
     def after_fork_in_child(self) -> None:
         """A forked child owns none of its parent's segments (nor its pool: writing there would
@@ -609,8 +553,7 @@ def _release_view(mm: mmap.mmap, held: int, pid: int) -> None:
     if os.getpid() != pid:
         return
     try:
-        if _word(mm, _OFF_STATE) == held:
-            _set_word(mm, _OFF_STATE, held & ~3 | _FREE)
+        seg.release_held(mm, held)
     except ValueError:  # mapping closed
         pass
 
@@ -683,41 +626,34 @@ def _as_bytes_view(value: Value) -> tuple[memoryview, torch.Tensor | None]:
     return view.cast("B"), None
 
 
-class SharedMemoryConnector(OmniConnector):
-    """Stage outputs between processes on one host via ``/dev/shm``; see the module docstring.
+class SharedMemorySettings(ConnectorSettings, frozen=True, kw_only=True):
+    """``extra`` of a ``SharedMemoryConnector``."""
 
-    ``extra``: ``lease_timeout_s`` (float, default 300; 0 keeps uncollected values until ``close``),
-    ``pool_bytes`` (int, default 256 MiB; 0: no pool, every value in a one-off segment) and ``shm_dir``
-    (default ``/dev/shm``).
-    """
+    lease_timeout_s: Annotated[float, Meta(ge=0)] = DEFAULT_LEASE_TIMEOUT_S
+    """Seconds the owner keeps an uncollected value; 0: until ``close``."""
+    pool_bytes: Annotated[int, Meta(ge=0)] = DEFAULT_POOL_BYTES
+    """Total capacity of the pool of reusable segments; 0: no pool, every value in a one-off segment."""
+    shm_dir: str = DEFAULT_SHM_DIR
+    """Where segment files live (a plain string: pathlib costs ~10 us per put and get, a third of a small
+    transfer)."""
+
+
+class SharedMemoryConnector(OmniConnector):
+    """Stage outputs between processes on one host via ``/dev/shm``; see the module docstring and
+    :class:`SharedMemorySettings` for ``extra``."""
+
+    Settings = SharedMemorySettings
 
     def __init__(self, name: str, extra: dict[str, Any] | None = None) -> None:
         super().__init__(name, extra)
-        unknown = sorted(set(self.extra) - set(_KNOWN_EXTRA))
-        if unknown:
-            logger.warning(
-                "connector %s: ignoring unknown SharedMemoryConnector option(s) %s (known: %s)",
-                name,
-                ", ".join(unknown),
-                ", ".join(_KNOWN_EXTRA),
-            )
-        lease = float(self.extra.get("lease_timeout_s", DEFAULT_LEASE_TIMEOUT_S))
-        if lease < 0:
-            raise ValueError(f"connector {name!r}: lease_timeout_s must be >= 0, got {lease}")
-        self.lease_timeout_s = lease
-        pool_bytes = self.extra.get("pool_bytes", DEFAULT_POOL_BYTES)
-        if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes < 0:
-            raise ValueError(
-                f"connector {name!r}: pool_bytes must be an integer >= 0 (0 disables the pool), "
-                f"got {pool_bytes!r}"
-            )
-        self.pool_bytes = pool_bytes
-        # Paths are plain strings: pathlib costs ~10 us per put and get, a third of a small transfer.
-        self.shm_dir = str(self.extra.get("shm_dir", DEFAULT_SHM_DIR))
+        settings: SharedMemorySettings = self.settings
+        self.lease_timeout_s = settings.lease_timeout_s
+        self.pool_bytes = settings.pool_bytes
+        self.shm_dir = settings.shm_dir
         if not os.path.isdir(self.shm_dir):
             raise ValueError(f"connector {name!r}: shared-memory directory {self.shm_dir} does not exist")
         sweep_orphaned_segments(self.shm_dir)
-        self._segments = _Segments(name, self.shm_dir, lease, pool_bytes, self._stats)
+        self._segments = _Segments(name, self.shm_dir, self.lease_timeout_s, self.pool_bytes, self._stats)
         self._mappings = _Mappings()
         # weakref.finalize also runs at interpreter exit (it registers with atexit itself), and does so
         # without keeping the connector alive.
@@ -874,7 +810,8 @@ class SharedMemoryConnector(OmniConnector):
             raise ConnectorError(
                 f"{self.name}: handle {handle.key} of a pooled value says {handle.nbytes} bytes"
             )
-        put, held = gen << 2 | _PUT, gen << 2 | _HELD
+        put, held = seg.state_word(gen, seg.PUT), seg.state_word(gen, seg.HELD)
+        pid = os.getpid()
         mappings = self._mappings
         entry = None
         while entry is None:
@@ -884,12 +821,8 @@ class SharedMemoryConnector(OmniConnector):
                     mm = entry.mm
                     fcntl.flock(entry.fd, fcntl.LOCK_EX)  # against the owner ending a lease or a cleanup
                     try:
-                        # A removed segment (its owner closed or died) holds no values, whatever it says.
-                        state = _word(mm, _OFF_STATE) if os.fstat(entry.fd).st_nlink else _FREE
-                        stored = _word(mm, _OFF_NBYTES)
-                        if state == put and stored == handle.nbytes:
-                            _set_word(mm, _OFF_READER, os.getpid())
-                            _set_word(mm, _OFF_STATE, held)
+                        linked = os.fstat(entry.fd).st_nlink > 0
+                        state, stored = seg.claim(mm, gen, handle.nbytes, pid, linked=linked)
                     finally:
                         fcntl.flock(entry.fd, fcntl.LOCK_UN)
             if entry is None:
@@ -910,12 +843,12 @@ class SharedMemoryConnector(OmniConnector):
         if time.monotonic() - mappings.checked >= _STALE_CHECK_S:
             mappings.drop_stale()
         if spec is None:
-            data = mm[_HEADER_BYTES : _HEADER_BYTES + handle.nbytes]
-            _release_view(mm, held, os.getpid())
+            data = mm[seg.HEADER_BYTES : seg.HEADER_BYTES + handle.nbytes]
+            _release_view(mm, held, pid)
             return data
         dtype, shape = spec
-        array = np.frombuffer(mm, dtype=np.uint8, count=handle.nbytes, offset=_HEADER_BYTES)
-        weakref.finalize(array, _release_view, mm, held, os.getpid())
+        array = np.frombuffer(mm, dtype=np.uint8, count=handle.nbytes, offset=seg.HEADER_BYTES)
+        weakref.finalize(array, _release_view, mm, held, pid)
         tensor = torch.from_numpy(array)
         if dtype != torch.uint8:
             tensor = tensor.view(dtype)
@@ -926,16 +859,17 @@ class SharedMemoryConnector(OmniConnector):
         fd = self._open(handle, os.path.join(self.shm_dir, name), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            if size <= _HEADER_BYTES:
+            if size <= seg.HEADER_BYTES:
                 raise ConnectorError(f"is {size} bytes, too short for a pooled segment")
             mm = mmap.mmap(fd, size)
-            if _word(mm, _OFF_MAGIC) != _MAGIC or _word(mm, _OFF_CAPACITY) != size - _HEADER_BYTES:
-                raise ConnectorError("is not a pooled segment (bad header)")
+            problem = seg.header_problem(mm, size)
+            if problem is not None:
+                raise ConnectorError(problem)
         except (ConnectorError, OSError, ValueError) as exc:
             os.close(fd)
             self._stats.add(errors=1)
             raise ConnectorError(f"{self.name}: segment of {handle.key} {exc}") from None
-        return _Mapping(fd, mm, size - _HEADER_BYTES)
+        return _Mapping(fd, mm, size - seg.HEADER_BYTES)
 
     def cleanup(self, handle: ConnectorHandle) -> None:
         pooled = _POOL_KEY.match(handle.key)
@@ -944,7 +878,12 @@ class SharedMemoryConnector(OmniConnector):
             self._segments.forget(handle.key)
             return
         gen = int(pooled.group(3))
-        _locked_transition(os.path.join(self.shm_dir, pooled.group(1)), gen << 2 | _PUT, gen << 2 | _FREE)
+        # Frees a value still put; one a reader holds (or already freed) is not ours to free.
+        seg.locked_transition(
+            os.path.join(self.shm_dir, pooled.group(1)),
+            seg.state_word(gen, seg.PUT),
+            seg.state_word(gen, seg.FREE),
+        )
 
     def close(self) -> None:
         self._finalizer()
@@ -958,10 +897,6 @@ class SharedMemoryConnector(OmniConnector):
         return super().health()
 
     # -- helpers ---------------------------------------------------------------------------------------
-
-    def reap(self) -> list[str]:
-        """Free values whose lease ran out now (the background reaper does this periodically)."""
-        return self._segments.reap()
 
     def _after_fork_in_child(self) -> None:
         self._segments.after_fork_in_child()  # in place: the finalizer now releases the child's own

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
         CPUDiffusionWorker,
         CUDADiffusionWorker,
         DiffusionWorker,
-        worker_for_platform,
     )
 
 __all__ = [
@@ -35,7 +34,6 @@ __all__ = [
     "GlmImageRunner",
     "UnknownPipelineError",
     "register_diffusion_pipeline",
-    "worker_for_platform",
 ]
 
 _LAZY = {
@@ -47,7 +45,6 @@ _LAZY = {
     "CPUDiffusionWorker": "worker",
     "CUDADiffusionWorker": "worker",
     "DiffusionWorker": "worker",
-    "worker_for_platform": "worker",
 }
 
 

@@ -1,7 +1,8 @@
 """Diffusion workers: the per-platform part of running a :class:`DiffusionEngine` (device, threads, dtype).
 
 The engine itself is device-agnostic; a worker picks the device and the defaults that suit the platform
-(float32 on CPU, where bfloat16 matmuls are slow on most CPUs; bfloat16 on GPUs).
+(float32 on CPU, where bfloat16 matmuls are slow on most CPUs; bfloat16 on GPUs). Which worker a
+platform uses is configuration's platform table (``vllm_omni_plugin.config.platform``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ logger = get_logger(__name__)
 class DiffusionWorker:
     """Sets up one device, loads one engine on it and runs requests through it."""
 
-    platform: ClassVar[str] = ""
     default_dtype: ClassVar[str] = "float32"
 
     def __init__(self, *, local_rank: int = 0) -> None:
@@ -52,7 +52,6 @@ class CPUDiffusionWorker(DiffusionWorker):
     """CPU: float32, and a fixed intra-op thread count (``num_threads``, else ``OMP_NUM_THREADS``, else all
     cores) so concurrent stages on one machine do not oversubscribe it."""
 
-    platform = "cpu"
     default_dtype = "float32"
 
     def __init__(self, *, local_rank: int = 0, num_threads: int | None = None) -> None:
@@ -74,7 +73,6 @@ class CUDADiffusionWorker(DiffusionWorker):
     """CUDA (and ROCm, which torch exposes as ``cuda``): bfloat16 on ``cuda:<local_rank>``; the visible
     devices are chosen by the launcher (``CUDA_VISIBLE_DEVICES``)."""
 
-    platform = "cuda"
     default_dtype = "bfloat16"
 
     def init_device(self) -> Any:
@@ -86,24 +84,3 @@ class CUDADiffusionWorker(DiffusionWorker):
         self.device = torch.device("cuda", self.local_rank)
         logger.info("diffusion worker: %s (%s)", self.device, torch.cuda.get_device_name(self.device))
         return self.device
-
-
-WORKERS: dict[str, type[DiffusionWorker]] = {
-    "cpu": CPUDiffusionWorker,
-    "cuda": CUDADiffusionWorker,
-    "rocm": CUDADiffusionWorker,
-}
-
-
-def worker_for_platform(name: str | None = None) -> type[DiffusionWorker]:
-    """The worker class for a platform name (``cpu``, ``cuda``, ``rocm``); ``None``: what torch sees."""
-    if name is None:
-        import torch
-
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        return WORKERS[name.lower()]
-    except KeyError:
-        raise ValueError(
-            f"no diffusion worker for platform {name!r} (known: {', '.join(sorted(WORKERS))})"
-        ) from None

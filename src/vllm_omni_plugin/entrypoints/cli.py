@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser_cls = compat.FlexibleArgumentParser
 
-    class OmniServeArgumentParser(parser_cls):  # type: ignore[misc, valid-type]
+    class OmniServeArgumentParser(parser_cls):
         """vLLM's serve parser whose short ``--help`` also lists the Omni flags in full."""
 
         def format_help(self) -> str:
@@ -410,7 +410,7 @@ def check_headless_args(args: argparse.Namespace) -> None:
 
 
 def run_headless(args: argparse.Namespace, resolved: Any) -> None:
-    from vllm_omni_plugin.stage.headless import run_headless_worker
+    from vllm_omni_plugin.stage.headless_worker import run_headless_worker
 
     stage = next((s for s in resolved.stages if s.stage_id == args.stage_id), None)
     if stage is None:

@@ -19,120 +19,29 @@ from typing import Any
 
 from vllm_omni_plugin.config import ResolvedDeployment, resolve_deployment
 from vllm_omni_plugin.config.errors import ConfigError
+from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_client import StageCoreClientBase
+from vllm_omni_plugin.stage.factory import Placement, build_connectors, build_stages, local_clients
+from vllm_omni_plugin.stage.headless import HeadlessStageRegistry
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 
 logger = get_logger(__name__)
 
 
-def build_connectors(deployment: ResolvedDeployment) -> dict[str, Any]:
-    from vllm_omni_plugin.connectors.base import make_connector
-
-    return {
-        name: make_connector(name, spec.name, dict(spec.extra))
-        for name, spec in deployment.connectors.items()
-    }
-
-
-def build_pools(
-    deployment: ResolvedDeployment,
-    connectors: dict[str, Any],
-    stage_ids: Sequence[int] | None = None,
-    *,
-    headless_worker: bool = False,
-) -> dict[int, StageReplicaPool]:
-    """A replica pool per stage. Headless stages get a ``RemoteStageClient`` (their worker registers
-    later), except in the headless worker itself, which runs them here."""
-    from vllm_omni_plugin.stage.diffusion_core_client import (
-        InlineStageDiffusionClient,
-        StageDiffusionCoreClient,
-    )
-    from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionProcConfig
-    from vllm_omni_plugin.stage.headless import RemoteStageClient
-    from vllm_omni_plugin.stage.llm_core_client import StageLLMCoreClient
-
-    pools: dict[int, StageReplicaPool] = {}
-    for stage in deployment.stages:
-        if stage_ids is not None and stage.stage_id not in stage_ids:
-            continue
-        clients: list[StageCoreClientBase] = []
-        # The connectors this stage reads its input through and sends its final output back through.
-        router = stage.output_connectors.get("to_stage_router")
-        source = next(iter(sorted(stage.input_connectors.items())), None)
-        in_name = source[1] if source else None
-        if stage.headless and not headless_worker:
-            remote = RemoteStageClient(
-                stage.stage_id,
-                stage.name,
-                input_connector=connectors.get(in_name) if in_name else None,
-                output_connector=connectors.get(router) if router else None,
-            )
-            pools[stage.stage_id] = StageReplicaPool(stage.stage_id, stage.name, [remote])
-            continue
-        for replica in stage.replicas:
-            if stage.execution_type == "llm_ar":
-                clients.append(
-                    StageLLMCoreClient(
-                        stage.stage_id,
-                        replica.replica_id,
-                        stage.engine_args,
-                        name=stage.name,
-                        env=replica.env,
-                        default_sampling_params=stage.default_sampling_params,
-                    )
-                )
-            elif stage.process:
-                spec = deployment.connectors.get(router) if router else None
-                out_connector = (router, spec.name, dict(spec.extra)) if spec and router else None
-                in_spec = deployment.connectors.get(in_name) if in_name else None
-                in_connector = (in_name, in_spec.name, dict(in_spec.extra)) if in_spec and in_name else None
-                config = StageDiffusionProcConfig(
-                    stage_id=stage.stage_id,
-                    replica_id=replica.replica_id,
-                    input_address="",
-                    output_address="",
-                    diffusion_args={
-                        **stage.diffusion_args,
-                        "default_sampling_params": stage.default_sampling_params,
-                    },
-                    platform=deployment.platform,
-                    env=replica.env,
-                    output_connector=out_connector,
-                    input_connector=in_connector,
-                )
-                clients.append(
-                    StageDiffusionCoreClient(
-                        config,
-                        name=stage.name,
-                        output_connector=connectors.get(router) if router else None,
-                        input_connector=connectors.get(in_name) if in_name else None,
-                    )
-                )
-            else:
-                clients.append(
-                    InlineStageDiffusionClient(
-                        stage.stage_id,
-                        replica.replica_id,
-                        {**stage.diffusion_args, "default_sampling_params": stage.default_sampling_params},
-                        name=stage.name,
-                        platform=deployment.platform,
-                    )
-                )
-        pools[stage.stage_id] = StageReplicaPool(stage.stage_id, stage.name, clients)
-    return pools
-
-
 class AsyncOmni:
-    """All stages of one deployment, driven from the caller's event loop."""
+    """All stages of one deployment, driven from the caller's event loop.
 
-    def __init__(self, deployment: ResolvedDeployment) -> None:
+    ``placement`` decides where each stage's replicas run (default: on this host).
+    """
+
+    def __init__(self, deployment: ResolvedDeployment, *, placement: Placement = local_clients) -> None:
         self.deployment = deployment
-        self.connectors: dict[str, Any] = {}
+        self.placement = placement
+        self.connectors: dict[str, OmniConnector] = {}
         self.pools: dict[int, StageReplicaPool] = {}
         self.orchestrator: Orchestrator | None = None
-        self.registry: Any = None
+        self.registry: HeadlessStageRegistry | None = None
         """Where headless stage workers register, when the deployment has headless stages."""
 
     @classmethod
@@ -161,16 +70,9 @@ class AsyncOmni:
         return omni
 
     async def start(self) -> None:
-        from vllm_omni_plugin.stage.headless import HeadlessStageRegistry, RemoteStageClient
-
         self.connectors = build_connectors(self.deployment)
-        self.pools = build_pools(self.deployment, self.connectors)
-        remote = {
-            sid: client
-            for sid, pool in self.pools.items()
-            for client in pool.clients
-            if isinstance(client, RemoteStageClient)
-        }
+        stages = build_stages(self.deployment, self.connectors, placement=self.placement)
+        self.pools, remote = stages.pools, stages.remote
         started: list[StageReplicaPool] = []
         try:
             for pool in self.pools.values():
@@ -185,13 +87,15 @@ class AsyncOmni:
             await self._stop_registry()
             self._close_connectors()
             raise
-        self.orchestrator = Orchestrator(self.deployment, self.pools, self.connectors)
+        self.orchestrator = Orchestrator(self.deployment, self.pools)
 
     async def generate(self, request: OmniRequest) -> OmniResult:
         assert self.orchestrator is not None, "start() first"
         return await self.orchestrator.generate(request)
 
     async def shutdown(self) -> None:
+        for pool in self.pools.values():  # a replica that dies from here on stays down
+            pool.stop_restarting()
         await self._stop_registry()
         await asyncio.gather(*(pool.shutdown() for pool in self.pools.values()), return_exceptions=True)
         self._close_connectors()

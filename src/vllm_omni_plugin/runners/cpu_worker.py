@@ -12,11 +12,11 @@ CPUWorker = resolve("CPUWorker")
 CPUModelRunner = resolve("CPUModelRunner")
 
 
-class OmniCPUModelRunner(OmniModelRunnerMixin, CPUModelRunner):  # type: ignore[misc, valid-type]
+class OmniCPUModelRunner(OmniModelRunnerMixin, CPUModelRunner):
     pass
 
 
-class OmniCPUWorker(OmniWorkerMixin, CPUWorker):  # type: ignore[misc, valid-type]
+class OmniCPUWorker(OmniWorkerMixin, CPUWorker):
     """vLLM's CPU worker with the Omni model runner.
 
     ``CPUWorker.init_device`` builds its runner inline (there is no factory hook as on GPU), so the

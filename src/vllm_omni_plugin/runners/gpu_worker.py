@@ -12,11 +12,11 @@ GPUWorker = resolve("GPUWorker")
 GPUModelRunner = resolve("GPUModelRunner")
 
 
-class OmniGPUModelRunner(OmniModelRunnerMixin, GPUModelRunner):  # type: ignore[misc, valid-type]
+class OmniGPUModelRunner(OmniModelRunnerMixin, GPUModelRunner):
     pass
 
 
-class OmniGPUWorker(OmniWorkerMixin, GPUWorker):  # type: ignore[misc, valid-type]
+class OmniGPUWorker(OmniWorkerMixin, GPUWorker):
     """vLLM's GPU worker with the Omni model runner.
 
     vLLM 0.32+ builds the runner through ``_make_model_runner``; 0.31 builds it inline in

@@ -3,78 +3,89 @@
 - **Safe resume.** Under async scheduling vLLM's ``_update_states`` rebuilds a request that left the
   persistent batch (resumed after preemption, or not scheduled last step) from
   ``CachedRequestData.all_token_ids[req_id]``, and raises ``KeyError`` when the scheduler did not fill
-  it: the engine core dies (the production crash in shared/seeds/000). A pre-pass fills any missing
-  entry from the runner's own request state; a request it cannot rebuild is left out of this step and
-  the Omni scheduler finishes it with an error, so the engine keeps serving everyone else.
+  it: the engine core dies (the production crash told in ``docs/architecture.md``). A pre-pass fills
+  any missing entry from the runner's own request state; a request it cannot rebuild is left out of
+  this step and the Omni scheduler finishes it with an error, so the engine keeps serving everyone else.
 - **Precomputed decode positions.** M-RoPE models whose generated tokens have 2-D grid positions
   (GLM-Image) return them from ``get_mrope_input_positions`` after the prompt's; stock vLLM gives
   generated tokens ``delta + context_len`` on every axis. After vLLM's own computation we copy the
   planned positions in wherever a request has them.
-- **Omni metadata and stage outputs.** Per-request metadata arrives in ``SamplingParams.extra_args``
-  (``extra_args["omni"]``); per-request stage outputs recorded with ``set_stage_output`` travel back on
-  the ``ModelRunnerOutput`` (``omni_stage_outputs``), which the Omni scheduler attaches to the request's
-  output.
+- **Stage outputs and dropped requests.** Per-request outputs for the next stage recorded with
+  ``set_stage_output`` (or computed by the model, ``omni_stage_outputs(mm_features)``), and the requests
+  the resume pre-pass left out, travel on the step's ``ModelRunnerOutput`` as an ``OmniRunnerOutput``
+  (``vllm_omni_plugin.ar_channel``), which the Omni scheduler reads.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from vllm_omni_plugin.ar_channel import RUNNER_OUTPUT_ATTR, OmniRunnerOutput
 from vllm_omni_plugin.compat import runner_output_payload
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.runners.context_export import ContextExporter
 
-logger = get_logger(__name__)
+if TYPE_CHECKING:
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.utils import CpuGpuBuffer
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
-OMNI_EXTRA_ARGS_KEY = "omni"
+logger = get_logger(__name__)
 
 
 class OmniModelRunnerMixin:
     """Mixed in front of ``GPUModelRunner`` or ``CPUModelRunner``."""
 
-    requests: dict[str, Any]
-    input_batch: Any
+    requests: dict[str, CachedRequestState]
+    input_batch: InputBatch
     use_async_scheduling: bool
-    uses_mrope: bool
+    mrope_positions: CpuGpuBuffer
+    vllm_config: VllmConfig
+    compilation_config: CompilationConfig
 
-    # --- omni metadata / stage outputs ---
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._omni_stage_outputs: dict[str, dict[str, Any]] = {}
+        """Stage outputs recorded and not yet sent (a request's go with the first step that ran it)."""
+        self._omni_dropped: list[str] = []
+        """Requests the resume pre-pass left out of the current step."""
+        self.context_exporter = ContextExporter(self.vllm_config)
+        """Copies the K/V of requests that ask for it (KV-handoff pipelines) when their prompt is computed."""
 
-    def omni_metadata(self, req_id: str) -> dict[str, Any]:
-        state = self.requests.get(req_id)
-        params = getattr(state, "sampling_params", None) if state is not None else None
-        extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
-        value = extra.get(OMNI_EXTRA_ARGS_KEY) or {}
-        return value if isinstance(value, dict) else {}
+    # --- what the step's output carries ---
 
     def set_stage_output(self, req_id: str, key: str, value: Any) -> None:
         """Record a per-request output of this stage (msgpack-serialisable) for the request's output."""
-        pending: dict[str, dict[str, Any]] = self.__dict__.setdefault("_omni_stage_outputs", {})
-        pending.setdefault(req_id, {})[key] = value
-
-    @property
-    def context_exporter(self) -> ContextExporter:
-        exporter = self.__dict__.get("_omni_context_exporter")
-        if exporter is None:
-            exporter = self.__dict__["_omni_context_exporter"] = ContextExporter(self.vllm_config)  # type: ignore[attr-defined]
-        return exporter
+        self._omni_stage_outputs.setdefault(req_id, {})[key] = value
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         exporter = self.context_exporter
         if exporter.due:  # the forward pass has written these prompts' K/V into the paged cache
-            static = self.compilation_config.static_forward_context  # type: ignore[attr-defined]
+            static = self.compilation_config.static_forward_context
             for req_id, outputs in exporter.export_due(self.requests, static).items():
                 for key, value in outputs.items():
                     self.set_stage_output(req_id, key, value)
-        output = super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
-        pending = self.__dict__.get("_omni_stage_outputs")
-        if pending:
-            payload = runner_output_payload(output)
-            if hasattr(payload, "req_id_to_index"):
-                ready = {rid: pending.pop(rid) for rid in list(pending) if rid in payload.req_id_to_index}
-                if ready:
-                    payload.omni_stage_outputs = ready
+        output = super().sample_tokens(*args, **kwargs)
+        payload = runner_output_payload(output)
+        if payload is not None:
+            self._attach_omni_output(payload)
         return output
+
+    def _attach_omni_output(self, payload: ModelRunnerOutput) -> None:
+        """Put this step's stage outputs and dropped requests on its ``ModelRunnerOutput``."""
+        ran = getattr(payload, "req_id_to_index", None)
+        if ran is None:  # not a step's output (e.g. pipeline-parallel intermediate tensors)
+            return
+        pending = self._omni_stage_outputs
+        ready = {rid: pending.pop(rid) for rid in list(pending) if rid in ran}
+        dropped, self._omni_dropped = self._omni_dropped, []
+        if ready or dropped:
+            setattr(
+                payload, RUNNER_OUTPUT_ATTR, OmniRunnerOutput(stage_outputs=ready, dropped_req_ids=dropped)
+            )
 
     # --- safe resume ---
 
@@ -96,7 +107,7 @@ class OmniModelRunnerMixin:
             return None
         return prompt + [int(t) for t in self.input_batch.token_ids_cpu[row, start:end]]
 
-    def _omni_resume_prepass(self, scheduler_output: Any) -> Any:
+    def _omni_resume_prepass(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         cached = scheduler_output.scheduled_cached_reqs
         if not self.use_async_scheduling or not cached.req_ids:
             return scheduler_output
@@ -121,7 +132,7 @@ class OmniModelRunnerMixin:
             return scheduler_output
         return self._drop_requests(scheduler_output, unrecoverable)
 
-    def _drop_requests(self, scheduler_output: Any, indices: list[int]) -> Any:
+    def _drop_requests(self, scheduler_output: SchedulerOutput, indices: list[int]) -> SchedulerOutput:
         """A copy of this step's scheduler output without the requests at ``indices`` of the cached
         list. The scheduler's own object is left alone (in-process executors share it)."""
         out = copy.copy(scheduler_output)
@@ -144,6 +155,7 @@ class OmniModelRunnerMixin:
         out.scheduled_spec_decode_tokens = {
             k: v for k, v in scheduler_output.scheduled_spec_decode_tokens.items() if k not in dropped
         }
+        self._omni_dropped.extend(dropped)
         for rid in dropped:
             logger.error(
                 "request %s must be rebuilt but neither the scheduler nor the runner has its tokens; "
@@ -152,13 +164,13 @@ class OmniModelRunnerMixin:
             )
         return out
 
-    def _update_states(self, scheduler_output: Any) -> Any:
-        result = super()._update_states(self._omni_resume_prepass(scheduler_output))  # type: ignore[misc]
+    def _update_states(self, scheduler_output: SchedulerOutput) -> Any:
+        result = super()._update_states(self._omni_resume_prepass(scheduler_output))
         self._collect_model_stage_outputs(scheduler_output)
         self.context_exporter.note_scheduled(self.requests, scheduler_output)
         return result
 
-    def _collect_model_stage_outputs(self, scheduler_output: Any) -> None:
+    def _collect_model_stage_outputs(self, scheduler_output: SchedulerOutput) -> None:
         """Models with per-request outputs for the next stage (``omni_stage_outputs(mm_features)``)
         are asked once, when the request arrives."""
         hook = getattr(getattr(self, "model", None), "omni_stage_outputs", None)
@@ -173,8 +185,8 @@ class OmniModelRunnerMixin:
 
     # --- precomputed decode positions ---
 
-    def _calc_mrope_positions(self, scheduler_output: Any) -> None:
-        super()._calc_mrope_positions(scheduler_output)  # type: ignore[misc]
+    def _calc_mrope_positions(self, scheduler_output: SchedulerOutput) -> None:
+        super()._calc_mrope_positions(scheduler_output)
         ptr = 0
         batch = self.input_batch
         for index, req_id in enumerate(batch.req_ids):
@@ -192,5 +204,5 @@ class OmniModelRunnerMixin:
                     dst = ptr + prompt_part
                     self.mrope_positions.cpu[:, dst : dst + available] = planned[
                         :, context : context + available
-                    ]  # type: ignore[attr-defined]
+                    ]
             ptr += scheduled

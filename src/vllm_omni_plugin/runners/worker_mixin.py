@@ -15,7 +15,7 @@ class OmniWorkerMixin:
 
     def _context_exporter(self) -> Any:
         runner = getattr(self, "model_runner", None)
-        return None if runner is None else runner.__dict__.get("_omni_context_exporter")
+        return getattr(runner, "context_exporter", None)
 
     def omni_context_connector_health(self) -> dict[str, Any] | None:
         """Counters of the context connector in this worker (``collective_rpc`` target): whoever serves
@@ -29,4 +29,4 @@ class OmniWorkerMixin:
         if exporter is not None:
             with contextlib.suppress(Exception):  # the rest of the shutdown must run
                 exporter.close()
-        super().shutdown()  # type: ignore[misc]
+        super().shutdown()

@@ -6,66 +6,71 @@ resolution picks the variant from the final ``async_scheduling`` flag.
 
 - ``all_token_ids`` is filled for every request the model runner may have to rebuild (resumed, or
   absent from its persistent batch), whatever the base or the runner version: the runner's async resume
-  path reads it (shared/seeds/000: a missing entry killed the engine core).
-- A request the runner had to leave out of a step (it could not be rebuilt) is finished with an error
-  that reaches its client, instead of a ``KeyError`` that would kill the engine core.
-- Per-request stage outputs from the runner (``ModelRunnerOutput.omni_stage_outputs``) travel back with
-  the request's final output under ``kv_transfer_params["omni"]``, vLLM's per-request dict channel to
-  the client.
+  path reads it (a missing entry once killed an engine core in production, see ``docs/architecture.md``).
+- A request the runner had to leave out of a step (``OmniRunnerOutput.dropped_req_ids``: it could not
+  be rebuilt) is finished with an error that reaches its client, instead of a ``KeyError`` that would
+  kill the engine core.
+- Per-request stage outputs from the runner (``OmniRunnerOutput.stage_outputs``) travel back with the
+  request's final output under ``kv_transfer_params["omni"]``, vLLM's per-request dict channel to the
+  client.
 - Hooks for KV-handoff pipelines: ``on_prefill_finished`` and ``on_trigger_token`` (token ids listed in
   ``SamplingParams.extra_args["omni"]["trigger_token_ids"]``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from vllm_omni_plugin.ar_channel import OMNI_KEY, RUNNER_DROPPED_MESSAGE, omni_extra_args, runner_extras
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.log import get_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
 
 logger = get_logger(__name__)
 
 Scheduler = resolve("Scheduler")
 AsyncScheduler = resolve("AsyncScheduler")
 
-OMNI_KEY = "omni"
-RUNNER_DROPPED_MESSAGE = "the AR stage could not rebuild this request after preemption"
-
-
-def _omni_args(request: Any) -> dict[str, Any]:
-    params = getattr(request, "sampling_params", None)
-    extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
-    value = extra.get(OMNI_KEY) or {}
-    return value if isinstance(value, dict) else {}
-
 
 class OmniARSchedulerMixin:
     """Omni behaviour shared by both scheduler variants."""
 
-    requests: dict[str, Any]
+    requests: dict[str, Request]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._omni_triggers: dict[str, frozenset[int]] = {}
+        """Request id -> its ``trigger_token_ids`` (requests that have any)."""
+        self._omni_stage_outputs: dict[str, dict[str, Any]] = {}
+        """Stage outputs the runner computed, held until their request's final output."""
 
     # --- hooks (override in subclasses; called once per event) ---
 
-    def on_prefill_finished(self, request: Any) -> None:
+    def on_prefill_finished(self, request: Request) -> None:
         """The request's prompt has been fully computed in this step."""
 
-    def on_trigger_token(self, request: Any, token_id: int) -> None:
+    def on_trigger_token(self, request: Request | None, token_id: int) -> None:
         """The request generated one of its ``trigger_token_ids``."""
 
     # --- all_token_ids for every request the runner may rebuild ---
 
     def _make_cached_request_data(
         self,
-        running_reqs: list[Any],
-        resumed_reqs: list[Any],
+        running_reqs: list[Request],
+        resumed_reqs: list[Request],
         num_scheduled_tokens: dict[str, int],
         spec_decode_tokens: dict[str, list[int]],
         req_to_new_blocks: dict[str, Any],
-    ) -> Any:
-        data = super()._make_cached_request_data(  # type: ignore[misc]
+    ) -> CachedRequestData:
+        data = super()._make_cached_request_data(
             running_reqs, resumed_reqs, num_scheduled_tokens, spec_decode_tokens, req_to_new_blocks
         )
-        previous = getattr(self, "prev_step_scheduled_req_ids", set())
+        previous = getattr(self, "prev_step_scheduled_req_ids", set())  # absent in some vLLM versions
         for request in (*running_reqs, *resumed_reqs):
             req_id = request.request_id
             if req_id in data.all_token_ids:
@@ -76,34 +81,33 @@ class OmniARSchedulerMixin:
 
     # --- outputs ---
 
-    def add_request(self, request: Any) -> None:
-        triggers = _omni_args(request).get("trigger_token_ids")
+    def add_request(self, request: Request) -> None:
+        triggers = omni_extra_args(request.sampling_params).get("trigger_token_ids")
         if triggers:
-            self.__dict__.setdefault("_omni_triggers", {})[request.request_id] = frozenset(triggers)
-        super().add_request(request)  # type: ignore[misc]
+            self._omni_triggers[request.request_id] = frozenset(triggers)
+        super().add_request(request)
 
-    def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Any]:
-        finished = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
-        for name in ("_omni_triggers", "_omni_stage_outputs"):
-            held = self.__dict__.get(name)
-            if held:
-                for request in finished:
-                    held.pop(request.request_id, None)
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        finished = super().finish_requests(request_ids, finished_status)
+        for request in finished:
+            self._omni_triggers.pop(request.request_id, None)
+            self._omni_stage_outputs.pop(request.request_id, None)
         return finished
 
     def _hooks_active(self) -> bool:
-        cls = type(self)
-        return bool(self.__dict__.get("_omni_triggers")) or (
-            cls.on_prefill_finished is not OmniARSchedulerMixin.on_prefill_finished
-        )
+        overridden = type(self).on_prefill_finished is not OmniARSchedulerMixin.on_prefill_finished
+        return bool(self._omni_triggers) or overridden
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
-        dropped = self._fail_dropped_requests(scheduler_output, model_runner_output)
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        extras = runner_extras(model_runner_output)
+        dropped = self._fail_dropped_requests(extras.dropped_req_ids if extras else [])
         hooks = self._hooks_active()
-        prefilling: list[Any] = []
-        watched: dict[str, Any] = {}
+        prefilling: list[Request] = []
+        watched: dict[str, Request | None] = {}
         if hooks:  # looked up before the base class retires finished requests
-            watched = {rid: self.requests.get(rid) for rid in self.__dict__.get("_omni_triggers", {})}
+            watched = {rid: self.requests.get(rid) for rid in self._omni_triggers}
             # num_computed_tokens already counts this step's tokens (advanced at schedule time)
             prefilling = [
                 request
@@ -111,60 +115,50 @@ class OmniARSchedulerMixin:
                 if (request := self.requests.get(req_id)) is not None
                 and request.num_computed_tokens - n < request.num_prompt_tokens <= request.num_computed_tokens
             ]
-        outputs: dict[int, Any] = super().update_from_output(  # type: ignore[misc]
+        outputs: dict[int, EngineCoreOutputs] = super().update_from_output(
             scheduler_output, model_runner_output
         )
-        self._attach_stage_outputs(outputs, getattr(model_runner_output, "omni_stage_outputs", None))
+        self._attach_stage_outputs(outputs, extras.stage_outputs if extras else {})
         if hooks:
             self._run_hooks(outputs, prefilling, watched)
         for client_index, output in dropped:
             bucket = outputs.get(client_index)
             if bucket is None:
-                EngineCoreOutputs = resolve("EngineCoreOutputs")
-                bucket = outputs[client_index] = EngineCoreOutputs(engine_index=0, outputs=[])
+                bucket = outputs[client_index] = resolve("EngineCoreOutputs")(engine_index=0, outputs=[])
             bucket.outputs.append(output)
         return outputs
 
-    def _fail_dropped_requests(
-        self, scheduler_output: Any, model_runner_output: Any
-    ) -> list[tuple[int, Any]]:
-        index = getattr(model_runner_output, "req_id_to_index", None)
-        if index is None or len(index) >= len(scheduler_output.num_scheduled_tokens):
-            return []  # the runner ran every scheduled request (the runner only ever leaves some out)
+    def _fail_dropped_requests(self, dropped_req_ids: list[str]) -> list[tuple[int, EngineCoreOutput]]:
+        """Finish the requests the runner left out with an error; their outputs, by client index."""
         missing = [
             req_id
-            for req_id in scheduler_output.num_scheduled_tokens
-            if req_id not in index
-            and (request := self.requests.get(req_id)) is not None
-            and not request.is_finished()
+            for req_id in dropped_req_ids
+            if (request := self.requests.get(req_id)) is not None and not request.is_finished()
         ]
         if not missing:
             return []
         RequestStatus = resolve("RequestStatus")
         FinishReason = resolve("FinishReason")
         EngineCoreOutput = resolve("EngineCoreOutput")
-        failed = self.finish_requests(missing, RequestStatus.FINISHED_ERROR)
         out = []
-        for request in failed:
+        for request in self.finish_requests(missing, RequestStatus.FINISHED_ERROR):
             logger.error("request %s failed: %s", request.request_id, RUNNER_DROPPED_MESSAGE)
-            out.append(
-                (
-                    request.client_index,
-                    EngineCoreOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[],
-                        finish_reason=FinishReason.ERROR,
-                        stop_reason=RUNNER_DROPPED_MESSAGE,
-                    ),
-                )
+            output = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                stop_reason=RUNNER_DROPPED_MESSAGE,
             )
+            out.append((request.client_index, output))
         return out
 
-    def _attach_stage_outputs(self, outputs: dict[int, Any], stage_outputs: dict[str, dict] | None) -> None:
+    def _attach_stage_outputs(
+        self, outputs: dict[int, EngineCoreOutputs], stage_outputs: dict[str, dict[str, Any]]
+    ) -> None:
         """Stage outputs arrive when the runner computed them; they leave with the request's final
         output (vLLM hands ``kv_transfer_params`` of the finishing output to the client)."""
-        held: dict[str, dict[str, Any]] = self.__dict__.setdefault("_omni_stage_outputs", {})
-        for req_id, extra in (stage_outputs or {}).items():
+        held = self._omni_stage_outputs
+        for req_id, extra in stage_outputs.items():
             held.setdefault(req_id, {}).update(extra)
         if not held:
             return
@@ -176,10 +170,15 @@ class OmniARSchedulerMixin:
                 params.setdefault(OMNI_KEY, {}).update(held.pop(output.request_id))
                 output.kv_transfer_params = params
 
-    def _run_hooks(self, outputs: dict[int, Any], prefilling: list[Any], watched: dict[str, Any]) -> None:
+    def _run_hooks(
+        self,
+        outputs: dict[int, EngineCoreOutputs],
+        prefilling: list[Request],
+        watched: dict[str, Request | None],
+    ) -> None:
         for request in prefilling:
             self.on_prefill_finished(request)
-        triggers: dict[str, frozenset[int]] = self.__dict__.get("_omni_triggers", {})
+        triggers = self._omni_triggers
         if not triggers:
             return
         for bucket in outputs.values():
@@ -195,9 +194,9 @@ class OmniARSchedulerMixin:
                     triggers.pop(output.request_id, None)
 
 
-class OmniARScheduler(OmniARSchedulerMixin, Scheduler):  # type: ignore[misc, valid-type]
+class OmniARScheduler(OmniARSchedulerMixin, Scheduler):
     pass
 
 
-class OmniARAsyncScheduler(OmniARSchedulerMixin, AsyncScheduler):  # type: ignore[misc, valid-type]
+class OmniARAsyncScheduler(OmniARSchedulerMixin, AsyncScheduler):
     pass

@@ -1,15 +1,12 @@
-"""``StageCoreClientBase``: how the orchestrator talks to one replica of one stage."""
+"""``StageCoreClientBase``: one replica of one stage, as replica pools and servers see it."""
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import enum
-from collections.abc import Awaitable
 from typing import Any
 
 from vllm_omni_plugin.stage.core_types import StageCoreOutput
-from vllm_omni_plugin.stage.errors import RequestAbortedError
 
 
 class StageState(enum.StrEnum):
@@ -21,15 +18,24 @@ class StageState(enum.StrEnum):
 
 
 class StageCoreClientBase(abc.ABC):
-    """One replica of one stage. Every method is called from the orchestrator's event loop."""
+    """One replica of one stage. Every method is called from the orchestrator's event loop.
 
-    def __init__(self, stage_id: int, replica_id: int, name: str) -> None:
+    What pools and servers may use is declared here and nowhere else: identity (``stage_id``,
+    ``replica_id``, ``name``, ``label``), the process serving it (``pid``), health (``state``,
+    ``healthy``, ``inflight``, ``restarts``, ``awaits_worker``, ``health()``), the restart policy
+    (``restart_on_death``), stats (``log_stats``) and the request calls (``generate``, ``abort``).
+    """
+
+    def __init__(self, stage_id: int, replica_id: int, name: str, *, restart: bool = True) -> None:
         self.stage_id = stage_id
         self.replica_id = replica_id
         self.name = name
         self.state = StageState.STARTING
         self.inflight: set[str] = set()
+        """Ids of the requests this replica is working on."""
         self.restarts = 0
+        self.restart_on_death = restart
+        """Whether a replica whose process died is started again (servers turn this off on shutdown)."""
 
     @property
     def label(self) -> str:
@@ -38,6 +44,30 @@ class StageCoreClientBase(abc.ABC):
     @property
     def healthy(self) -> bool:
         return self.state == StageState.READY
+
+    @property
+    def pid(self) -> int | None:
+        """The process that serves this replica (on its own host for a remote one); None while none does."""
+        return None
+
+    @property
+    def awaits_worker(self) -> bool:
+        """Served by a worker on another host that is not there (yet or any more): the stage waits for
+        it to join, which is not a failure of this host."""
+        return False
+
+    def health(self) -> dict[str, Any]:
+        """This replica's entry in ``/health``."""
+        return {
+            "replica_id": self.replica_id,
+            "state": self.state.value,
+            "inflight": len(self.inflight),
+            "restarts": self.restarts,
+            "pid": self.pid,
+        }
+
+    async def log_stats(self) -> None:  # noqa: B027 - a hook: replicas without stats log nothing
+        """Log the replica's periodic stats (vLLM's throughput lines for an AR engine)."""
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -54,54 +84,3 @@ class StageCoreClientBase(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop the replica and release everything it holds."""
-
-
-class PendingReplies:
-    """Requests a client sent over a socket (to a stage process or a headless worker), awaiting replies.
-
-    ``wait`` sends and waits, keeping the client's ``inflight`` set; a cancelled wait aborts the request
-    through the client. ``resolve`` delivers a reply; ``fail``/``fail_all`` end waits with an error.
-    """
-
-    def __init__(self, client: StageCoreClientBase) -> None:
-        self.client = client
-        self._futures: dict[str, asyncio.Future[Any]] = {}
-
-    def __len__(self) -> int:
-        return len(self._futures)
-
-    async def wait(self, request_id: str, send: Awaitable[Any]) -> Any:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._futures[request_id] = future
-        self.client.inflight.add(request_id)
-        try:
-            await send
-            return await future
-        except asyncio.CancelledError:
-            await self.client.abort([request_id])
-            raise
-        finally:
-            self.client.inflight.discard(request_id)
-            self._futures.pop(request_id, None)
-
-    def resolve(self, request_id: str, reply: Any) -> bool:
-        """Deliver ``reply``; False when nobody waits for it any more (aborted meanwhile)."""
-        future = self._futures.pop(request_id, None)
-        if future is None or future.done():
-            return False
-        future.set_result(reply)
-        return True
-
-    def fail(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            future = self._futures.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(
-                    RequestAbortedError("aborted", stage_id=self.client.stage_id, request_id=request_id)
-                )
-
-    def fail_all(self, error: BaseException) -> None:
-        futures, self._futures = self._futures, {}
-        for future in futures.values():
-            if not future.done():
-                future.set_exception(error)

@@ -1,8 +1,8 @@
 """Stage core types: what stage clients send to stage processes and what comes back (msgspec).
 
-Naming follows the stage proc/client structure we adopted (shared/seeds/004): ``StageCoreRequest`` /
-``StageCoreOutput`` / ``StageCoreOutputs`` and their LLM and Diffusion variants. Messages are tagged
-structs so one socket can carry requests, aborts and control messages; they are encoded by
+Naming follows the stage proc/client structure of vllm-omni, which users of both know:
+``StageCoreRequest`` / ``StageCoreOutput`` / ``StageCoreOutputs`` and their LLM and Diffusion variants.
+Messages are tagged structs so one socket can carry requests, aborts and control messages; they are encoded by
 :class:`~vllm_omni_plugin.stage.serialization.StageMessageCodec` (tensors as msgpack extensions, large
 payloads as connector handles), never pickled.
 """

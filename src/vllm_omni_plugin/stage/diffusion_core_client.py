@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_client import PendingReplies, StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     FromStageMessage,
     StageAbort,
@@ -30,6 +30,7 @@ from vllm_omni_plugin.stage.core_types import (
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionCoreProcManager, StageDiffusionProcConfig
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
 from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
+from vllm_omni_plugin.stage.pending_replies import PendingReplies
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
@@ -51,7 +52,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         input_connector: Any = None,
         restart: bool = True,
     ) -> None:
-        super().__init__(config.stage_id, config.replica_id, name)
+        super().__init__(config.stage_id, config.replica_id, name, restart=restart)
         base = os.path.join(tempfile.gettempdir(), f"vllm_omni_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         config.input_address = f"ipc://{base}_in"
         config.output_address = f"ipc://{base}_out"
@@ -59,7 +60,6 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         self.manager = StageDiffusionCoreProcManager(config)
         self.output_connector = output_connector
         self.input_connector = input_connector
-        self.restart_on_death = restart
         self._to_stage = StageMessageCodec(ToStageMessage)
         self._from_stage = StageMessageCodec(FromStageMessage)
         self._pending = PendingReplies(self)
@@ -68,6 +68,10 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         self._context: Any = None
         self._push: Any = None
         self._pull: Any = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.manager.pid
 
     async def start(self) -> None:
         import zmq
@@ -203,11 +207,11 @@ class StageDiffusionCoreClient(StageCoreClientBase):
 class InlineStageDiffusionClient(StageCoreClientBase):
     """The diffusion engine in this process on one worker thread, batching what is queued."""
 
-    def __init__(self, stage_id: int, replica_id: int, diffusion_args: dict[str, Any], *, name: str = "dit",
-                 platform: str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self, stage_id: int, replica_id: int, diffusion_args: dict[str, Any], *, name: str = "dit"
+    ) -> None:
         super().__init__(stage_id, replica_id, name)
         self.diffusion_args = dict(diffusion_args)
-        self.platform = platform
         self._queue: queue.Queue[tuple[Any, asyncio.Future[Any], asyncio.AbstractEventLoop] | None] = (
             queue.Queue()
         )
@@ -221,7 +225,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
         loop = asyncio.get_running_loop()
         try:
             self._engine, _device = await loop.run_in_executor(
-                None, load_diffusion_engine, self.diffusion_args, self.platform
+                None, load_diffusion_engine, self.diffusion_args
             )
         except Exception as exc:
             raise StageStartError(f"{self.label} failed to start: {type(exc).__name__}: {exc}") from exc
@@ -269,9 +273,13 @@ class InlineStageDiffusionClient(StageCoreClientBase):
                 if result is not None:
                     output.error = result.error
                     output.image = result.image
-                    output.latents = getattr(result, "latents", None)
+                    output.latents = result.latents
                     output.timings = dict(result.timings or {})
                 loop.call_soon_threadsafe(_set_result, future, output)
+
+    @property
+    def pid(self) -> int | None:
+        return os.getpid() if self.healthy else None
 
     async def generate(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
         if self.state != StageState.READY:

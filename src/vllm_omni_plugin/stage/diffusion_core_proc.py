@@ -37,6 +37,10 @@ from vllm_omni_plugin.stage.serialization import StageMessageCodec
 logger = get_logger(__name__)
 
 
+ConnectorSpecTuple = tuple[str, str, dict[str, Any]]
+"""(connector name, class name, extra): what a stage process needs to build a connector itself."""
+
+
 @dataclass
 class StageDiffusionProcConfig:
     stage_id: int
@@ -44,32 +48,19 @@ class StageDiffusionProcConfig:
     input_address: str
     output_address: str
     diffusion_args: dict[str, Any]
-    platform: str = "cpu"
+    """The resolved stage's ``diffusion_args``: the worker class, ``load_model`` arguments and defaults."""
     env: dict[str, str] = field(default_factory=dict)
-    output_connector: tuple[str, str, dict[str, Any]] | None = None
-    """(connector name, class name, extra) for images going back, or None to send them inline."""
-    input_connector: tuple[str, str, dict[str, Any]] | None = None
-    """(connector name, class name, extra) the request tensors arrive through, or None (inline)."""
+    output_connector: ConnectorSpecTuple | None = None
+    """The connector images go back through, or None to send them inline."""
+    input_connector: ConnectorSpecTuple | None = None
+    """The connector the request tensors arrive through, or None (inline)."""
 
 
-ENGINE_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
-
-
-def load_diffusion_engine(diffusion_args: dict[str, Any], platform: str) -> tuple[Any, str]:
+def load_diffusion_engine(diffusion_args: dict[str, Any]) -> tuple[Any, str]:
     """The stage's diffusion engine on the worker resolution chose (``worker_cls``): (engine, device)."""
-    from vllm_omni_plugin.diffusion.worker import worker_for_platform
-
     args = dict(diffusion_args)
     model = args.pop("model")
-    worker_path = args.pop("worker_cls", None)
-    if worker_path:
-        worker_cls = import_object(worker_path)
-    else:
-        worker_cls = worker_for_platform(platform)
-    defaults = args.pop("default_sampling_params", None) or {}
-    for key in ENGINE_DEFAULT_KEYS:
-        if args.get(key) is None and defaults.get(key) is not None:
-            args[key] = defaults[key]
+    worker_cls = import_object(args.pop("worker_cls"))
     worker = worker_cls()
     engine = worker.load_model(model, **args)
     return engine, str(worker.device)
@@ -105,7 +96,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig, parent_pid: 
     input_connector = None
     try:
         start = time.perf_counter()
-        engine, device = load_diffusion_engine(config.diffusion_args, config.platform)
+        engine, device = load_diffusion_engine(config.diffusion_args)
         from vllm_omni_plugin.connectors.base import make_connector
 
         if config.output_connector is not None:
@@ -186,7 +177,7 @@ def _run_batch(
             stage_id=stage_id,
             error=result.error,
             timings={**(result.timings or {}), "transfer_in": transfer.get(result.request_id, 0.0)},
-            latents=getattr(result, "latents", None),
+            latents=result.latents,
         )
         if result.error is None:
             image = result.image

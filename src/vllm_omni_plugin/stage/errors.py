@@ -1,10 +1,17 @@
-"""Errors of the stage runtime that reach users (as HTTP 503 / a failed result), never as tracebacks."""
+"""Errors of the stage runtime that reach users (as an HTTP status / a failed result), never as tracebacks.
+
+Each class carries the HTTP status a server answers with, so a server maps a failure by its type.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class StageError(RuntimeError):
     """A request failed inside a stage."""
+
+    http_status: ClassVar[int] = 500
 
     def __init__(self, message: str, *, stage_id: int | None = None, request_id: str | None = None) -> None:
         self.stage_id = stage_id
@@ -12,13 +19,25 @@ class StageError(RuntimeError):
         super().__init__(message)
 
 
+class StageRequestError(StageError):
+    """A stage refused what the request asks for (a size or sampling parameter it cannot take)."""
+
+    http_status = 400
+
+
 class StageDeadError(StageError):
     """The stage process (or engine) serving the request died; the stage is being restarted."""
+
+    http_status = 503
 
 
 class StageStartError(StageError):
     """A stage could not start (model files, memory, a crash while loading)."""
 
+    http_status = 503
+
 
 class RequestAbortedError(StageError):
     """The request was aborted (client disconnect, shutdown)."""
+
+    http_status = 503

@@ -1,4 +1,5 @@
-"""Stages on other hosts: headless stage workers and the head they register with.
+"""Stages on other hosts, the head's side: the protocol headless stage workers speak, and the registry
+and client through which the head serves their stages (the worker is ``headless_worker``).
 
 A stage marked ``headless: true`` in the deploy config is not started by the head. A worker started
 with ``vllm serve MODEL --omni --deploy-config F --stage-id N --headless --head ADDR:PORT`` runs that
@@ -23,18 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
-import signal
-import socket
 import time
-import uuid
 from typing import Any, Literal
 
 import msgspec
 
-from vllm_omni_plugin.config.resolve import ResolvedDeployment, ResolvedHead
+from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedHead
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_client import PendingReplies, StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     StageAbort,
     StageDiffusionCoreOutput,
@@ -42,14 +39,18 @@ from vllm_omni_plugin.stage.core_types import (
     StageLLMCoreOutput,
     StageLLMCoreRequest,
 )
-from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
+from vllm_omni_plugin.stage.errors import (
+    RequestAbortedError,
+    StageDeadError,
+    StageError,
+    StageRequestError,
+    StageStartError,
+)
 from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
+from vllm_omni_plugin.stage.pending_replies import PendingReplies
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
-
-REGISTER_RETRY_S = 2.0
-WAITING_LOG_S = 30.0
 
 
 # --- the protocol ---------------------------------------------------------------------------------
@@ -88,12 +89,24 @@ class RemoteRequest(msgspec.Struct, kw_only=True, tag="remote_request"):
     request: StageLLMCoreRequest | StageDiffusionCoreRequest
 
 
+ErrorKind = Literal["stage", "request", "dead", "aborted"]
+
+
 class RemoteOutput(msgspec.Struct, kw_only=True, tag="remote_output"):
     request_id: str
     output: StageLLMCoreOutput | StageDiffusionCoreOutput | None = None
     error: str | None = None
-    error_kind: Literal["stage", "dead", "aborted"] | None = None
+    error_kind: ErrorKind | None = None
+    """Which ``StageError`` the worker's stage raised, so the head raises (and answers) the same."""
 
+
+ERROR_KINDS: dict[ErrorKind, type[StageError]] = {
+    "stage": StageError,
+    "request": StageRequestError,
+    "dead": StageDeadError,
+    "aborted": RequestAbortedError,
+}
+"""``RemoteOutput.error_kind`` -> the error the head raises."""
 
 HeadMessage = WorkerAccepted | WorkerRejected | Heartbeat | HeadShutdown | RemoteRequest | StageAbort
 WorkerMessage = WorkerRegister | Heartbeat | WorkerLeaving | RemoteOutput
@@ -118,7 +131,7 @@ def parse_head_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _tcp(host: str, port: int) -> str:
+def tcp_address(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
@@ -136,7 +149,7 @@ class RemoteStageClient(StageCoreClientBase):
         input_connector: Any = None,
         output_connector: Any = None,
     ) -> None:
-        super().__init__(stage_id, 0, name)
+        super().__init__(stage_id, 0, name, restart=False)
         self.input_connector = input_connector
         self.output_connector = output_connector
         self.identity: bytes | None = None
@@ -152,12 +165,18 @@ class RemoteStageClient(StageCoreClientBase):
         return f"stage {self.stage_id} ({self.name}){where}"
 
     @property
-    def remote_pid(self) -> int | None:
+    def pid(self) -> int | None:
+        """The registered worker's pid, on its own host."""
         return self.worker.pid if self.worker is not None and self.identity is not None else None
 
     @property
     def awaits_worker(self) -> bool:
         return self.state in (StageState.STARTING, StageState.RESTARTING)
+
+    def health(self) -> dict[str, Any]:
+        worker = self.worker
+        where = f"{worker.host} pid {worker.pid}" if worker is not None and self.healthy else None
+        return {**super().health(), "worker": where}
 
     async def start(self) -> None:
         """Nothing to start here: the worker comes to us (requests wait for it meanwhile)."""
@@ -196,9 +215,7 @@ class RemoteStageClient(StageCoreClientBase):
         )
         if message.error is not None or message.output is None:
             error = message.error or "the worker returned no output"
-            kind = {"dead": StageDeadError, "aborted": RequestAbortedError}.get(
-                message.error_kind or "", StageError
-            )
+            kind = ERROR_KINDS[message.error_kind] if message.error_kind else StageError
             raise kind(f"{self.label}: {error}", stage_id=self.stage_id, request_id=request.request_id)
         output = message.output
         output.timings["transfer_put"] = put_seconds
@@ -232,7 +249,7 @@ class HeadlessStageRegistry:
 
     @property
     def address(self) -> str:
-        return _tcp(self.head.host, self.head.port)
+        return tcp_address(self.head.host, self.head.port)
 
     async def start(self) -> None:
         import zmq
@@ -353,185 +370,3 @@ class HeadlessStageRegistry:
             self._router.close(linger=500)
         if self._context is not None:
             self._context.term()
-
-
-# --- the worker -----------------------------------------------------------------------------------
-
-
-class HeadlessStageWorker:
-    """Runs one stage's replicas here and serves them to a head; ``run()`` returns the exit code."""
-
-    def __init__(self, deployment: ResolvedDeployment, stage_id: int, head_address: str) -> None:
-        self.deployment = deployment
-        self.stage_id = stage_id
-        self.head_host, self.head_port = parse_head_address(head_address)
-        self.head_url = _tcp(self.head_host, self.head_port)
-        self.worker_id = uuid.uuid4().hex[:12]
-        self._codec_out = StageMessageCodec(WorkerMessage)
-        self._codec_in = StageMessageCodec(HeadMessage)
-        self._tasks: dict[str, asyncio.Task[Any]] = {}
-        self._dealer: Any = None
-        self._stopping: asyncio.Future[tuple[int, str]] | None = None
-        self._leaving = False
-        """Stopped by a signal: tell the head we go, so it fails our requests at once."""
-
-    async def run(self) -> int:
-        import zmq
-        import zmq.asyncio
-
-        from vllm_omni_plugin.entrypoints.omni import build_pools
-
-        loop = asyncio.get_running_loop()
-        self._stopping = loop.create_future()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        stage = next(s for s in self.deployment.stages if s.stage_id == self.stage_id)
-        # No connectors in this process: the replica processes build them and messages pass through.
-        pool = build_pools(self.deployment, {}, [self.stage_id], headless_worker=True)[self.stage_id]
-        context = zmq.asyncio.Context()
-        self._dealer = context.socket(zmq.DEALER)
-        self._dealer.setsockopt(zmq.LINGER, 0)
-        code, why = 1, "stopped"
-        try:
-            start = asyncio.ensure_future(pool.start())
-            await asyncio.wait({start, self._stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not start.done():
-                start.cancel()
-                code, why = self._stopping.result()
-                return code
-            start.result()
-            logger.info(
-                "stage %d (%s) loaded with %d replica(s); registering with the head at %s",
-                self.stage_id,
-                stage.name,
-                len(pool.clients),
-                self.head_url,
-            )
-            self._dealer.connect(self.head_url)
-            accepted = await self._register()
-            if accepted is None:
-                code, why = self._stopping.result()
-                return code
-            logger.info("registered with the head at %s; serving stage %d", self.head_url, self.stage_id)
-            serve = asyncio.ensure_future(self._serve(pool, accepted))
-            await asyncio.wait({serve, self._stopping}, return_when=asyncio.FIRST_COMPLETED)
-            serve.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await serve
-            code, why = self._stopping.result()
-            if self._leaving:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._send(WorkerLeaving(reason=why)), 1.0)
-            return code
-        finally:
-            for task in list(self._tasks.values()):
-                task.cancel()
-            await pool.shutdown()
-            self._dealer.close(linger=0)
-            context.term()
-            log = logger.info if code == 0 else logger.error
-            log("headless worker for stage %d exiting: %s", self.stage_id, why)
-
-    def _on_signal(self, sig: int) -> None:
-        if self._stopping is not None and not self._stopping.done():
-            self._leaving = True
-            self._stop(0, f"{signal.Signals(sig).name} received")
-
-    def _stop(self, code: int, why: str) -> None:
-        if self._stopping is not None and not self._stopping.done():
-            self._stopping.set_result((code, why))
-
-    async def _send(self, message: Any) -> None:
-        await self._dealer.send(self._codec_out.encode(message))
-
-    async def _register(self) -> WorkerAccepted | None:
-        assert self._stopping is not None
-        register = WorkerRegister(
-            stage_id=self.stage_id,
-            worker_id=self.worker_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            config_digest=stage_config_digest(self.deployment, self.stage_id),
-        )
-        waited = 0.0
-        while not self._stopping.done():
-            await self._send(register)
-            if await self._dealer.poll(REGISTER_RETRY_S * 1000):
-                message = self._codec_in.decode(await self._dealer.recv())
-                if isinstance(message, WorkerAccepted):
-                    return message
-                if isinstance(message, WorkerRejected):
-                    self._stop(1, f"the head at {self.head_url} refused this worker: {message.reason}")
-                    return None
-                continue
-            waited += REGISTER_RETRY_S
-            if waited % WAITING_LOG_S < REGISTER_RETRY_S:
-                logger.info("still waiting for the head at %s (%.0f s)", self.head_url, waited)
-        return None
-
-    async def _serve(self, pool: Any, accepted: WorkerAccepted) -> None:
-        last_heard = time.monotonic()
-
-        async def heartbeat() -> None:
-            nonlocal last_heard
-            tick = time.monotonic()
-            while True:
-                await asyncio.sleep(accepted.heartbeat_interval_s)
-                now, last_tick, tick = time.monotonic(), tick, time.monotonic()
-                if now - last_tick > accepted.heartbeat_timeout_s:
-                    last_heard = now  # this loop was stalled, not the head: start over
-                elif now - last_heard > accepted.heartbeat_timeout_s:
-                    self._stop(
-                        1,
-                        f"the head at {self.head_url} sent nothing for {accepted.heartbeat_timeout_s:.0f} s",
-                    )
-                    return
-                await self._send(Heartbeat())
-
-        beat = asyncio.create_task(heartbeat(), name="heartbeat to head")
-        try:
-            while True:
-                message = self._codec_in.decode(await self._dealer.recv())
-                last_heard = time.monotonic()
-                if isinstance(message, RemoteRequest):
-                    request = message.request
-                    self._tasks[request.request_id] = asyncio.create_task(self._generate(pool, request))
-                elif isinstance(message, StageAbort):
-                    for request_id in message.request_ids:
-                        task = self._tasks.pop(request_id, None)
-                        if task is not None:
-                            task.cancel()
-                    await pool.abort(list(message.request_ids))
-                elif isinstance(message, HeadShutdown):
-                    self._stop(0, "the head shut down")
-                    return
-                elif isinstance(message, WorkerRejected):  # the head restarted and forgot us
-                    self._stop(
-                        1, f"the head at {self.head_url} no longer knows this worker ({message.reason})"
-                    )
-                    return
-        finally:
-            beat.cancel()
-
-    async def _generate(self, pool: Any, request: Any) -> None:
-        reply = RemoteOutput(request_id=request.request_id)
-        try:
-            reply.output = await pool.generate(request)
-        except asyncio.CancelledError:
-            return
-        except StageDeadError as exc:
-            reply.error, reply.error_kind = str(exc), "dead"
-        except RequestAbortedError as exc:
-            reply.error, reply.error_kind = str(exc), "aborted"
-        except StageError as exc:
-            reply.error, reply.error_kind = str(exc), "stage"
-        except Exception as exc:  # reported to the head as this request's failure
-            logger.exception("request %s failed on this worker", request.request_id)
-            reply.error, reply.error_kind = f"{type(exc).__name__}: {exc}", "stage"
-        finally:
-            self._tasks.pop(request.request_id, None)
-        await self._send(reply)
-
-
-def run_headless_worker(deployment: ResolvedDeployment, stage_id: int, head_address: str) -> int:
-    return asyncio.run(HeadlessStageWorker(deployment, stage_id, head_address).run())

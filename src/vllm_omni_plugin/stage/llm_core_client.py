@@ -15,16 +15,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from vllm_omni_plugin.compat import resolve
+from vllm_omni_plugin.ar_channel import stage_outputs_of
+from vllm_omni_plugin.compat import engine_core_pids, resolve
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
-from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
+from vllm_omni_plugin.stage.errors import (
+    RequestAbortedError,
+    StageDeadError,
+    StageError,
+    StageRequestError,
+    StageStartError,
+)
 from vllm_omni_plugin.stage.tokenizer_view import tokenizer_view
 
 logger = get_logger(__name__)
-
-OMNI_KEY = "omni"
 
 
 @contextlib.contextmanager
@@ -54,12 +59,12 @@ class StageLLMCoreClient(StageCoreClientBase):
         default_sampling_params: dict[str, Any] | None = None,
         restart: bool = True,
     ) -> None:
-        super().__init__(stage_id, replica_id, name)
+        super().__init__(stage_id, replica_id, name, restart=restart)
         self.engine_args = dict(engine_args)
         self.env = dict(env or {})
         self.default_sampling_params = dict(default_sampling_params or {})
-        self.restart_on_death = restart
         self.engine: Any = None
+        """vLLM's ``AsyncLLM`` while the replica runs."""
         self._restarting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -85,6 +90,15 @@ class StageLLMCoreClient(StageCoreClientBase):
         self.state = StageState.READY
         logger.info("%s ready (vLLM engine, %.1fs)", self.label, time.perf_counter() - start)
 
+    @property
+    def pid(self) -> int | None:
+        pids = engine_core_pids(self.engine) if self.engine is not None else []
+        return pids[0] if pids else None
+
+    async def log_stats(self) -> None:
+        if self.engine is not None and self.healthy:
+            await self.engine.do_log_stats()
+
     def sampling_params(self, overrides: dict[str, Any]) -> Any:
         SamplingParams = resolve("SamplingParams")
         return SamplingParams(**{**self.default_sampling_params, **overrides})
@@ -99,7 +113,7 @@ class StageLLMCoreClient(StageCoreClientBase):
         try:
             params = self.sampling_params(request.sampling_params)
         except Exception as exc:
-            raise StageError(f"bad sampling parameters: {exc}", stage_id=self.stage_id) from exc
+            raise StageRequestError(f"bad sampling parameters: {exc}", stage_id=self.stage_id) from exc
         self.inflight.add(request.request_id)
         start = time.perf_counter()
         final = None
@@ -131,7 +145,7 @@ class StageLLMCoreClient(StageCoreClientBase):
                 stage_id=self.stage_id,
                 request_id=request.request_id,
             )
-        stage_outputs = (getattr(final, "kv_transfer_params", None) or {}).get(OMNI_KEY, {})
+        stage_outputs = stage_outputs_of(final.kv_transfer_params)
         return StageLLMCoreOutput(
             request_id=request.request_id,
             stage_id=self.stage_id,

@@ -3,20 +3,23 @@
 Every stage of a request is an asyncio task that waits for its source stages, calls the stage-input
 processor the pipeline names (entry stages build their input from the user's request), and submits to
 that stage's replica pool. Requests are independent tasks, so stages overlap: while the DiT denoises
-request n, the AR engine decodes request n+1, and each stage batches what it has. Cancelling a
-request aborts it in every stage. Per-request timings record queue, each stage, the processors and
-transfers, with absolute intervals so overlap can be checked.
+request n, the AR engine decodes request n+1, and each stage batches what it has. An edge with
+``max_inflight`` lets that many requests into its consuming stage at once; the others wait with their
+source's output. Cancelling a request aborts it in every stage. Per-request timings record queue, each
+stage, the processors and transfers, with absolute intervals so overlap can be checked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_omni_plugin.config.resolve import ResolvedDeployment
+from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
@@ -79,35 +82,26 @@ class ProcessorContext:
     deployment: ResolvedDeployment
     stage_id: int
     request: OmniRequest
-    connector: Any = None
-    """The edge's connector (tensors put through it travel as handles)."""
 
 
 class Orchestrator:
-    def __init__(
-        self,
-        deployment: ResolvedDeployment,
-        pools: dict[int, StageReplicaPool],
-        connectors: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, deployment: ResolvedDeployment, pools: dict[int, StageReplicaPool]) -> None:
         self.deployment = deployment
         self.pools = pools
-        self.connectors = connectors or {}
         self.stages = {s.stage_id: s for s in deployment.stages}
         self.processors = {
             s.stage_id: import_object(s.input_processor) for s in deployment.stages if s.input_processor
         }
         self.final_stage = next(s.stage_id for s in deployment.stages if s.final_output)
-        self.edge_connector = {
-            (e.from_stage, e.to): e.connector for e in deployment.edges if isinstance(e.to, int)
+        self.edge_limits = {
+            (e.from_stage, e.to): asyncio.Semaphore(e.max_inflight)
+            for e in deployment.edges
+            if isinstance(e.to, int) and e.max_inflight is not None
         }
-        self.inflight: dict[str, asyncio.Task[OmniResult]] = {}
+        """Edges with ``max_inflight``: how many requests may be in their consuming stage at once."""
 
     async def generate(self, request: OmniRequest) -> OmniResult:
         """Run one request through every stage; never raises for a failed request (see ``error``)."""
-        task = asyncio.current_task()
-        assert task is not None
-        self.inflight[request.request_id] = task  # type: ignore[assignment]
         result = OmniResult(request_id=request.request_id)
         start = time.perf_counter()
         result.timings["queue"] = max(0.0, start - request.arrival_time)
@@ -136,8 +130,6 @@ class Orchestrator:
             await self._abort(request.request_id, tasks)
             result.error = f"{type(exc).__name__}: {exc}"
             result.exception = exc
-        finally:
-            self.inflight.pop(request.request_id, None)
         result.timings["total"] = time.perf_counter() - start
         return result
 
@@ -147,25 +139,22 @@ class Orchestrator:
         stage = self.stages[stage_id]
         try:
             sources = {sid: await asyncio.shield(done[sid]) for sid in stage.input_sources}
-            t0 = time.perf_counter()
-            processor = self.processors.get(stage_id)
-            if processor is None:
-                raise StageError(f"stage {stage_id} has no input processor", stage_id=stage_id)
-            connector = None
-            if stage.input_sources:
-                name = self.edge_connector.get((stage.input_sources[0], stage_id))
-                connector = self.connectors.get(name) if name else None
-            context = ProcessorContext(self.deployment.model, self.deployment, stage_id, request, connector)
-            stage_request = processor(sources, context)
-            t1 = time.perf_counter()
-            result.timings[f"processor_{stage_id}"] = t1 - t0
-            if stage_id not in self.pools:
-                raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
-            output = await self.pools[stage_id].generate(stage_request)
-            t2 = time.perf_counter()
+            async with self._admitted(stage_id, stage.input_sources):
+                t0 = time.perf_counter()
+                processor = self.processors.get(stage_id)
+                if processor is None:
+                    raise StageError(f"stage {stage_id} has no input processor", stage_id=stage_id)
+                context = ProcessorContext(self.deployment.model, self.deployment, stage_id, request)
+                stage_request = processor(sources, context)
+                t1 = time.perf_counter()
+                result.timings[f"processor_{stage_id}"] = t1 - t0
+                if stage_id not in self.pools:
+                    raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
+                output = await self.pools[stage_id].generate(stage_request)
+                t2 = time.perf_counter()
             result.intervals.append(StageInterval(stage_id, t1, t2))
             result.timings[f"stage_{stage_id}"] = t2 - t1
-            for key, value in (getattr(output, "timings", None) or {}).items():
+            for key, value in output.timings.items():
                 result.timings[f"stage_{stage_id}_{key}"] = value
             result.stage_outputs[stage_id] = output
             done[stage_id].set_result(output)
@@ -177,6 +166,16 @@ class Orchestrator:
                 done[stage_id].exception()  # mark retrieved: the gather reports it
             raise
 
+    @contextlib.asynccontextmanager
+    async def _admitted(self, stage_id: int, sources: list[int]) -> AsyncIterator[None]:
+        """Hold a place on every limited edge into ``stage_id`` while the stage works on the request."""
+        async with contextlib.AsyncExitStack() as places:
+            for source in sources:
+                limit = self.edge_limits.get((source, stage_id))
+                if limit is not None:
+                    await places.enter_async_context(limit)
+            yield
+
     async def _abort(self, request_id: str, tasks: list[asyncio.Task[Any]]) -> None:
         for task in tasks:
             task.cancel()
@@ -184,11 +183,3 @@ class Orchestrator:
         await asyncio.gather(
             *(pool.abort([request_id]) for pool in self.pools.values()), return_exceptions=True
         )
-
-    async def abort(self, request_id: str) -> None:
-        task = self.inflight.get(request_id)
-        if task is not None:
-            task.cancel()
-
-    def health(self) -> dict[str, Any]:
-        return {str(sid): pool.health() for sid, pool in self.pools.items()}

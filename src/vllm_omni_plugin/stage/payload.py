@@ -14,14 +14,21 @@ from typing import Any
 import msgspec
 import torch
 
+from vllm_omni_plugin.connectors.base import ConnectorHandle, OmniConnector
+from vllm_omni_plugin.stage.core_types import (
+    StageCoreOutput,
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreRequest,
+)
+
 HANDLE_KEY = "__omni_connector_handle__"
 
 
-def externalize(value: Any, connector: Any, min_bytes: int = 0) -> Any:
+def externalize(value: Any, connector: OmniConnector, min_bytes: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() * value.element_size() >= min_bytes:
             tensor = value.detach()
-            if not getattr(connector, "device_memory", False):  # it can only store host memory
+            if not connector.device_memory:  # it can only store host memory
                 tensor = tensor.cpu()
             return {HANDLE_KEY: msgspec.to_builtins(connector.put(tensor.contiguous()))}
         return value
@@ -35,9 +42,7 @@ def externalize(value: Any, connector: Any, min_bytes: int = 0) -> Any:
     return value
 
 
-def internalize(value: Any, connector: Any, timeout: float | None = None) -> Any:
-    from vllm_omni_plugin.connectors.base import ConnectorHandle
-
+def internalize(value: Any, connector: OmniConnector, timeout: float | None = None) -> Any:
     if isinstance(value, dict):
         if HANDLE_KEY in value and len(value) == 1:
             return connector.get(msgspec.convert(value[HANDLE_KEY], ConnectorHandle), timeout=timeout)
@@ -50,10 +55,8 @@ def internalize(value: Any, connector: Any, timeout: float | None = None) -> Any
     return value
 
 
-def release(value: Any, connector: Any) -> None:
+def release(value: Any, connector: OmniConnector) -> None:
     """Free the handles inside a message that will never be read (its request was aborted)."""
-    from vllm_omni_plugin.connectors.base import ConnectorHandle
-
     if isinstance(value, dict):
         if HANDLE_KEY in value and len(value) == 1:
             connector.cleanup(msgspec.convert(value[HANDLE_KEY], ConnectorHandle))
@@ -68,20 +71,18 @@ def release(value: Any, connector: Any) -> None:
             release(v, connector)
 
 
-def send_request_through(request: Any, connector: Any) -> tuple[Any, float]:
+def send_request_through(request: Any, connector: OmniConnector | None) -> tuple[Any, float]:
     """A diffusion stage request with its tensors put through ``connector``; (request, seconds)."""
-    if connector is None or not hasattr(request, "diffusion"):
+    if connector is None or not isinstance(request, StageDiffusionCoreRequest):
         return request, 0.0
     t0 = time.perf_counter()
     request = msgspec.structs.replace(request, diffusion=externalize(request.diffusion, connector))
     return request, time.perf_counter() - t0
 
 
-def collect_output(output: Any, connector: Any) -> None:
+def collect_output(output: StageCoreOutput, connector: OmniConnector | None) -> None:
     """Fetch an output's image from ``connector`` when it travelled as a handle (times it)."""
-    from vllm_omni_plugin.connectors.base import ConnectorHandle
-
-    if connector is None or getattr(output, "image_handle", None) is None:
+    if connector is None or not isinstance(output, StageDiffusionCoreOutput) or output.image_handle is None:
         return
     t0 = time.perf_counter()
     image = connector.get(msgspec.convert(output.image_handle, ConnectorHandle))
@@ -90,11 +91,9 @@ def collect_output(output: Any, connector: Any) -> None:
     output.timings["transfer_out"] = time.perf_counter() - t0
 
 
-def discard_output(output: Any, connector: Any) -> None:
+def discard_output(output: StageCoreOutput | None, connector: OmniConnector | None) -> None:
     """Free the image behind an output nobody waits for any more (its request was aborted)."""
-    from vllm_omni_plugin.connectors.base import ConnectorHandle
-
-    if connector is None or getattr(output, "image_handle", None) is None:
+    if connector is None or not isinstance(output, StageDiffusionCoreOutput) or output.image_handle is None:
         return
     with contextlib.suppress(Exception):  # best effort: the owner's lease frees it otherwise
         connector.cleanup(msgspec.convert(output.image_handle, ConnectorHandle))

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_types import StageCoreOutput
 from vllm_omni_plugin.stage.errors import StageDeadError
 
 RESTART_WAIT_S = 300.0
@@ -51,7 +52,7 @@ class StageReplicaPool:
                     raise
             await asyncio.sleep(0.05)
 
-    async def generate(self, request: Any) -> Any:
+    async def generate(self, request: Any) -> StageCoreOutput:
         return await (await self.acquire()).generate(request)
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -60,9 +61,19 @@ class StageReplicaPool:
     async def shutdown(self) -> None:
         await asyncio.gather(*(c.shutdown() for c in self.clients), return_exceptions=True)
 
+    def stop_restarting(self) -> None:
+        """From now on a replica that dies stays down (the server is shutting down)."""
+        for client in self.clients:
+            client.restart_on_death = False
+
     @property
     def healthy(self) -> bool:
         return any(c.healthy for c in self.clients)
+
+    @property
+    def awaits_worker(self) -> bool:
+        """Down only because its remote workers are away (they rejoin; this host is fine)."""
+        return not self.healthy and all(c.awaits_worker for c in self.clients)
 
     @property
     def queue_depth(self) -> int:
@@ -73,13 +84,5 @@ class StageReplicaPool:
             "stage_id": self.stage_id,
             "name": self.name,
             "healthy": self.healthy,
-            "replicas": [
-                {
-                    "replica_id": c.replica_id,
-                    "state": c.state.value,
-                    "inflight": len(c.inflight),
-                    "restarts": c.restarts,
-                }
-                for c in self.clients
-            ],
+            "replicas": [c.health() for c in self.clients],
         }

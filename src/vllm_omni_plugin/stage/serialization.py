@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
+from PIL import Image
 
 EXT_TENSOR = 1
 EXT_NDARRAY = 2
@@ -46,11 +47,7 @@ def _enc_hook(obj: Any) -> Any:
         array = np.ascontiguousarray(obj)
         header = msgspec.msgpack.encode([array.dtype.str, list(array.shape)])
         return msgspec.msgpack.Ext(EXT_NDARRAY, len(header).to_bytes(4, "little") + header + array.tobytes())
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - pillow is a dependency
-        Image = None  # type: ignore[assignment]
-    if Image is not None and isinstance(obj, Image.Image):
+    if isinstance(obj, Image.Image):
         return _enc_hook(np.asarray(obj.convert("RGB")))
     raise TypeError(f"cannot encode {type(obj).__name__} in a stage message")
 

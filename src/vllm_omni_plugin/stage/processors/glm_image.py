@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,7 +22,11 @@ from vllm_omni_plugin.stage.core_types import (
     StageLLMCoreOutput,
     StageLLMCoreRequest,
 )
-from vllm_omni_plugin.stage.errors import StageError
+from vllm_omni_plugin.stage.errors import StageError, StageRequestError
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.config.resolved import ResolvedDeployment
+    from vllm_omni_plugin.stage.orchestrator import OmniRequest, ProcessorContext
 
 FACTOR = 32
 """Pixels per large-grid AR token (the VQ grid is at 1/32 of the image)."""
@@ -30,7 +34,6 @@ PREVIEW_SIDE = 16
 """The t2i preview grid is about 16x16 tokens whatever the target size."""
 CODEBOOK_SIZE = 16384
 """AR ids 0..16383 are VQ codebook ids, the only ones the DiT embeds."""
-DEFAULT_SIZE = 1024
 
 
 def glm_image_grid(height: int, width: int) -> tuple[int, int, int, int]:
@@ -63,12 +66,12 @@ def _processor(model: str) -> Any:
     return AutoProcessor.from_pretrained(os.path.join(model, "processor"))
 
 
-def _size(request: Any, deployment: Any) -> tuple[int, int]:
-    dit = next((s for s in deployment.stages if s.execution_type == "diffusion"), None)
-    defaults = dit.diffusion_args if dit is not None else {}
-    height = request.height or defaults.get("height") or DEFAULT_SIZE
-    width = request.width or defaults.get("width") or DEFAULT_SIZE
-    return int(height), int(width)
+def _size(request: OmniRequest, deployment: ResolvedDeployment) -> tuple[int, int]:
+    """The request's size, else the DiT stage's resolved default (the pipeline's, unless configured)."""
+    dit = next(s for s in deployment.stages if s.execution_type == "diffusion")
+    return int(request.height or dit.diffusion_args["height"]), int(
+        request.width or dit.diffusion_args["width"]
+    )
 
 
 def _as_pil(image: Any) -> Any:
@@ -79,14 +82,14 @@ def _as_pil(image: Any) -> Any:
     return Image.fromarray(np.asarray(image, dtype=np.uint8)).convert("RGB")
 
 
-def request2ar(sources: dict[int, Any], context: Any) -> StageLLMCoreRequest:
+def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCoreRequest:
     """The user's request -> the AR stage's prompt ids (with the size scaffold) and sampling."""
     request = context.request
     height, width = _size(request, context.deployment)
     try:
         glm_image_grid(height, width)
     except ValueError as exc:
-        raise StageError(str(exc), stage_id=context.stage_id) from None
+        raise StageRequestError(str(exc), stage_id=context.stage_id) from None
     images = [_as_pil(img) for img in request.images]
     content: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
     content.append({"type": "text", "text": request.prompt})
@@ -119,7 +122,7 @@ def request2ar(sources: dict[int, Any], context: Any) -> StageLLMCoreRequest:
     )
 
 
-def ar2diffusion(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequest:
+def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
     """AR output -> the DiT's request: the large grid upsampled x2, plus the i2i source tokens."""
     from vllm_omni_plugin.diffusion.params import DiffusionRequest
 

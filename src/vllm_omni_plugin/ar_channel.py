@@ -1,0 +1,49 @@
+"""What the Omni AR worker, the Omni scheduler and the AR stage client hand each other, through vLLM's
+own per-request channels (no side channel, nothing patched):
+
+- in: ``SamplingParams.extra_args[OMNI_KEY]`` (e.g. ``trigger_token_ids`` for the scheduler's hooks);
+- runner -> scheduler: an :class:`OmniRunnerOutput` on the step's ``ModelRunnerOutput`` (attribute
+  ``omni``), with the per-request stage outputs the runner recorded and the requests it had to leave
+  out of the step;
+- scheduler -> client: the stage outputs under ``EngineCoreOutput.kv_transfer_params[OMNI_KEY]`` of the
+  request's final output, vLLM's per-request dict that reaches the client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+OMNI_KEY = "omni"
+RUNNER_OUTPUT_ATTR = "omni"
+"""The attribute of a ``ModelRunnerOutput`` that holds its :class:`OmniRunnerOutput`."""
+RUNNER_DROPPED_MESSAGE = "the AR stage could not rebuild this request after preemption"
+
+
+@dataclass
+class OmniRunnerOutput:
+    """What the Omni model runner adds to one step's ``ModelRunnerOutput``."""
+
+    stage_outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Request id -> outputs for the next stage (msgpack-serialisable), as the runner computed them."""
+    dropped_req_ids: list[str] = field(default_factory=list)
+    """Requests the runner left out of this step because it could not rebuild them: the scheduler
+    finishes them with an error (``RUNNER_DROPPED_MESSAGE``)."""
+
+
+def runner_extras(model_runner_output: Any) -> OmniRunnerOutput | None:
+    """The :class:`OmniRunnerOutput` of a step, if the runner attached one (stock vLLM outputs have none)."""
+    extras = getattr(model_runner_output, RUNNER_OUTPUT_ATTR, None)
+    return extras if isinstance(extras, OmniRunnerOutput) else None
+
+
+def omni_extra_args(sampling_params: Any) -> dict[str, Any]:
+    """``sampling_params.extra_args[OMNI_KEY]`` (empty when absent or not a mapping)."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    value = extra.get(OMNI_KEY) or {}
+    return value if isinstance(value, dict) else {}
+
+
+def stage_outputs_of(kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The stage outputs a final request output carries (empty when it carries none)."""
+    return dict((kv_transfer_params or {}).get(OMNI_KEY) or {})

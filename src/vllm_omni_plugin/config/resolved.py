@@ -1,0 +1,100 @@
+"""The resolved form of a deployment: what resolution hands the stage layer.
+
+Everything here is final: defaults applied, every layer merged, the scheduler and workers derived, each
+edge's connector chosen. The stage layer reads these structs and never a deploy config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import yaml
+
+from vllm_omni_plugin.config.schema import ConnectorSpec, DeployConfig
+
+ROUTER = "router"
+"""The destination of the final stage's output: the API server (or offline API) that asked."""
+
+
+class ResolvedReplica(msgspec.Struct, kw_only=True):
+    replica_id: int
+    devices: str | None = None
+    env: dict[str, str] = {}
+
+
+class ResolvedEdge(msgspec.Struct, kw_only=True):
+    from_stage: int = msgspec.field(name="from")
+    to: int | str
+    """A stage id, or ``"router"`` for the final output's way back to the API server."""
+    connector: str
+    max_inflight: int | None = None
+    """Requests that may be handed over on this edge at once (the rest wait); None: no limit."""
+
+
+class ResolvedHead(msgspec.Struct, frozen=True, kw_only=True):
+    """Where headless stage workers register (``HeadSpec`` with its defaults applied)."""
+
+    host: str = "0.0.0.0"
+    port: int = 29600
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+
+
+class ResolvedStage(msgspec.Struct, kw_only=True):
+    stage_id: int
+    name: str
+    execution_type: str
+    process: bool
+    num_replicas: int
+    replicas: list[ResolvedReplica]
+    input_sources: list[int]
+    input_processor: str | None
+    final_output: bool
+    output_type: str
+    input_connectors: dict[str, str]
+    output_connectors: dict[str, str]
+    default_sampling_params: dict[str, Any]
+    engine_args: dict[str, Any] = {}
+    """AR stages: the vLLM ``EngineArgs`` of every replica."""
+    diffusion_args: dict[str, Any] = {}
+    """Diffusion stages: the diffusion worker's ``load_model`` arguments, defaults included (the stage's
+    fields, else its ``default_sampling_params``, else the pipeline's diffusion defaults)."""
+    headless: bool = False
+    """Served by a headless worker that registers with the head (see ``StageDeployConfig.headless``)."""
+
+
+class ResolvedDeployment(msgspec.Struct, kw_only=True):
+    pipeline: str
+    model: str
+    platform: str
+    async_chunk: bool
+    connectors: dict[str, ConnectorSpec]
+    edges: list[ResolvedEdge]
+    stages: list[ResolvedStage]
+    deploy: DeployConfig
+    """The completed deploy config: resolving it again gives this same result."""
+    head: ResolvedHead = ResolvedHead()
+    notes: list[str] = []
+    legacy_source: str | None = None
+    """The legacy stage_args file this was translated from, if any."""
+
+    def stage(self, stage_id: int) -> ResolvedStage:
+        return next(s for s in self.stages if s.stage_id == stage_id)
+
+    def edge(self, from_stage: int, to: int | str) -> ResolvedEdge:
+        """The edge ``from_stage -> to`` (``to="router"``: the final output's way back), and with it the
+        one answer to which connector serves that hand-over."""
+        return next(e for e in self.edges if e.from_stage == from_stage and e.to == to)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything that decides how the deployment runs (no notes, no completed config)."""
+        out = msgspec.to_builtins(self)
+        out.pop("deploy")
+        out.pop("notes")
+        out.pop("legacy_source", None)
+        return out
+
+    def to_yaml(self) -> str:
+        head = "".join(f"# note: {note}\n" for note in self.notes)
+        return head + yaml.safe_dump(self.summary(), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,131 @@
+"""The omni server's Prometheus metrics, in the registry vLLM's ``/metrics`` serves.
+
+Per-stage queue depth, healthy replicas and restarts, and each connector's counters are read from the
+runtime at scrape time (:class:`OmniCollector`); per-request latencies, images and failures are
+recorded as requests finish (:class:`OmniMetrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from vllm_omni_plugin.entrypoints.omni import AsyncOmni
+from vllm_omni_plugin.stage.orchestrator import OmniResult
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class OmniCollector:
+    """Per-stage queue depth and health, and connector counters, read from the runtime at scrape time."""
+
+    def __init__(self, omni: AsyncOmni) -> None:
+        self.omni = omni
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        depth = GaugeMetricFamily(
+            "omni_stage_queue_depth",
+            "Requests in flight in each stage (all replicas)",
+            labels=["stage", "name"],
+        )
+        healthy = GaugeMetricFamily(
+            "omni_stage_healthy_replicas", "Replicas of each stage ready to serve", labels=["stage", "name"]
+        )
+        restarts = CounterMetricFamily(
+            "omni_stage_replica_restarts",
+            "Replica restarts after a stage process died",
+            labels=["stage", "name"],
+        )
+        for sid, pool in self.omni.pools.items():
+            labels = [str(sid), pool.name]
+            depth.add_metric(labels, pool.queue_depth)
+            healthy.add_metric(labels, sum(1 for c in pool.clients if c.healthy))
+            restarts.add_metric(labels, sum(c.restarts for c in pool.clients))
+        yield from (depth, healthy, restarts)
+
+        moved = CounterMetricFamily(
+            "omni_connector_bytes",
+            "Bytes put into / got from each connector, and put bytes a receiver confirmed reading",
+            labels=["connector", "direction"],
+        )
+        ops = CounterMetricFamily(
+            "omni_connector_operations", "Puts and gets on each connector", labels=["connector", "direction"]
+        )
+        errors = CounterMetricFamily("omni_connector_errors", "Failed puts and gets", labels=["connector"])
+        timeouts = CounterMetricFamily(
+            "omni_connector_timeouts", "Values released because their lease ran out", labels=["connector"]
+        )
+        outstanding = GaugeMetricFamily(
+            "omni_connector_outstanding", "Values put and not yet released", labels=["connector"]
+        )
+        for name, connector in self.omni.connectors.items():
+            try:
+                h = connector.health()
+            except Exception:  # a scrape must not fail because one connector is closing
+                continue
+            moved.add_metric([name, "put"], h.bytes_put)
+            moved.add_metric([name, "get"], h.bytes_got)
+            moved.add_metric([name, "acked"], h.bytes_acked)
+            ops.add_metric([name, "put"], h.puts)
+            ops.add_metric([name, "get"], h.gets)
+            errors.add_metric([name], h.errors)
+            timeouts.add_metric([name], h.timeouts)
+            outstanding.add_metric([name], h.outstanding)
+        yield from (moved, ops, errors, timeouts, outstanding)
+
+
+class OmniMetrics:
+    """Our metrics, in the registry vLLM's ``/metrics`` serves."""
+
+    def __init__(self, omni: AsyncOmni, registry: Any) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.registry = registry
+        self.collector = OmniCollector(omni)
+        self.stage_latency = Histogram(
+            "omni_stage_latency_seconds",
+            "Time each request spent in each stage (queueing in the stage included)",
+            ["stage", "name"],
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        self.request_latency = Histogram(
+            "omni_request_latency_seconds",
+            "End-to-end time of each image through every stage",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=None,
+        )
+        self.images = Counter(
+            "omni_images_generated", "Images returned to clients", ["endpoint"], registry=None
+        )
+        self.failures = Counter(
+            "omni_requests_failed",
+            "Image requests that failed, by HTTP status",
+            ["endpoint", "status"],
+            registry=None,
+        )
+        self._registered: list[Any] = []
+        for metric in (self.collector, self.stage_latency, self.request_latency, self.images, self.failures):
+            registry.register(metric)
+            self._registered.append(metric)
+
+    def observe(self, endpoint: str, results: list[OmniResult], stage_names: dict[int, str]) -> None:
+        for result in results:
+            if result.ok:
+                self.images.labels(endpoint).inc()
+                if "total" in result.timings:
+                    self.request_latency.labels(endpoint).observe(result.timings["total"])
+            for sid, name in stage_names.items():
+                value = result.timings.get(f"stage_{sid}")
+                if value is not None:
+                    self.stage_latency.labels(str(sid), name).observe(value)
+
+    def close(self) -> None:
+        for metric in self._registered:
+            with contextlib.suppress(KeyError):
+                self.registry.unregister(metric)
+        self._registered.clear()

@@ -1,0 +1,202 @@
+"""``OmniServer``: the serving state the HTTP routes share: what this deployment accepts (settings drawn
+from the command line and the pipeline's facts), running requests through the runtime, health, and
+how a failed request maps to an HTTP status (by the failure's type)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from vllm_omni_plugin import compat
+from vllm_omni_plugin.config import ResolvedDeployment, get_pipeline
+from vllm_omni_plugin.dotted import import_object
+from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
+from vllm_omni_plugin.entrypoints.omni import AsyncOmni
+from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, check_dimensions
+from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
+from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    limits: ImageLimits
+    media_dir: str | None = None
+    ar_max_model_len: int | None = None
+    token_budget: Any = None
+    """``f(height, width, image_to_image) -> AR tokens`` of the pipeline, when it has an AR stage."""
+
+
+def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment) -> ServerSettings:
+    pipeline = get_pipeline(deployment.pipeline)
+    names = list(getattr(args, "served_model_name", None) or []) or [args.model]
+    dit = next((s for s in deployment.stages if s.execution_type == "diffusion"), None)
+    defaults = dit.diffusion_args if dit is not None else {}
+    limits = ImageLimits(
+        multiple=pipeline.image_size_multiple,
+        max_side=int(getattr(args, "image_max_size", None) or ImageLimits.max_side),
+        max_upload_bytes=int(getattr(args, "image_max_upload_bytes", None) or ImageLimits.max_upload_bytes),
+        default_width=int(defaults.get("width") or ImageLimits.default_width),
+        default_height=int(defaults.get("height") or ImageLimits.default_height),
+    )
+    ar = next((s for s in deployment.stages if s.execution_type == "llm_ar"), None)
+    budget = import_object(pipeline.ar_token_budget) if ar is not None and pipeline.ar_token_budget else None
+    return ServerSettings(
+        served_model_names=names,
+        limits=limits,
+        media_dir=getattr(args, "image_media_dir", None),
+        ar_max_model_len=(ar.engine_args.get("max_model_len") if ar is not None else None),
+        token_budget=budget,
+    )
+
+
+def http_status(exc: BaseException | None) -> int:
+    """The status a failure is answered with: stage errors carry theirs; what vLLM or a stage-input
+    processor rejected as a bad value is the client's (400); anything else is ours (500)."""
+    if isinstance(exc, StageError):
+        return exc.http_status
+    if isinstance(exc, ValueError | TypeError | compat.resolve("VLLMClientError")):
+        return 400
+    return 500
+
+
+def result_error(result: OmniResult) -> OmniAPIError:
+    """A failed result -> the error its client gets."""
+    message = result.error or "the request failed"
+    if isinstance(result.exception, RequestAbortedError):
+        message = f"the request was aborted ({message}); the server may be shutting down"
+    return OmniAPIError(message, status=http_status(result.exception))
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client goes away (the body is already read, so only a disconnect can come)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@dataclass
+class OmniServer:
+    omni: AsyncOmni
+    settings: ServerSettings
+    metrics: OmniMetrics | None = None
+    stage_names: dict[int, str] = field(default_factory=dict)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    @property
+    def limits(self) -> ImageLimits:
+        return self.settings.limits
+
+    def check_model(self, model: str | None) -> str:
+        names = self.settings.served_model_names
+        if model is not None and model not in names:
+            raise OmniAPIError(f"The model `{model}` does not exist.", status=404, param="model")
+        return model or names[0]
+
+    def check_size(self, width: int, height: int, image_to_image: bool, param: str = "size") -> None:
+        check_dimensions(width, height, self.limits, param)
+        budget, max_len = self.settings.token_budget, self.settings.ar_max_model_len
+        if budget is not None and max_len:
+            needed = int(budget(height, width, image_to_image))
+            if needed >= int(max_len):
+                raise OmniAPIError(
+                    f"a {width}x{height} image needs {needed} AR tokens, more than the AR stage's "
+                    f"max_model_len {max_len} allows; ask for a smaller size (or serve with a larger "
+                    "--max-model-len)",
+                    param=param,
+                )
+
+    def check_steps(self, steps: int | None) -> None:
+        if steps is not None and steps > self.limits.max_inference_steps:
+            raise OmniAPIError(
+                f"num_inference_steps must be at most {self.limits.max_inference_steps}",
+                param="num_inference_steps",
+            )
+
+    async def run(self, endpoint: str, requests: list[OmniRequest], raw: Request) -> list[OmniResult]:
+        """Run every request through the pipeline; all succeed or the request fails as a whole."""
+        work = asyncio.ensure_future(asyncio.gather(*(self.omni.generate(r) for r in requests)))
+        watch = asyncio.ensure_future(_disconnected(raw))
+        gone = True
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            gone = not work.done()
+        finally:
+            watch.cancel()
+            if not work.done():  # the client went away (or this handler was cancelled): abort
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+        if gone:
+            logger.info("client of %s went away; aborted %d request(s)", endpoint, len(requests))
+            raise OmniAPIError("the client disconnected", status=499)
+        results: list[OmniResult] = work.result()
+        if self.metrics is not None:
+            self.metrics.observe(endpoint, results, self.stage_names)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            errors = [result_error(r) for r in failed]
+            worst = max(errors, key=lambda e: (e.status == 503, e.status))
+            if self.metrics is not None:
+                self.metrics.failures.labels(endpoint, str(worst.status)).inc()
+            logger.warning("%s failed (%d): %s", endpoint, worst.status, worst.message)
+            raise worst
+        return results
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        pools = self.omni.pools
+        stages = {str(sid): pool.health() for sid, pool in pools.items()}
+        # A headless stage whose worker is away is the worker's problem, not the head's: the head stays
+        # healthy (its requests for that stage wait for the worker or fail with 503) and says so.
+        waiting = [p for p in pools.values() if p.awaits_worker]
+        ok = bool(pools) and all(p.healthy or p.awaits_worker for p in pools.values())
+        status = "unavailable" if not ok else "waiting_for_workers" if waiting else "ok"
+        return ok, {"status": status, "stages": stages}
+
+    def start_stat_logging(self, interval: float) -> None:
+        """Each replica's periodic stats (vLLM's throughput lines for the AR engines, as ``vllm serve``)."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                for pool in self.omni.pools.values():
+                    for client in pool.clients:
+                        with contextlib.suppress(Exception):
+                            await client.log_stats()
+
+        task = asyncio.create_task(loop(), name="omni stat logging")
+        self._tasks.add(task)
+
+    def watch_shutdown(self, app: FastAPI) -> None:
+        """Once serve_http starts shutting down, a stage that dies is no longer restarted.
+
+        Ctrl-C reaches the whole process group, and vLLM's EngineCore stops on it: its in-flight
+        requests fail (503) rather than waiting for a new engine that shutdown would stop at once.
+        """
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(0.1)
+                http = getattr(app.state, "server", None)  # set by vLLM's serve_http
+                if http is not None and http.should_exit:
+                    break
+            for pool in self.omni.pools.values():
+                pool.stop_restarting()
+
+        task = asyncio.create_task(watch(), name="omni shutdown watch")
+        self._tasks.add(task)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.metrics is not None:
+            self.metrics.close()

@@ -1,0 +1,341 @@
+"""BAGEL's stage-input processors: the user's request -> the thinker; the thinker's contexts -> the DiT.
+
+BAGEL conditions generation on three contexts (its ``interleave_inference``): ``cond`` (everything),
+``cfg_text`` (everything before the text: text-to-image -> nothing, an edit -> the image blocks) and
+``cfg_img`` (no image: the text alone; text-to-image -> ``cond`` itself). The thinker builds contexts
+in its paged KV cache and exports them (``export_context``); how each one is obtained:
+
+========== ======================================= =============================================
+context    text-to-image                           edit (image + text)
+========== ======================================= =============================================
+cond       the main request                        the main request
+cfg_text   empty (a negative prompt: a companion)  a prefix of ``cond`` (negative: a companion)
+cfg_img    ``cond``                                a companion request (the text alone)
+========== ======================================= =============================================
+
+A prefix is delivered as the same tensor with a shorter length (no compute, no transfer); a companion is
+a request of its own in the same engine batch. Think mode first lets the thinker write its plan
+(``<|im_start|>`` ... ``<|im_end|>``), then builds ``cond`` with the plan appended (decoded and encoded
+again, as BAGEL does) while the companions are built from the context before thinking; in think mode the
+system prompt opens ``cond`` and ``cfg_img``, so ``cfg_text`` (system prompt [+ image]) is a prefix too.
+
+Understanding and chat (``modality="text"``) end in the thinker: the prompt ends with ``<|im_start|>``
+and the answer is decoded up to ``<|im_end|>``; images go in as ViT blocks only.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from vllm_omni_plugin.stage.core_types import (
+    StageDiffusionCoreRequest,
+    StageLLMCoreOutput,
+    StageLLMCoreRequest,
+)
+from vllm_omni_plugin.stage.errors import StageError
+
+VLM_THINK_SYSTEM_PROMPT = (
+    "You should first think about the reasoning process in the mind and then provide the user with the "
+    "answer. \nThe reasoning process is enclosed within <think> </think> tags, i.e. <think> reasoning "
+    "process here </think> answer here"
+)
+GEN_THINK_SYSTEM_PROMPT = (
+    "You should first think about the planning process in the mind and then generate the image. \nThe "
+    "planning process is enclosed within <think> </think> tags, i.e. <think> planning process here </think> "
+    "image here"
+)
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CONTEXTS = ("cond", "cfg_text", "cfg_img")
+DEFAULT_MAX_THINK_TOKENS = 1000
+DEFAULT_MAX_TEXT_TOKENS = 512
+EXPORT = {"omni": {"export_context": True}}
+
+
+def unwrap_text(text: str) -> str:
+    """A prompt already wrapped in ``<|im_start|>...<|im_end|>`` (as vllm-omni clients send it) is not
+    wrapped twice: the processor adds BAGEL's markers itself."""
+    stripped = text.strip()
+    if stripped.startswith(IM_START):
+        stripped = stripped[len(IM_START) :]
+    if stripped.endswith(IM_END):
+        stripped = stripped[: -len(IM_END)]
+    return stripped.strip()
+
+
+@dataclass(frozen=True)
+class BagelTokens:
+    """Token ids of a BAGEL model folder and its text segments."""
+
+    tokenizer: Any
+    bos: int
+    eos: int
+    image_pad: int
+
+    def segment(self, text: str) -> list[int]:
+        """A text segment of a context: ``<|im_start|> text <|im_end|>``."""
+        return [self.bos, *self.tokenizer.encode(text, add_special_tokens=False), self.eos]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Generated text up to (without) ``<|im_end|>``."""
+        ids = list(token_ids)
+        if self.eos in ids:
+            ids = ids[: ids.index(self.eos)]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=4)
+def bagel_tokens(model_dir: str) -> BagelTokens:
+    from transformers import AutoTokenizer
+
+    from vllm_omni_plugin.models.bagel.config import read_special_tokens
+
+    tokens = read_special_tokens(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return BagelTokens(tokenizer=tokenizer, bos=tokens.bos, eos=tokens.eos, image_pad=tokens.image_pad)
+
+
+@dataclass
+class ContextPlan:
+    """The contexts of one image request and how the thinker obtains each (BAGEL's bookkeeping)."""
+
+    main: list[int]
+    """``cond``'s prompt (think mode: the prompt the plan is written from; the plan is appended later)."""
+    images: int = 0
+    companions: dict[str, list[int]] = field(default_factory=dict)
+    """Contexts that need requests of their own, by name."""
+    prefixes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Contexts that are a prefix of ``cond``: name -> (text tokens kept, images kept)."""
+    same_as_cond: tuple[str, ...] = ()
+    empty: tuple[str, ...] = ()
+
+
+def plan_contexts(
+    tokens: BagelTokens, prompt: str, images: int, negative: str | None, think: bool
+) -> ContextPlan:
+    """Prompt ids (one ``<|image_pad|>`` per image) of every context a generation request needs."""
+    system = tokens.segment(GEN_THINK_SYSTEM_PROMPT) if think else []
+    image_part = [tokens.image_pad] * images
+    text = tokens.segment(prompt)
+    plan = ContextPlan(main=system + image_part + text, images=images)
+    if negative:
+        plan.companions["cfg_text"] = system + image_part + tokens.segment(negative)
+    elif images or think:
+        plan.prefixes["cfg_text"] = (len(system), images)
+    else:
+        plan.empty = ("cfg_text",)
+    if images:
+        plan.companions["cfg_img"] = system + text
+    elif think:
+        plan.prefixes["cfg_img"] = (len(system) + len(text), 0)
+    else:
+        plan.same_as_cond = ("cfg_img",)
+    return plan
+
+
+def image_block_tokens(model_dir: str, image: Any) -> int:
+    """Tokens one input image takes in an edit context: its VAE block and its ViT block, markers included."""
+    from vllm_omni_plugin.models.bagel.transforms import ImageTransform, as_pil
+
+    cfg = _config(model_dir)
+    width, height = ImageTransform(cfg.vae_transform).size(*as_pil(image).size)
+    vit_w, vit_h = ImageTransform(cfg.vit_transform).size(width, height)
+    vae = (height // cfg.latent_downsample) * (width // cfg.latent_downsample) + 2
+    vit = (vit_h // cfg.vit.patch_size) * (vit_w // cfg.vit.patch_size) + 2
+    return vae + vit
+
+
+@functools.lru_cache(maxsize=4)
+def _config(model_dir: str) -> Any:
+    from vllm_omni_plugin.models.bagel.config import load_bagel_config
+
+    return load_bagel_config(model_dir)
+
+
+def _omni_params(request: Any) -> dict[str, Any]:
+    return dict(getattr(request, "generation_params", None) or {})
+
+
+def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreRequest:
+    """The user's request -> the thinker's request (with companion requests for image generation)."""
+    request = context.request
+    tokens = bagel_tokens(context.model)
+    prompt = unwrap_text(request.prompt)
+    images = list(request.images or [])
+    user = dict(request.sampling_params or {})
+    if request.seed is not None:
+        user.setdefault("seed", request.seed)
+    mm = {"image": images} if images else None
+    if getattr(request, "modality", "image") == "text":
+        system = tokens.segment(VLM_THINK_SYSTEM_PROMPT) if request.think else []
+        ids = system + [tokens.image_pad] * len(images) + tokens.segment(prompt) + [tokens.bos]
+        return StageLLMCoreRequest(
+            request_id=request.request_id,
+            stage_id=context.stage_id,
+            prompt_token_ids=ids,
+            sampling_params={
+                "max_tokens": DEFAULT_MAX_TEXT_TOKENS,
+                "temperature": 0.0,
+                **user,
+                "stop_token_ids": [tokens.eos],
+                "detokenize": False,
+            },
+            multi_modal_data=mm,
+            mm_processor_kwargs={"bagel_vae": False} if images else None,
+        )
+    plan = plan_contexts(tokens, prompt, len(images), request.negative_prompt, bool(request.think))
+    if request.think:  # write the plan first; continue_thinker then builds the contexts
+        max_think = int(_omni_params(request).get("max_think_tokens") or DEFAULT_MAX_THINK_TOKENS)
+        return StageLLMCoreRequest(
+            request_id=request.request_id,
+            stage_id=context.stage_id,
+            prompt_token_ids=plan.main + [tokens.bos],
+            sampling_params={
+                "temperature": 0.0,
+                **user,
+                "max_tokens": max_think,
+                "stop_token_ids": [tokens.eos],
+                "detokenize": False,
+            },
+            multi_modal_data=mm,
+        )
+    return _context_request(request, context.stage_id, plan, plan.main, mm)
+
+
+def _context_request(
+    request: Any, stage_id: int, plan: ContextPlan, cond: list[int], mm: dict[str, Any] | None
+) -> StageLLMCoreRequest:
+    """The request that builds ``cond`` and its companions, each exporting its context."""
+    export = {"max_tokens": 1, "temperature": 0.0, "detokenize": False, "extra_args": EXPORT}
+    companions = {
+        name: StageLLMCoreRequest(
+            request_id=f"{request.request_id}:{name}",
+            stage_id=stage_id,
+            prompt_token_ids=ids,
+            sampling_params=export,
+            multi_modal_data=mm if name == "cfg_text" else None,  # cfg_img: the context without the image
+        )
+        for name, ids in plan.companions.items()
+    }
+    return StageLLMCoreRequest(
+        request_id=request.request_id,
+        stage_id=stage_id,
+        prompt_token_ids=cond,
+        sampling_params=export,
+        multi_modal_data=mm,
+        companions=companions,
+    )
+
+
+def continue_thinker(output: StageLLMCoreOutput, context: Any) -> StageLLMCoreRequest | None:
+    """Think mode, once the plan is written: the request that builds the contexts, the plan (decoded and
+    encoded again, as BAGEL does) appended to ``cond``. None when the thinker is done."""
+    request = context.request
+    if (
+        not request.think
+        or getattr(request, "modality", "image") == "text"
+        or "context" in output.stage_outputs
+    ):
+        return None
+    tokens = bagel_tokens(context.model)
+    images = len(request.images or [])
+    plan = plan_contexts(tokens, unwrap_text(request.prompt), images, request.negative_prompt, True)
+    plan_text = tokens.decode(output.token_ids)
+    context.notes["think_text"] = plan_text
+    cond = plan.main + tokens.segment(plan_text)
+    return _context_request(
+        request, context.stage_id, plan, cond, {"image": list(request.images)} if images else None
+    )
+
+
+# --- thinker -> DiT ----------------------------------------------------------------------------------
+
+
+def _context_of(output: StageLLMCoreOutput, name: str) -> dict[str, Any]:
+    extra = output.stage_outputs or {}
+    if "context_error" in extra:
+        raise StageError(f"the {name} context: {extra['context_error']}", stage_id=output.stage_id)
+    ctx = extra.get("context")
+    if not isinstance(ctx, dict):
+        raise StageError(f"the thinker returned no {name} context", stage_id=output.stage_id)
+    return ctx
+
+
+def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequest | None:
+    """The thinker's contexts -> the DiT's generation request; None for a text request (no DiT)."""
+    from vllm_omni_plugin.diffusion.bagel.request import BagelContext, BagelGenerationRequest
+
+    request = context.request
+    if getattr(request, "modality", "image") == "text":
+        return None
+    output: StageLLMCoreOutput = sources[min(sources)]
+    tokens = bagel_tokens(context.model)
+    images = list(request.images or [])
+    plan = plan_contexts(
+        tokens, unwrap_text(request.prompt), len(images), request.negative_prompt, bool(request.think)
+    )
+    cond = _context_of(output, "cond")
+    contexts = {"cond": BagelContext(kv=cond["kv"], kv_len=int(cond["kv_len"]), rope=int(cond["rope"]))}
+    for name in plan.empty:
+        contexts[name] = BagelContext.empty()
+    for name in plan.same_as_cond:
+        contexts[name] = contexts["cond"]
+    image_tokens = sum(image_block_tokens(context.model, image) for image in images)
+    for name, (text_kept, images_kept) in plan.prefixes.items():
+        length = text_kept + (image_tokens if images_kept else 0)
+        contexts[name] = BagelContext(kv=cond["kv"], kv_len=length, rope=text_kept + 2 * images_kept)
+    missing = [name for name in plan.companions if name not in (output.companions or {})]
+    if missing:
+        raise StageError(
+            f"the thinker did not deliver the {', '.join(missing)} context", stage_id=output.stage_id
+        )
+    for name in plan.companions:
+        ctx = _context_of(output.companions[name], name)
+        contexts[name] = BagelContext(kv=ctx["kv"], kv_len=int(ctx["kv_len"]), rope=int(ctx["rope"]))
+    height, width = generation_size(request, context.model)
+    generation = BagelGenerationRequest(
+        request_id=request.request_id,
+        cond=contexts["cond"],
+        cfg_text=contexts["cfg_text"],
+        cfg_img=contexts["cfg_img"],
+        height=height,
+        width=width,
+        sampling=dit_sampling(request, context.deployment, bool(images)),
+        seed=request.seed,
+    )
+    return StageDiffusionCoreRequest(
+        request_id=request.request_id, stage_id=context.stage_id, diffusion=generation
+    )
+
+
+def dit_sampling(request: Any, deployment: Any, edit: bool) -> Any:
+    """BAGEL's generation settings: the authors' defaults for the mode, then the deploy config's DiT
+    defaults, then the request's own values."""
+    from vllm_omni_plugin.diffusion.bagel.request import EDIT_DEFAULTS, T2I_DEFAULTS, BagelSampling
+
+    base = msgspec.structs.asdict(EDIT_DEFAULTS if edit else T2I_DEFAULTS)
+    dit = next((s for s in deployment.stages if s.execution_type == "diffusion"), None)
+    defaults = dict(dit.default_sampling_params) if dit is not None else {}
+    params = {**base, **{k: v for k, v in defaults.items() if k in base}}
+    params.update({k: v for k, v in _omni_params(request).items() if k in base})
+    if request.num_inference_steps is not None:
+        params["num_inference_steps"] = request.num_inference_steps
+    params["cfg_interval"] = tuple(params["cfg_interval"])
+    try:
+        return msgspec.convert(params, BagelSampling)
+    except msgspec.ValidationError as exc:
+        raise StageError(f"bad BAGEL generation parameter: {exc}") from None
+
+
+def generation_size(request: Any, model_dir: str) -> tuple[int, int]:
+    """The output size: an edit keeps its input's size after BAGEL's VAE resize; text-to-image takes the
+    request's size (default 1024x1024)."""
+    from vllm_omni_plugin.models.bagel.transforms import ImageTransform, as_pil
+
+    if request.images:
+        width, height = ImageTransform(_config(model_dir).vae_transform).size(*as_pil(request.images[0]).size)
+        return int(height), int(width)
+    return int(request.height or 1024), int(request.width or 1024)

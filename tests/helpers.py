@@ -1,0 +1,227 @@
+"""Helpers shared by the test modules (fixtures live in ``conftest.py``).
+
+Besides small helpers (a source image, a handle through the wire, our shared-memory segments), this is
+the stage runtime without engines: :class:`FakeStageClient` is a replica that answers in this process,
+a ``StageCoreClientBase`` like every real client, and :data:`FAKE_PIPELINE` a two-stage pipeline whose
+stage-input processors need no model. ``fake_placement`` puts every replica of a resolved deployment on
+fake clients, through the stage factory's placement seam.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import textwrap
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from vllm_omni_plugin.config import (
+    PLATFORMS,
+    DiffusionDefaults,
+    Pipeline,
+    PipelineStage,
+    ResolvedDeployment,
+    register_pipeline,
+    resolve_deployment,
+)
+from vllm_omni_plugin.config.resolved import ResolvedStage
+from vllm_omni_plugin.connectors.base import ConnectorHandle, OmniConnector
+from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_types import (
+    StageCoreOutput,
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreRequest,
+    StageLLMCoreOutput,
+    StageLLMCoreRequest,
+)
+from vllm_omni_plugin.stage.errors import StageDeadError
+from vllm_omni_plugin.stage.orchestrator import ProcessorContext
+
+SHM_DIR = "/dev/shm"
+
+
+# --- small helpers ------------------------------------------------------------------------------------
+
+
+def source_image(side: int = 64, seed: int = 0) -> np.ndarray:
+    """A random uint8 ``side`` x ``side`` RGB image (the same for the same seed)."""
+    return np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+
+
+def wire(handle: ConnectorHandle) -> bytes:
+    """A handle as a stage sends it in a control message."""
+    return msgspec.msgpack.encode(msgspec.to_builtins(handle))
+
+
+def unwire(data: bytes) -> ConnectorHandle:
+    """A handle as the receiving stage reads it from a control message."""
+    return msgspec.convert(msgspec.msgpack.decode(data), ConnectorHandle)
+
+
+def our_segments(pids: set[int] | None = None) -> list[str]:
+    """Our shared-memory segments (``vllm_omni_*``), those of ``pids`` only when given."""
+    names = [name for name in os.listdir(SHM_DIR) if name.startswith("vllm_omni_")]
+    if pids is not None:
+        names = [n for n in names if any(n.startswith(f"vllm_omni_{pid}_") for pid in pids)]
+    return sorted(names)
+
+
+# --- the stage runtime without engines ---------------------------------------------------------------
+
+Answer = Callable[[Any], StageCoreOutput | Awaitable[StageCoreOutput]]
+"""What a fake replica does with a request: return (or await) its output, or raise."""
+
+
+class FakeStageClient(StageCoreClientBase):
+    """A replica that answers through ``answer`` in this process; it implements ``StageCoreClientBase``
+    and nothing more, so whatever works with it needs nothing beyond that interface."""
+
+    def __init__(self, stage_id: int, replica_id: int, name: str, answer: Answer, *, pid: int | None = None):
+        super().__init__(stage_id, replica_id, name)
+        self.answer = answer
+        self.fake_pid = pid
+        self.start_error: BaseException | None = None
+        self.aborted: list[str] = []
+        self.cancelled: list[str] = []
+        self.served: list[str] = []
+        self.shutdowns = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.fake_pid if self.healthy else None
+
+    async def start(self) -> None:
+        if self.start_error is not None:
+            raise self.start_error
+        self.state = StageState.READY
+
+    async def generate(self, request: Any) -> StageCoreOutput:
+        if not self.healthy:
+            raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
+        self.inflight.add(request.request_id)
+        try:
+            output = self.answer(request)
+            if inspect.isawaitable(output):
+                output = await output
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        finally:
+            self.inflight.discard(request.request_id)
+        self.served.append(request.request_id)
+        return output
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+
+    async def shutdown(self) -> None:
+        self.shutdowns += 1
+        self.state = StageState.STOPPED
+
+
+def ar_answer(request: StageLLMCoreRequest) -> StageLLMCoreOutput:
+    """The fake AR stage: its prompt's ids, reversed."""
+    return StageLLMCoreOutput(
+        request_id=request.request_id,
+        stage_id=request.stage_id,
+        token_ids=list(reversed(request.prompt_token_ids)),
+        finish_reason="length",
+        timings={"ar": 0.001},
+    )
+
+
+def dit_answer(request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
+    """The fake DiT stage: a flat grey image of the requested size."""
+    diffusion: DiffusionRequest = request.diffusion
+    image = np.full((diffusion.height or 64, diffusion.width or 64, 3), 127, dtype=np.uint8)
+    return StageDiffusionCoreOutput(
+        request_id=request.request_id, stage_id=request.stage_id, image=image, timings={"denoise": 0.001}
+    )
+
+
+def fake_prompt_ids(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCoreRequest:
+    """Stage-input processor of the fake AR stage: one id per prompt character."""
+    request = context.request
+    if not request.prompt:
+        raise ValueError("the prompt is empty")
+    return StageLLMCoreRequest(
+        request_id=request.request_id,
+        stage_id=context.stage_id,
+        prompt_token_ids=[ord(c) % 256 for c in request.prompt],
+        sampling_params=dict(request.sampling_params),
+    )
+
+
+def fake_ids_to_image(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
+    """Stage-input processor of the fake DiT stage: the AR ids as the prior, sized like the request."""
+    request, dit = context.request, context.deployment.stage(context.stage_id)
+    diffusion = DiffusionRequest(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        height=request.height or dit.diffusion_args["height"],
+        width=request.width or dit.diffusion_args["width"],
+        seed=request.seed,
+        prior_token_ids=list(sources[0].token_ids),
+    )
+    return StageDiffusionCoreRequest(
+        request_id=request.request_id, stage_id=context.stage_id, diffusion=diffusion
+    )
+
+
+FAKE_PIPELINE = Pipeline(
+    name="fake_two_stage",
+    stages=(
+        PipelineStage(
+            stage_id=0, name="ar", execution_type="llm_ar", input_processor=f"{__name__}.fake_prompt_ids"
+        ),
+        PipelineStage(
+            stage_id=1,
+            name="dit",
+            execution_type="diffusion",
+            input_sources=(0,),
+            input_processor=f"{__name__}.fake_ids_to_image",
+            output_type="image",
+            final_output=True,
+        ),
+    ),
+    diffusion_defaults=DiffusionDefaults(height=64, width=64),
+)
+register_pipeline(FAKE_PIPELINE)
+
+
+def fake_deployment(tmp_path: Path, deploy: str = "") -> ResolvedDeployment:
+    """``FAKE_PIPELINE`` resolved on CPU from a deploy config (``deploy``: more YAML after the pipeline)."""
+    model = tmp_path / "fake-model"
+    model.mkdir(exist_ok=True)
+    path = tmp_path / "fake_deploy.yaml"
+    path.write_text(f"pipeline: {FAKE_PIPELINE.name}\n" + textwrap.dedent(deploy))
+    return resolve_deployment(str(model), deploy_config=str(path), platform=PLATFORMS["cpu"])
+
+
+class FakePlacement:
+    """A placement that puts every replica on a :class:`FakeStageClient` (answers by execution type)
+    and remembers the clients it made."""
+
+    def __init__(self, answers: dict[int, Answer] | None = None) -> None:
+        self.answers = answers or {}
+        self.clients: dict[int, list[FakeStageClient]] = {}
+
+    def __call__(
+        self, deployment: ResolvedDeployment, stage: ResolvedStage, connectors: dict[str, OmniConnector]
+    ) -> list[StageCoreClientBase]:
+        default = ar_answer if stage.execution_type == "llm_ar" else dit_answer
+        answer = self.answers.get(stage.stage_id, default)
+        made = [
+            FakeStageClient(
+                stage.stage_id, r.replica_id, stage.name, answer, pid=10_000 + 10 * stage.stage_id + i
+            )
+            for i, r in enumerate(stage.replicas)
+        ]
+        self.clients[stage.stage_id] = made
+        return list(made)

@@ -1,0 +1,397 @@
+"""The runtime core without engines or processes (the fast tier): the orchestrator, the replica pool,
+replies awaited over a socket and stage payloads through a connector, including cancel and error paths.
+Replicas are ``FakeStageClient``s (a ``StageCoreClientBase`` answering in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from helpers import FakePlacement, FakeStageClient, dit_answer, fake_deployment
+from vllm_omni_plugin.connectors.base import ConnectorError, InProcessConnector
+from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.stage.core_client import StageState
+from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
+from vllm_omni_plugin.stage.errors import (
+    RequestAbortedError,
+    StageDeadError,
+    StageError,
+    StageRequestError,
+    StageStartError,
+)
+from vllm_omni_plugin.stage.factory import build_stages
+from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
+from vllm_omni_plugin.stage.payload import (
+    HANDLE_KEY,
+    collect_output,
+    discard_output,
+    externalize,
+    internalize,
+    release,
+    send_request_through,
+)
+from vllm_omni_plugin.stage.pending_replies import PendingReplies
+from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
+from vllm_omni_plugin.stage.serialization import StageMessageCodec
+
+
+@pytest.fixture
+def deployment(tmp_path: Path):
+    return fake_deployment(tmp_path)
+
+
+def runtime(deployment, answers: dict[int, Any] | None = None) -> tuple[Orchestrator, FakePlacement]:
+    placement = FakePlacement(answers)
+    stages = build_stages(deployment, {}, placement=placement)
+    return Orchestrator(deployment, stages.pools), placement
+
+
+async def started(orchestrator: Orchestrator) -> Orchestrator:
+    for pool in orchestrator.pools.values():
+        await pool.start()
+    return orchestrator
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+# --- the orchestrator -----------------------------------------------------------------------------------
+
+
+def test_request_runs_through_both_stages_with_timings(deployment) -> None:
+    async def main() -> OmniResult:
+        orchestrator, _ = runtime(deployment)
+        await started(orchestrator)
+        return await orchestrator.generate(OmniRequest(prompt="abc", height=32, width=48))
+
+    result = run(main())
+    assert result.ok, result.error
+    assert result.output.image.shape == (32, 48, 3)
+    assert result.stage_outputs[0].token_ids == [ord("c"), ord("b"), ord("a")]
+    for key in ("queue", "processor_0", "stage_0", "stage_0_ar", "processor_1", "stage_1", "stage_1_denoise"):
+        assert key in result.timings, (key, result.timings)
+    (ar,) = [iv for iv in result.intervals if iv.stage_id == 0]
+    (dit,) = [iv for iv in result.intervals if iv.stage_id == 1]
+    assert ar.end <= dit.start  # the DiT started after its source
+
+
+def test_request_defaults_come_from_resolution(deployment) -> None:
+    """The DiT stage's size defaults are the pipeline's, merged by resolution (no runtime merging)."""
+    assert deployment.stage(1).diffusion_args["height"] == 64
+
+    async def main() -> OmniResult:
+        orchestrator, _ = runtime(deployment)
+        return await (await started(orchestrator)).generate(OmniRequest(prompt="abc"))
+
+    assert run(main()).output.image.shape == (64, 64, 3)
+
+
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        (StageError("the DiT ran out of memory", stage_id=1), "the DiT ran out of memory"),
+        (StageDeadError("stage 1 (dit) replica 0 died", stage_id=1), "died"),
+        (RuntimeError("a bug"), "RuntimeError: a bug"),
+    ],
+)
+def test_a_failing_stage_fails_its_request_and_aborts_it_everywhere(deployment, failure, message) -> None:
+    def broken(request: Any) -> Any:
+        raise failure
+
+    async def main() -> tuple[OmniResult, FakePlacement]:
+        orchestrator, placement = runtime(deployment, {1: broken})
+        await started(orchestrator)
+        return await orchestrator.generate(OmniRequest(prompt="abc", request_id="r1")), placement
+
+    result, placement = run(main())
+    assert not result.ok and message in (result.error or "")
+    assert result.exception is failure
+    assert result.error_stage == (1 if isinstance(failure, StageError) else None)
+    assert all(c.aborted == ["r1"] for clients in placement.clients.values() for c in clients)
+
+
+def test_a_processor_error_fails_only_its_request(deployment) -> None:
+    async def main() -> list[OmniResult]:
+        orchestrator, _ = runtime(deployment)
+        await started(orchestrator)
+        return list(
+            await asyncio.gather(
+                orchestrator.generate(OmniRequest(prompt="")), orchestrator.generate(OmniRequest(prompt="ok"))
+            )
+        )
+
+    empty, fine = run(main())
+    assert not empty.ok and empty.error == "ValueError: the prompt is empty"
+    assert isinstance(empty.exception, ValueError)
+    assert fine.ok, fine.error
+
+
+def test_cancelling_a_request_aborts_it_in_every_stage(deployment) -> None:
+    entered = asyncio.Event()
+
+    async def stuck(request: StageDiffusionCoreRequest) -> Any:
+        entered.set()
+        await asyncio.Event().wait()
+
+    async def main() -> FakePlacement:
+        orchestrator, placement = runtime(deployment, {1: stuck})
+        await started(orchestrator)
+        task = asyncio.ensure_future(orchestrator.generate(OmniRequest(prompt="abc", request_id="gone")))
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return placement
+
+    placement = run(main())
+    (ar,), (dit,) = placement.clients[0], placement.clients[1]
+    assert dit.cancelled == ["gone"] and dit.inflight == set()
+    assert ar.aborted == ["gone"] and dit.aborted == ["gone"]
+    assert ar.served == ["gone"] and dit.served == []
+
+
+def test_max_inflight_holds_requests_back_on_their_edge(tmp_path: Path) -> None:
+    deployment = fake_deployment(tmp_path, "edges: [{from: 0, to: 1, max_inflight: 1}]\n")
+    assert deployment.edge(0, 1).max_inflight == 1
+    first_in, release_first = asyncio.Event(), asyncio.Event()
+    entered: list[str] = []
+
+    async def gated(request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
+        entered.append(request.request_id)
+        if request.request_id == "first":
+            first_in.set()
+            await release_first.wait()
+        return dit_answer(request)
+
+    async def main() -> tuple[list[OmniResult], list[str]]:
+        orchestrator, placement = runtime(deployment, {1: gated})
+        await started(orchestrator)
+        first = asyncio.ensure_future(orchestrator.generate(OmniRequest(prompt="a", request_id="first")))
+        await first_in.wait()
+        second = asyncio.ensure_future(orchestrator.generate(OmniRequest(prompt="b", request_id="second")))
+        (ar,) = placement.clients[0]
+        while "second" not in ar.served:  # the second request's AR output is ready ...
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        held = list(entered)  # ... and waits for the edge while the first is in the DiT
+        release_first.set()
+        return list(await asyncio.gather(first, second)), held
+
+    results, held = run(main())
+    assert all(r.ok for r in results)
+    assert held == ["first"] and entered == ["first", "second"]
+
+
+def test_a_stage_without_a_pool_fails_clearly(deployment) -> None:
+    async def main() -> OmniResult:
+        placement = FakePlacement()
+        stages = build_stages(deployment, {}, [0], placement=placement)
+        orchestrator = await started(Orchestrator(deployment, stages.pools))
+        return await orchestrator.generate(OmniRequest(prompt="abc"))
+
+    result = run(main())
+    assert not result.ok and "stage 1 is not served by this deployment" in (result.error or "")
+
+
+# --- the replica pool -----------------------------------------------------------------------------------
+
+
+def clients(n: int) -> list[FakeStageClient]:
+    return [FakeStageClient(1, i, "dit", dit_answer, pid=100 + i) for i in range(n)]
+
+
+def test_pool_routes_to_the_least_loaded_healthy_replica() -> None:
+    a, b, c = clients(3)
+    pool = StageReplicaPool(1, "dit", [a, b, c])
+
+    async def main() -> None:
+        await pool.start()
+        a.inflight.update({"x", "y"})
+        b.inflight.add("z")
+        c.state = StageState.RESTARTING
+        assert pool.pick() is b
+        b.inflight.update({"p", "q"})
+        assert pool.pick() is a  # fewer in flight; ties go to the lower replica id
+        a.state = b.state = StageState.DEAD
+        with pytest.raises(StageDeadError, match=r"no healthy replica .*replica 2: restarting"):
+            pool.pick()
+
+    run(main())
+
+
+def test_pool_waits_for_a_restarting_replica_and_gives_up_without_one() -> None:
+    (a,) = clients(1)
+    pool = StageReplicaPool(1, "dit", [a])
+
+    async def main() -> None:
+        await pool.start()
+        a.state = StageState.RESTARTING
+
+        async def back() -> None:
+            await asyncio.sleep(0.2)
+            a.state = StageState.READY
+
+        restarted = asyncio.ensure_future(back())
+        assert await pool.acquire(timeout=10) is a
+        await restarted
+        a.state = StageState.DEAD
+        with pytest.raises(StageDeadError):
+            await pool.acquire(timeout=10)  # nothing is recovering: no wait
+        a.state = StageState.STARTING
+        with pytest.raises(StageDeadError):
+            await pool.acquire(timeout=0.1)  # recovering, but not in time
+
+    run(main())
+
+
+def test_pool_start_failure_stops_every_replica() -> None:
+    a, b = clients(2)
+    b.start_error = StageStartError("no model files", stage_id=1)
+    pool = StageReplicaPool(1, "dit", [a, b])
+    with pytest.raises(StageStartError, match="no model files"):
+        run(pool.start())
+    assert a.shutdowns == b.shutdowns == 1 and a.state == StageState.STOPPED
+
+
+def test_pool_health_abort_and_restart_policy() -> None:
+    a, b = clients(2)
+    pool = StageReplicaPool(1, "dit", [a, b])
+    run(pool.start())
+    a.inflight.add("r")
+    b.state = StageState.RESTARTING
+    assert pool.health() == {
+        "stage_id": 1,
+        "name": "dit",
+        "healthy": True,
+        "replicas": [
+            {"replica_id": 0, "state": "ready", "inflight": 1, "restarts": 0, "pid": 100},
+            {"replica_id": 1, "state": "restarting", "inflight": 0, "restarts": 0, "pid": None},
+        ],
+    }
+    assert pool.queue_depth == 1 and not pool.awaits_worker
+    run(pool.abort(["r"]))
+    assert a.aborted == b.aborted == ["r"]
+    assert a.restart_on_death and b.restart_on_death
+    pool.stop_restarting()
+    assert not a.restart_on_death and not b.restart_on_death
+    with pytest.raises(ValueError, match="no replicas"):
+        StageReplicaPool(1, "dit", [])
+
+
+# --- replies awaited over a socket ----------------------------------------------------------------------
+
+
+def test_pending_replies_deliver_fail_and_abort_on_cancel() -> None:
+    client = FakeStageClient(1, 0, "dit", dit_answer)
+    pending = PendingReplies(client)
+    sent: list[str] = []
+
+    async def send(request_id: str) -> None:
+        sent.append(request_id)
+
+    async def main() -> None:
+        delivered = asyncio.ensure_future(pending.wait("a", send("a")))
+        await asyncio.sleep(0)
+        assert client.inflight == {"a"} and len(pending) == 1 and sent == ["a"]
+        assert pending.resolve("a", "reply")
+        assert await delivered == "reply" and client.inflight == set() and len(pending) == 0
+        assert not pending.resolve("a", "late")  # nobody waits any more
+
+        aborted = asyncio.ensure_future(pending.wait("b", send("b")))
+        await asyncio.sleep(0)
+        pending.fail(["b"])
+        with pytest.raises(RequestAbortedError):
+            await aborted
+
+        waits = [asyncio.ensure_future(pending.wait(r, send(r))) for r in ("c", "d")]
+        await asyncio.sleep(0)
+        pending.fail_all(StageDeadError("the stage died", stage_id=1))
+        for wait in waits:
+            with pytest.raises(StageDeadError, match="died"):
+                await wait
+
+        cancelled = asyncio.ensure_future(pending.wait("e", send("e")))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert client.aborted == ["e"] and client.inflight == set() and len(pending) == 0
+
+    run(main())
+
+
+# --- payloads through a connector -----------------------------------------------------------------------
+
+
+class Holder(msgspec.Struct):
+    big: Any
+    small: Any
+    nested: Any
+
+
+def test_externalize_and_internalize_round_trip() -> None:
+    connector = InProcessConnector("edge")
+    value = Holder(
+        big=torch.arange(64, dtype=torch.float32),
+        small=torch.ones(2),
+        nested={"ids": [torch.arange(32, dtype=torch.int64)], "text": "kept"},
+    )
+    wired = externalize(value, connector, min_bytes=100)
+    assert set(wired.big) == {HANDLE_KEY} and torch.equal(wired.small, torch.ones(2))  # small ones stay
+    assert set(wired.nested["ids"][0]) == {HANDLE_KEY} and wired.nested["text"] == "kept"
+    assert connector.health().outstanding == 2
+    codec = StageMessageCodec(Holder)  # what a stage process receives
+    back = internalize(codec.decode(codec.encode(wired)), connector)
+    assert torch.equal(back.big, value.big) and torch.equal(back.small, value.small)
+    assert torch.equal(back.nested["ids"][0], value.nested["ids"][0])
+    assert connector.health().outstanding == 0
+    with pytest.raises(ConnectorError, match="no value for handle"):
+        internalize(wired, connector)  # every value is read at most once
+
+
+def test_release_frees_what_will_never_be_read() -> None:
+    connector = InProcessConnector("edge")
+    wired = externalize([torch.zeros(8), {"x": torch.ones(8)}], connector)
+    assert connector.health().outstanding == 2
+    release(wired, connector)
+    assert connector.health().outstanding == 0
+
+
+def test_requests_and_outputs_through_a_connector() -> None:
+    connector = InProcessConnector("edge")
+    diffusion = DiffusionRequest(request_id="r", prompt="p", prior_token_ids=torch.arange(16))
+    request = StageDiffusionCoreRequest(request_id="r", stage_id=1, diffusion=diffusion)
+    assert send_request_through(request, None) == (request, 0.0)
+    sent, seconds = send_request_through(request, connector)
+    assert seconds >= 0 and set(sent.diffusion.prior_token_ids) == {HANDLE_KEY}
+
+    image = torch.full((4, 4, 3), 9, dtype=torch.uint8)
+    output = StageDiffusionCoreOutput(
+        request_id="r", stage_id=1, image_handle=msgspec.to_builtins(connector.put(image))
+    )
+    collect_output(output, connector)
+    assert isinstance(output.image, np.ndarray) and int(output.image.max()) == 9
+    assert output.image_handle is None and "transfer_out" in output.timings
+
+    unread = StageDiffusionCoreOutput(
+        request_id="s", stage_id=1, image_handle=msgspec.to_builtins(connector.put(image))
+    )
+    before = connector.health().outstanding
+    discard_output(unread, connector)
+    discard_output(None, connector)  # a reply without an output: nothing to free
+    assert connector.health().outstanding == before - 1
+
+
+def test_a_stage_request_error_is_a_client_error() -> None:
+    """Stage errors carry the HTTP status a server answers with."""
+    assert StageRequestError("too small").http_status == 400
+    assert StageError("bug").http_status == 500
+    assert StageDeadError("died").http_status == StageStartError("x").http_status == 503
+    assert RequestAbortedError("gone").http_status == 503
