@@ -40,9 +40,8 @@ def _engine_main(model: str, out_path: str) -> None:
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
 
-    from vllm_omni_plugin.connectors.base import ConnectorHandle, make_connector
+    from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorHandle, make_connector
     from vllm_omni_plugin.models.bagel_thinker import thinker_engine_overrides
-    from vllm_omni_plugin.stage.payload import HANDLE_KEY
     from vllm_omni_plugin.stage.processors.bagel import bagel_tokens
 
     connector = {"name": "ctx", "class": "SharedMemoryConnector", "extra": {}}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import FakePlacement, FakeStageClient, dit_answer, fake_deployment
-from vllm_omni_plugin.connectors.base import ConnectorError, InProcessConnector
+from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorError, InProcessConnector
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
@@ -28,7 +28,6 @@ from vllm_omni_plugin.stage.errors import (
 from vllm_omni_plugin.stage.factory import build_stages
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
 from vllm_omni_plugin.stage.payload import (
-    HANDLE_KEY,
     collect_output,
     discard_output,
     externalize,

@@ -47,6 +47,11 @@ class RemoteLocation(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     mem_type: str = "DRAM"
 
 
+HANDLE_KEY = "__omni_connector_handle__"
+"""A handle inside plain message data is the one-key dict ``{HANDLE_KEY: handle fields}``: whoever puts
+a value (a stage client, the AR runner's context export) and whoever fetches it agree on this form."""
+
+
 class ConnectorHandle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a control message carries in place of a value.
 

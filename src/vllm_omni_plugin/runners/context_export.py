@@ -114,7 +114,7 @@ class ContextExporter:
 
     def export_due(self, requests: dict[str, Any], static_forward_context: dict[str, Any]) -> dict[str, dict]:
         """Export every request noted this step: ``{req_id: stage outputs}``."""
-        from vllm_omni_plugin.stage.payload import HANDLE_KEY
+        from vllm_omni_plugin.connectors.base import HANDLE_KEY
 
         out: dict[str, dict] = {}
         for req_id in self._due:

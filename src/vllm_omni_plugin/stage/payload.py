@@ -14,14 +14,12 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm_omni_plugin.connectors.base import ConnectorHandle, OmniConnector
+from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorHandle, OmniConnector
 from vllm_omni_plugin.stage.core_types import (
     StageCoreOutput,
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
 )
-
-HANDLE_KEY = "__omni_connector_handle__"
 
 
 def externalize(value: Any, connector: OmniConnector, min_bytes: int = 0) -> Any:
