@@ -41,7 +41,7 @@ def _engine_main(model: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorHandle, make_connector
-    from vllm_omni_plugin.models.bagel_thinker import thinker_engine_overrides
+    from vllm_omni_plugin.models.bagel.engine_args import thinker_engine_args
     from vllm_omni_plugin.stage.processors.bagel import bagel_tokens
 
     connector = {"name": "ctx", "class": "SharedMemoryConnector", "extra": {}}
@@ -58,7 +58,7 @@ def _engine_main(model: str, out_path: str) -> None:
         worker_cls="vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker",
         scheduler_cls="vllm_omni_plugin.schedulers.omni_ar_scheduler.OmniARScheduler",
         additional_config={"omni": {"context_connector": connector}},
-        **thinker_engine_overrides(model),
+        **thinker_engine_args(model),
     )
     reader = make_connector("ctx", "SharedMemoryConnector", {})
     tok = bagel_tokens(model)

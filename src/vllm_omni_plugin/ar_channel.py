@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OMNI_KEY = "omni"
+EXPORT_CONTEXT = "export_context"
+"""``extra_args[OMNI_KEY][EXPORT_CONTEXT] = True``: export the request's whole K/V once its prompt is
+computed (KV-handoff pipelines; see ``runners/context_export.py``)."""
+CONTEXT_CONNECTOR_KEY = "context_connector"
+"""``additional_config[OMNI_KEY][CONTEXT_CONNECTOR_KEY]``: ``{"name", "class", "extra"}`` of the
+connector an AR stage exports contexts through (set by resolution)."""
 RUNNER_OUTPUT_ATTR = "omni"
 """The attribute of a ``ModelRunnerOutput`` that holds its :class:`OmniRunnerOutput`."""
 RUNNER_DROPPED_MESSAGE = "the AR stage could not rebuild this request after preemption"

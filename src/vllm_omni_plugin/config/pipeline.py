@@ -36,6 +36,15 @@ class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
     model_arch: str | None = None
     output_type: OutputType = "token_ids"
     final_output: bool = False
+    continuation: str | None = None
+    """Dotted path of ``f(output, context) -> request | None``: a stage that works on one request in
+    several rounds (BAGEL's thinker writes its plan, then builds the contexts) asks it for the next."""
+    exports_context: bool = False
+    """An AR stage that hands its KV cache over (BAGEL): resolution gives its engine the connector of
+    its output edge, through which the model runner exports each request's context."""
+    diffusion_runner: str | None = None
+    """Dotted path of the runner class of a diffusion stage whose model is not a diffusers pipeline
+    (BAGEL's generation runner); None: the runner is chosen by ``model_index.json``."""
 
 
 class DiffusionDefaults(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -67,6 +76,9 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     """Dotted path of ``f(height, width, image_to_image) -> int``: the AR tokens one image takes, so a
     server can refuse a size the AR stage's ``max_model_len`` cannot hold. None: no AR stage bounds it."""
     diffusion_defaults: DiffusionDefaults = DiffusionDefaults()
+    generation_params: tuple[str, ...] = ()
+    """Pipeline-specific generation settings a request (and the diffusion stage's
+    ``default_sampling_params``) may set, e.g. BAGEL's ``cfg_text_scale``."""
 
     def stage(self, stage_id: int) -> PipelineStage | None:
         for stage in self.stages:
@@ -179,3 +191,47 @@ GLM_IMAGE = Pipeline(
 )
 
 register_pipeline(GLM_IMAGE)
+
+BAGEL_PROCESSORS = "vllm_omni_plugin.stage.processors.bagel"
+BAGEL = Pipeline(
+    name="bagel",
+    stages=(
+        PipelineStage(
+            stage_id=0,
+            name="thinker",
+            execution_type="llm_ar",
+            input_processor=f"{BAGEL_PROCESSORS}.request2thinker",
+            continuation=f"{BAGEL_PROCESSORS}.continue_thinker",
+            engine_args_provider="vllm_omni_plugin.models.bagel.engine_args.thinker_engine_args",
+            model_arch="OmniBagelForConditionalGeneration",
+            output_type="token_ids",
+            exports_context=True,
+        ),
+        PipelineStage(
+            stage_id=1,
+            name="dit",
+            execution_type="diffusion",
+            input_sources=(0,),
+            input_processor=f"{BAGEL_PROCESSORS}.thinker2dit",
+            diffusion_runner="vllm_omni_plugin.diffusion.bagel.runner.BagelGenerationRunner",
+            output_type="image",
+            final_output=True,
+        ),
+    ),
+    architectures=("BagelForConditionalGeneration",),
+    repo_ids=("ByteDance-Seed/BAGEL-7B-MoT",),
+    default_deploy_config="bagel.yaml",
+    image_size_multiple=16,  # one latent token per 16x16 pixels
+    diffusion_defaults=DiffusionDefaults(height=1024, width=1024),
+    generation_params=(
+        "cfg_text_scale",
+        "cfg_img_scale",
+        "cfg_interval",
+        "cfg_renorm_type",
+        "cfg_renorm_min",
+        "timestep_shift",
+        "max_think_tokens",
+    ),
+)
+
+register_pipeline(BAGEL)

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.ar_channel import CONTEXT_CONNECTOR_KEY, OMNI_KEY
 from vllm_omni_plugin.config.errors import ConfigError
 from vllm_omni_plugin.config.loader import LoadedConfig, convert
 from vllm_omni_plugin.config.merge import merge_stage, set_fields
@@ -51,6 +52,7 @@ from vllm_omni_plugin.connectors import CONNECTOR_CLASSES, DEFAULT_CONNECTOR_CLA
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER, is_omni_ar_scheduler
 
+DEFAULT_COMPANION_TIMEOUT_S = 30.0
 DIFFUSION_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
 """What a diffusion stage's ``default_sampling_params`` may set: defaults of the diffusion engine for
 requests that leave them unset (a stage field of the same name wins)."""
@@ -83,6 +85,9 @@ class _Resolver:
         self.overrides = stage_overrides
         self.notes: list[str] = list(loaded.notes)
         self.where: dict[tuple[int, str], str] = dict(loaded.lines)
+        self.connectors: dict[str, ConnectorSpec] = {}
+        """The checked connectors (set by ``run`` before the stages are resolved)."""
+        self.resolved_edges: list[ResolvedEdge] = []
 
     # errors name the file (and line, where the field was written)
     def error(self, message: str, stage_id: int | None = None, field: str | None = None) -> ConfigError:
@@ -179,12 +184,28 @@ class _Resolver:
 
     # --- connectors and edges -----------------------------------------------------------------------
 
-    def checked_connectors(self) -> dict[str, ConnectorSpec]:
+    def checked_connectors(self, stages: dict[int, StageDeployConfig]) -> dict[str, ConnectorSpec]:
         """The declared connectors, each class known and its ``extra`` valid for that class: a typo there
-        is a config error now, not a stage that fails to start."""
+        is a config error now, not a stage that fails to start. A connector no stage names (e.g. a
+        vllm-omni document's ``MooncakeTransferEngineConnector``) is left out with a note: whatever its
+        class, it would have no effect."""
         from vllm_omni_plugin.connectors.base import connector_class
 
+        named = {
+            name
+            for stage in stages.values()
+            for mapping in (stage.input_connectors, stage.output_connectors)
+            for name in (mapping or {}).values()
+        }
+        checked: dict[str, ConnectorSpec] = {}
         for key, spec in self.cfg.connectors.items():
+            if key not in named and spec.name not in CONNECTOR_CLASSES:
+                self.notes.append(
+                    f"{self.loaded.source}: connector {key!r} ({spec.name}) is defined but no stage uses it; "
+                    "ignored"
+                )
+                continue
+            checked[key] = spec
             if spec.name not in CONNECTOR_CLASSES:
                 raise self.doc_error(
                     f"unknown connector class {spec.name!r} (known: {', '.join(sorted(CONNECTOR_CLASSES))})",
@@ -201,7 +222,7 @@ class _Resolver:
                 line_of=self.loaded.locate,
                 prefix=("connectors", key, "extra"),
             )
-        return dict(self.cfg.connectors)
+        return checked
 
     def pipeline_edges(self) -> list[tuple[int, int]]:
         return [(src, s.stage_id) for s in self.pipeline.stages for src in s.input_sources]
@@ -481,7 +502,31 @@ class _Resolver:
             provided = import_object(fixed.engine_args_provider)(args["model"])
             args.update({k: v for k, v in provided.items() if k not in extras})
         args.update(extras)
+        if fixed.exports_context:
+            args["additional_config"] = self.context_connector_config(stage, extras.get("additional_config"))
         return dict(sorted(args.items()))
+
+    def context_connector_config(self, stage: StageDeployConfig, additional: Any) -> dict[str, Any]:
+        """``additional_config`` for an AR stage that exports contexts: the connector of its output edge
+        (the model runner puts each context there; the next stage's processes read it back)."""
+        edge = next(
+            (e for e in self.resolved_edges if e.from_stage == stage.stage_id and e.to != ROUTER), None
+        )
+        if edge is None:
+            raise self.error("this stage hands its KV cache over but has no output edge", stage.stage_id)
+        spec = self.connectors[edge.connector]
+        if spec.name == "InProcessConnector":
+            raise self.error(
+                f"connector {edge.connector!r} is an InProcessConnector; the AR stage's context export runs "
+                "in the vLLM worker process, so this edge needs SharedMemoryConnector or NixlConnector",
+                stage.stage_id,
+                "output_connectors",
+            )
+        out = dict(additional) if isinstance(additional, dict) else {}
+        omni = dict(out.get(OMNI_KEY) or {})
+        omni[CONTEXT_CONNECTOR_KEY] = {"name": edge.connector, "class": spec.name, "extra": dict(spec.extra)}
+        out[OMNI_KEY] = omni
+        return out
 
     def diffusion_args(self, stage: StageDeployConfig, sampling: dict[str, Any]) -> dict[str, Any]:
         """The diffusion worker's arguments, with its request defaults merged here once: the stage's
@@ -496,6 +541,9 @@ class _Resolver:
             "max_batch_size": stage.max_batch_size or 1,
             "worker_cls": self.platform.diffusion_worker_cls,
         }
+        fixed = self.pipeline.stage(stage.stage_id)
+        if fixed is not None and fixed.diffusion_runner:
+            args["runner_cls"] = fixed.diffusion_runner
         for name in DIFFUSION_ENGINE_FIELDS:
             if getattr(stage, name) is not None:
                 args[name] = getattr(stage, name)
@@ -510,11 +558,12 @@ class _Resolver:
         params = dict(stage.default_sampling_params or {})
         sid = stage.stage_id
         if fixed.execution_type == "diffusion":
-            unknown = sorted(set(params) - set(DIFFUSION_DEFAULT_KEYS))
+            known = {*DIFFUSION_DEFAULT_KEYS, *self.pipeline.generation_params}
+            unknown = sorted(set(params) - known)
             if unknown:
                 raise self.error(
                     f"unknown diffusion sampling parameter(s) {', '.join(unknown)}, which would have no "
-                    f"effect (known: {', '.join(sorted(DIFFUSION_DEFAULT_KEYS))})",
+                    f"effect (known: {', '.join(sorted(known))})",
                     sid,
                     "default_sampling_params",
                 )
@@ -571,6 +620,8 @@ class _Resolver:
             engine_args=engine_args,
             diffusion_args={} if is_ar else self.diffusion_args(stage, sampling),
             headless=headless,
+            continuation=fixed.continuation,
+            companion_timeout_s=stage.companion_timeout_s or DEFAULT_COMPANION_TIMEOUT_S,
         )
 
     @staticmethod
@@ -604,9 +655,10 @@ class _Resolver:
                 ("async_chunk",),
             )
         stages = self.layered_stages()
-        connectors = self.checked_connectors()
+        connectors = self.checked_connectors(stages)
         ios = self.stage_connectors(stages, connectors)
         edges = self.resolve_edges(ios, connectors)
+        self.connectors, self.resolved_edges = connectors, edges
         resolved = [
             self.resolve_stage(stages[f.stage_id], f, ios[f.stage_id], connectors) for f in pipeline.stages
         ]

@@ -62,6 +62,10 @@ class ResolvedStage(msgspec.Struct, kw_only=True):
     fields, else its ``default_sampling_params``, else the pipeline's diffusion defaults)."""
     headless: bool = False
     """Served by a headless worker that registers with the head (see ``StageDeployConfig.headless``)."""
+    continuation: str | None = None
+    """The pipeline's next-round function for this stage (see ``PipelineStage.continuation``)."""
+    companion_timeout_s: float = 30.0
+    """AR stages: how long a request's companion requests may take after its main one."""
 
 
 class ResolvedDeployment(msgspec.Struct, kw_only=True):

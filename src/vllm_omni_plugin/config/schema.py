@@ -70,6 +70,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     async_scheduling: bool | None = None
     tensor_parallel_size: PositiveInt | None = None
     allow_custom_scheduler: bool | None = None
+    companion_timeout_s: PositiveFloat | None = None
+    """AR stages of KV-handoff pipelines: seconds a request's other contexts (companion requests) may
+    take once its main one is done, before the request fails naming the missing ones (default 30)."""
     input_connectors: dict[str, str] | None = None
     """Keyed ``from_stage_N``: the connector this stage reads stage N's output through."""
     output_connectors: dict[str, str] | None = None
@@ -147,6 +150,7 @@ AR_ONLY_FIELDS: frozenset[str] = frozenset(
         "tensor_parallel_size",
         "enable_prefix_caching",
         "allow_custom_scheduler",
+        "companion_timeout_s",
         "engine_extras",
     }
 )

@@ -22,6 +22,7 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.diffusion.pipelines import DiffusersPipelineRunner, load_pipeline_runner
+from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
@@ -76,6 +77,7 @@ class DiffusionEngine:
         trust_remote_code: bool = False,
         enforce_eager: bool = True,
         runner: DiffusersPipelineRunner | None = None,
+        runner_cls: str | None = None,
     ) -> None:
         import torch
 
@@ -87,12 +89,18 @@ class DiffusionEngine:
         self.max_batch_size = max_batch_size
         self.batch_invariant = batch_invariant
         start = time.perf_counter()
+        if runner is None and runner_cls:  # a runner the pipeline names (its model is no diffusers pipeline)
+            runner = import_object(runner_cls).load(self.model, dtype=self.dtype, device=self.device)
         self.runner = runner or load_pipeline_runner(self.model, dtype=self.dtype, device=self.device)
         self.load_seconds = time.perf_counter() - start
-        runner_cls = type(self.runner)
-        self.num_inference_steps = num_inference_steps or runner_cls.default_num_inference_steps
-        self.guidance_scale = runner_cls.default_guidance_scale if guidance_scale is None else guidance_scale
-        default_h, default_w = runner_cls.default_size or (None, None)
+        kind = type(self.runner)
+        self.request_type: type = getattr(kind, "request_type", DiffusionRequest)
+        """What this engine's runner takes (``DiffusionRequest`` for diffusers pipelines)."""
+        self.num_inference_steps = num_inference_steps or getattr(kind, "default_num_inference_steps", None)
+        self.guidance_scale = (
+            getattr(kind, "default_guidance_scale", None) if guidance_scale is None else guidance_scale
+        )
+        default_h, default_w = getattr(kind, "default_size", None) or (None, None)
         self.height = height or default_h
         self.width = width or default_w
         self._seeds = random.Random(seed)
@@ -101,7 +109,7 @@ class DiffusionEngine:
         logger.info(
             "diffusion engine: %s (%s) on %s, %s, max_batch_size %d%s, load %.2f s",
             self.model,
-            runner_cls.pipeline_class,
+            getattr(kind, "pipeline_class", kind.__name__),
             self.device,
             self.dtype,
             max_batch_size,
@@ -111,8 +119,14 @@ class DiffusionEngine:
 
     # --- requests ----------------------------------------------------------------------------------
 
-    def _resolve(self, request: DiffusionRequest) -> DiffusionRequest:
-        """The request with every default filled in (and a seed drawn when it has none)."""
+    def _resolve(self, request: Any) -> Any:
+        """The request with every default filled in (and a seed drawn when it has none). A runner with
+        its own request type fills its defaults itself (``prepare``)."""
+        if not isinstance(request, DiffusionRequest):
+            if request.seed is None:
+                request = msgspec.structs.replace(request, seed=self._seeds.randint(0, MAX_SEED))
+            prepare = getattr(self.runner, "prepare", None)
+            return prepare(request) if prepare is not None else request
         return msgspec.structs.replace(
             request,
             height=request.height or self.height,
@@ -122,7 +136,9 @@ class DiffusionEngine:
             seed=self._seeds.randint(0, MAX_SEED) if request.seed is None else request.seed,
         )
 
-    def _batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
+    def _batch_key(self, request: Any) -> tuple[Any, ...]:
+        if not isinstance(request, DiffusionRequest):
+            return tuple(self.runner.batch_key(request))
         common = (
             request.height,
             request.width,
@@ -188,7 +204,8 @@ class DiffusionEngine:
             return [self._failed(batch[0], exc, batch_size=1)]
         results = []
         for i, request in enumerate(batch):
-            latents = out.latents[i] if request.return_latents and out.latents is not None else None
+            wants_latents = getattr(request, "return_latents", False)
+            latents = out.latents[i] if wants_latents and out.latents is not None else None
             results.append(
                 DiffusionResult(
                     request_id=request.request_id,

@@ -80,39 +80,11 @@ from vllm_omni_plugin.runners.paged_kv import gather_tokens, key_value_blocks
 
 VAE_KWARG = "bagel_vae"
 """``mm_processor_kwargs`` key: False sends an image as a ViT block only (understanding)."""
-ARCHITECTURE = "OmniBagelForConditionalGeneration"
 
 
 @functools.lru_cache(maxsize=4)
 def bagel_config(model_dir: str) -> BagelConfig:
     return load_bagel_config(model_dir)
-
-
-def mrope_section(head_dim: int) -> list[int]:
-    """Three sections covering the rotary half of a head: with identical position rows, M-RoPE is
-    BAGEL's 1-D RoPE whatever the split."""
-    half = head_dim // 2
-    side = half * 3 // 8
-    return [half - 2 * side, side, side]
-
-
-def thinker_engine_overrides(model_dir: str) -> dict[str, Any]:
-    """EngineArgs the pipeline sets for the thinker: our architecture (stock vLLM's name stays with
-    stock vLLM's class) and an M-RoPE section that carries BAGEL's block positions."""
-    cfg = bagel_config(model_dir)
-    rope = {
-        "rope_type": "default",
-        "rope_theta": cfg.llm.rope_theta,
-        "mrope_section": mrope_section(cfg.llm.head_dim),
-    }
-    return {
-        "hf_overrides": {
-            "architectures": [ARCHITECTURE],
-            "rope_parameters": rope,
-            "llm_config": {"rope_parameters": dict(rope), "qk_norm": True, "tie_word_embeddings": False},
-        },
-        "disable_chunked_mm_input": True,
-    }
 
 
 # --- positions ------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ to the next stage. A request asks for it with ``SamplingParams.extra_args["omni"
 In the step that computes the last token of its prompt, after the forward pass wrote the prompt's
 K/V into the paged cache, the runner copies every layer's keys and values of the request into one
 contiguous tensor ``[num_layers, 2, prompt_len, kv_heads, head_dim]``, puts it into the connector of
-the AR stage's output edge (shared memory or NIXL, configured through
+the AR stage's output edge (shared memory or NIXL; configuration resolution names it in
 ``additional_config["omni"]["context_connector"]``) and returns the handle as a stage output::
 
     {"context": {"kv": {HANDLE_KEY: handle}, "kv_len": prompt_len, "rope": next_position}}
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
+from vllm_omni_plugin.ar_channel import CONTEXT_CONNECTOR_KEY, EXPORT_CONTEXT, OMNI_KEY, omni_extra_args
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.runners.paged_kv import gather_tokens, key_value_blocks
 
@@ -31,16 +32,9 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-OMNI_KEY = "omni"
-EXPORT_FLAG = "export_context"
-CONNECTOR_CONFIG_KEY = "context_connector"
-"""``additional_config["omni"]["context_connector"]``: the edge connector's ``{"name", "class", "extra"}``."""
-
 
 def wants_export(sampling_params: Any) -> bool:
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    omni = extra.get(OMNI_KEY) or {}
-    return isinstance(omni, dict) and bool(omni.get(EXPORT_FLAG))
+    return bool(omni_extra_args(sampling_params).get(EXPORT_CONTEXT))
 
 
 class ContextExporter:
@@ -49,7 +43,7 @@ class ContextExporter:
     def __init__(self, vllm_config: Any) -> None:
         additional = getattr(vllm_config, "additional_config", None) or {}
         omni = additional.get(OMNI_KEY) if isinstance(additional, dict) else None
-        self.connector_spec: dict[str, Any] | None = (omni or {}).get(CONNECTOR_CONFIG_KEY)
+        self.connector_spec: dict[str, Any] | None = (omni or {}).get(CONTEXT_CONNECTOR_KEY)
         self._connector: OmniConnector | None = None
         self._due: list[str] = []
         self._layers: list[Any] | None = None

@@ -23,6 +23,14 @@ class StageLLMCoreRequest(StageCoreRequest, kw_only=True, tag="llm_request"):
     prompt_token_ids: list[int]
     sampling_params: dict[str, Any] = {}
     multi_modal_data: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Per-request arguments of the model's multimodal processor (e.g. BAGEL's ``bagel_vae``)."""
+    companions: dict[str, StageLLMCoreRequest] = {}
+    """Requests that belong to this one and run beside it in the same engine (a KV-handoff pipeline's
+    other contexts, by name); their outputs come back in the output's ``companions``, all or none."""
+    companion_timeout_s: float = 30.0
+    """How long the companions may take once the main request is done before the request fails with
+    the names of those missing."""
 
 
 class StageDiffusionCoreRequest(StageCoreRequest, kw_only=True, tag="diffusion_request"):
@@ -60,6 +68,8 @@ class StageLLMCoreOutput(StageCoreOutput, kw_only=True, tag="llm_output"):
     finish_reason: str | None = None
     stage_outputs: dict[str, Any] = {}
     """Per-request outputs of the AR worker beyond tokens (e.g. source-image prior tokens)."""
+    companions: dict[str, StageLLMCoreOutput] = {}
+    """The outputs of the request's companions, by name."""
 
 
 class StageDiffusionCoreOutput(StageCoreOutput, kw_only=True, tag="diffusion_output"):

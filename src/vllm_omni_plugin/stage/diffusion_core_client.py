@@ -234,8 +234,6 @@ class InlineStageDiffusionClient(StageCoreClientBase):
         self.state = StageState.READY
 
     def _run(self) -> None:
-        from vllm_omni_plugin.diffusion.params import DiffusionRequest
-
         max_batch = max(1, int(self.diffusion_args.get("max_batch_size", 1)))
         while True:
             item = self._queue.get()
@@ -255,7 +253,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
             if not batch:
                 continue
             try:
-                requests = [msgspec.convert(b[0].diffusion, DiffusionRequest) for b in batch]
+                requests = [msgspec.convert(b[0].diffusion, self._engine.request_type) for b in batch]
                 results = {r.request_id: r for r in self._engine.generate(requests)}
             except Exception as exc:  # a batch that cannot even be converted fails its requests only
                 for _message, future, loop in batch:

@@ -153,8 +153,6 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig, parent_pid: 
 def _run_batch(
     engine: Any, batch: list[StageDiffusionCoreRequest], stage_id: int, connector: Any, input_connector: Any
 ) -> list[StageDiffusionCoreOutput]:
-    from vllm_omni_plugin.diffusion.params import DiffusionRequest
-
     requests = []
     transfer: dict[str, float] = {}
     outputs: dict[str, StageDiffusionCoreOutput] = {}
@@ -165,7 +163,7 @@ def _run_batch(
                 t0 = time.perf_counter()
                 fields = internalize(fields, input_connector)
                 transfer[message.request_id] = time.perf_counter() - t0
-            requests.append(msgspec.convert(fields, DiffusionRequest))
+            requests.append(msgspec.convert(fields, engine.request_type))
         except Exception as exc:  # a bad or lost payload fails this request only
             outputs[message.request_id] = StageDiffusionCoreOutput(
                 request_id=message.request_id, stage_id=stage_id, error=f"bad diffusion request: {exc}"

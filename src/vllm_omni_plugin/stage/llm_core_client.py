@@ -104,12 +104,42 @@ class StageLLMCoreClient(StageCoreClientBase):
         return SamplingParams(**{**self.default_sampling_params, **overrides})
 
     async def generate(self, request: StageLLMCoreRequest) -> StageLLMCoreOutput:
+        """Run a request, and its companions beside it in the same engine (all must finish)."""
+        if not request.companions:
+            return await self._run(request)
+        main = asyncio.ensure_future(self._run(request))
+        companions = {name: asyncio.ensure_future(self._run(r)) for name, r in request.companions.items()}
+        everything = [main, *companions.values()]
+        try:
+            output = await main
+            if companions:
+                done, pending = await asyncio.wait(companions.values(), timeout=request.companion_timeout_s)
+                if pending:
+                    missing = sorted(name for name, task in companions.items() if task in pending)
+                    raise StageError(
+                        f"the {', '.join(missing)} context(s) of this request did not arrive within "
+                        f"{request.companion_timeout_s:g} s of the main one",
+                        stage_id=self.stage_id,
+                        request_id=request.request_id,
+                    )
+            output.companions = {name: task.result() for name, task in companions.items()}
+            return output
+        finally:
+            for task in everything:
+                if not task.done():
+                    task.cancel()
+            # Settle every task (a failure of one is the request's failure, already raised).
+            await asyncio.gather(*everything, return_exceptions=True)
+
+    async def _run(self, request: StageLLMCoreRequest) -> StageLLMCoreOutput:
         if self.state != StageState.READY or self.engine is None:
             raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
         EngineDeadError = resolve("EngineDeadError")
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.multi_modal_data:
             prompt["multi_modal_data"] = request.multi_modal_data
+        if request.mm_processor_kwargs:
+            prompt["mm_processor_kwargs"] = request.mm_processor_kwargs
         try:
             params = self.sampling_params(request.sampling_params)
         except Exception as exc:

@@ -43,6 +43,15 @@ class OmniRequest:
     """Source images for image-to-image (PIL images or uint8 arrays)."""
     sampling_params: dict[str, Any] = field(default_factory=dict)
     """AR sampling overrides (e.g. ``{"temperature": 0}`` for greedy decoding)."""
+    modality: str = "image"
+    """What the client wants back: ``"image"``, or ``"text"`` from pipelines whose AR stage can answer in
+    text (BAGEL's understanding and chat; the later stages are then skipped)."""
+    think: bool | None = None
+    """Let the AR stage write its reasoning or plan first (BAGEL's think mode); None: the deployment's
+    default."""
+    generation_params: dict[str, Any] = field(default_factory=dict)
+    """The pipeline's own generation settings (e.g. BAGEL's ``cfg_text_scale``); the pipeline's
+    processors read and check them."""
     return_latents: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -68,6 +77,8 @@ class OmniResult:
     timings: dict[str, float] = field(default_factory=dict)
     intervals: list[StageInterval] = field(default_factory=list)
     stage_outputs: dict[int, Any] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+    """What the pipeline's processors recorded for the client (e.g. BAGEL's ``think_text``)."""
 
     @property
     def ok(self) -> bool:
@@ -82,6 +93,8 @@ class ProcessorContext:
     deployment: ResolvedDeployment
     stage_id: int
     request: OmniRequest
+    notes: dict[str, Any] = field(default_factory=dict)
+    """Shared by every processor call of one request and returned with its result (``OmniResult.notes``)."""
 
 
 class Orchestrator:
@@ -92,6 +105,11 @@ class Orchestrator:
         self.processors = {
             s.stage_id: import_object(s.input_processor) for s in deployment.stages if s.input_processor
         }
+        self.continuations = {
+            s.stage_id: import_object(s.continuation) for s in deployment.stages if s.continuation
+        }
+        """Stages that may work on a request in more than one round (``f(output, context)`` returns the
+        next round's request, or None when the stage is done)."""
         self.final_stage = next(s.stage_id for s in deployment.stages if s.final_output)
         self.edge_limits = {
             (e.from_stage, e.to): asyncio.Semaphore(e.max_inflight)
@@ -116,7 +134,7 @@ class Orchestrator:
         ]
         try:
             await asyncio.gather(*tasks)
-            result.output = done[self.final_stage].result()
+            result.output = self._final_output(done)
         except asyncio.CancelledError:
             await self._abort(request.request_id, tasks)
             raise
@@ -133,6 +151,17 @@ class Orchestrator:
         result.timings["total"] = time.perf_counter() - start
         return result
 
+    def _final_output(self, done: dict[int, asyncio.Future[Any]]) -> Any:
+        """The final stage's output; when a processor skipped it (None), the output of the stage that
+        answered instead (e.g. BAGEL's thinker for a text request)."""
+        stage_id = self.final_stage
+        while True:
+            output = done[stage_id].result()
+            sources = self.stages[stage_id].input_sources
+            if output is not None or not sources:
+                return output
+            stage_id = sources[0]
+
     async def _run_stage(
         self, stage_id: int, request: OmniRequest, done: dict[int, asyncio.Future[Any]], result: OmniResult
     ) -> None:
@@ -144,13 +173,23 @@ class Orchestrator:
                 processor = self.processors.get(stage_id)
                 if processor is None:
                     raise StageError(f"stage {stage_id} has no input processor", stage_id=stage_id)
-                context = ProcessorContext(self.deployment.model, self.deployment, stage_id, request)
+                context = ProcessorContext(
+                    self.deployment.model, self.deployment, stage_id, request, result.notes
+                )
                 stage_request = processor(sources, context)
                 t1 = time.perf_counter()
                 result.timings[f"processor_{stage_id}"] = t1 - t0
+                if stage_request is None:  # nothing for this stage to do for this request
+                    done[stage_id].set_result(None)
+                    return
                 if stage_id not in self.pools:
                     raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
                 output = await self.pools[stage_id].generate(stage_request)
+                continuation = self.continuations.get(stage_id)
+                while (
+                    continuation is not None and (stage_request := continuation(output, context)) is not None
+                ):
+                    output = await self.pools[stage_id].generate(stage_request)
                 t2 = time.perf_counter()
             result.intervals.append(StageInterval(stage_id, t1, t2))
             result.timings[f"stage_{stage_id}"] = t2 - t1

@@ -23,6 +23,10 @@ class BagelContext(msgspec.Struct, kw_only=True):
     kv_len: int = 0
     rope: int = 0
     """The next RoPE position: the whole generated image block sits at this position."""
+    prefix_of: str | None = None
+    """``"cond"``: this context is the first ``kv_len`` tokens of the request's ``cond`` context (an
+    edit's image-only context, or text-to-image's ``cfg_img``, which is ``cond`` itself); no tensor
+    travels for it. The runner's ``prepare`` makes it a view of ``cond``."""
 
     @classmethod
     def empty(cls) -> BagelContext:

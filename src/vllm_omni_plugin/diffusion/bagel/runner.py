@@ -17,6 +17,7 @@ import math
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from vllm_omni_plugin.diffusion.bagel.request import (
@@ -58,7 +59,11 @@ class BagelGenerationRunner:
     Use: ``runner = BagelGenerationRunner.load(model_dir, dtype=..., device=...)``; for each request
     ``runner.validate(r)`` (``ValueError`` naming the problem); batch requests with equal
     ``runner.batch_key(r)``; ``runner.run(batch, generators)`` with one CPU ``torch.Generator`` per request.
+    A request that arrived from the thinker stage first goes through ``prepare`` (shared contexts).
     """
+
+    request_type = BagelGenerationRequest
+    """What the diffusion engine converts incoming requests to."""
 
     def __init__(
         self,
@@ -106,6 +111,26 @@ class BagelGenerationRunner:
         )
 
     # --- per-request hooks -------------------------------------------------------------------------
+
+    def prepare(self, request: BagelGenerationRequest) -> BagelGenerationRequest:
+        """Contexts sent as a prefix of ``cond`` (``prefix_of``) become views of its tensor."""
+        shared = {
+            name: ctx
+            for name in ("cfg_text", "cfg_img")
+            if (ctx := getattr(request, name)) is not None and ctx.prefix_of is not None
+        }
+        if not shared:
+            return request
+        changes = {}
+        for name, ctx in shared.items():
+            if ctx.prefix_of != "cond":
+                raise ValueError(f"{name} is a prefix of {ctx.prefix_of!r}; only cond can be shared")
+            cond = request.cond
+            if ctx.kv_len > cond.kv_len:
+                raise ValueError(f"{name} keeps {ctx.kv_len} tokens of cond, which has {cond.kv_len}")
+            kv = None if cond.kv is None or ctx.kv_len == 0 else cond.kv[:, :, : ctx.kv_len]
+            changes[name] = BagelContext(kv=kv, kv_len=ctx.kv_len, rope=ctx.rope)
+        return msgspec.structs.replace(request, **changes)
 
     def validate(self, request: BagelGenerationRequest) -> None:
         """Raise ``ValueError`` naming what is wrong; run before batching, so one bad request fails alone."""

@@ -31,12 +31,13 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.ar_channel import EXPORT_CONTEXT, OMNI_KEY
 from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreRequest,
     StageLLMCoreOutput,
     StageLLMCoreRequest,
 )
-from vllm_omni_plugin.stage.errors import StageError
+from vllm_omni_plugin.stage.errors import StageError, StageRequestError
 
 VLM_THINK_SYSTEM_PROMPT = (
     "You should first think about the reasoning process in the mind and then provide the user with the "
@@ -52,7 +53,7 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CONTEXTS = ("cond", "cfg_text", "cfg_img")
 DEFAULT_MAX_THINK_TOKENS = 1000
 DEFAULT_MAX_TEXT_TOKENS = 512
-EXPORT = {"omni": {"export_context": True}}
+EXPORT = {OMNI_KEY: {EXPORT_CONTEXT: True}}
 
 
 def unwrap_text(text: str) -> str:
@@ -155,8 +156,21 @@ def _config(model_dir: str) -> Any:
     return load_bagel_config(model_dir)
 
 
-def _omni_params(request: Any) -> dict[str, Any]:
-    return dict(getattr(request, "generation_params", None) or {})
+def _dit_stage(deployment: Any) -> Any:
+    return next(s for s in deployment.stages if s.execution_type == "diffusion")
+
+
+def settings(context: Any) -> dict[str, Any]:
+    """The request's BAGEL generation settings over the deploy config's (the DiT stage's
+    ``default_sampling_params``, where the pipeline's own settings live)."""
+    defaults = dict(_dit_stage(context.deployment).default_sampling_params)
+    return {**defaults, **dict(getattr(context.request, "generation_params", None) or {})}
+
+
+def thinks(context: Any) -> bool:
+    """Think mode: the request says, else the deploy config's ``think`` (``deploy/bagel_think.yaml``)."""
+    request = context.request
+    return bool(settings(context).get("think", False) if request.think is None else request.think)
 
 
 def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreRequest:
@@ -170,7 +184,7 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
         user.setdefault("seed", request.seed)
     mm = {"image": images} if images else None
     if getattr(request, "modality", "image") == "text":
-        system = tokens.segment(VLM_THINK_SYSTEM_PROMPT) if request.think else []
+        system = tokens.segment(VLM_THINK_SYSTEM_PROMPT) if thinks(context) else []
         ids = system + [tokens.image_pad] * len(images) + tokens.segment(prompt) + [tokens.bos]
         return StageLLMCoreRequest(
             request_id=request.request_id,
@@ -186,9 +200,11 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
             multi_modal_data=mm,
             mm_processor_kwargs={"bagel_vae": False} if images else None,
         )
-    plan = plan_contexts(tokens, prompt, len(images), request.negative_prompt, bool(request.think))
-    if request.think:  # write the plan first; continue_thinker then builds the contexts
-        max_think = int(_omni_params(request).get("max_think_tokens") or DEFAULT_MAX_THINK_TOKENS)
+    think = thinks(context)
+    plan = plan_contexts(tokens, prompt, len(images), request.negative_prompt, think)
+    if think:  # write the plan first; continue_thinker then builds the contexts
+        # BAGEL's max_think_token_n counts the start token: 1000 lets it write 999 tokens.
+        max_think = int(settings(context).get("max_think_tokens") or DEFAULT_MAX_THINK_TOKENS) - 1
         return StageLLMCoreRequest(
             request_id=request.request_id,
             stage_id=context.stage_id,
@@ -202,14 +218,15 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
             },
             multi_modal_data=mm,
         )
-    return _context_request(request, context.stage_id, plan, plan.main, mm)
+    return _context_request(request, context, plan, plan.main, mm)
 
 
 def _context_request(
-    request: Any, stage_id: int, plan: ContextPlan, cond: list[int], mm: dict[str, Any] | None
+    request: Any, context: Any, plan: ContextPlan, cond: list[int], mm: dict[str, Any] | None
 ) -> StageLLMCoreRequest:
     """The request that builds ``cond`` and its companions, each exporting its context."""
     export = {"max_tokens": 1, "temperature": 0.0, "detokenize": False, "extra_args": EXPORT}
+    stage_id = context.stage_id
     companions = {
         name: StageLLMCoreRequest(
             request_id=f"{request.request_id}:{name}",
@@ -227,6 +244,7 @@ def _context_request(
         sampling_params=export,
         multi_modal_data=mm,
         companions=companions,
+        companion_timeout_s=context.deployment.stage(stage_id).companion_timeout_s,
     )
 
 
@@ -235,7 +253,7 @@ def continue_thinker(output: StageLLMCoreOutput, context: Any) -> StageLLMCoreRe
     encoded again, as BAGEL does) appended to ``cond``. None when the thinker is done."""
     request = context.request
     if (
-        not request.think
+        not thinks(context)
         or getattr(request, "modality", "image") == "text"
         or "context" in output.stage_outputs
     ):
@@ -246,9 +264,7 @@ def continue_thinker(output: StageLLMCoreOutput, context: Any) -> StageLLMCoreRe
     plan_text = tokens.decode(output.token_ids)
     context.notes["think_text"] = plan_text
     cond = plan.main + tokens.segment(plan_text)
-    return _context_request(
-        request, context.stage_id, plan, cond, {"image": list(request.images)} if images else None
-    )
+    return _context_request(request, context, plan, cond, {"image": list(request.images)} if images else None)
 
 
 # --- thinker -> DiT ----------------------------------------------------------------------------------
@@ -275,18 +291,20 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
     tokens = bagel_tokens(context.model)
     images = list(request.images or [])
     plan = plan_contexts(
-        tokens, unwrap_text(request.prompt), len(images), request.negative_prompt, bool(request.think)
+        tokens, unwrap_text(request.prompt), len(images), request.negative_prompt, thinks(context)
     )
     cond = _context_of(output, "cond")
     contexts = {"cond": BagelContext(kv=cond["kv"], kv_len=int(cond["kv_len"]), rope=int(cond["rope"]))}
     for name in plan.empty:
         contexts[name] = BagelContext.empty()
-    for name in plan.same_as_cond:
-        contexts[name] = contexts["cond"]
+    for name in plan.same_as_cond:  # the same tensor travels once
+        contexts[name] = BagelContext(
+            kv_len=contexts["cond"].kv_len, rope=contexts["cond"].rope, prefix_of="cond"
+        )
     image_tokens = sum(image_block_tokens(context.model, image) for image in images)
     for name, (text_kept, images_kept) in plan.prefixes.items():
         length = text_kept + (image_tokens if images_kept else 0)
-        contexts[name] = BagelContext(kv=cond["kv"], kv_len=length, rope=text_kept + 2 * images_kept)
+        contexts[name] = BagelContext(kv_len=length, rope=text_kept + 2 * images_kept, prefix_of="cond")
     missing = [name for name in plan.companions if name not in (output.companions or {})]
     if missing:
         raise StageError(
@@ -295,7 +313,7 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
     for name in plan.companions:
         ctx = _context_of(output.companions[name], name)
         contexts[name] = BagelContext(kv=ctx["kv"], kv_len=int(ctx["kv_len"]), rope=int(ctx["rope"]))
-    height, width = generation_size(request, context.model)
+    height, width = generation_size(context)
     generation = BagelGenerationRequest(
         request_id=request.request_id,
         cond=contexts["cond"],
@@ -303,7 +321,7 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
         cfg_img=contexts["cfg_img"],
         height=height,
         width=width,
-        sampling=dit_sampling(request, context.deployment, bool(images)),
+        sampling=dit_sampling(context, bool(images)),
         seed=request.seed,
     )
     return StageDiffusionCoreRequest(
@@ -311,31 +329,36 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
     )
 
 
-def dit_sampling(request: Any, deployment: Any, edit: bool) -> Any:
-    """BAGEL's generation settings: the authors' defaults for the mode, then the deploy config's DiT
-    defaults, then the request's own values."""
+def dit_sampling(context: Any, edit: bool) -> Any:
+    """BAGEL's generation settings: the request's, else the deploy config's, else the authors' defaults
+    for the mode (text-to-image or edit)."""
     from vllm_omni_plugin.diffusion.bagel.request import EDIT_DEFAULTS, T2I_DEFAULTS, BagelSampling
 
-    base = msgspec.structs.asdict(EDIT_DEFAULTS if edit else T2I_DEFAULTS)
-    dit = next((s for s in deployment.stages if s.execution_type == "diffusion"), None)
-    defaults = dict(dit.default_sampling_params) if dit is not None else {}
-    params = {**base, **{k: v for k, v in defaults.items() if k in base}}
-    params.update({k: v for k, v in _omni_params(request).items() if k in base})
-    if request.num_inference_steps is not None:
-        params["num_inference_steps"] = request.num_inference_steps
+    params = msgspec.structs.asdict(EDIT_DEFAULTS if edit else T2I_DEFAULTS)
+    steps = _dit_stage(context.deployment).diffusion_args.get("num_inference_steps")
+    if steps is not None:
+        params["num_inference_steps"] = steps
+    params.update({k: v for k, v in settings(context).items() if k in params})
+    if context.request.num_inference_steps is not None:
+        params["num_inference_steps"] = context.request.num_inference_steps
     params["cfg_interval"] = tuple(params["cfg_interval"])
     try:
         return msgspec.convert(params, BagelSampling)
     except msgspec.ValidationError as exc:
-        raise StageError(f"bad BAGEL generation parameter: {exc}") from None
+        raise StageRequestError(f"bad BAGEL generation setting: {exc}", stage_id=context.stage_id) from None
 
 
-def generation_size(request: Any, model_dir: str) -> tuple[int, int]:
+def generation_size(context: Any) -> tuple[int, int]:
     """The output size: an edit keeps its input's size after BAGEL's VAE resize; text-to-image takes the
-    request's size (default 1024x1024)."""
+    request's size, else the DiT stage's (the pipeline's default: 1024x1024)."""
     from vllm_omni_plugin.models.bagel.transforms import ImageTransform, as_pil
 
+    request = context.request
     if request.images:
-        width, height = ImageTransform(_config(model_dir).vae_transform).size(*as_pil(request.images[0]).size)
+        spec = _config(context.model).vae_transform
+        width, height = ImageTransform(spec).size(*as_pil(request.images[0]).size)
         return int(height), int(width)
-    return int(request.height or 1024), int(request.width or 1024)
+    defaults = _dit_stage(context.deployment).diffusion_args
+    return int(request.height or defaults.get("height") or 1024), int(
+        request.width or defaults.get("width") or 1024
+    )
