@@ -119,8 +119,16 @@ def test_packaged_configs_exist() -> None:
     assert {"glm_image.yaml", "glm_image_nixl.yaml", "tiny_glm_image_cpu.yaml"} <= names
 
 
+GLM_IMAGE_CONFIGS = [p for p in packaged_deploy_configs() if "glm_image" in p.name]
+BAGEL_CONFIGS = [p for p in packaged_deploy_configs() if "bagel" in p.name]
+
+
+def test_every_packaged_config_is_tested() -> None:
+    assert set(packaged_deploy_configs()) == set(GLM_IMAGE_CONFIGS) | set(BAGEL_CONFIGS)
+
+
 @pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])
-@pytest.mark.parametrize("path", packaged_deploy_configs(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GLM_IMAGE_CONFIGS, ids=lambda p: p.name)
 def test_every_packaged_config_resolves(path: Path, platform, model_dir: str) -> None:
     resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=platform)
     ar = resolved.stage(0).engine_args
@@ -134,6 +142,26 @@ def test_every_packaged_config_resolves(path: Path, platform, model_dir: str) ->
     # every edge, including the final hop back to the router, has a connector
     assert [(e.from_stage, e.to) for e in resolved.edges] == [(0, 1), (1, "router")]
     assert all(e.connector in resolved.connectors for e in resolved.edges)
+
+
+@pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])
+@pytest.mark.parametrize("path", BAGEL_CONFIGS, ids=lambda p: p.name)
+def test_every_packaged_bagel_config_resolves(path: Path, platform, tiny_bagel: Path) -> None:
+    """The thinker gets our architecture, BAGEL's positions and the connector of its edge to export
+    contexts through; the DiT runs BAGEL's generation runner."""
+    resolved = resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=platform)
+    assert resolved.pipeline == "bagel"
+    ar = resolved.stage(0).engine_args
+    assert ar["hf_overrides"]["architectures"] == ["OmniBagelForConditionalGeneration"]
+    assert "mrope_section" in ar["hf_overrides"]["rope_parameters"] and ar["disable_chunked_mm_input"]
+    edge = resolved.edge(0, 1)
+    exported = ar["additional_config"]["omni"]["context_connector"]
+    assert (
+        exported["name"] == edge.connector and exported["class"] == resolved.connectors[edge.connector].name
+    )
+    dit = resolved.stage(1).diffusion_args
+    assert dit["runner_cls"] == "vllm_omni_plugin.diffusion.bagel.runner.BagelGenerationRunner"
+    assert resolved.stage(0).continuation and resolved.stage(0).companion_timeout_s == 30.0
 
 
 def test_nixl_config_puts_both_hops_on_nixl(model_dir: str) -> None:
@@ -602,7 +630,9 @@ def test_replicas_split_devices(tmp_path: Path, model_dir: str) -> None:
     [*packaged_deploy_configs(), DATA / "legacy_glm_image_nixl.yaml", DATA / "glm_image_nixl_stages.yaml"],
     ids=lambda p: p.name,
 )
-def test_resolution_is_idempotent(path: Path, platform, model_dir: str) -> None:
+def test_resolution_is_idempotent(path: Path, platform, model_dir: str, tiny_bagel: Path) -> None:
+    if path in BAGEL_CONFIGS:
+        model_dir = str(tiny_bagel)
     loaded = load_deploy_file(path, model=model_dir, allow_legacy=True)
     first = resolve(loaded, model=model_dir, platform=platform)
     second = reresolve(first, loaded, platform)
@@ -614,3 +644,53 @@ def test_resolution_is_idempotent(path: Path, platform, model_dir: str) -> None:
 def test_resolved_yaml_round_trips(model_dir: str) -> None:
     resolved = resolve_deployment(model_dir, platform=GPU)
     assert yaml.safe_load(resolved.to_yaml()) == resolved.summary()
+
+
+# --- BAGEL ---------------------------------------------------------------------------------------
+
+
+def test_vllm_omni_bagel_document_loads_unchanged(tiny_bagel: Path) -> None:
+    """vllm-omni's deploy/bagel.yaml (the one its stage proc/client refactor was tested with): keys that
+    mean nothing for a diffusion stage and a connector no stage uses are notes, not errors."""
+    path = DATA / "bagel_vllm_omni_deploy.yaml"
+    resolved = resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=GPU)
+    notes = "\n".join(resolved.notes)
+    for field in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"):
+        assert f"stage 1 {field}: does not apply to a diffusion stage; ignored" in notes
+    assert (
+        "connector 'rdma_connector' (MooncakeTransferEngineConnector) is defined but no stage uses it"
+        in notes
+    )
+    assert "rdma_connector" not in resolved.connectors
+    assert resolved.edge(0, 1).connector == "shared_memory_connector"
+    assert resolved.stage(0).engine_args["max_num_seqs"] == 3
+    assert resolved.stage(0).default_sampling_params["repetition_penalty"] == 1.05
+    assert resolved.stage(1).diffusion_args["seed"] == 52
+
+
+def test_vllm_omni_bagel_document_types_are_still_checked(tiny_bagel: Path, tmp_path: Path) -> None:
+    text = (
+        (DATA / "bagel_vllm_omni_deploy.yaml").read_text().replace("max_num_seqs: 1", 'max_num_seqs: "one"')
+    )
+    path = tmp_path / "bagel.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"bagel.yaml:22: stages\[1\].max_num_seqs: expected int"):
+        resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=GPU)
+
+
+def test_bagel_generation_settings_are_checked(tiny_bagel: Path, tmp_path: Path) -> None:
+    path = tmp_path / "bagel.yaml"
+    path.write_text("stages:\n  - stage_id: 1\n    default_sampling_params: {cfg_txt_scale: 2.0}\n")
+    with pytest.raises(ConfigError, match="unknown diffusion sampling parameter.*cfg_txt_scale"):
+        resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=GPU)
+
+
+def test_bagel_context_export_needs_a_cross_process_connector(tiny_bagel: Path, tmp_path: Path) -> None:
+    path = tmp_path / "bagel.yaml"
+    path.write_text(
+        "connectors: {mem: {name: InProcessConnector}}\n"
+        "stages:\n  - stage_id: 0\n    output_connectors: {to_stage_1: mem}\n"
+        "  - stage_id: 1\n    process: false\n"
+    )
+    with pytest.raises(ConfigError, match="context export runs in the vLLM worker process"):
+        resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=GPU)

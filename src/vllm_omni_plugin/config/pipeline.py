@@ -230,6 +230,7 @@ BAGEL = Pipeline(
         "cfg_renorm_type",
         "cfg_renorm_min",
         "timestep_shift",
+        "think",
         "max_think_tokens",
     ),
 )

@@ -499,7 +499,13 @@ class _Resolver:
                 args[name] = value
         args.update(async_scheduling=async_final, scheduler_cls=scheduler, worker_cls=worker)
         if fixed.engine_args_provider:
-            provided = import_object(fixed.engine_args_provider)(args["model"])
+            try:
+                provided = import_object(fixed.engine_args_provider)(args["model"])
+            except (OSError, ValueError) as exc:  # the model folder is not what the pipeline reads
+                raise self.error(
+                    f"pipeline {self.pipeline.name!r} cannot read its model {self.model!r}: {exc}",
+                    stage.stage_id,
+                ) from None
             args.update({k: v for k, v in provided.items() if k not in extras})
         args.update(extras)
         if fixed.exports_context:
