@@ -116,9 +116,12 @@ def test_images_edits_with_uploaded_png(client: openai.OpenAI) -> None:
     assert decode_b64(result.data[0].b64_json).size == (128, 64)
 
 
-def data_uri_image(content: str) -> Image.Image:
-    assert content.startswith("![image](data:image/png;base64,") and content.endswith(")"), content[:80]
-    return decode_b64(content.removeprefix("![image](data:image/png;base64,").removesuffix(")"))
+def data_uri_image(content: object) -> Image.Image:
+    """The image of a chat answer as vllm-omni's clients read it: ``content[0]["image_url"]["url"]``."""
+    assert isinstance(content, list) and content[0]["type"] == "image_url", content
+    url = content[0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,"), url[:80]
+    return decode_b64(url.removeprefix("data:image/png;base64,"))
 
 
 def test_chat_completions_text_to_image(client: openai.OpenAI) -> None:

@@ -70,6 +70,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "FinishReason": ("vllm.v1.engine:FinishReason",),
     "EngineCoreOutput": ("vllm.v1.engine:EngineCoreOutput",),
     "EngineCoreOutputs": ("vllm.v1.engine:EngineCoreOutputs",),
+    "StatLoggerBase": ("vllm.v1.metrics.loggers:StatLoggerBase",),
     "AsyncLLM": ("vllm.v1.engine.async_llm:AsyncLLM",),
     "EngineDeadError": ("vllm.v1.engine.exceptions:EngineDeadError",),
     "SamplingParams": ("vllm.sampling_params:SamplingParams", "vllm:SamplingParams"),

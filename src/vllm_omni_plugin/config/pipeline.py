@@ -79,6 +79,9 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     generation_params: tuple[str, ...] = ()
     """Pipeline-specific generation settings a request (and the diffusion stage's
     ``default_sampling_params``) may set, e.g. BAGEL's ``cfg_text_scale``."""
+    answers_in_text: bool = False
+    """Its AR stage can answer in text (chat completions without ``"modalities": ["image"]``): the
+    later stages are skipped (BAGEL's understanding and chat)."""
 
     def stage(self, stage_id: int) -> PipelineStage | None:
         for stage in self.stages:
@@ -221,6 +224,7 @@ BAGEL = Pipeline(
     architectures=("BagelForConditionalGeneration",),
     repo_ids=("ByteDance-Seed/BAGEL-7B-MoT",),
     default_deploy_config="bagel.yaml",
+    answers_in_text=True,
     image_size_multiple=16,  # one latent token per 16x16 pixels
     diffusion_defaults=DiffusionDefaults(height=1024, width=1024),
     generation_params=(

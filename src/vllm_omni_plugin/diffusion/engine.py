@@ -149,11 +149,17 @@ class DiffusionEngine:
         return common + tuple(self.runner.batch_key(request))
 
     @staticmethod
-    def _failed(request: DiffusionRequest, exc: BaseException, batch_size: int = 0) -> DiffusionResult:
-        message = f"{type(exc).__name__}: {exc}"
+    def _failed(
+        request: DiffusionRequest, exc: BaseException, batch_size: int = 0, *, invalid: bool = False
+    ) -> DiffusionResult:
+        message = str(exc) if invalid else f"{type(exc).__name__}: {exc}"
         logger.warning("diffusion request %s failed: %s", request.request_id, message)
         return DiffusionResult(
-            request_id=request.request_id, error=message, seed=request.seed, batch_size=batch_size
+            request_id=request.request_id,
+            error=message,
+            invalid=invalid,
+            seed=request.seed,
+            batch_size=batch_size,
         )
 
     def plan(
@@ -168,7 +174,7 @@ class DiffusionEngine:
                 self.runner.validate(request)
                 key = self._batch_key(request)
             except Exception as exc:
-                failed[index] = self._failed(request, exc)
+                failed[index] = self._failed(request, exc, invalid=isinstance(exc, ValueError | TypeError))
                 continue
             groups.setdefault(key, []).append(index)
         size = 1 if self.batch_invariant else self.max_batch_size

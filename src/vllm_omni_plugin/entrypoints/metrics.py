@@ -75,6 +75,35 @@ class OmniCollector:
             timeouts.add_metric([name], h.timeouts)
             outstanding.add_metric([name], h.outstanding)
         yield from (moved, ops, errors, timeouts, outstanding)
+        yield from self._context_exports()
+
+    def _context_exports(self) -> Iterator[Any]:
+        """What the AR stage's workers put into their context connector (KV handoff), as of the last stats
+        interval: contexts, bytes put and acknowledged by their readers, values still held."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        exports = CounterMetricFamily(
+            "omni_context_exports", "Contexts (K/V) the AR stage exported", labels=["stage", "replica"]
+        )
+        moved = CounterMetricFamily(
+            "omni_context_export_bytes",
+            "Bytes of exported contexts, put and acknowledged by the next stage",
+            labels=["stage", "replica", "direction"],
+        )
+        held = GaugeMetricFamily(
+            "omni_context_export_outstanding",
+            "Exported contexts not yet released",
+            labels=["stage", "replica"],
+        )
+        for sid, pool in self.omni.pools.items():
+            for client in pool.clients:
+                for h in client.last_connector_stats:
+                    labels = [str(sid), str(client.replica_id)]
+                    exports.add_metric(labels, h.get("puts", 0))
+                    moved.add_metric([*labels, "put"], h.get("bytes_put", 0))
+                    moved.add_metric([*labels, "acked"], h.get("bytes_acked", 0))
+                    held.add_metric(labels, h.get("outstanding", 0))
+        yield from (exports, moved, held)
 
 
 class OmniMetrics:

@@ -87,7 +87,7 @@ class AsyncOmni:
             await self._stop_registry()
             self._close_connectors()
             raise
-        self.orchestrator = Orchestrator(self.deployment, self.pools)
+        self.orchestrator = Orchestrator(self.deployment, self.pools, self.connectors)
 
     async def generate(self, request: OmniRequest) -> OmniResult:
         assert self.orchestrator is not None, "start() first"

@@ -33,6 +33,10 @@ class ServerSettings:
     ar_max_model_len: int | None = None
     token_budget: Any = None
     """``f(height, width, image_to_image) -> AR tokens`` of the pipeline, when it has an AR stage."""
+    pipeline: str = ""
+    generation_params: frozenset[str] = frozenset()
+    """The pipeline-specific request settings this deployment takes."""
+    answers_in_text: bool = False
 
 
 def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment) -> ServerSettings:
@@ -55,6 +59,9 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
         media_dir=getattr(args, "image_media_dir", None),
         ar_max_model_len=(ar.engine_args.get("max_model_len") if ar is not None else None),
         token_budget=budget,
+        pipeline=pipeline.name,
+        generation_params=frozenset(pipeline.generation_params),
+        answers_in_text=pipeline.answers_in_text,
     )
 
 
@@ -113,6 +120,17 @@ class OmniServer:
                     f"max_model_len {max_len} allows; ask for a smaller size (or serve with a larger "
                     "--max-model-len)",
                     param=param,
+                )
+
+    def check_settings(self, req: Any) -> None:
+        """Pipeline-specific settings (e.g. BAGEL's ``cfg_text_scale``) only where the pipeline has them."""
+        from vllm_omni_plugin.entrypoints.openai_images import PIPELINE_SETTINGS
+
+        for name in sorted(PIPELINE_SETTINGS):
+            if getattr(req, name, None) is not None and name not in self.settings.generation_params:
+                raise OmniAPIError(
+                    f"{name} is not a setting of this deployment's pipeline ({self.settings.pipeline})",
+                    param=name,
                 )
 
     def check_steps(self, steps: int | None) -> None:

@@ -146,7 +146,8 @@ def _drop_ignored(data: Any, ignored: frozenset[str]) -> Any:
 
 
 class ImageParams(BaseModel):
-    """The generation knobs shared by every endpoint (OpenAI's plus the diffusion ones)."""
+    """The generation knobs shared by every endpoint (OpenAI's plus the diffusion ones, plus the
+    pipeline-specific ones a pipeline lists in ``generation_params``, e.g. BAGEL's guidance)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -154,6 +155,43 @@ class ImageParams(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     negative_prompt: str | None = None
+    # pipeline-specific (BAGEL): checked against the deployment's pipeline by the route
+    cfg_text_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    cfg_img_scale: float | None = Field(default=None, ge=0.0, le=100.0)
+    cfg_interval: tuple[float, float] | None = None
+    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
+    cfg_renorm_min: float | None = Field(default=None, ge=0.0, le=1.0)
+    timestep_shift: float | None = Field(default=None, gt=0.0, le=100.0)
+    think: bool | None = None
+    max_think_tokens: int | None = Field(default=None, ge=2, le=32768)
+
+    @model_validator(mode="after")
+    def _interval_in_order(self) -> ImageParams:
+        if self.cfg_interval is not None and not 0.0 <= self.cfg_interval[0] <= self.cfg_interval[1] <= 1.0:
+            raise ValueError(
+                f"cfg_interval must be [lo, hi] with 0 <= lo <= hi <= 1, got {list(self.cfg_interval)}"
+            )
+        return self
+
+    def generation_params(self) -> dict[str, Any]:
+        """The pipeline-specific settings the client gave (``think`` travels on its own)."""
+        names = PIPELINE_SETTINGS - {"think"}
+        return {name: getattr(self, name) for name in sorted(names) if getattr(self, name) is not None}
+
+
+PIPELINE_SETTINGS = frozenset(
+    {
+        "cfg_text_scale",
+        "cfg_img_scale",
+        "cfg_interval",
+        "cfg_renorm_type",
+        "cfg_renorm_min",
+        "timestep_shift",
+        "think",
+        "max_think_tokens",
+    }
+)
+"""Request fields that only some pipelines take (``Pipeline.generation_params``)."""
 
 
 class ImageGenerationRequest(ImageParams):
@@ -182,7 +220,7 @@ class ImageEditRequest(ImageGenerationRequest):
 IGNORED_CHAT_FIELDS = frozenset(
     {
         "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
-        "max_completion_tokens", "max_tokens", "metadata", "parallel_tool_calls", "prediction",
+        "metadata", "parallel_tool_calls", "prediction",
         "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort",
         "response_format", "safety_identifier", "service_tier", "stop", "store", "stream_options",
         "tool_choice", "tools", "top_logprobs", "user", "verbosity", "web_search_options",
@@ -191,7 +229,8 @@ IGNORED_CHAT_FIELDS = frozenset(
 
 
 class ChatCompletionRequest(ImageParams):
-    """``POST /v1/chat/completions`` with ``"modalities": ["image"]``.
+    """``POST /v1/chat/completions``: ``"modalities": ["image"]`` asks for an image; without it (or with
+    ``["text"]``) pipelines that answer in text (BAGEL: understanding and chat) answer in text.
 
     Image parameters may sit at the top level or in a literal ``extra_body`` object (what some
     examples send with curl); the OpenAI client merges its ``extra_body`` into the top level.
@@ -209,6 +248,12 @@ class ChatCompletionRequest(ImageParams):
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def wants_image(self) -> bool:
+        return "image" in (self.modalities or [])
 
     @model_validator(mode="before")
     @classmethod
@@ -225,9 +270,13 @@ class ChatCompletionRequest(ImageParams):
         return data
 
     def sampling_params(self) -> dict[str, Any]:
-        """AR-stage sampling overrides (temperature / top_p / top_k), when given."""
+        """AR-stage sampling overrides (temperature / top_p / top_k; for a text answer its length), when
+        given."""
         names = ("temperature", "top_p", "top_k")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        params = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if not self.wants_image and (self.max_completion_tokens or self.max_tokens):
+            params["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        return params
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -403,7 +452,17 @@ class ImagesResponse(msgspec.Struct, omit_defaults=True):
 
 class ChatMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | list[dict[str, Any]]
+    """Text, or content parts: an image answer is ``[{"type": "image_url", "image_url": {"url":
+    "data:image/png;base64,..."}}]`` (what OpenAI-style and vllm-omni clients read), followed by a
+    ``{"type": "text", ...}`` part when the model also wrote text (BAGEL's plan in think mode)."""
+
+
+def image_content(uri: str, text: str | None = None) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": uri}}]
+    if text:
+        parts.append({"type": "text", "text": text})
+    return parts
 
 
 class ChatChoice(msgspec.Struct):

@@ -25,6 +25,7 @@ from vllm_omni_plugin.entrypoints.openai_images import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
+    ChatUsage,
     ImageEditRequest,
     ImageGenerationRequest,
     ImageLimits,
@@ -39,6 +40,7 @@ from vllm_omni_plugin.entrypoints.openai_images import (
     encode_image,
     error_body,
     fit_to_grid,
+    image_content,
     parse_request,
     parse_size,
 )
@@ -49,14 +51,12 @@ MEDIA_NAME = re.compile(r"^[0-9a-f]{32}\.(png|jpeg|webp)$")
 router = APIRouter()
 
 
-router = APIRouter()
-
-
 @router.post("/v1/images/generations")
 async def create_images(raw: Request) -> Response:
     server = _server(raw)
     req = parse_request(ImageGenerationRequest, await _read_json(raw, _json_limit(server.limits)))
     server.check_model(req.model)
+    server.check_settings(req)
     response_format = _check_response_format(server, req.response_format)
     size = parse_size(req.size, server.limits)
     width, height = size or (server.limits.default_width, server.limits.default_height)
@@ -106,6 +106,7 @@ async def edit_images(raw: Request) -> Response:
             raise OmniAPIError(f"at most {limits.max_input_images} images per request", param="image")
         req = parse_request(ImageEditRequest, fields)
         server.check_model(req.model)
+        server.check_settings(req)
         response_format = _check_response_format(server, req.response_format)
         size = parse_size(req.size, limits)
         images = []
@@ -125,6 +126,7 @@ async def edit_images(raw: Request) -> Response:
     server.check_steps(req.num_inference_steps)
     requests = _image_requests(req, req.prompt, width, height, images)
     results = await server.run("images/edits", requests, raw)
+    height, width = results[0].output.image.shape[:2]  # a pipeline may keep the input's own size (BAGEL)
     return await _images_response(
         server, raw, results, response_format=response_format, output_format=req.output_format or "png",
         compression=req.output_compression, width=width, height=height,
@@ -136,17 +138,20 @@ async def chat_completions(raw: Request) -> Response:
     server = _server(raw)
     limits = server.limits
     req = parse_request(ChatCompletionRequest, await _read_json(raw, _json_limit(limits)))
-    if "image" not in (req.modalities or []):
+    if not req.wants_image and not server.settings.answers_in_text:
         raise OmniAPIError(
-            f"this deployment ({server.omni.deployment.pipeline}) generates images and cannot answer in "
+            f"this deployment ({server.settings.pipeline}) generates images and cannot answer in "
             'text: send "modalities": ["image"]',
             param="modalities",
         )
     if req.stream:
-        raise OmniAPIError("stream is not supported for image output", param="stream")
+        raise OmniAPIError("stream is not supported by this server", param="stream")
     model = server.check_model(req.model)
+    server.check_settings(req)
     server.check_steps(req.num_inference_steps)
     prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, limits)
+    if not req.wants_image:
+        return await _chat_text(server, raw, req, model, prompt, images)
     size = parse_size(req.size, limits)
     if size is None and (req.height is not None or req.width is not None):
         size = (req.width or limits.default_width, req.height or limits.default_height)
@@ -161,13 +166,58 @@ async def chat_completions(raw: Request) -> Response:
     choices = [
         ChatChoice(
             index=i,
-            message=ChatMessage(role="assistant", content=f"![image]({data_uri(blob, output_format)})"),
+            message=ChatMessage(
+                role="assistant",
+                content=image_content(data_uri(blob, output_format), result.notes.get("think_text")),
+            ),
         )
-        for i, blob in enumerate(encoded)
+        for i, (blob, result) in enumerate(zip(encoded, results, strict=True))
     ]
     return _json(
         ChatCompletionResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, choices=choices
+        )
+    )
+
+
+async def _chat_text(
+    server: OmniServer, raw: Request, req: ChatCompletionRequest, model: str, prompt: str, images: list[Any]
+) -> Response:
+    """A text answer from the pipeline's AR stage (BAGEL: understanding of the images, or chat)."""
+    requests = [
+        OmniRequest(
+            prompt=prompt,
+            images=list(images),
+            seed=seed,
+            modality="text",
+            think=req.think,
+            sampling_params=req.sampling_params(),
+            generation_params=req.generation_params(),
+        )
+        for seed in _seeds(req.seed, req.n)
+    ]
+    results = await server.run("chat/completions", requests, raw)
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ChatMessage(role="assistant", content=r.output.text or ""),
+            finish_reason="length" if r.output.finish_reason == "length" else "stop",
+        )
+        for i, r in enumerate(results)
+    ]
+    prompt_tokens = sum(r.output.num_prompt_tokens for r in results)
+    completion_tokens = sum(len(r.output.token_ids) for r in results)
+    return _json(
+        ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model,
+            choices=choices,
+            usage=ChatUsage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
         )
     )
 
@@ -322,6 +372,8 @@ def _image_requests(
             negative_prompt=req.negative_prompt,
             images=list(images),
             sampling_params=dict(sampling_params or {}),
+            think=req.think,
+            generation_params=req.generation_params(),
         )
         for seed in _seeds(req.seed, req.n)
     ]

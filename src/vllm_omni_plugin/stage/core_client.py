@@ -36,6 +36,8 @@ class StageCoreClientBase(abc.ABC):
         self.restarts = 0
         self.restart_on_death = restart
         """Whether a replica whose process died is started again (servers turn this off on shutdown)."""
+        self.last_connector_stats: list[dict[str, Any]] = []
+        """What :meth:`connector_stats` said at the last stats interval (``/metrics`` reads it)."""
 
     @property
     def label(self) -> str:
@@ -68,6 +70,11 @@ class StageCoreClientBase(abc.ABC):
 
     async def log_stats(self) -> None:  # noqa: B027 - a hook: replicas without stats log nothing
         """Log the replica's periodic stats (vLLM's throughput lines for an AR engine)."""
+
+    async def connector_stats(self) -> list[dict[str, Any]]:
+        """Counters of the connectors the replica's own processes put through (``ConnectorHealth`` as
+        builtins), e.g. an AR worker's context export; empty when it has none."""
+        return []
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -65,6 +65,9 @@ class StageCoreOutput(msgspec.Struct, kw_only=True, tag=True):
 
 class StageLLMCoreOutput(StageCoreOutput, kw_only=True, tag="llm_output"):
     token_ids: list[int] = []
+    text: str | None = None
+    """The detokenized text, when the request asked for it (a text answer)."""
+    num_prompt_tokens: int = 0
     finish_reason: str | None = None
     stage_outputs: dict[str, Any] = {}
     """Per-request outputs of the AR worker beyond tokens (e.g. source-image prior tokens)."""
@@ -73,6 +76,8 @@ class StageLLMCoreOutput(StageCoreOutput, kw_only=True, tag="llm_output"):
 
 
 class StageDiffusionCoreOutput(StageCoreOutput, kw_only=True, tag="diffusion_output"):
+    invalid: bool = False
+    """``error`` is the stage refusing the request (a bad value: HTTP 400), not failing to run it."""
     image: Any = None
     """A uint8 HxWx3 array, inline (in-process) or fetched from ``image_handle``."""
     image_handle: Any = None

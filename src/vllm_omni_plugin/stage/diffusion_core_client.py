@@ -28,7 +28,13 @@ from vllm_omni_plugin.stage.core_types import (
     ToStageMessage,
 )
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionCoreProcManager, StageDiffusionProcConfig
-from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError, StageStartError
+from vllm_omni_plugin.stage.errors import (
+    RequestAbortedError,
+    StageDeadError,
+    StageError,
+    StageRequestError,
+    StageStartError,
+)
 from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
 from vllm_omni_plugin.stage.pending_replies import PendingReplies
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
@@ -174,7 +180,8 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         output.timings["transfer_put"] = put_seconds
         collect_output(output, self.output_connector)
         if output.error is not None:
-            raise StageError(output.error, stage_id=self.stage_id, request_id=request.request_id)
+            error = StageRequestError if output.invalid else StageError
+            raise error(output.error, stage_id=self.stage_id, request_id=request.request_id)
         return output
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -270,6 +277,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
                 )
                 if result is not None:
                     output.error = result.error
+                    output.invalid = result.invalid
                     output.image = result.image
                     output.latents = result.latents
                     output.timings = dict(result.timings or {})
@@ -291,7 +299,8 @@ class InlineStageDiffusionClient(StageCoreClientBase):
         finally:
             self.inflight.discard(request.request_id)
         if output.error is not None:
-            raise StageError(output.error, stage_id=self.stage_id, request_id=request.request_id)
+            error = StageRequestError if output.invalid else StageError
+            raise error(output.error, stage_id=self.stage_id, request_id=request.request_id)
         return output
 
     async def abort(self, request_ids: list[str]) -> None:

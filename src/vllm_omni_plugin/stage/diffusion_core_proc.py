@@ -166,7 +166,10 @@ def _run_batch(
             requests.append(msgspec.convert(fields, engine.request_type))
         except Exception as exc:  # a bad or lost payload fails this request only
             outputs[message.request_id] = StageDiffusionCoreOutput(
-                request_id=message.request_id, stage_id=stage_id, error=f"bad diffusion request: {exc}"
+                request_id=message.request_id,
+                stage_id=stage_id,
+                error=f"bad diffusion request: {exc}",
+                invalid=isinstance(exc, msgspec.ValidationError),
             )
     results = engine.generate(requests) if requests else []
     for result in results:
@@ -174,6 +177,7 @@ def _run_batch(
             request_id=result.request_id,
             stage_id=stage_id,
             error=result.error,
+            invalid=result.invalid,
             timings={**(result.timings or {}), "transfer_in": transfer.get(result.request_id, 0.0)},
             latents=result.latents,
         )

@@ -32,6 +32,28 @@ from vllm_omni_plugin.stage.tokenizer_view import tokenizer_view
 logger = get_logger(__name__)
 
 
+def scheduler_state_logger(state: dict[str, Any]) -> Any:
+    """A vLLM stat-logger factory that keeps the engine's latest scheduler stats in ``state``."""
+    StatLoggerBase = resolve("StatLoggerBase")
+
+    class SchedulerStateLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+            if scheduler_stats is not None:
+                state.update(
+                    running=scheduler_stats.num_running_reqs,
+                    waiting=scheduler_stats.num_waiting_reqs,
+                    kv_cache_usage=round(float(scheduler_stats.kv_cache_usage), 6),
+                )
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SchedulerStateLogger
+
+
 @contextlib.contextmanager
 def replica_environment(env: dict[str, str]) -> Iterator[None]:
     """vLLM's engine processes inherit this process's environment (device selection)."""
@@ -66,6 +88,9 @@ class StageLLMCoreClient(StageCoreClientBase):
         self.engine: Any = None
         """vLLM's ``AsyncLLM`` while the replica runs."""
         self._restarting: asyncio.Task[None] | None = None
+        self.scheduler_state: dict[str, Any] = {}
+        """The engine's last reported scheduler state (running and waiting requests, KV-cache usage),
+        from vLLM's own per-step stats; in ``/health``."""
 
     async def start(self) -> None:
         await self._launch()
@@ -81,7 +106,9 @@ class StageLLMCoreClient(StageCoreClientBase):
             if args.get("tokenizer") and args.get("model"):
                 args["tokenizer"] = tokenizer_view(args["tokenizer"], args["model"])
             with replica_environment(self.env):
-                return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+                return AsyncLLM.from_engine_args(
+                    AsyncEngineArgs(**args), stat_loggers=[scheduler_state_logger(self.scheduler_state)]
+                )
 
         try:
             self.engine = await loop.run_in_executor(None, build)
@@ -95,9 +122,20 @@ class StageLLMCoreClient(StageCoreClientBase):
         pids = engine_core_pids(self.engine) if self.engine is not None else []
         return pids[0] if pids else None
 
+    def health(self) -> dict[str, Any]:
+        return {**super().health(), **self.scheduler_state}
+
     async def log_stats(self) -> None:
         if self.engine is not None and self.healthy:
             await self.engine.do_log_stats()
+            self.last_connector_stats = await self.connector_stats()
+
+    async def connector_stats(self) -> list[dict[str, Any]]:
+        """The context-export connector of each worker of the engine (KV-handoff pipelines)."""
+        if self.engine is None or not self.healthy:
+            return []
+        replies = await self.engine.collective_rpc("omni_context_connector_health")
+        return [reply for reply in replies if reply]
 
     def sampling_params(self, overrides: dict[str, Any]) -> Any:
         SamplingParams = resolve("SamplingParams")
@@ -180,6 +218,8 @@ class StageLLMCoreClient(StageCoreClientBase):
             request_id=request.request_id,
             stage_id=self.stage_id,
             token_ids=list(completion.token_ids),
+            text=completion.text if params.detokenize else None,
+            num_prompt_tokens=len(final.prompt_token_ids or ()),
             finish_reason=finish_reason,
             stage_outputs=stage_outputs,
             timings={"ar": time.perf_counter() - start},

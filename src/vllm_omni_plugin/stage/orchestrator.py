@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
+from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
+from vllm_omni_plugin.stage.payload import release
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 
 logger = get_logger(__name__)
@@ -98,9 +100,16 @@ class ProcessorContext:
 
 
 class Orchestrator:
-    def __init__(self, deployment: ResolvedDeployment, pools: dict[int, StageReplicaPool]) -> None:
+    def __init__(
+        self,
+        deployment: ResolvedDeployment,
+        pools: dict[int, StageReplicaPool],
+        connectors: dict[str, OmniConnector] | None = None,
+    ) -> None:
         self.deployment = deployment
         self.pools = pools
+        self.connectors = connectors or {}
+        """The deployment's connectors (this process's objects), to free payloads nobody will read."""
         self.stages = {s.stage_id: s for s in deployment.stages}
         self.processors = {
             s.stage_id: import_object(s.input_processor) for s in deployment.stages if s.input_processor
@@ -137,15 +146,18 @@ class Orchestrator:
             result.output = self._final_output(done)
         except asyncio.CancelledError:
             await self._abort(request.request_id, tasks)
+            self._release_undelivered(result)
             raise
         except StageError as exc:
             await self._abort(request.request_id, tasks)
+            self._release_undelivered(result)
             result.error = str(exc)
             result.error_stage = exc.stage_id
             result.exception = exc
         except Exception as exc:  # a processor bug must fail its request, not the server
             logger.exception("request %s failed", request.request_id)
             await self._abort(request.request_id, tasks)
+            self._release_undelivered(result)
             result.error = f"{type(exc).__name__}: {exc}"
             result.exception = exc
         result.timings["total"] = time.perf_counter() - start
@@ -204,6 +216,22 @@ class Orchestrator:
                 )
                 done[stage_id].exception()  # mark retrieved: the gather reports it
             raise
+
+    def _release_undelivered(self, result: OmniResult) -> None:
+        """Payloads a stage produced for a next stage that did not finish with them (the request failed
+        or was aborted in between, e.g. BAGEL's exported contexts) are freed now rather than when their
+        lease runs out. A payload the next stage already read is left alone by its connector."""
+        for sid, output in result.stage_outputs.items():
+            for consumer in self.stages.values():
+                if sid not in consumer.input_sources or consumer.stage_id in result.stage_outputs:
+                    continue
+                connector = self.connectors.get(self.deployment.edge(sid, consumer.stage_id).connector)
+                if connector is None:
+                    continue
+                try:
+                    release(output, connector)
+                except Exception:  # best effort: the owner's lease frees what is left
+                    logger.exception("freeing stage %d's output of request %s failed", sid, result.request_id)
 
     @contextlib.asynccontextmanager
     async def _admitted(self, stage_id: int, sources: list[int]) -> AsyncIterator[None]:

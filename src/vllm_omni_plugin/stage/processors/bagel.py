@@ -195,7 +195,7 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
                 "temperature": 0.0,
                 **user,
                 "stop_token_ids": [tokens.eos],
-                "detokenize": False,
+                "detokenize": True,  # the answer goes back as text
             },
             multi_modal_data=mm,
             mm_processor_kwargs={"bagel_vae": False} if images else None,

@@ -1,0 +1,322 @@
+"""BAGEL served end to end: ``vllm serve <tiny BAGEL> --omni --deploy-config deploy/tiny_bagel_cpu.yaml``
+through the stock ``vllm`` script, driven with the official ``openai`` client and raw HTTP.
+
+Covers the request of vllm-omni's stage proc/client refactor (chat, text + ``image_url``,
+``modalities: ["image"]``, size, steps and seed at the top level), the chat content parts its clients
+read, the image endpoints, understanding in text, the pipeline's settings, and what a long run must not
+leave behind: KV blocks in the thinker, exported contexts nobody released, shared memory after shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from helpers import our_segments
+from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
+
+pytestmark = pytest.mark.server
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = str(REPO / "deploy" / "tiny_bagel_cpu.yaml")
+MODEL = "tiny-bagel"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    proc = ServerProcess(
+        [
+            bin_script("vllm"), "serve", str(tiny_bagel), "--omni", "--deploy-config", DEPLOY,
+            "--port", str(port), "--host", "127.0.0.1", "--served-model-name", MODEL,
+        ],
+        port=port,
+        log_path=tmp_path_factory.mktemp("bagel_server") / "server.log",
+        env=cpu_test_env({"VLLM_LOG_STATS_INTERVAL": "1"}),  # /metrics sees the thinker's export counters
+    )  # fmt: skip
+    proc.start()
+    try:
+        proc.wait_ready(timeout=300)
+        yield proc
+    finally:
+        proc.stop()
+        assert our_segments() == []
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def png(width: int = 64, height: int = 48, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_uri(blob: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(blob).decode()
+
+
+def image_of(content: Any) -> Image.Image:
+    """What vllm-omni's clients do: ``message.content[0]["image_url"]["url"]``, a PNG data URI."""
+    url = content[0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,"), str(content)[:200]
+    image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    image.load()
+    return image
+
+
+def test_the_seed_request(server: ServerProcess) -> None:
+    """The edit request vllm-omni's stage refactor was tested with, sent as its curl sends it."""
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "text",
+                        "text": "<|im_start|>Turn the main subject into a polished gold sculpture.<|im_end|>",
+                    },
+                    {"type": "image_url", "image_url": {"url": data_uri(png())}},
+                ],
+            }
+        ],
+        "modalities": ["image"],
+        "height": 512,
+        "width": 512,
+        "num_inference_steps": 6,
+        "seed": 42,
+    }
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert image_of(message["content"]).size == (64, 48)  # an edit keeps its input's (resized) size
+
+
+def test_ten_edit_jobs_in_a_row_with_the_openai_client(client: openai.OpenAI) -> None:
+    sizes = set()
+    for job in range(10):
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": f"edit number {job}: make it brighter"},
+                        {"type": "image_url", "image_url": {"url": data_uri(png(seed=job))}},
+                    ],
+                }
+            ],
+            extra_body={"modalities": ["image"], "num_inference_steps": 4, "seed": job},
+        )
+        sizes.add(image_of(response.choices[0].message.content).size)
+    assert sizes == {(64, 48)}
+
+
+def test_image_endpoints(client: openai.OpenAI) -> None:
+    generated = client.images.generate(
+        model=MODEL, prompt="a red fox", size="64x64", extra_body={"seed": 1, "num_inference_steps": 4}
+    )
+    image = Image.open(io.BytesIO(base64.b64decode(generated.data[0].b64_json)))
+    assert image.size == (64, 64)
+    edited = client.images.edit(
+        model=MODEL,
+        image=("in.png", png(96, 64), "image/png"),
+        prompt="make it blue",
+        extra_body={"seed": 1, "num_inference_steps": 4, "cfg_renorm_type": "global"},
+    )
+    assert Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json))).size == (96, 64)
+    assert edited.size == "96x64"
+
+
+def test_settings_change_the_image_and_are_checked(client: openai.OpenAI, server: ServerProcess) -> None:
+    def chat(**settings: Any) -> np.ndarray:
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a red fox"}],
+            extra_body={
+                "modalities": ["image"],
+                "height": 64,
+                "width": 64,
+                "seed": 3,
+                "num_inference_steps": 4,
+                **settings,
+            },
+        )
+        return np.asarray(image_of(response.choices[0].message.content), dtype=int)
+
+    assert np.abs(chat(cfg_text_scale=1.0) - chat(cfg_text_scale=4.0)).mean() > 1.0
+    bad = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "modalities": ["image"],
+            "cfg_renorm_type": "loud",
+        },
+        timeout=30,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cfg_renorm_type"
+    too_big = httpx.post(
+        server.base_url + "/v1/images/generations",
+        json={"prompt": "x", "size": "512x512", "num_inference_steps": 2},
+        timeout=60,
+    )
+    assert too_big.status_code == 400 and "128" in too_big.json()["error"]["message"], too_big.text
+
+
+def test_understanding_answers_in_text(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_uri(png())}},
+                    {"type": "text", "text": "what is in the picture?"},
+                ],
+            }
+        ],
+        max_tokens=12,
+        temperature=0.0,
+    )
+    choice = response.choices[0]
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason in ("length", "stop")
+    assert response.usage.completion_tokens <= 12 and response.usage.prompt_tokens > 20
+
+
+def test_think_mode_returns_the_plan_with_the_image(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a red fox"}],
+        extra_body={"modalities": ["image"], "height": 64, "width": 64, "num_inference_steps": 4,
+                    "think": True, "max_think_tokens": 8},
+    )  # fmt: skip
+    content = response.choices[0].message.content
+    assert image_of(content).size == (64, 64)
+    assert content[1]["type"] == "text"
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_nothing_held_after_fifty_mixed_requests(server: ServerProcess) -> None:
+    """Text-to-image, edits, understanding, think mode and requests whose client goes away: afterwards
+    the thinker holds no KV blocks and every exported context was released."""
+
+    async def one(http: httpx.AsyncClient, i: int) -> int:
+        kind = i % 5
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"request {i}"}]
+        body: dict[str, Any] = {
+            "modalities": ["image"],
+            "height": 64,
+            "width": 64,
+            "num_inference_steps": 4,
+            "seed": i,
+        }
+        if kind == 1:
+            messages = [{"role": "user", "content": [{"type": "text", "text": "edit"},
+                                                     {"type": "image_url", "image_url": {"url": data_uri(png(seed=i))}}]}]  # fmt: skip
+        elif kind == 2:
+            body = {"max_tokens": 8}
+        elif kind == 3:
+            body.update(think=True, max_think_tokens=6)
+        try:
+            response = await http.post(
+                "/v1/chat/completions",
+                json={"messages": messages, **body},
+                timeout=0.3 if kind == 4 else 120,  # kind 4: the client gives up mid-request
+            )
+        except httpx.TimeoutException:
+            return 0
+        return response.status_code
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.base_url) as http:
+            sem = asyncio.Semaphore(8)
+
+            async def limited(i: int) -> int:
+                async with sem:
+                    return await one(http, i)
+
+            return await asyncio.gather(*(limited(i) for i in range(50)))
+
+    statuses = asyncio.run(run())
+    assert all(code in (0, 200) for code in statuses), statuses
+    assert statuses.count(200) >= 40
+    deadline = time.monotonic() + 60
+    while True:
+        thinker = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][0]
+        metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+        exports = _metric(metrics, "omni_context_exports_total")
+        held = _metric(metrics, "omni_context_export_outstanding")
+        idle = (
+            thinker.get("running") == 0
+            and thinker.get("waiting") == 0
+            and thinker.get("kv_cache_usage") == 0.0
+        )
+        if idle and exports > 0 and held == 0:
+            break
+        assert time.monotonic() < deadline, (thinker, exports, held)
+        time.sleep(0.5)
+
+
+def test_dit_death_fails_its_request_and_the_stage_comes_back(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    health = httpx.get(server.base_url + "/health", timeout=10).json()
+    dit_pid = health["stages"]["1"]["replicas"][0]["pid"]
+
+    async def long_request() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+            return await http.post(
+                "/v1/images/generations",
+                json={"prompt": "a long one", "size": "64x64", "num_inference_steps": 1000, "seed": 1},
+            )
+
+    async def run() -> httpx.Response:
+        task = asyncio.create_task(long_request())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # kill it while the DiT works on the request
+            await asyncio.sleep(0.2)
+            stages = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]
+            if stages["1"]["replicas"][0]["inflight"] > 0:
+                break
+        os.kill(dit_pid, signal.SIGKILL)
+        return await task
+
+    response = asyncio.run(run())
+    assert response.status_code == 503, response.text
+    assert "died" in response.json()["error"]["message"]
+    deadline = time.monotonic() + 120
+    while True:  # the stage restarts; the thinker freed the request's blocks long ago
+        stages = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]
+        if stages["1"]["replicas"][0]["state"] == "ready" and stages["1"]["replicas"][0]["pid"] != dit_pid:
+            break
+        assert time.monotonic() < deadline, stages
+        time.sleep(0.5)
+    assert stages["0"]["replicas"][0]["kv_cache_usage"] == 0.0
+    after = client.images.generate(
+        model=MODEL, prompt="after", size="64x64", extra_body={"num_inference_steps": 4}
+    )
+    assert after.data[0].b64_json
