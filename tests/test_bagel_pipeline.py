@@ -8,6 +8,7 @@ BAGEL's ``interleave_inference`` in this process, sharing no model code with the
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,99 @@ def test_negative_prompt_is_a_companion_context(omni: Omni) -> None:
     base = {"prompt": "a red fox", "height": 64, "width": 64, "seed": 2}
     plain, negative = generate(omni, OmniRequest(**base), OmniRequest(negative_prompt="blurry, dark", **base))
     assert np.abs(plain.output.image.astype(int) - negative.output.image.astype(int)).mean() > 0.5
+
+
+# --- what stage 1 receives ---------------------------------------------------------------------------
+
+
+def _received_contexts(omni: Omni, request: OmniRequest) -> Any:
+    """Run the thinker stage for ``request`` the way the orchestrator does (its processors, its replica
+    pool), then read the DiT request's contexts through a connector of the edge's spec, as the DiT
+    process does, and let the generation runner resolve the shared ones."""
+    import asyncio
+
+    import msgspec
+
+    from vllm_omni_plugin.connectors.base import make_connector
+    from vllm_omni_plugin.diffusion.bagel.runner import BagelGenerationRunner
+    from vllm_omni_plugin.stage.orchestrator import ProcessorContext
+    from vllm_omni_plugin.stage.payload import internalize
+    from vllm_omni_plugin.stage.processors.bagel import continue_thinker, request2thinker, thinker2dit
+
+    deployment = omni.deployment
+    inner = omni._async  # the running AsyncOmni
+    context = ProcessorContext(deployment.model, deployment, 0, request)
+
+    async def thinker() -> Any:
+        output = await inner.pools[0].generate(request2thinker({}, context))
+        while (more := continue_thinker(output, context)) is not None:
+            output = await inner.pools[0].generate(more)
+        return output
+
+    output = asyncio.run_coroutine_threadsafe(thinker(), omni._loop).result()
+    dit_request = thinker2dit({0: output}, ProcessorContext(deployment.model, deployment, 1, request))
+    spec = deployment.connectors[deployment.edge(0, 1).connector]
+    with make_connector("reader", spec.name, dict(spec.extra)) as reader:
+        fields = internalize(msgspec.to_builtins(dit_request.diffusion), reader)
+        received = msgspec.convert(fields, BagelGenerationRunner.request_type)
+        prepared = BagelGenerationRunner.prepare(received)
+        return {name: getattr(prepared, name) for name in ("cond", "cfg_text", "cfg_img")}
+
+
+def _assert_received(received: dict[str, Any], expected: dict[str, Any]) -> None:
+    for name, ctx in expected.items():
+        got = received[name]
+        assert (got.kv_len, got.rope) == (ctx.kv_len, ctx.rope), name
+        if ctx.kv_len:
+            diff = (got.kv - ctx.kv()).abs().max().item()
+            assert diff <= 1e-4, (name, diff)
+
+
+@pytest.mark.parametrize("kind", ["t2i", "edit", "negative", "think"])
+def test_stage1_receives_the_reference_contexts(omni: Omni, reference: Any, kind: str) -> None:
+    """All three contexts, for every way the thinker obtains them: the main request, an empty context,
+    ``cond`` itself, a prefix of ``cond``, and companion requests (edit, negative prompt)."""
+    image = source_image(4)
+    requests = {
+        "t2i": OmniRequest(prompt="a red fox", height=64, width=64, seed=0),
+        "edit": OmniRequest(prompt="make it blue", images=[image], seed=0),
+        "negative": OmniRequest(prompt="make it blue", images=[image], negative_prompt="dark", seed=0),
+        "think": OmniRequest(
+            prompt="a red fox", think=True, generation_params={"max_think_tokens": 6}, seed=0
+        ),
+    }
+    received = _received_contexts(omni, requests[kind])
+    new = reference.new_context
+    if kind == "t2i":
+        cond = reference.add_text(new(), "a red fox")
+        expected = {"cond": cond, "cfg_text": new(), "cfg_img": cond}
+    elif kind in ("edit", "negative"):
+        with_image = reference.add_image(new(), reference.vae_transform.resize(image))
+        negative = reference.add_text(with_image, "dark")
+        expected = {
+            "cond": reference.add_text(with_image, "make it blue"),
+            "cfg_text": negative if kind == "negative" else with_image,
+            "cfg_img": reference.add_text(new(), "make it blue"),
+        }
+    else:
+        result = reference.interleave(["a red fox"], think=True, max_think_token_n=6, num_inference_steps=2)
+        expected = {"cond": result.cond, "cfg_text": result.cfg_text, "cfg_img": result.cfg_img}
+    _assert_received(received, expected)
+
+
+def test_stages_overlap(omni: Omni) -> None:
+    """While the DiT denoises an early request, the thinker builds the contexts of later ones."""
+    import concurrent.futures
+
+    slow = omni.submit(OmniRequest(prompt="slow", height=64, width=64, seed=1, num_inference_steps=1000))
+    deadline = time.monotonic() + 60
+    while omni._async.pools[1].queue_depth == 0:  # until the DiT has it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    later = [omni.submit(OmniRequest(prompt=f"later {i}", height=64, width=64, seed=i)) for i in range(4)]
+    results = [f.result() for f in concurrent.futures.as_completed([slow, *later])]
+    assert all(r.ok for r in results), [r.error for r in results]
+    first = slow.result()
+    denoise = next(i for i in first.intervals if i.stage_id == 1)
+    thinking = [i for r in results if r is not first for i in r.intervals if i.stage_id == 0]
+    assert any(denoise.start < t.start and t.end < denoise.end for t in thinking), (denoise, thinking)

@@ -112,7 +112,8 @@ class BagelGenerationRunner:
 
     # --- per-request hooks -------------------------------------------------------------------------
 
-    def prepare(self, request: BagelGenerationRequest) -> BagelGenerationRequest:
+    @staticmethod
+    def prepare(request: BagelGenerationRequest) -> BagelGenerationRequest:
         """Contexts sent as a prefix of ``cond`` (``prefix_of``) become views of its tensor."""
         shared = {
             name: ctx
