@@ -8,7 +8,8 @@ contiguous tensor ``[num_layers, 2, prompt_len, kv_heads, head_dim]``, puts it i
 the AR stage's output edge (shared memory or NIXL; configuration resolution names it in
 ``additional_config["omni"]["context_connector"]``) and returns the handle as a stage output::
 
-    {"context": {"kv": {HANDLE_KEY: handle}, "kv_len": prompt_len, "rope": next_position}}
+    {"context": {"kv": {HANDLE_KEY: handle}, "kv_len": prompt_len, "rope": next_position,
+                 "export_s": seconds the copy and the put took}}
 
 ``rope`` is the position the next token would take (M-RoPE models: prompt length plus the request's
 position delta). The request itself is sampled with ``max_tokens=1`` by its processor, so it finishes
@@ -18,6 +19,7 @@ in that same step and the scheduler frees its blocks right after the copy. A fai
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -115,6 +117,7 @@ class ContextExporter:
             state = requests.get(req_id)
             if state is None:
                 continue
+            start = time.perf_counter()
             try:
                 kv = self.request_kv(state, static_forward_context)
                 handle = self.connector().put(kv)
@@ -128,6 +131,7 @@ class ContextExporter:
                     "kv": {HANDLE_KEY: msgspec.to_builtins(handle)},
                     "kv_len": state.num_prompt_tokens,
                     "rope": state.num_prompt_tokens + delta,
+                    "export_s": time.perf_counter() - start,
                 }
             }
         self._due.clear()
