@@ -100,6 +100,11 @@ def ours(
             start = time.perf_counter()
             results = in_flight(omni, batch, concurrency)
             rates[concurrency] = total / (time.perf_counter() - start)
+            keys = ("stage_0", "stage_1", "stage_1_denoise", "stage_1_decode", "total")
+            means = {k: statistics.mean(r.timings.get(k, 0.0) for r in results) * 1e3 for k in keys}
+            print(
+                f"concurrency {concurrency}: mean ms " + ", ".join(f"{k} {v:.1f}" for k, v in means.items())
+            )
             failed = [r.error for r in results if not r.ok]
             if failed:
                 raise SystemExit(f"requests failed: {failed[:3]}")
