@@ -108,6 +108,47 @@ def test_the_seed_request(server: ServerProcess) -> None:
     assert image_of(message["content"]).size == (64, 48)  # an edit keeps its input's (resized) size
 
 
+def test_served_images_equal_the_reference(client: openai.OpenAI, tiny_bagel: Path) -> None:
+    """Text to image and an edit through HTTP (PNG is lossless) against BAGEL's interleave_inference."""
+    from vllm_omni_plugin.testing.bagel_reference import BagelReference
+
+    reference = BagelReference(str(tiny_bagel))
+    steps = {"num_inference_steps": 6}
+    t2i = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a red fox in the snow"}],
+        extra_body={"modalities": ["image"], "height": 64, "width": 64, "seed": 11, **steps},
+    )
+    expected = reference.interleave(
+        ["a red fox in the snow"],
+        height=64,
+        width=64,
+        seed=11,
+        cfg_text_scale=4.0,
+        cfg_img_scale=1.0,
+        **steps,
+    )
+    assert_close(np.asarray(image_of(t2i.choices[0].message.content)), expected.image)
+    source = Image.open(io.BytesIO(png(seed=9)))
+    edit = client.images.edit(
+        model=MODEL,
+        image=("in.png", png(seed=9), "image/png"),
+        prompt="make it blue",
+        extra_body={"seed": 12, **steps},
+    )
+    expected = reference.interleave(
+        [source, "make it blue"], seed=12, cfg_text_scale=4.0, cfg_img_scale=2.0, cfg_interval=(0.0, 1.0),
+        cfg_renorm_type="text_channel", **steps,
+    )  # fmt: skip
+    assert_close(np.asarray(Image.open(io.BytesIO(base64.b64decode(edit.data[0].b64_json)))), expected.image)
+
+
+def assert_close(ours: np.ndarray, reference: np.ndarray) -> None:
+    assert ours.shape == reference.shape
+    diff = np.abs(ours.astype(int) - reference.astype(int))
+    assert diff.max() <= 2 and diff.mean() <= 0.1, (diff.max(), diff.mean())  # 2/255, 0.1/255
+
+
 def test_ten_edit_jobs_in_a_row_with_the_openai_client(client: openai.OpenAI) -> None:
     sizes = set()
     for job in range(10):

@@ -179,18 +179,12 @@ class ImageParams(BaseModel):
         return {name: getattr(self, name) for name in sorted(names) if getattr(self, name) is not None}
 
 
-PIPELINE_SETTINGS = frozenset(
-    {
-        "cfg_text_scale",
-        "cfg_img_scale",
-        "cfg_interval",
-        "cfg_renorm_type",
-        "cfg_renorm_min",
-        "timestep_shift",
-        "think",
-        "max_think_tokens",
-    }
-)
+PIPELINE_SETTINGS = frozenset(ImageParams.model_fields) - {
+    "seed",
+    "num_inference_steps",
+    "guidance_scale",
+    "negative_prompt",
+}
 """Request fields that only some pipelines take (``Pipeline.generation_params``)."""
 
 

@@ -32,7 +32,6 @@ BAGEL's ``<|im_start|> text <|im_end|>``, built by the stage-input processor.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,7 +68,7 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.models.bagel.autoencoder import VaeEncoder
-from vllm_omni_plugin.models.bagel.config import BagelConfig, load_bagel_config
+from vllm_omni_plugin.models.bagel.config import BagelConfig, cached_bagel_config
 from vllm_omni_plugin.models.bagel.transforms import (
     ImageTransform,
     flattened_position_ids,
@@ -80,11 +79,6 @@ from vllm_omni_plugin.runners.paged_kv import gather_tokens, key_value_blocks
 
 VAE_KWARG = "bagel_vae"
 """``mm_processor_kwargs`` key: False sends an image as a ViT block only (understanding)."""
-
-
-@functools.lru_cache(maxsize=4)
-def bagel_config(model_dir: str) -> BagelConfig:
-    return load_bagel_config(model_dir)
 
 
 # --- positions ------------------------------------------------------------------------------------
@@ -291,7 +285,7 @@ def _linear(layer: nn.Module) -> Any:
 
 class BagelThinkerProcessingInfo(BagelProcessingInfo):
     def bagel(self) -> BagelConfig:
-        return bagel_config(self.ctx.model_config.model)
+        return cached_bagel_config(self.ctx.model_config.model)
 
     def get_hf_processor(self, **kwargs: object) -> Any:
         raise RuntimeError("the BAGEL thinker processes images itself; there is no HF processor to load")
@@ -415,7 +409,7 @@ class OmniBagelForConditionalGeneration(BagelForConditionalGeneration, SupportsM
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         hf_config = vllm_config.model_config.hf_config
-        cfg = bagel_config(vllm_config.model_config.model)
+        cfg = cached_bagel_config(vllm_config.model_config.model)
         if cfg.interpolate_pos:
             raise ValueError(
                 "the BAGEL thinker supports extrapolated ViT positions only (interpolate_pos: false)"

@@ -10,6 +10,7 @@ read from optional ``config.json`` keys with the original's values as defaults (
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -168,6 +169,12 @@ class BagelConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def vae_weights(self) -> Path:
         return Path(self.model_dir) / VAE_WEIGHTS_FILE
+
+
+@functools.lru_cache(maxsize=8)
+def cached_bagel_config(model_dir: str) -> BagelConfig:
+    """:func:`load_bagel_config`, read once per process (the processors and the thinker ask per request)."""
+    return load_bagel_config(model_dir)
 
 
 def load_bagel_config(model_dir: str | Path) -> BagelConfig:

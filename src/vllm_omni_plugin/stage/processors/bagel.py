@@ -149,11 +149,10 @@ def image_block_tokens(model_dir: str, image: Any) -> int:
     return vae + vit
 
 
-@functools.lru_cache(maxsize=4)
 def _config(model_dir: str) -> Any:
-    from vllm_omni_plugin.models.bagel.config import load_bagel_config
+    from vllm_omni_plugin.models.bagel.config import cached_bagel_config
 
-    return load_bagel_config(model_dir)
+    return cached_bagel_config(model_dir)
 
 
 def _dit_stage(deployment: Any) -> Any:
