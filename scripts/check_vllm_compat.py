@@ -1222,10 +1222,19 @@ def _literal_strings(expr: ast.expr) -> list[str]:
     return []
 
 
+def _is_dict_update(call: ast.Call) -> bool:
+    """``x.update(k=...)`` or ``dict(k=...)``: the keywords are keys."""
+    func = call.func
+    return (isinstance(func, ast.Attribute) and func.attr == "update") or (
+        isinstance(func, ast.Name) and func.id == "dict"
+    )
+
+
 def _engine_arg_names(modules: list[_OurModule], package_dir: Path) -> dict[str, str]:
-    """EngineArgs fields we write -> where: the ``*ENGINE_ARG*`` field tuples, the keys that functions named
-    ``*engine_args*`` put into dicts, what ``engine_args_provider`` functions return, the packaged configs'
-    ``engine_extras``."""
+    """EngineArgs fields we write -> where: the ``*ENGINE_ARG*`` field tuples, the keys that the resolver's
+    functions named ``*engine_args*`` put into dicts, the top-level keys of what ``engine_args_provider``
+    functions return (their nested values, e.g. ``hf_overrides``, are not EngineArgs fields), the packaged
+    configs' ``engine_extras``."""
     out: dict[str, str] = {}
     providers: set[str] = set()
     for module in modules:
@@ -1241,6 +1250,7 @@ def _engine_arg_names(modules: list[_OurModule], package_dir: Path) -> dict[str,
             if (
                 isinstance(node, ast.FunctionDef)
                 and "engine_args" in node.name
+                and module.name.split(".")[1:2] == ["config"]
                 and "legacy" not in module.name
             ):
                 for inner in ast.walk(node):
@@ -1249,6 +1259,8 @@ def _engine_arg_names(modules: list[_OurModule], package_dir: Path) -> dict[str,
                         keys = list(inner.keys)
                     elif isinstance(inner, ast.Subscript) and isinstance(inner.ctx, ast.Store):
                         keys = [inner.slice]
+                    elif isinstance(inner, ast.Call) and _is_dict_update(inner):  # args.update(key=...)
+                        keys = [ast.Constant(value=k.arg) for k in inner.keywords if k.arg]
                     for key in keys:
                         if isinstance(key, ast.Constant) and isinstance(key.value, str):
                             out.setdefault(key.value, module.where(inner))
