@@ -523,7 +523,11 @@ def checked_pipeline_class(class_name: str, runner: type[DiffusersPipelineRunner
     """The diffusers class ``class_name``, once it is known that ``runner`` can drive it."""
     import diffusers
 
-    pipeline_cls = getattr(diffusers, class_name, None) if class_name.isidentifier() else None
+    try:
+        pipeline_cls = getattr(diffusers, class_name, None) if class_name.isidentifier() else None
+    except (ImportError, RuntimeError) as exc:  # diffusers' lazy import of a class whose extras are missing
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnservablePipelineError(f"{class_name} cannot be imported: {reason}") from None
     if not isinstance(pipeline_cls, type) or not hasattr(pipeline_cls, "from_pretrained"):
         registered = ", ".join(sorted(PIPELINE_RUNNERS))
         raise UnknownPipelineError(

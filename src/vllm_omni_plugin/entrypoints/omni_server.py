@@ -33,6 +33,12 @@ class ServerSettings:
     ar_max_model_len: int | None = None
     token_budget: Any = None
     """``f(height, width, image_to_image) -> AR tokens`` of the pipeline, when it has an AR stage."""
+    takes_images: bool = True
+    """The model turns source images into its output (``/v1/images/edits``, chat with ``image_url``)."""
+    needs_images: bool = False
+    """The model only edits: every request needs a source image."""
+    model_label: str = ""
+    """How errors name what is served (the pipeline, or the model's diffusers class)."""
 
 
 def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment) -> ServerSettings:
@@ -49,12 +55,16 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
     )
     ar = next((s for s in deployment.stages if s.execution_type == "llm_ar"), None)
     budget = import_object(pipeline.ar_token_budget) if ar is not None and pipeline.ar_token_budget else None
+    facts = import_object(pipeline.model_inspector)(deployment.model) if pipeline.model_inspector else None
     return ServerSettings(
         served_model_names=names,
         limits=limits,
         media_dir=getattr(args, "image_media_dir", None),
         ar_max_model_len=(ar.engine_args.get("max_model_len") if ar is not None else None),
         token_budget=budget,
+        takes_images=facts.takes_images if facts is not None else True,
+        needs_images=facts.needs_images if facts is not None else False,
+        model_label=facts.pipeline_class if facts is not None else pipeline.name,
     )
 
 
@@ -114,6 +124,22 @@ class OmniServer:
                     "--max-model-len)",
                     param=param,
                 )
+
+    def check_image_input(self, images: int, endpoint: str, param: str) -> None:
+        """Source images where the model takes them, and only there."""
+        label = self.settings.model_label or self.omni.deployment.pipeline
+        if images and not self.settings.takes_images:
+            raise OmniAPIError(
+                f"{endpoint}: this model ({label}) generates from text only and takes no input image; "
+                "use /v1/images/generations, or chat without an image",
+                param=param,
+            )
+        if not images and self.settings.needs_images:
+            raise OmniAPIError(
+                f"{endpoint}: this model ({label}) edits images and needs a source image; send it to "
+                "/v1/images/edits (multipart `image`) or as a chat message's image_url",
+                param=param,
+            )
 
     def check_steps(self, steps: int | None) -> None:
         if steps is not None and steps > self.limits.max_inference_steps:

@@ -57,6 +57,7 @@ async def create_images(raw: Request) -> Response:
     server = _server(raw)
     req = parse_request(ImageGenerationRequest, await _read_json(raw, _json_limit(server.limits)))
     server.check_model(req.model)
+    server.check_image_input(0, "images/generations", "prompt")
     response_format = _check_response_format(server, req.response_format)
     size = parse_size(req.size, server.limits)
     width, height = size or (server.limits.default_width, server.limits.default_height)
@@ -74,6 +75,7 @@ async def create_images(raw: Request) -> Response:
 async def edit_images(raw: Request) -> Response:
     server = _server(raw)
     limits = server.limits
+    server.check_image_input(1, "images/edits", "image")
     if not raw.headers.get("content-type", "").lower().startswith("multipart/form-data"):
         raise OmniAPIError("images/edits takes a multipart/form-data body (the image files and form fields)")
     length = raw.headers.get("content-length")
@@ -147,6 +149,7 @@ async def chat_completions(raw: Request) -> Response:
     model = server.check_model(req.model)
     server.check_steps(req.num_inference_steps)
     prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, limits)
+    server.check_image_input(len(images), "chat/completions", "messages")
     size = parse_size(req.size, limits)
     if size is None and (req.height is not None or req.width is not None):
         size = (req.width or limits.default_width, req.height or limits.default_height)
