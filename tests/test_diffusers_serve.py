@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -202,6 +203,53 @@ def test_offline_api_serves_a_diffusers_model_without_a_config(tiny_sd3: Path) -
             tiny_sd3, prompt=prompt, seed=i, height=64, width=64, steps=STEPS, guidance=2.0
         )
         assert_within_one_level(result.output.image, direct)
+
+
+def test_offline_api_in_process_stage_edits_and_counts_steps(
+    tiny_qwen_image_edit: Path, tmp_path: Path
+) -> None:
+    """``process: false``: the stage runs in the caller's process; its steps are counted as they run."""
+    import asyncio
+
+    from vllm_omni_plugin.entrypoints.omni import AsyncOmni
+    from vllm_omni_plugin.stage.orchestrator import OmniRequest
+
+    deploy = tmp_path / "inline.yaml"
+    deploy.write_text(
+        "pipeline: diffusion\nstages:\n  - stage_id: 0\n    process: false\n    max_batch_size: 4\n"
+    )
+    source = source_image(64, seed=4)
+
+    async def main() -> tuple[list, int, int | None]:
+        omni = await AsyncOmni.create(str(tiny_qwen_image_edit), deploy_config=str(deploy))
+        try:
+            results = await asyncio.gather(
+                omni.generate(
+                    OmniRequest(prompt="make it red", height=64, width=64, seed=5, num_inference_steps=2,
+                                guidance_scale=1.0, images=[source])
+                ),
+                omni.generate(OmniRequest(prompt="no source image", height=64, width=64, num_inference_steps=2)),
+            )  # fmt: skip
+            client = omni.pools[0].clients[0]
+            return list(results), client.denoise_steps, client.pid
+        finally:
+            await omni.shutdown()
+
+    (edited, refused), steps, pid = asyncio.run(main())
+    assert edited.ok, edited.error
+    direct = reference_image(
+        tiny_qwen_image_edit,
+        prompt="make it red",
+        seed=5,
+        height=64,
+        width=64,
+        steps=2,
+        guidance=1.0,
+        images=[source],
+    )
+    assert_within_one_level(edited.output.image, direct)
+    assert not refused.ok and "needs a source image" in (refused.error or "")
+    assert steps == 2 and pid == os.getpid()  # one request ran, two steps, here
 
 
 # --- refused at start-up --------------------------------------------------------------------------------
