@@ -41,13 +41,15 @@ def engine_of(request: pytest.FixtureRequest) -> Callable[[str], DiffusionEngine
     return get
 
 
-def ask(request_id: str, prompt: str, seed: int, guidance: float, **kw: Any) -> DiffusionRequest:
+def ask(
+    request_id: str, prompt: str, seed: int, guidance: float, steps: int = STEPS, **kw: Any
+) -> DiffusionRequest:
     return DiffusionRequest(
         request_id=request_id,
         prompt=prompt,
         height=SIZE,
         width=SIZE,
-        num_inference_steps=STEPS,
+        num_inference_steps=steps,
         guidance_scale=guidance,
         seed=seed,
         **kw,
@@ -61,7 +63,7 @@ def reference(engine: DiffusionEngine, request: DiffusionRequest) -> np.ndarray:
         seed=int(request.seed or 0),
         height=SIZE,
         width=SIZE,
-        steps=STEPS,
+        steps=int(request.num_inference_steps or STEPS),
         guidance=float(request.guidance_scale or 0.0),
         negative_prompt=request.negative_prompt,
         images=request.images,
@@ -247,7 +249,7 @@ def test_qwen_image_edit_plus_takes_a_list_of_images(tiny_qwen_image_edit: Path,
     engine = DiffusionEngine(model, max_batch_size=4)
     assert type(engine.runner) is registry.QwenImageEditPlusRunner
     images = [source_image(64, seed=1), source_image(64, seed=2)]
-    request = ask("p0", "put them side by side", seed=3, guidance=1.0, images=images)
+    request = ask("p0", "put them side by side", seed=3, guidance=1.0, steps=2, images=images)
     [result] = ok(engine.generate([request]))
     assert_within_one_level(result.image, reference(engine, request))
 
