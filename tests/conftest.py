@@ -42,6 +42,34 @@ def tiny_bagel() -> Path:
     return build("bagel", tiny_model_cache() / "bagel")
 
 
+@pytest.fixture(scope="session")
+def tiny_sd3() -> Path:
+    from vllm_omni_plugin.testing.tiny_models import build
+
+    return build("sd3", tiny_model_cache() / "sd3")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux() -> Path:
+    from vllm_omni_plugin.testing.tiny_models import build
+
+    return build("flux", tiny_model_cache() / "flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image() -> Path:
+    from vllm_omni_plugin.testing.tiny_models import build
+
+    return build("qwen-image", tiny_model_cache() / "qwen-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit() -> Path:
+    from vllm_omni_plugin.testing.tiny_models import build
+
+    return build("qwen-image-edit", tiny_model_cache() / "qwen-image-edit")
+
+
 @pytest.fixture(scope="module")
 def spawn() -> multiprocessing.context.SpawnContext:
     """Child processes started fresh (no fork of a process holding engines, sockets and segments)."""

@@ -10,6 +10,7 @@ import contextlib
 import io
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,8 @@ def test_serve_health_metrics_and_shutdown_with_fake_replicas(tmp_path: Path) ->
     port = free_port()
     args = parse("--host", "127.0.0.1", "--port", str(port))
     address, sock = bind_socket(args)
+    # inherited by every connection: a response goes out at once, not after the client's delayed ACK
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     seen: dict[str, Any] = {}
 
     async def client_side() -> None:
@@ -193,6 +196,8 @@ def test_serve_health_metrics_and_shutdown_with_fake_replicas(tmp_path: Path) ->
     assert 'omni_stage_healthy_replicas{name="dit",stage="1"} 1.0' in metrics
     assert 'omni_stage_latency_seconds_count{name="dit",stage="1"} 1.0' in metrics
     assert 'omni_images_generated_total{endpoint="images/generations"} 1.0' in metrics
+    assert 'omni_diffusion_denoise_steps_total{name="dit",stage="1"} 0.0' in metrics  # fakes run no steps
+    assert 'omni_diffusion_denoise_steps_total{name="ar"' not in metrics
     assert 'omni_connector_bytes_total{connector="shared_memory",direction="put"}' in metrics
     stopped = [c for cs in placement.clients.values() for c in cs]
     assert seen["restart_before"] == [True, True]

@@ -74,6 +74,101 @@ def test_pipeline_detection(tmp_path: Path, model_dir: str) -> None:
     assert detect_pipeline(str(tmp_path / "nothing")) is None
 
 
+def diffusers_dir(tmp_path: Path, class_name: str, name: str = "model") -> str:
+    """A directory that names a diffusers pipeline class (resolution reads only model_index.json)."""
+    path = tmp_path / name
+    path.mkdir()
+    (path / "model_index.json").write_text(f'{{"_class_name": "{class_name}"}}')
+    return str(path)
+
+
+def test_any_diffusers_directory_no_pipeline_claims_is_the_diffusion_pipeline(tmp_path: Path) -> None:
+    for name in ("StableDiffusion3Pipeline", "FluxPipeline", "QwenImageEditPipeline", "DDPMPipeline"):
+        assert detect_pipeline(diffusers_dir(tmp_path, name, name)) is get_pipeline("diffusion")
+    assert detect_pipeline(diffusers_dir(tmp_path, "GlmImagePipeline", "glm")) is get_pipeline("glm_image")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    assert detect_pipeline(str(tmp_path / "text")) is None  # not a diffusers directory
+
+
+@pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])
+def test_a_diffusers_model_resolves_to_one_diffusion_stage_without_a_config(tmp_path: Path, platform) -> None:
+    model = diffusers_dir(tmp_path, "StableDiffusion3Pipeline")
+    resolved = resolve_deployment(model, platform=platform)
+    assert resolved.pipeline == "diffusion" and [s.name for s in resolved.stages] == ["diffusion"]
+    stage = resolved.stage(0)
+    assert (stage.execution_type, stage.process, stage.final_output, stage.input_sources) == (
+        "diffusion",
+        True,
+        True,
+        [],
+    )
+    assert stage.input_processor.endswith("processors.diffusion.request2diffusion")
+    assert stage.diffusion_args == {
+        "max_batch_size": 8,
+        "model": model,
+        "worker_cls": platform.diffusion_worker_cls,
+    }  # steps, guidance and size: the pipeline's own
+    assert [(e.from_stage, e.to) for e in resolved.edges] == [(0, "router")]
+
+
+def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) -> None:
+    model = diffusers_dir(tmp_path, "FluxPipeline")
+    path = write(
+        tmp_path,
+        """
+        pipeline: diffusion
+        dtype: bfloat16
+        stages:
+          - stage_id: 0
+            num_replicas: 2
+            max_batch_size: 16
+            process: false
+            num_inference_steps: 20
+            guidance_scale: 3.5
+            height: 512
+            width: 768
+            default_sampling_params: {seed: 7}
+        """,
+    )
+    stage = resolve_deployment(model, deploy_config=str(path), platform=GPU).stage(0)
+    assert (stage.num_replicas, stage.process) == (2, False)
+    assert {k: v for k, v in stage.diffusion_args.items() if k not in ("model", "worker_cls")} == {
+        "dtype": "bfloat16",
+        "guidance_scale": 3.5,
+        "height": 512,
+        "max_batch_size": 16,
+        "num_inference_steps": 20,
+        "seed": 7,
+        "width": 768,
+    }
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        (
+            '{"_class_name": "DDPMPipeline"}',
+            "DDPMPipeline cannot be served: its __call__ takes no prompt, height, width",
+        ),
+        ('{"_class_name": "NoSuchPipeline"}', "has no pipeline class 'NoSuchPipeline'"),
+        ('{"_class_name": ["my_module", "MyPipeline"]}', "names no pipeline (_class_name)"),
+        (None, "has no model_index.json: not a diffusers pipeline directory"),
+    ],
+)
+def test_a_model_the_diffusion_pipeline_cannot_serve_is_one_config_error(
+    tmp_path: Path, index: str | None, message: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    if index is not None:
+        (model / "model_index.json").write_text(index)
+    path = write(tmp_path, "pipeline: diffusion\n")
+    with pytest.raises(ConfigError, match="cannot serve") as caught:
+        resolve_deployment(str(model), deploy_config=str(path), platform=GPU)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_register_out_of_tree_pipeline(tmp_path: Path) -> None:
     pipeline = Pipeline(
         name="test_two_stage",
@@ -116,20 +211,25 @@ def test_register_out_of_tree_pipeline(tmp_path: Path) -> None:
 
 def test_packaged_configs_exist() -> None:
     names = {p.name for p in packaged_deploy_configs()}
-    assert {"glm_image.yaml", "glm_image_nixl.yaml", "tiny_glm_image_cpu.yaml"} <= names
+    assert {"glm_image.yaml", "glm_image_nixl.yaml", "tiny_glm_image_cpu.yaml", "diffusion.yaml"} <= names
 
 
 GLM_IMAGE_CONFIGS = [p for p in packaged_deploy_configs() if "glm_image" in p.name]
 BAGEL_CONFIGS = [p for p in packaged_deploy_configs() if "bagel" in p.name]
 
 
+DIFFUSION_CONFIGS = [p for p in packaged_deploy_configs() if p.name == "diffusion.yaml"]
+
+
 def test_every_packaged_config_is_tested() -> None:
-    assert set(packaged_deploy_configs()) == set(GLM_IMAGE_CONFIGS) | set(BAGEL_CONFIGS)
+    assert set(packaged_deploy_configs()) == set(GLM_IMAGE_CONFIGS) | set(BAGEL_CONFIGS) | set(
+        DIFFUSION_CONFIGS
+    )
 
 
 @pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])
 @pytest.mark.parametrize("path", GLM_IMAGE_CONFIGS, ids=lambda p: p.name)
-def test_every_packaged_config_resolves(path: Path, platform, model_dir: str) -> None:
+def test_every_packaged_glm_image_config_resolves(path: Path, platform, model_dir: str) -> None:
     resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=platform)
     ar = resolved.stage(0).engine_args
     assert ar["async_scheduling"] is platform.supports_async_scheduling

@@ -339,9 +339,12 @@ def test_engine_defaults_fill_unset_fields(engine: DiffusionEngine) -> None:
 # --- registry and workers ------------------------------------------------------------------------------
 
 
-def test_unknown_pipeline_class_lists_known_ones(tmp_path: Path) -> None:
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(registry.UnknownPipelineError, match="'FluxPipeline'.*known: GlmImagePipeline"):
+def test_unknown_pipeline_class_lists_registered_ones(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "NoSuchPipeline"}))
+    with pytest.raises(
+        registry.UnknownPipelineError,
+        match="no pipeline class 'NoSuchPipeline'.*registered: GlmImagePipeline",
+    ):
         DiffusionEngine(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such model directory"):
         DiffusionEngine(tmp_path / "missing")
@@ -355,6 +358,7 @@ def test_register_diffusion_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     class FluxRunner(registry.DiffusersPipelineRunner):
         pipeline_class = "FluxPipeline"
 
+    assert registry.runner_class("FluxPipeline") is registry.DiffusersPipelineRunner  # the generic runner
     registry.register_diffusion_pipeline("FluxPipeline", FluxRunner)
     assert registry.runner_class("FluxPipeline") is FluxRunner
     assert registry.runner_class("GlmImagePipeline") is registry.GlmImageRunner

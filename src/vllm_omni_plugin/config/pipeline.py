@@ -82,6 +82,12 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     answers_in_text: bool = False
     """Its AR stage can answer in text (chat completions without ``"modalities": ["image"]``): the
     later stages are skipped (BAGEL's understanding and chat)."""
+    any_diffusers_model: bool = False
+    """Serves any diffusers pipeline directory (a ``model_index.json``) that no other pipeline claims."""
+    model_inspector: str | None = None
+    """Dotted path of ``f(model) -> facts``: what the model takes (``takes_images``, ``needs_images``,
+    ``pipeline_class``), read from its files when a deployment resolves; raises ``ValueError`` (or
+    ``OSError``) with one line when the model cannot be served. None: the pipeline's stages fix that."""
 
     def stage(self, stage_id: int) -> PipelineStage | None:
         for stage in self.stages:
@@ -140,7 +146,8 @@ def _read_json(path: Path) -> dict | None:
 
 
 def detect_pipeline(model: str) -> Pipeline | None:
-    """The pipeline of a model directory (``model_index.json`` / ``config.json``) or hub repo id."""
+    """The pipeline of a model directory (``model_index.json`` / ``config.json``) or hub repo id: the one
+    that names its class or architecture, else for a diffusers directory the one that serves any."""
     root = Path(model)
     if root.is_dir():
         index = _read_json(root / "model_index.json")
@@ -152,6 +159,8 @@ def detect_pipeline(model: str) -> Pipeline | None:
                 return pipeline
             if set(architectures) & set(pipeline.architectures):
                 return pipeline
+        if index is not None:
+            return next((p for p in _PIPELINES.values() if p.any_diffusers_model), None)
         return None
     for pipeline in _PIPELINES.values():
         if model.rstrip("/") in pipeline.repo_ids:
@@ -192,6 +201,25 @@ GLM_IMAGE = Pipeline(
     ar_token_budget="vllm_omni_plugin.stage.processors.glm_image.glm_image_max_new_tokens",
     diffusion_defaults=DiffusionDefaults(height=1024, width=1024),
 )
+
+DIFFUSION = Pipeline(
+    name="diffusion",
+    stages=(
+        PipelineStage(
+            stage_id=0,
+            name="diffusion",
+            execution_type="diffusion",
+            input_processor="vllm_omni_plugin.stage.processors.diffusion.request2diffusion",
+            output_type="image",
+            final_output=True,
+        ),
+    ),
+    default_deploy_config="diffusion.yaml",
+    image_size_multiple=16,  # VAE x8 and 2x2 latent patches (SD3, FLUX, Qwen-Image); SD 1.x/XL need 8
+    any_diffusers_model=True,
+    model_inspector="vllm_omni_plugin.diffusion.pipelines.inspect_model",
+)
+"""One diffusion stage running a diffusers pipeline, its runner chosen by the model's class."""
 
 register_pipeline(GLM_IMAGE)
 
@@ -240,3 +268,5 @@ BAGEL = Pipeline(
 )
 
 register_pipeline(BAGEL)
+
+register_pipeline(DIFFUSION)

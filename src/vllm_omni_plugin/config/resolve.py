@@ -652,6 +652,18 @@ class _Resolver:
             done, async_scheduling=resolved.engine_args["async_scheduling"], engine_extras=extras or None
         )
 
+    def check_model(self) -> None:
+        """A pipeline that serves what the model folder says (``model_inspector``) refuses a model it
+        cannot drive now, in one line, rather than in a stage process that fails to load."""
+        if self.pipeline.model_inspector is None:
+            return
+        try:
+            import_object(self.pipeline.model_inspector)(self.model)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(
+                f"pipeline {self.pipeline.name!r} cannot serve {self.model}: {exc}", source=self.loaded.source
+            ) from None
+
     def run(self) -> ResolvedDeployment:
         pipeline = self.pipeline
         if self.cfg.async_chunk and pipeline.streaming_processor is None:
@@ -676,6 +688,7 @@ class _Resolver:
             edges=list(self.cfg.edges),
             stages=[self.completed_stage(stages[r.stage_id], r) for r in resolved],
         )
+        self.check_model()
         return ResolvedDeployment(
             pipeline=pipeline.name,
             model=self.model,

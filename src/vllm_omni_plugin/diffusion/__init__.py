@@ -1,4 +1,5 @@
-"""The diffusion (DiT) stage: diffusers pipelines driven by inputs an AR stage computed.
+"""The diffusion (DiT) stage: diffusers pipelines, driven by inputs an AR stage computed or, as a stage of
+its own, by the user's request.
 
 Imports stay lazy: ``import vllm_omni_plugin.diffusion`` pulls in neither torch nor diffusers.
 """
@@ -14,7 +15,11 @@ if TYPE_CHECKING:
     from vllm_omni_plugin.diffusion.pipelines import (
         DiffusersPipelineRunner,
         GlmImageRunner,
+        QwenImageEditRunner,
+        QwenImageRunner,
         UnknownPipelineError,
+        UnservablePipelineError,
+        inspect_model,
         register_diffusion_pipeline,
     )
     from vllm_omni_plugin.diffusion.worker import (
@@ -32,7 +37,11 @@ __all__ = [
     "DiffusionResult",
     "DiffusionWorker",
     "GlmImageRunner",
+    "QwenImageEditRunner",
+    "QwenImageRunner",
     "UnknownPipelineError",
+    "UnservablePipelineError",
+    "inspect_model",
     "register_diffusion_pipeline",
 ]
 
@@ -40,7 +49,11 @@ _LAZY = {
     "DiffusionEngine": "engine",
     "DiffusersPipelineRunner": "pipelines",
     "GlmImageRunner": "pipelines",
+    "QwenImageEditRunner": "pipelines",
+    "QwenImageRunner": "pipelines",
     "UnknownPipelineError": "pipelines",
+    "UnservablePipelineError": "pipelines",
+    "inspect_model": "pipelines",
     "register_diffusion_pipeline": "pipelines",
     "CPUDiffusionWorker": "worker",
     "CUDADiffusionWorker": "worker",

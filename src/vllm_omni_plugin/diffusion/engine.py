@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from vllm_omni_plugin.log import get_logger
 logger = get_logger(__name__)
 
 MAX_SEED = 2**63 - 1
+PROGRESS_INTERVAL_S = 10.0
+"""How often a long batch logs its progress: short batches stay quiet, a minute-long one says so."""
 
 
 def torch_dtype(name: Any, device: Any = "cpu") -> Any:
@@ -58,7 +61,8 @@ class DiffusionEngine:
     ``num_inference_steps``, ``guidance_scale``, ``height``, ``width`` are defaults for requests that leave
     them unset (the pipeline runner's own defaults otherwise); ``seed`` seeds the draw of seeds for
     unseeded requests. ``trust_remote_code`` and ``enforce_eager`` are accepted so a resolved deploy
-    config's ``diffusion_args`` can be passed as is; registered runners need neither.
+    config's ``diffusion_args`` can be passed as is; registered runners need neither. A batch that runs
+    longer than ``progress_interval_s`` logs its requests' step progress every that many seconds.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class DiffusionEngine:
         enforce_eager: bool = True,
         runner: DiffusersPipelineRunner | None = None,
         runner_cls: str | None = None,
+        progress_interval_s: float = PROGRESS_INTERVAL_S,
     ) -> None:
         import torch
 
@@ -93,23 +98,32 @@ class DiffusionEngine:
             runner = import_object(runner_cls).load(self.model, dtype=self.dtype, device=self.device)
         self.runner = runner or load_pipeline_runner(self.model, dtype=self.dtype, device=self.device)
         self.load_seconds = time.perf_counter() - start
-        kind = type(self.runner)
-        self.request_type: type = getattr(kind, "request_type", DiffusionRequest)
-        """What this engine's runner takes (``DiffusionRequest`` for diffusers pipelines)."""
-        self.num_inference_steps = num_inference_steps or getattr(kind, "default_num_inference_steps", None)
+        runner = self.runner
+        self.request_type: type = getattr(runner, "request_type", DiffusionRequest)
+        """What this engine's runner takes (``DiffusionRequest`` for diffusers pipelines; BAGEL's runner
+        has its own request type and fills its defaults itself)."""
+        self.num_inference_steps = num_inference_steps or getattr(runner, "default_num_inference_steps", None)
         self.guidance_scale = (
-            getattr(kind, "default_guidance_scale", None) if guidance_scale is None else guidance_scale
+            getattr(runner, "default_guidance_scale", None) if guidance_scale is None else guidance_scale
         )
-        default_h, default_w = getattr(kind, "default_size", None) or (None, None)
+        default_h, default_w = getattr(runner, "default_size", None) or (None, None)
         self.height = height or default_h
         self.width = width or default_w
         self._seeds = random.Random(seed)
+        self.progress_interval_s = progress_interval_s
+        self.denoise_steps = 0
+        """Denoising steps run since load, counted per request (a step of a batch of B counts B)."""
+        self.on_progress: Callable[[int], None] | None = None
+        """Called with ``denoise_steps`` after every step (a stage process reports it to ``/metrics``)."""
+        self._progress: _BatchProgress | None = None
+        if hasattr(runner, "on_step"):
+            runner.on_step = self._step_done
         if trust_remote_code:
             logger.debug("diffusion engine: trust_remote_code has no effect on registered pipeline runners")
         logger.info(
             "diffusion engine: %s (%s) on %s, %s, max_batch_size %d%s, load %.2f s",
             self.model,
-            getattr(kind, "pipeline_class", kind.__name__),
+            getattr(runner, "pipeline_class", type(runner).__name__),
             self.device,
             self.dtype,
             max_batch_size,
@@ -190,15 +204,50 @@ class DiffusionEngine:
                 results[index] = result
         return [results[i] for i in range(len(resolved))]
 
+    def _step_done(self, step: int) -> None:
+        """The runner's step callback: count the batch's requests a step further; log when it is time."""
+        progress = self._progress
+        if progress is None:
+            return
+        progress.steps = step + 1
+        self.denoise_steps += len(progress.batch)
+        now = time.perf_counter()
+        if now - max(progress.start, progress.last_log) >= self.progress_interval_s:
+            progress.logged, progress.last_log = True, now
+            total = progress.batch[0].num_inference_steps or progress.steps
+            logger.info(
+                "diffusion: step %d/%d of %d request(s) (%s), %.2f steps/s",
+                progress.steps,
+                total,
+                len(progress.batch),
+                progress.who,
+                progress.steps / (now - progress.start),
+            )
+        if self.on_progress is not None:
+            self.on_progress(self.denoise_steps)
+
+    def _finish_progress(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None and progress.logged:
+            logger.info(
+                "diffusion: %d request(s) (%s) done: %d steps and decode in %.1f s",
+                len(progress.batch),
+                progress.who,
+                progress.steps,
+                time.perf_counter() - progress.start,
+            )
+
     def _run_batch(self, batch: list[DiffusionRequest]) -> list[DiffusionResult]:
         import torch
 
         # CPU generators whatever the device: diffusers then draws the noise on the CPU and moves it, so a
         # seed gives the same image on every platform (up to kernel numerics).
         generators = [torch.Generator("cpu").manual_seed(int(r.seed or 0)) for r in batch]
+        self._progress = _BatchProgress(batch, time.perf_counter())
         try:
             out = self.runner.run(batch, generators)
         except Exception as exc:
+            self._progress = None
             if len(batch) > 1:  # find the culprit: the others must not fail with it
                 logger.warning(
                     "diffusion batch of %d failed (%s: %s); retrying its requests one by one",
@@ -208,6 +257,7 @@ class DiffusionEngine:
                 )
                 return [result for request in batch for result in self._run_batch([request])]
             return [self._failed(batch[0], exc, batch_size=1)]
+        self._finish_progress()
         results = []
         for i, request in enumerate(batch):
             wants_latents = getattr(request, "return_latents", False)
@@ -223,6 +273,22 @@ class DiffusionEngine:
                 )
             )
         return results
+
+
+@dataclass
+class _BatchProgress:
+    """The batch the runner is working on, for the step callback (runs are one at a time)."""
+
+    batch: list[DiffusionRequest]
+    start: float
+    logged: bool = False
+    last_log: float = 0.0
+    steps: int = 0
+
+    @property
+    def who(self) -> str:
+        ids = ", ".join(r.request_id for r in self.batch[:4])
+        return ids + (f" and {len(self.batch) - 4} more" if len(self.batch) > 4 else "")
 
 
 def _chunks(items: list[int], size: int) -> Iterable[list[int]]:

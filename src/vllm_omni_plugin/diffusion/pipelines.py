@@ -2,15 +2,22 @@
 
 A model directory names its pipeline in ``model_index.json`` (``_class_name``). The registry maps that name
 to a runner class that loads the pipeline and runs a batch of compatible requests through one pipeline
-call. Adding a diffusers pipeline is one small :class:`DiffusersPipelineRunner` subclass plus one
-``register_diffusion_pipeline`` line (or an entry in ``PIPELINE_RUNNERS``).
+call. A class nobody registered runs on :class:`DiffusersPipelineRunner` itself, the generic runner: it
+reads what the pipeline's ``__call__`` takes from its signature (prompt, size, steps, generators, output
+type; guidance, negative prompt and a source image where the signature has them). A family that differs
+from that (Qwen-Image's ``true_cfg_scale``, GLM-Image's prior tokens) is one small subclass plus one
+``register_diffusion_pipeline`` line (or an entry in ``PIPELINE_RUNNERS``). A class the generic runner
+cannot drive is refused before anything loads (:func:`inspect_model`), naming what its ``__call__`` lacks.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import re
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,9 +27,16 @@ from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
 
+CALL_ARGUMENTS = ("prompt", "height", "width", "num_inference_steps", "generator", "output_type")
+"""What a pipeline's ``__call__`` must take for a runner to drive it."""
+
 
 class UnknownPipelineError(ValueError):
-    """The model's pipeline class has no runner registered."""
+    """The model names a pipeline class that neither diffusers nor the registry has."""
+
+
+class UnservablePipelineError(ValueError):
+    """A diffusers pipeline class whose ``__call__`` lacks what a runner needs."""
 
 
 @dataclass(slots=True)
@@ -35,44 +49,123 @@ class BatchOutput:
     timings: dict[str, float]
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a model's pipeline takes, known from its class without loading any weights."""
+
+    pipeline_class: str
+    takes_images: bool
+    """It turns source images into the output (edits, image-to-image)."""
+    needs_images: bool
+    """It cannot run without a source image (an edit pipeline)."""
+
+
+def call_parameters(pipeline_cls: type) -> Mapping[str, inspect.Parameter]:
+    """The named parameters of the class's own ``__call__`` (none when it has no ``__call__``)."""
+    call = next((vars(k)["__call__"] for k in pipeline_cls.__mro__[:-1] if "__call__" in vars(k)), None)
+    if call is None:
+        return {}
+    params = inspect.signature(call).parameters
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name: p for name, p in params.items() if p.kind in kinds and name != "self"}
+
+
+def _default(params: Mapping[str, inspect.Parameter], name: str, kind: type) -> Any:
+    """The signature's default of ``name`` when it is a number (``None`` otherwise)."""
+    param = params.get(name)
+    value = None if param is None else param.default
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return kind(value)
+    return None
+
+
 class DiffusersPipelineRunner:
     """Loads one diffusers pipeline and runs batches of compatible requests through it.
 
     The engine hands :meth:`run` requests whose defaults are already applied and that share
     :meth:`batch_key` (plus size, steps, guidance and image-to-image-ness), with one seeded
-    ``torch.Generator`` per request. Subclasses set ``pipeline_class`` and, as needed, override
-    ``load_kwargs``, :meth:`validate`, :meth:`batch_key` and :meth:`call_kwargs`.
+    ``torch.Generator`` per request. Used as is, it is the generic runner of any pipeline whose ``__call__``
+    takes :data:`CALL_ARGUMENTS`: the request's guidance goes to ``guidance_argument``, its negative
+    prompt and its one source image (``image_argument``) where the signature takes them, and the
+    defaults (steps, guidance, size) are the pipeline's own. Subclasses set ``pipeline_class`` and, as
+    needed, the class attributes below and :meth:`load_overrides`, :meth:`validate`, :meth:`batch_key`,
+    :meth:`call_kwargs`.
     """
 
     pipeline_class: ClassVar[str] = ""
-    """The diffusers class name, as in ``model_index.json`` ``_class_name``."""
+    """The diffusers class name, as in ``model_index.json`` ``_class_name`` ("": the model's own)."""
     load_kwargs: ClassVar[dict[str, Any]] = {}
     """Extra ``from_pretrained`` arguments (e.g. components to skip)."""
-    default_num_inference_steps: ClassVar[int] = 50
-    default_guidance_scale: ClassVar[float] = 5.0
-    default_size: ClassVar[tuple[int, int] | None] = None
-    """``(height, width)`` when a request and the engine give none; ``None``: the size is required."""
-    supports_negative_prompt: ClassVar[bool] = True
-    supports_image_to_image: ClassVar[bool] = False
+    guidance_argument: ClassVar[str] = "guidance_scale"
+    """The ``__call__`` argument a request's ``guidance_scale`` goes to."""
+    image_argument: ClassVar[str] = "image"
+    """The ``__call__`` argument a request's source images go to."""
+    needs_images: ClassVar[bool] = False
+    """The pipeline cannot run without a source image (an edit pipeline)."""
+    max_images: ClassVar[int | None] = 1
+    """Source images a request may have (``None``: any number)."""
+    # Set on a subclass to fix them; left None, they come from the pipeline's signature and config.
+    default_num_inference_steps: int | None = None
+    default_guidance_scale: float | None = None
+    default_size: tuple[int, int] | None = None
+    """``(height, width)`` when a request and the engine give none."""
+    size_required: ClassVar[bool] = False
+    """Requests must give a size (no ``default_size``, not even the pipeline's)."""
+    supports_negative_prompt: bool | None = None
+    supports_image_to_image: bool | None = None
 
     def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
+        cls = type(self)
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
+        self.pipeline_class = cls.pipeline_class or type(pipe).__name__
+        params = call_parameters(type(pipe))
+        self.call_arguments = frozenset(params)
+        self.default_num_inference_steps = (
+            cls.default_num_inference_steps or _default(params, "num_inference_steps", int) or 50
+        )
+        if cls.default_guidance_scale is None:
+            self.default_guidance_scale = _default(params, self.guidance_argument, float)
+        self.default_size = None if cls.size_required else cls.default_size or _pipeline_default_size(pipe)
+        self.supports_negative_prompt, self.supports_image_to_image = cls.input_support(params)
+        self.on_step: Callable[[int], None] | None = None
+        """Called after each denoising step of a :meth:`run` with the step's index (the engine's
+        progress); a runner whose pipeline has no step callback never calls it."""
+
+    @classmethod
+    def input_support(cls, params: Mapping[str, inspect.Parameter]) -> tuple[bool, bool]:
+        """(takes a negative prompt, takes source images), from the class or else the signature."""
+        negative = cls.supports_negative_prompt
+        images = cls.supports_image_to_image
+        return (
+            "negative_prompt" in params if negative is None else negative,
+            cls.image_argument in params if images is None else images,
+        )
+
+    @classmethod
+    def missing_call_arguments(cls, pipeline_cls: type) -> list[str]:
+        """What :meth:`run` passes that ``pipeline_cls.__call__`` does not take (empty: drivable)."""
+        params = call_parameters(pipeline_cls)
+        return [name for name in CALL_ARGUMENTS if name not in params]
+
+    @classmethod
+    def load_overrides(cls, model: str) -> dict[str, Any]:
+        """``from_pretrained`` arguments for this model (``load_kwargs`` unless a family needs more)."""
+        return dict(cls.load_kwargs)
 
     @classmethod
     def load(cls, model: str, *, dtype: Any, device: Any) -> DiffusersPipelineRunner:
         """``from_pretrained`` on the model directory (or hub id), moved to ``device``."""
-        import diffusers
-
-        pipeline_cls = getattr(diffusers, cls.pipeline_class)
+        name = cls.pipeline_class or pipeline_class_name(model)
+        pipeline_cls = checked_pipeline_class(name, cls)
         start = time.perf_counter()
-        pipe = pipeline_cls.from_pretrained(model, dtype=dtype, **cls.load_kwargs)
+        pipe = pipeline_cls.from_pretrained(model, dtype=dtype, **cls.load_overrides(model))
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         logger.info(
             "loaded %s from %s (%s, %s) in %.2f s",
-            cls.pipeline_class,
+            name,
             model,
             dtype,
             device,
@@ -84,20 +177,35 @@ class DiffusersPipelineRunner:
 
     def validate(self, request: DiffusionRequest) -> None:
         """Raise ``ValueError`` naming what is wrong; run before batching, so one bad request fails alone."""
+        images = len(request.images or [])
         if request.image_to_image and not self.supports_image_to_image:
             raise ValueError(f"{self.pipeline_class} runs text-to-image only; this request has source images")
+        if self.needs_images and not images:
+            raise ValueError(f"{self.pipeline_class} edits an image: the request needs a source image")
+        if self.max_images is not None and images > self.max_images:
+            raise ValueError(
+                f"{self.pipeline_class} takes at most {self.max_images} source image(s) per request, "
+                f"got {images}"
+            )
         if request.negative_prompt and not self.supports_negative_prompt:
             raise ValueError(f"{self.pipeline_class} takes no negative prompt; leave negative_prompt unset")
+        if request.guidance_scale is not None and self.guidance_argument not in self.call_arguments:
+            raise ValueError(f"{self.pipeline_class} takes no {self.guidance_argument}; leave guidance unset")
 
     def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
-        """What else (beyond size, steps, guidance, i2i) must match for requests to share a call."""
-        return ()
+        """What else (beyond size, steps, guidance, i2i) must match for requests to share a call: whether
+        a negative prompt is given (``None`` and ``""`` differ for pipelines whose guidance needs one)
+        and the source images' sizes (a pipeline resizes a batch's images to one size)."""
+        return (request.negative_prompt is not None, tuple(_image_size(i) for i in request.images or []))
 
     def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
         """Pipeline arguments beyond prompt, size, steps, guidance, generators and output type."""
-        if self.supports_negative_prompt and any(r.negative_prompt for r in batch):
-            return {"negative_prompt": [r.negative_prompt or "" for r in batch]}
-        return {}
+        kwargs: dict[str, Any] = {}
+        if self.supports_negative_prompt and batch[0].negative_prompt is not None:
+            kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch]
+        if self.supports_image_to_image and batch[0].images:
+            kwargs[self.image_argument] = [_as_pil(r.images[0]) for r in batch if r.images]
+        return kwargs
 
     # --- the call ----------------------------------------------------------------------------------
 
@@ -108,26 +216,30 @@ class DiffusersPipelineRunner:
         first = batch[0]
         latents_box: list[Any] = []
         step_done: list[float] = []
+        kwargs: dict[str, Any] = {
+            "prompt": [r.prompt for r in batch],
+            "height": first.height,
+            "width": first.width,
+            "num_inference_steps": first.num_inference_steps,
+            "generator": generators,
+            "output_type": "np",
+        }
+        if first.guidance_scale is not None and self.guidance_argument in self.call_arguments:
+            kwargs[self.guidance_argument] = first.guidance_scale
 
-        def on_step_end(pipe: Any, step: int, timestep: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             # The last step's latents are the denoised ones; its time splits denoise from decode.
-            latents_box[:] = [kwargs["latents"]]
+            latents_box[:] = [tensors["latents"]]
             step_done[:] = [time.perf_counter()]
+            if self.on_step is not None:
+                self.on_step(step)
             return {}
 
+        if "callback_on_step_end" in self.call_arguments:
+            kwargs["callback_on_step_end"] = on_step_end
+            kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
         start = time.perf_counter()
-        out = self.pipe(
-            prompt=[r.prompt for r in batch],
-            height=first.height,
-            width=first.width,
-            num_inference_steps=first.num_inference_steps,
-            guidance_scale=first.guidance_scale,
-            generator=generators,
-            output_type="np",
-            callback_on_step_end=on_step_end,
-            callback_on_step_end_tensor_inputs=["latents"],
-            **self.call_kwargs(batch),
-        )
+        out = self.pipe(**kwargs, **self.call_kwargs(batch))
         end = time.perf_counter()
         denoised = step_done[0] if step_done else end
         # diffusers' own float -> uint8 conversion (numpy_to_pil), so arrays equal its PIL output.
@@ -137,6 +249,14 @@ class DiffusersPipelineRunner:
             latents = [lat.detach().to("cpu").clone() for lat in latents_box[0]]
         timings = {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
         return BatchOutput(list(pixels), latents, timings)
+
+
+def _pipeline_default_size(pipe: Any) -> tuple[int, int] | None:
+    """The size the pipeline draws when given none (``default_sample_size * vae_scale_factor``)."""
+    sample, scale = getattr(pipe, "default_sample_size", None), getattr(pipe, "vae_scale_factor", None)
+    if isinstance(sample, int) and isinstance(scale, int):
+        return sample * scale, sample * scale
+    return None
 
 
 class GlmImageRunner(DiffusersPipelineRunner):
@@ -153,6 +273,8 @@ class GlmImageRunner(DiffusersPipelineRunner):
     default_guidance_scale = 1.5
     supports_negative_prompt = False  # the pipeline's unconditional pass always uses an empty glyph text
     supports_image_to_image = True
+    max_images = None
+    size_required = True  # the AR stage drew its tokens for one size
     glyph_max_length: ClassVar[int] = 2048  # the pipeline's max_sequence_length default
     _GLYPH_PATTERNS = (r"'([^']*)'", r"\u201c([^\u201c\u201d]*)\u201d", r'"([^"]*)"', r"「([^「」]*)」")
 
@@ -289,9 +411,91 @@ def _as_pil(image: Any) -> Any:
     return PIL.Image.fromarray(array)
 
 
+class QwenImageRunner(DiffusersPipelineRunner):
+    """Qwen-Image: classifier-free guidance is ``true_cfg_scale``, and diffusers applies it only when a
+    negative prompt is given. A request's ``guidance_scale`` goes there, and above 1 a request without a
+    negative prompt gets ``" "`` (the model card's), so guidance always does what it says; at 1 or
+    below no negative prompt is passed (no unconditional pass)."""
+
+    pipeline_class = "QwenImagePipeline"
+    guidance_argument = "true_cfg_scale"
+    default_negative_prompt: ClassVar[str] = " "
+
+    def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
+        # Every negative prompt of a guided batch is a string, so requests with and without one mix.
+        return tuple(_image_size(i) for i in request.images or [])
+
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        kwargs = super().call_kwargs(batch)
+        kwargs.pop("negative_prompt", None)
+        if (batch[0].guidance_scale or 0.0) > 1.0:
+            kwargs["negative_prompt"] = [r.negative_prompt or self.default_negative_prompt for r in batch]
+        return kwargs
+
+
+class QwenImageEditRunner(QwenImageRunner):
+    """Qwen-Image-Edit: one source image per request, ``image=[one per prompt]``.
+
+    The pipeline resizes a single image to about a megapixel (its aspect kept) for both the VAE and the
+    vision-language encoder, but passes a *list* of images to the encoder as they are, so a batch would
+    see other pixels than the same request alone. The runner resizes each image the way the pipeline
+    does for a single one first; a batch also shares the source size (``batch_key``), since the pipeline
+    sizes everything from the first image.
+    """
+
+    pipeline_class = "QwenImageEditPipeline"
+    needs_images = True
+
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        kwargs = super().call_kwargs(batch)
+        images = kwargs[self.image_argument]
+        width, height, _ = calculate_dimensions(1024 * 1024, images[0].size[0] / images[0].size[1])
+        kwargs[self.image_argument] = [self.pipe.image_processor.resize(i, height, width) for i in images]
+        return kwargs
+
+    @classmethod
+    def load_overrides(cls, model: str) -> dict[str, Any]:
+        return _with_qwen2vl_processor(super().load_overrides(model), model)
+
+
+class QwenImageEditPlusRunner(QwenImageRunner):
+    """Qwen-Image-Edit-2509 and later: ``image`` is the list of a request's source images, and every
+    prompt of a call sees all of them. Requests with their own images cannot share a call, so each runs
+    alone."""
+
+    pipeline_class = "QwenImageEditPlusPipeline"
+    needs_images = True
+    max_images = 3
+
+    @classmethod
+    def load_overrides(cls, model: str) -> dict[str, Any]:
+        return _with_qwen2vl_processor(super().load_overrides(model), model)
+
+    def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
+        return (request.request_id,)
+
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        kwargs = super().call_kwargs(batch)
+        kwargs[self.image_argument] = [_as_pil(image) for image in batch[0].images or []]
+        return kwargs
+
+
+def _with_qwen2vl_processor(overrides: dict[str, Any], model: str) -> dict[str, Any]:
+    """The edit pipelines' processor, loadable without torchvision (see ``qwen2vl_processor``)."""
+    from vllm_omni_plugin.diffusion.qwen2vl_processor import load_qwen2vl_processor
+
+    if (Path(model) / "processor").is_dir():
+        overrides["processor"] = load_qwen2vl_processor(Path(model) / "processor")
+    return overrides
+
+
 PIPELINE_RUNNERS: dict[str, type[DiffusersPipelineRunner]] = {
-    GlmImageRunner.pipeline_class: GlmImageRunner,
+    runner.pipeline_class: runner
+    for runner in (GlmImageRunner, QwenImageRunner, QwenImageEditRunner, QwenImageEditPlusRunner)
 }
+"""Runners of the families the generic runner cannot drive as they are, by diffusers class name."""
 
 
 def register_diffusion_pipeline(class_name: str, cls: type[DiffusersPipelineRunner]) -> None:
@@ -307,14 +511,49 @@ def register_diffusion_pipeline(class_name: str, cls: type[DiffusersPipelineRunn
 
 
 def runner_class(class_name: str) -> type[DiffusersPipelineRunner]:
+    """The registered runner of ``class_name``, else the generic runner (for a class diffusers has)."""
+    runner = PIPELINE_RUNNERS.get(class_name)
+    if runner is not None:
+        return runner
+    checked_pipeline_class(class_name, DiffusersPipelineRunner)
+    return DiffusersPipelineRunner
+
+
+def checked_pipeline_class(class_name: str, runner: type[DiffusersPipelineRunner]) -> type:
+    """The diffusers class ``class_name``, once it is known that ``runner`` can drive it."""
+    import diffusers
+
     try:
-        return PIPELINE_RUNNERS[class_name]
-    except KeyError:
-        known = ", ".join(sorted(PIPELINE_RUNNERS)) or "none"
+        pipeline_cls = getattr(diffusers, class_name, None) if class_name.isidentifier() else None
+    except (ImportError, RuntimeError) as exc:  # diffusers' lazy import of a class whose extras are missing
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnservablePipelineError(f"{class_name} cannot be imported: {reason}") from None
+    if not isinstance(pipeline_cls, type) or not hasattr(pipeline_cls, "from_pretrained"):
+        registered = ", ".join(sorted(PIPELINE_RUNNERS))
         raise UnknownPipelineError(
-            f"no diffusion runner for pipeline class {class_name!r} (known: {known}); "
-            "add one with vllm_omni_plugin.diffusion.pipelines.register_diffusion_pipeline"
-        ) from None
+            f"diffusers {diffusers.__version__} has no pipeline class {class_name!r}, and no runner is "
+            f"registered for it (registered: {registered}); add one with "
+            "vllm_omni_plugin.diffusion.pipelines.register_diffusion_pipeline"
+        )
+    missing = runner.missing_call_arguments(pipeline_cls)
+    if missing:
+        raise UnservablePipelineError(
+            f"{class_name} cannot be served: its __call__ takes no {', '.join(missing)} (a text-to-image "
+            f"stage passes {', '.join(CALL_ARGUMENTS)}); register a runner for it with "
+            "vllm_omni_plugin.diffusion.pipelines.register_diffusion_pipeline"
+        )
+    return pipeline_cls
+
+
+@functools.lru_cache(maxsize=16)
+def inspect_model(model: str) -> ModelFacts:
+    """What the model's pipeline takes, from ``model_index.json`` and the class alone (no weights):
+    raises ``ValueError`` with one line when no runner can drive it (or it is no diffusers model)."""
+    name = pipeline_class_name(model)
+    runner = runner_class(name)
+    pipeline_cls = checked_pipeline_class(runner.pipeline_class or name, runner)
+    _negative, takes_images = runner.input_support(call_parameters(pipeline_cls))
+    return ModelFacts(pipeline_class=name, takes_images=takes_images, needs_images=runner.needs_images)
 
 
 def pipeline_class_name(model: str | Path) -> str:

@@ -1,7 +1,7 @@
 """The omni server's Prometheus metrics, in the registry vLLM's ``/metrics`` serves.
 
-Per-stage queue depth, healthy replicas and restarts, and each connector's counters are read from the
-runtime at scrape time (:class:`OmniCollector`); per-request latencies, images and failures are
+Per-stage queue depth, healthy replicas, restarts and denoising steps, and each connector's counters are
+read from the runtime at scrape time (:class:`OmniCollector`); per-request latencies, images and failures are
 recorded as requests finish (:class:`OmniMetrics`).
 """
 
@@ -39,12 +39,21 @@ class OmniCollector:
             "Replica restarts after a stage process died",
             labels=["stage", "name"],
         )
+        steps = CounterMetricFamily(
+            "omni_diffusion_denoise_steps",
+            "Denoising steps run by each diffusion stage, counted per request (a step of a batch of B "
+            "requests counts B); rises while long images are still in progress",
+            labels=["stage", "name"],
+        )
+        diffusion = {s.stage_id for s in self.omni.deployment.stages if s.execution_type == "diffusion"}
         for sid, pool in self.omni.pools.items():
             labels = [str(sid), pool.name]
             depth.add_metric(labels, pool.queue_depth)
             healthy.add_metric(labels, sum(1 for c in pool.clients if c.healthy))
             restarts.add_metric(labels, sum(c.restarts for c in pool.clients))
-        yield from (depth, healthy, restarts)
+            if sid in diffusion:
+                steps.add_metric(labels, sum(c.denoise_steps for c in pool.clients))
+        yield from (depth, healthy, restarts, steps)
 
         moved = CounterMetricFamily(
             "omni_connector_bytes",

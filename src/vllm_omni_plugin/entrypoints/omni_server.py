@@ -37,6 +37,12 @@ class ServerSettings:
     generation_params: frozenset[str] = frozenset()
     """The pipeline-specific request settings this deployment takes."""
     answers_in_text: bool = False
+    takes_images: bool = True
+    """The model turns source images into its output (``/v1/images/edits``, chat with ``image_url``)."""
+    needs_images: bool = False
+    """The model only edits: every request needs a source image."""
+    model_label: str = ""
+    """How errors name what is served (the pipeline, or the model's diffusers class)."""
 
 
 def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment) -> ServerSettings:
@@ -53,6 +59,7 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
     )
     ar = next((s for s in deployment.stages if s.execution_type == "llm_ar"), None)
     budget = import_object(pipeline.ar_token_budget) if ar is not None and pipeline.ar_token_budget else None
+    facts = import_object(pipeline.model_inspector)(deployment.model) if pipeline.model_inspector else None
     return ServerSettings(
         served_model_names=names,
         limits=limits,
@@ -62,6 +69,9 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
         pipeline=pipeline.name,
         generation_params=frozenset(pipeline.generation_params),
         answers_in_text=pipeline.answers_in_text,
+        takes_images=facts.takes_images if facts is not None else True,
+        needs_images=facts.needs_images if facts is not None else False,
+        model_label=facts.pipeline_class if facts is not None else pipeline.name,
     )
 
 
@@ -132,6 +142,22 @@ class OmniServer:
                     f"{name} is not a setting of this deployment's pipeline ({self.settings.pipeline})",
                     param=name,
                 )
+
+    def check_image_input(self, images: int, endpoint: str, param: str) -> None:
+        """Source images where the model takes them, and only there."""
+        label = self.settings.model_label or self.omni.deployment.pipeline
+        if images and not self.settings.takes_images:
+            raise OmniAPIError(
+                f"{endpoint}: this model ({label}) generates from text only and takes no input image; "
+                "use /v1/images/generations, or chat without an image",
+                param=param,
+            )
+        if not images and self.settings.needs_images:
+            raise OmniAPIError(
+                f"{endpoint}: this model ({label}) edits images and needs a source image; send it to "
+                "/v1/images/edits (multipart `image`) or as a chat message's image_url",
+                param=param,
+            )
 
     def check_steps(self, steps: int | None) -> None:
         if steps is not None and steps > self.limits.max_inference_steps:

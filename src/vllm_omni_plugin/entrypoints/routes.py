@@ -57,6 +57,7 @@ async def create_images(raw: Request) -> Response:
     req = parse_request(ImageGenerationRequest, await _read_json(raw, _json_limit(server.limits)))
     server.check_model(req.model)
     server.check_settings(req)
+    server.check_image_input(0, "images/generations", "prompt")
     response_format = _check_response_format(server, req.response_format)
     size = parse_size(req.size, server.limits)
     width, height = size or (server.limits.default_width, server.limits.default_height)
@@ -74,6 +75,7 @@ async def create_images(raw: Request) -> Response:
 async def edit_images(raw: Request) -> Response:
     server = _server(raw)
     limits = server.limits
+    server.check_image_input(1, "images/edits", "image")
     if not raw.headers.get("content-type", "").lower().startswith("multipart/form-data"):
         raise OmniAPIError("images/edits takes a multipart/form-data body (the image files and form fields)")
     length = raw.headers.get("content-length")
@@ -152,6 +154,7 @@ async def chat_completions(raw: Request) -> Response:
     prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, limits)
     if not req.wants_image:
         return await _chat_text(server, raw, req, model, prompt, images)
+    server.check_image_input(len(images), "chat/completions", "messages")
     size = parse_size(req.size, limits)
     if size is None and (req.height is not None or req.width is not None):
         size = (req.width or limits.default_width, req.height or limits.default_height)

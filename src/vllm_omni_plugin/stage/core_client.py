@@ -23,7 +23,8 @@ class StageCoreClientBase(abc.ABC):
     What pools and servers may use is declared here and nowhere else: identity (``stage_id``,
     ``replica_id``, ``name``, ``label``), the process serving it (``pid``), health (``state``,
     ``healthy``, ``inflight``, ``restarts``, ``awaits_worker``, ``health()``), the restart policy
-    (``restart_on_death``), stats (``log_stats``) and the request calls (``generate``, ``abort``).
+    (``restart_on_death``), stats (``log_stats``, ``denoise_steps``) and the request calls (``generate``,
+    ``abort``).
     """
 
     def __init__(self, stage_id: int, replica_id: int, name: str, *, restart: bool = True) -> None:
@@ -38,6 +39,9 @@ class StageCoreClientBase(abc.ABC):
         """Whether a replica whose process died is started again (servers turn this off on shutdown)."""
         self.last_connector_stats: list[dict[str, Any]] = []
         """What :meth:`connector_stats` said at the last stats interval (``/metrics`` reads it)."""
+        self.denoise_steps = 0
+        """Denoising steps this replica ran, counted per request, kept across restarts (diffusion
+        replicas report it as they go; 0 for the others)."""
 
     @property
     def label(self) -> str:

@@ -56,6 +56,12 @@ class StageFailed(msgspec.Struct, kw_only=True, tag="failed"):
     error: str
 
 
+class StageProgress(msgspec.Struct, kw_only=True, tag="progress"):
+    """A diffusion replica's running count of denoising steps (per request), sent while it works."""
+
+    denoise_steps: int
+
+
 class StageCoreOutput(msgspec.Struct, kw_only=True, tag=True):
     request_id: str
     stage_id: int
@@ -91,4 +97,4 @@ class StageCoreOutputs(msgspec.Struct, kw_only=True, tag="outputs"):
 
 # What each direction of a stage process's sockets carries.
 ToStageMessage = StageDiffusionCoreRequest | StageLLMCoreRequest | StageAbort | StageShutdown
-FromStageMessage = StageCoreOutputs | StageReady | StageFailed
+FromStageMessage = StageCoreOutputs | StageReady | StageFailed | StageProgress

@@ -23,6 +23,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
     StageFailed,
+    StageProgress,
     StageReady,
     StageShutdown,
     ToStageMessage,
@@ -74,6 +75,8 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         self._context: Any = None
         self._push: Any = None
         self._pull: Any = None
+        self._steps_before = 0
+        """Denoising steps of this replica's earlier processes (a restarted one counts from 0)."""
 
     @property
     def pid(self) -> int | None:
@@ -135,6 +138,9 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                     else:
                         self._ready.set_result(message)
                 continue
+            if isinstance(message, StageProgress):
+                self.denoise_steps = self._steps_before + message.denoise_steps
+                continue
             assert isinstance(message, StageCoreOutputs)
             for output in message.outputs:
                 if not self._pending.resolve(output.request_id, output):
@@ -164,6 +170,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 return
             try:
                 self.restarts += 1
+                self._steps_before = self.denoise_steps
                 await self._launch()
             except StageError as exc:
                 logger.error("%s could not be restarted: %s", self.label, exc)
@@ -236,6 +243,8 @@ class InlineStageDiffusionClient(StageCoreClientBase):
             )
         except Exception as exc:
             raise StageStartError(f"{self.label} failed to start: {type(exc).__name__}: {exc}") from exc
+        if hasattr(self._engine, "on_progress"):
+            self._engine.on_progress = self._count_steps
         self._thread = threading.Thread(target=self._run, name=f"{self.label}", daemon=True)
         self._thread.start()
         self.state = StageState.READY
@@ -282,6 +291,9 @@ class InlineStageDiffusionClient(StageCoreClientBase):
                     output.latents = result.latents
                     output.timings = dict(result.timings or {})
                 loop.call_soon_threadsafe(_set_result, future, output)
+
+    def _count_steps(self, denoise_steps: int) -> None:
+        self.denoise_steps = denoise_steps  # from the engine's thread: one int assignment
 
     @property
     def pid(self) -> int | None:

@@ -27,6 +27,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
     StageFailed,
+    StageProgress,
     StageReady,
     StageShutdown,
     ToStageMessage,
@@ -36,6 +37,9 @@ from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
 
+
+PROGRESS_REPORT_INTERVAL_S = 0.5
+"""How often a working replica tells its client how many denoising steps it has run."""
 
 ConnectorSpecTuple = tuple[str, str, dict[str, Any]]
 """(connector name, class name, extra): what a stage process needs to build a connector itself."""
@@ -115,6 +119,16 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig, parent_pid: 
         context.term()
         return
 
+    last_report = [0.0]
+
+    def report_progress(denoise_steps: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - last_report[0] >= PROGRESS_REPORT_INTERVAL_S:
+            last_report[0] = now
+            push.send(from_stage.encode(StageProgress(denoise_steps=denoise_steps)))
+
+    if hasattr(engine, "on_progress"):
+        engine.on_progress = report_progress
     max_batch = max(1, int(config.diffusion_args.get("max_batch_size", 1)))
     queued: list[StageDiffusionCoreRequest] = []
     poller = zmq.Poller()
@@ -140,6 +154,8 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig, parent_pid: 
                 continue
             batch, queued = queued[:max_batch], queued[max_batch:]
             outputs = _run_batch(engine, batch, config.stage_id, connector, input_connector)
+            if hasattr(engine, "denoise_steps"):
+                report_progress(engine.denoise_steps, force=True)
             push.send(from_stage.encode(StageCoreOutputs(outputs=outputs)))
     finally:
         for conn in (connector, input_connector):

@@ -9,8 +9,10 @@ Every attention layer vLLM runs has head_dim 32, the smallest head size vLLM's C
 (vLLM's Qwen2 derives head_dim as hidden_size / num_attention_heads).
 
 Kinds: ``text`` (Qwen2 with a ChatML tokenizer), ``glm-image`` (the diffusers GLM-Image pipeline in the
-upstream repository layout: AR model, processor, DiT, VAE, glyph T5, scheduler; 64x64 images in seconds) and
-``bagel`` (BAGEL-7B-MoT's hub layout: both MoT experts, NaViT SigLIP, FLUX autoencoder; see ``tiny_bagel``).
+upstream repository layout: AR model, processor, DiT, VAE, glyph T5, scheduler; 64x64 images in seconds),
+``bagel`` (BAGEL-7B-MoT's hub layout: both MoT experts, NaViT SigLIP, FLUX autoencoder; see ``tiny_bagel``)
+and the single-stage diffusers pipelines ``sd3``, ``flux``, ``qwen-image`` and ``qwen-image-edit`` (the
+real component classes of each family; see ``tiny_sd3``, ``tiny_flux``, ``tiny_qwen_image``).
 """
 
 from __future__ import annotations
@@ -546,10 +548,39 @@ def build_bagel(outdir: Path, cfg: dict[str, Any]) -> None:
         _build(outdir, cfg)
 
 
+# --- single-stage diffusers pipelines ---------------------------------------------------------------------
+# Each family's builder lives in its own module (tiny_sd3, tiny_flux, tiny_qwen_image), imported lazily.
+
+
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        import importlib
+
+        import torch
+
+        function = getattr(importlib.import_module(f"vllm_omni_plugin.testing.{module}"), name)
+        if args:  # a build: leave the caller's global RNG as it was
+            with torch.random.fork_rng(devices=[]):
+                return function(*args)
+        return function()
+
+    return call
+
+
 BUILDERS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[Path, dict[str, Any]], None]]] = {
     "text": (_text_config, build_text),
     "glm-image": (_glm_image_config, build_glm_image),
     "bagel": (_bagel_config, build_bagel),
+    "sd3": (_lazy("tiny_sd3", "sd3_config"), _lazy("tiny_sd3", "build_sd3")),
+    "flux": (_lazy("tiny_flux", "flux_config"), _lazy("tiny_flux", "build_flux")),
+    "qwen-image": (
+        _lazy("tiny_qwen_image", "qwen_image_config"),
+        _lazy("tiny_qwen_image", "build_qwen_image"),
+    ),
+    "qwen-image-edit": (
+        _lazy("tiny_qwen_image", "qwen_image_edit_config"),
+        _lazy("tiny_qwen_image", "build_qwen_image"),
+    ),
 }
 
 

@@ -14,6 +14,7 @@ text-to-image ``cfg_img``) reuses the ``cond`` row instead of computing it again
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 import time
 from typing import Any
 
@@ -79,6 +80,8 @@ class BagelGenerationRunner:
         self.dtype = transformer.dtype
         self.device = transformer.device
         self.tensors_read = tensors_read
+        self.on_step: Callable[[int], None] | None = None
+        """Called after each denoising step of a batch (the diffusion engine counts and logs progress)."""
         """Per weights file, the names of the tensors loading read (nothing else was read)."""
 
     @classmethod
@@ -267,6 +270,8 @@ class BagelGenerationRunner:
                 rows.image_guided,
             )
             x = x - v * dts[step]
+            if self.on_step is not None:
+                self.on_step(step)
         return x
 
     def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[Any]:

@@ -1,0 +1,86 @@
+"""Direct diffusers calls: what a request to a single-stage diffusion deployment must reproduce.
+
+Each helper loads the stock pipeline with ``from_pretrained`` and calls it the way a diffusers user would,
+one request at a time, returning the PIL image diffusers makes, as a uint8 array. Nothing of our runners
+is used, so tests and benchmarks compare the served images against an independent spelling of the
+documented request -> pipeline mapping:
+
+- ``guidance_scale`` is the pipeline's ``guidance_scale``, except Qwen-Image's families, where it is
+  ``true_cfg_scale`` with ``negative_prompt=" "`` when the request gives none (guidance above 1 only);
+- a source image is the pipeline's ``image`` (Qwen-Image-Edit-2509 and later: the list of a request's
+  images).
+
+The only thing taken from this project is the Qwen-Image-Edit processor loader, which transformers needs
+torchvision for (see ``vllm_omni_plugin.diffusion.qwen2vl_processor``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+QWEN_CFG_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+
+
+def pipeline_class(model_dir: str | Path) -> str:
+    return str(json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"])
+
+
+@functools.lru_cache(maxsize=4)
+def load_reference_pipeline(model_dir: str) -> Any:
+    """The stock pipeline of ``model_dir`` in float32 on the CPU (cached: a test module asks often)."""
+    import diffusers
+    import torch
+
+    name = pipeline_class(model_dir)
+    extra: dict[str, Any] = {}
+    if (Path(model_dir) / "processor").is_dir() and name.startswith("QwenImageEdit"):
+        from vllm_omni_plugin.diffusion.qwen2vl_processor import load_qwen2vl_processor
+
+        extra["processor"] = load_qwen2vl_processor(Path(model_dir) / "processor")
+    pipe = getattr(diffusers, name).from_pretrained(model_dir, dtype=torch.float32, **extra)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference_image(
+    model_dir: str | Path,
+    *,
+    prompt: str,
+    seed: int,
+    height: int,
+    width: int,
+    steps: int,
+    guidance: float,
+    negative_prompt: str | None = None,
+    images: list[Any] | None = None,
+) -> Any:
+    """One stock diffusers call for one request; the image as a uint8 HxWx3 array."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    name = pipeline_class(model_dir)
+    pipe = load_reference_pipeline(str(model_dir))
+    kwargs: dict[str, Any] = {
+        "prompt": prompt,
+        "height": height,
+        "width": width,
+        "num_inference_steps": steps,
+        "generator": torch.Generator("cpu").manual_seed(seed),
+    }
+    if name in QWEN_CFG_PIPELINES:
+        kwargs["true_cfg_scale"] = guidance
+        if guidance > 1:
+            kwargs["negative_prompt"] = negative_prompt or " "
+    else:
+        kwargs["guidance_scale"] = guidance
+        if negative_prompt is not None:
+            kwargs["negative_prompt"] = negative_prompt
+    if images:
+        pil = [Image.fromarray(np.asarray(i)) if not isinstance(i, Image.Image) else i for i in images]
+        kwargs["image"] = pil if name == "QwenImageEditPlusPipeline" else pil[0]
+    out = pipe(**kwargs)
+    return np.asarray(out.images[0].convert("RGB"))

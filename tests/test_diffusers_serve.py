@@ -1,0 +1,280 @@
+"""Any diffusers pipeline served end to end: ``vllm serve <tiny model> --omni`` with no deploy config,
+through the stock ``vllm`` script, driven with the official ``openai`` client. For SD3, FLUX, Qwen-Image
+and Qwen-Image-Edit, every served image equals a direct diffusers call with the same seed (at most 1/255
+apart); the offline API does the same; what a model cannot do is a 400 that says so, and a model no runner
+can drive stops ``vllm serve`` with one line and exit code 2."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from helpers import source_image
+from vllm_omni_plugin.testing.diffusers_reference import reference_image
+from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
+
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+STEPS = 4
+FAMILIES = {
+    # family: (guidance, edits images)
+    "sd3": (3.0, False),
+    "flux": (3.5, False),
+    "qwen_image": (3.0, False),
+    "qwen_image_edit": (2.5, True),
+}
+
+
+@dataclass
+class Served:
+    family: str
+    model: Path
+    server: ServerProcess
+    client: openai.OpenAI
+    guidance: float
+    edits: bool
+
+    @property
+    def name(self) -> str:
+        return f"tiny-{self.family}"
+
+    def reference(self, prompt: str, seed: int, images: list[np.ndarray] | None = None) -> np.ndarray:
+        return reference_image(
+            self.model,
+            prompt=prompt,
+            seed=seed,
+            height=64,
+            width=64,
+            steps=STEPS,
+            guidance=self.guidance,
+            images=images,
+        )
+
+    @property
+    def sampling(self) -> dict[str, float]:
+        return {"num_inference_steps": STEPS, "guidance_scale": self.guidance}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One server per family at a time (the module's tests run family by family)."""
+    family = request.param
+    model = request.getfixturevalue(f"tiny_{family}")
+    port = free_port()
+    server = ServerProcess(
+        [bin_script("vllm"), "serve", str(model), "--omni", "--port", str(port), "--host", "127.0.0.1",
+         "--served-model-name", f"tiny-{family}"],
+        port=port,
+        log_path=tmp_path_factory.mktemp(f"serve_{family}") / "server.log",
+    )  # fmt: skip
+    server.start()
+    try:
+        server.wait_ready(timeout=300)
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        guidance, edits = FAMILIES[family]
+        yield Served(family, model, server, client, guidance, edits)
+    finally:
+        server.stop()
+
+
+def decode(b64: str) -> np.ndarray:
+    image = Image.open(io.BytesIO(base64.b64decode(b64)))
+    assert image.format == "PNG" and image.mode == "RGB"
+    return np.asarray(image)
+
+
+def png(image: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, format="PNG")
+    return out.getvalue()
+
+
+def assert_within_one_level(served: np.ndarray, direct: np.ndarray) -> None:
+    assert served.shape == direct.shape == (64, 64, 3)
+    diff = np.abs(served.astype(np.int16) - direct.astype(np.int16))
+    assert diff.max() <= 1, diff.max()
+    assert served.std() > 10  # an image, not a constant (NaNs would come out as one)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+# --- images equal to diffusers ---------------------------------------------------------------------------
+
+
+def test_generations_equal_direct_diffusers_calls(served: Served) -> None:
+    if served.edits:
+        with pytest.raises(openai.BadRequestError) as caught:
+            served.client.images.generate(prompt="a red fox", size="64x64", extra_body=served.sampling)
+        assert "edits images and needs a source image" in str(caught.value)
+        assert "QwenImageEditPipeline" in str(caught.value)
+        return
+    before = metric(served.server, "omni_diffusion_denoise_steps_total")
+    result = served.client.images.generate(
+        model=served.name,
+        prompt="a red fox in the snow",
+        n=3,
+        size="64x64",
+        extra_body={**served.sampling, "seed": 11},
+    )
+    images = [decode(item.b64_json) for item in result.data]
+    for i, image in enumerate(images):  # seeds 11, 12, 13; the three ran as one batch
+        assert_within_one_level(image, served.reference("a red fox in the snow", seed=11 + i))
+    assert len({image.tobytes() for image in images}) == 3
+    assert metric(served.server, "omni_diffusion_denoise_steps_total") - before == 3 * STEPS
+
+
+def test_chat_with_image_modality_equals_a_direct_call(served: Served) -> None:
+    content: str | list[dict] = "a small house on the shore"
+    images = [source_image(64, seed=5)] if served.edits else None
+    if images:
+        uri = "data:image/png;base64," + base64.b64encode(png(images[0])).decode()
+        content = [{"type": "text", "text": content}, {"type": "image_url", "image_url": {"url": uri}}]
+    response = served.client.chat.completions.create(
+        model=served.name,
+        messages=[{"role": "user", "content": content}],
+        extra_body={"modalities": ["image"], "size": "64x64", "seed": 3, **served.sampling},
+    )
+    text = response.choices[0].message.content or ""
+    assert text.startswith("![image](data:image/png;base64,")
+    image = decode(text.removeprefix("![image](data:image/png;base64,").removesuffix(")"))
+    assert_within_one_level(image, served.reference("a small house on the shore", seed=3, images=images))
+
+
+def test_edits_where_the_model_takes_an_image(served: Served) -> None:
+    source = source_image(64, seed=9)
+    if not served.edits:
+        with pytest.raises(openai.BadRequestError) as caught:
+            served.client.images.edit(image=("in.png", png(source), "image/png"), prompt="make it blue")
+        assert "generates from text only and takes no input image" in str(caught.value)
+        return
+    result = served.client.images.edit(
+        model=served.name,
+        image=("in.png", png(source), "image/png"),
+        prompt="make it blue",
+        size="64x64",
+        extra_body={**served.sampling, "seed": 21},
+    )
+    assert_within_one_level(decode(result.data[0].b64_json), served.reference("make it blue", 21, [source]))
+
+
+def test_models_and_health(served: Served) -> None:
+    assert [m.id for m in served.client.models.list().data] == [served.name]
+    body = httpx.get(served.server.base_url + "/health", timeout=10).json()
+    assert body["status"] == "ok" and list(body["stages"]) == ["0"]
+    assert body["stages"]["0"]["name"] == "diffusion" and body["stages"]["0"]["healthy"] is True
+
+
+# --- the offline API ------------------------------------------------------------------------------------
+
+
+def test_offline_api_serves_a_diffusers_model_without_a_config(tiny_sd3: Path) -> None:
+    from vllm_omni_plugin.entrypoints.omni import Omni
+    from vllm_omni_plugin.stage.orchestrator import OmniRequest
+
+    prompts = ["a red fox", "a photo of a cat", "the sky is blue"]
+    with Omni(str(tiny_sd3)) as omni:
+        assert omni.deployment.pipeline == "diffusion"
+        results = omni.generate(
+            [
+                OmniRequest(
+                    prompt=p, height=64, width=64, seed=i, num_inference_steps=STEPS, guidance_scale=2.0
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
+    for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        assert result.ok, result.error
+        direct = reference_image(
+            tiny_sd3, prompt=prompt, seed=i, height=64, width=64, steps=STEPS, guidance=2.0
+        )
+        assert_within_one_level(result.output.image, direct)
+
+
+def test_offline_api_in_process_stage_edits_and_counts_steps(
+    tiny_qwen_image_edit: Path, tmp_path: Path
+) -> None:
+    """``process: false``: the stage runs in the caller's process; its steps are counted as they run."""
+    import asyncio
+
+    from vllm_omni_plugin.entrypoints.omni import AsyncOmni
+    from vllm_omni_plugin.stage.orchestrator import OmniRequest
+
+    deploy = tmp_path / "inline.yaml"
+    deploy.write_text(
+        "pipeline: diffusion\nstages:\n  - stage_id: 0\n    process: false\n    max_batch_size: 4\n"
+    )
+    source = source_image(64, seed=4)
+
+    async def main() -> tuple[list, int, int | None]:
+        omni = await AsyncOmni.create(str(tiny_qwen_image_edit), deploy_config=str(deploy))
+        try:
+            results = await asyncio.gather(
+                omni.generate(
+                    OmniRequest(prompt="make it red", height=64, width=64, seed=5, num_inference_steps=2,
+                                guidance_scale=1.0, images=[source])
+                ),
+                omni.generate(OmniRequest(prompt="no source image", height=64, width=64, num_inference_steps=2)),
+            )  # fmt: skip
+            client = omni.pools[0].clients[0]
+            return list(results), client.denoise_steps, client.pid
+        finally:
+            await omni.shutdown()
+
+    (edited, refused), steps, pid = asyncio.run(main())
+    assert edited.ok, edited.error
+    direct = reference_image(
+        tiny_qwen_image_edit,
+        prompt="make it red",
+        seed=5,
+        height=64,
+        width=64,
+        steps=2,
+        guidance=1.0,
+        images=[source],
+    )
+    assert_within_one_level(edited.output.image, direct)
+    assert not refused.ok and "needs a source image" in (refused.error or "")
+    assert steps == 2 and pid == os.getpid()  # one request ran, two steps, here
+
+
+# --- refused at start-up --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ({"_class_name": "DDPMPipeline"}, "DDPMPipeline cannot be served: its __call__ takes no prompt"),
+        (None, "cannot tell which pipeline"),
+    ],
+    ids=["no-usable-call", "no-model-index"],
+)
+def test_serve_refuses_what_it_cannot_drive_with_one_line(
+    tmp_path: Path, index: dict | None, message: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    if index is not None:
+        (model / "model_index.json").write_text(json.dumps(index))
+    result = subprocess.run(
+        [bin_script("vllm"), "serve", str(model), "--omni", "--port", str(free_port())],
+        capture_output=True, text=True, env=cpu_test_env(), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
