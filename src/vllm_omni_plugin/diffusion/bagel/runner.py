@@ -14,8 +14,8 @@ text-to-image ``cfg_img``) reuses the ``cond`` row instead of computing it again
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
