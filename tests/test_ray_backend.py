@@ -115,6 +115,8 @@ def cluster(local_image: np.ndarray) -> Iterator[RayCluster]:
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="ray_omni_", dir="/tmp")  # Ray's socket paths must stay short
+    saved_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp_dir  # where Cluster notes the address of "the" local cluster
     cluster = Cluster(
         initialize_head=True,
         head_node_args={**NODE, "resources": {"ar_host": 1}, "temp_dir": temp_dir, "include_dashboard": True,
@@ -127,6 +129,10 @@ def cluster(local_image: np.ndarray) -> Iterator[RayCluster]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if saved_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved_tmpdir
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -177,9 +183,8 @@ def stage_actors() -> dict[str, Any]:
     """Our stage actors that Ray's state API lists as alive, by name."""
     from ray.util.state import list_actors
 
-    actors = list_actors(
-        filters=[("state", "=", "ALIVE"), ("class_name", "=", "StageReplicaActor")], limit=100
-    )
+    alive = [("state", "=", "ALIVE"), ("class_name", "=", "StageReplicaActor")]
+    actors = list_actors(filters=alive, limit=100, detail=True)
     return {a.name: a for a in actors}
 
 

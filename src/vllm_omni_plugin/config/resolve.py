@@ -613,6 +613,12 @@ class _Resolver:
             devices = float(
                 engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
             )
+        if stage.num_gpus is not None and stage.num_gpus > 1 and not float(stage.num_gpus).is_integer():
+            raise self.error(
+                f"{stage.num_gpus:g} GPUs: Ray gives a replica a fraction of one GPU or whole GPUs",
+                stage.stage_id,
+                "num_gpus",
+            )
         return ResolvedPlacement(
             num_cpus=1.0 if stage.num_cpus is None else stage.num_cpus,
             num_gpus=devices if stage.num_gpus is None else stage.num_gpus,

@@ -108,7 +108,7 @@ class RayPlacement:
         """Join the running cluster as a driver (never start one): ``ray.address``, else ``RAY_ADDRESS``,
         else the cluster ``ray start`` made on this host."""
         ray = _ray()
-        if self._connected:
+        if self.head_node_id:
             return
         if not ray.is_initialized():
             address = self.settings.address or "auto"
@@ -217,7 +217,10 @@ class RayStageClient(StageCoreClientBase):
         self.placement_group: Any = None
         self.where: ActorPlaced | None = None
         self.waiting: str | None = None
-        """Why the replica waits for Ray (e.g. no alive node has its resources), for ``/health``."""
+        """Why the replica is not serving while Ray restarts it (e.g. no alive node has its resources),
+        for ``/health``."""
+        self.no_place = False
+        """No alive node could hold the actor: the stage waits for the cluster, not for this host."""
         self.actor_name = f"omni-{owner.tag}-stage{stage.stage_id}-{stage.name}-replica{replica_id}"
         self._placed_ref: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -234,8 +237,9 @@ class RayStageClient(StageCoreClientBase):
 
     @property
     def awaits_worker(self) -> bool:
-        """Waiting for the cluster to give the actor a place again, which is not a failure of the head."""
-        return self.waiting is not None and self.state in (StageState.STARTING, StageState.RESTARTING)
+        """Waiting for the cluster to have a node for the actor again, which is not a failure of the head
+        (while Ray merely restarts it, the replica is down as a local process would be)."""
+        return self.no_place and self.state == StageState.RESTARTING
 
     def health(self) -> dict[str, Any]:
         where = self.where if self.healthy else None
@@ -304,7 +308,16 @@ class RayStageClient(StageCoreClientBase):
 
     async def await_placed(self) -> None:
         """Until Ray has placed the actor (the start-up barrier waits on this for every replica)."""
-        self.where = msgspec.msgpack.decode(await self._placed_ref, type=ActorPlaced)
+        ray = _ray()
+        try:
+            self.where = msgspec.msgpack.decode(await self._placed_ref, type=ActorPlaced)
+        except ray.exceptions.RayActorError as exc:  # e.g. the plugin is not installed on that node
+            cause = str(exc).strip().splitlines()
+            raise StageStartError(
+                f"{self.label}: its Ray actor could not start ({cause[0] if cause else type(exc).__name__}); "
+                "see the Ray logs of its node",
+                stage_id=self.stage_id,
+            ) from None
 
     async def start(self) -> None:
         try:
@@ -325,7 +338,7 @@ class RayStageClient(StageCoreClientBase):
                 f"{self.label} failed to start on {self.where.host}: {status.error}", stage_id=self.stage_id
             )
         self.state = StageState.READY
-        self.waiting = None
+        self.waiting, self.no_place = None, False
         logger.info(
             "%s ready: Ray actor %s on node %s (%s, pid %d), loaded in %.1fs",
             self.label,
@@ -397,27 +410,29 @@ class RayStageClient(StageCoreClientBase):
                     await asyncio.wait_for(self.actor.placed.remote(), RECOVER_POLL_S * 4), type=ActorPlaced
                 )
             except ray.exceptions.ActorDiedError as exc:
-                self.waiting = None
+                self.waiting, self.no_place = None, False
                 self.state = StageState.DEAD
                 logger.error("%s: Ray will not restart its actor (%s)", self.label, str(exc).splitlines()[0])
                 return
             except (ray.exceptions.RayActorError, TimeoutError):
                 lacking = await loop.run_in_executor(None, nodes_lacking, self.placement)
                 self.waiting = lacking or "Ray is restarting the actor"
+                self.no_place = lacking is not None
                 await asyncio.sleep(RECOVER_POLL_S)
                 continue
             if before is not None and (where.node_id, where.pid) == (before.node_id, before.pid):
                 self.where = where  # the same incarnation answered again: a lost call, not a dead actor
                 self.state = StageState.READY
-                self.waiting = None
+                self.waiting, self.no_place = None, False
                 return
             self.where = where
             self.waiting = f"loading the stage on node {_short(where.node_id)} ({where.host})"
+            self.no_place = False
             try:
                 await self._load()
             except StageError as exc:
                 logger.error("%s could not be restarted: %s", self.label, exc)
-                self.waiting = None
+                self.waiting, self.no_place = None, False
                 self.state = StageState.DEAD
                 return
             except ray.exceptions.RayActorError:

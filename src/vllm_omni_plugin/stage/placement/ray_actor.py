@@ -7,10 +7,10 @@ what is queued, as a ``StageDiffusionCoreProc`` does), an AR replica runs vLLM's
 (``max_restarts``); the head learns of it from Ray, never from a heartbeat of ours.
 
 Every call carries our msgspec structs as bytes. ``__init__`` only records what to run (Ray calls it
-again on each restart); ``placed()`` says where the actor landed and starts loading the stage there,
-``ready()`` waits for the load. Payloads travel through the connectors of the stage's edges, picked
-per edge from Ray's node ids: the edge's ``same_node_connector`` when this actor shares a node with
-the head (the other end of every hand-over it makes), else the edge's connector.
+again on each restart); ``placed()`` says where the actor landed, ``ready()`` loads the stage there
+(once per incarnation) and says when it is loaded. Payloads travel through the connectors of the
+stage's edges, picked per edge from Ray's node ids: the edge's ``same_node_connector`` when this actor
+shares a node with the head (the other end of every hand-over it makes), else the edge's connector.
 """
 
 from __future__ import annotations
@@ -123,16 +123,14 @@ class StageReplicaActor:
     # --- life -----------------------------------------------------------------------------------
 
     async def placed(self) -> bytes:
-        """Where this actor runs; starts loading the stage here (once per incarnation)."""
-        if self._loading is None:
-            self._stopped = asyncio.Event()
-            self._loading = asyncio.create_task(self._load(), name=f"{self.label} load")
+        """Where this actor runs (nothing is loaded yet: the head first waits for every placement)."""
         return msgspec.msgpack.encode(self.where)
 
     async def ready(self) -> bytes:
-        """``StageReady`` once the stage is loaded, or ``StageFailed`` with the one-line reason."""
-        await self.placed()
-        assert self._loading is not None
+        """Load the stage (the first call of this incarnation starts it); ``StageReady`` once loaded, or
+        ``StageFailed`` with the one-line reason."""
+        if self._loading is None:
+            self._loading = asyncio.create_task(self._load(), name=f"{self.label} load")
         return msgspec.msgpack.encode(await asyncio.shield(self._loading))
 
     async def _load(self) -> StageReady | StageFailed:
@@ -192,8 +190,8 @@ class StageReplicaActor:
     async def watch(self) -> None:
         """Returns only when the actor is shut down; the head keeps one call pending and learns from Ray
         that the actor died when it fails."""
-        await self.placed()
-        assert self._stopped is not None
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
         await self._stopped.wait()
 
     async def shutdown(self) -> None:
@@ -209,8 +207,9 @@ class StageReplicaActor:
             if connector is not None:
                 with contextlib.suppress(Exception):
                     connector.close()
-        if self._stopped is not None:
-            self._stopped.set()
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        self._stopped.set()
 
     # --- requests -------------------------------------------------------------------------------
 
