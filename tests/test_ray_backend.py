@@ -68,7 +68,7 @@ stages:
     resources: {tpu_v9: 1}
 """
 REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
-SLOW_REQUEST = {**REQUEST, "seed": 12, "num_inference_steps": 60}
+SLOW_REQUEST = {**REQUEST, "seed": 12, "num_inference_steps": 400}
 """Long enough in the DiT for its actor to be killed while it works on it."""
 
 
@@ -116,11 +116,12 @@ def cluster(local_image: np.ndarray) -> Iterator[RayCluster]:
 
     temp_dir = tempfile.mkdtemp(prefix="ray_omni_", dir="/tmp")  # Ray's socket paths must stay short
     saved_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp_dir  # where Cluster notes the address of "the" local cluster
+    os.environ["RAY_TMPDIR"] = temp_dir  # Cluster notes "the" local cluster's address in RAY_TMPDIR/ray
+    os.makedirs(os.path.join(temp_dir, "ray"))
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={**NODE, "resources": {"ar_host": 1}, "temp_dir": temp_dir, "include_dashboard": True,
-                        "dashboard_port": 0},
+        head_node_args={**NODE, "resources": {"ar_host": 1}, "temp_dir": os.path.join(temp_dir, "ray"),
+                        "include_dashboard": True, "dashboard_port": 0},
     )  # fmt: skip
     try:
         dit_nodes = [cluster.add_node(**NODE, resources={"dit_host": 1}) for _ in range(2)]
@@ -241,7 +242,12 @@ def test_killed_dit_actor_is_restarted_by_ray_and_serves_again(
     outcome: list[httpx.Response] = []
     worker = threading.Thread(target=lambda: outcome.append(served.generate(SLOW_REQUEST)))
     worker.start()
-    busy = served.wait_health(lambda b: any(r["inflight"] for r in b["stages"]["1"]["replicas"]), timeout=120)
+
+    def dit_busy(body: dict) -> bool:
+        assert not outcome, f"the request ended before the DiT took it: {outcome[0].text}"
+        return any(r["inflight"] for r in body["stages"]["1"]["replicas"])
+
+    busy = served.wait_health(dit_busy, timeout=120)
     victim = next(r for r in busy["stages"]["1"]["replicas"] if r["inflight"])
     os.kill(victim["pid"], signal.SIGKILL)
     worker.join(300)
@@ -284,7 +290,8 @@ def test_lost_dit_nodes_make_the_stage_wait_and_a_new_node_brings_it_back(
 
     node = cluster.cluster.add_node(**{**NODE, "num_cpus": 2}, resources={"dit_host": 2})
     cluster.dit_nodes = [node]
-    body = served.wait_health(lambda b: b["status"] == "ok")
+    body = served.wait_health(lambda b: all(r["state"] == "ready" for r in b["stages"]["1"]["replicas"]))
+    assert body["status"] == "ok"
     assert all(r["node"] == node.node_id for r in body["stages"]["1"]["replicas"])
     assert {a.node_id for name, a in stage_actors().items() if "-stage1-" in name} == {node.node_id}
     np.testing.assert_array_equal(pixels(served.generate(REQUEST)), local_image)
