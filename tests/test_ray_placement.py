@@ -93,3 +93,22 @@ def test_shared_memory_cannot_reach_another_node(tmp_path: Path) -> None:
     finally:
         for connector in made.values():
             connector.close()
+
+
+def test_no_cluster_at_the_address_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Ray itself would retry an address where nothing answers for minutes; the server says so at once."""
+    import subprocess
+
+    from vllm_omni_plugin.testing.server import bin_script, cpu_test_env, free_port
+
+    resolved = deployment(tmp_path, "pipeline: glm_image\nbackend: ray\n")
+    argv = [bin_script("vllm"), "serve", resolved.model, "--omni", "--deploy-config", str(tmp_path / "deploy.yaml"),
+            "--port", str(free_port())]  # fmt: skip
+    env = cpu_test_env({"RAY_ADDRESS": f"127.0.0.1:{free_port()}"})
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("error: backend ray: cannot join a Ray cluster (nothing answers at 127.0.0.1:"), (
+        last
+    )
+    assert "Traceback" not in result.stderr

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import socket
 import uuid
 from typing import Any
 
@@ -50,6 +52,9 @@ logger = get_logger(__name__)
 RECOVER_POLL_S = 0.5
 """While Ray restarts an actor: how often the client asks whether it is back."""
 SHUTDOWN_WAIT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
+"""How long the head tries to reach the cluster's address before it says nothing answers there (Ray
+itself retries for minutes)."""
 RAY_EXTRA = "pip install 'vllm-omni-plugin[ray]'"
 
 
@@ -63,6 +68,19 @@ def _ray() -> Any:
 
 def _short(node_id: str) -> str:
     return node_id[:12]
+
+
+def unreachable(address: str) -> str | None:
+    """Why nothing answers at a ``HOST:PORT`` cluster address (None: something does, or the address is
+    another form, e.g. ``auto`` or ``ray://``, which Ray checks itself)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return f"nothing answers at {address}: {exc.strerror or exc}"
+    return None
 
 
 def nodes_lacking(placement: ResolvedPlacement) -> str | None:
@@ -111,7 +129,13 @@ class RayPlacement:
         if self.head_node_id:
             return
         if not ray.is_initialized():
-            address = self.settings.address or "auto"
+            address = self.settings.address or os.environ.get("RAY_ADDRESS") or "auto"
+            why = unreachable(address)
+            if why is not None:
+                raise StagePlacementError(
+                    f"backend ray: cannot join a Ray cluster ({why}); check ray.address or RAY_ADDRESS, "
+                    "and that `ray start --head` runs there"
+                )
             sigterm = signal.getsignal(signal.SIGTERM)
             try:
                 ray.init(
