@@ -24,6 +24,7 @@ from vllm_omni_plugin.config.pipeline import (
 from vllm_omni_plugin.config.platform import PLATFORMS, PlatformInfo, current_platform
 from vllm_omni_plugin.config.resolve import resolve
 from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedStage
+from vllm_omni_plugin.config.schema import Backend
 
 __all__ = [
     "PLATFORMS",
@@ -80,9 +81,16 @@ def resolve_deployment(
     stage_overrides: dict[str, Any] | None = None,
     cli_engine_args: dict[str, Any] | None = None,
     platform: PlatformInfo | None = None,
+    backend: Backend | None = None,
 ) -> ResolvedDeployment:
+    """``backend`` (``local`` or ``ray``, the command line's ``--worker-backend``) wins over the file's."""
     loaded = load_config(model, deploy_config=deploy_config, stage_configs_path=stage_configs_path)
     overrides = parse_stage_overrides(stage_overrides) if stage_overrides else None
     return resolve(
-        loaded, model=model, platform=platform, cli_engine_args=cli_engine_args, stage_overrides=overrides
+        loaded,
+        model=model,
+        platform=platform,
+        cli_engine_args=cli_engine_args,
+        stage_overrides=overrides,
+        backend=backend,
     )

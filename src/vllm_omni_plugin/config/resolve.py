@@ -27,6 +27,8 @@ from vllm_omni_plugin.config.resolved import (
     ResolvedDeployment,
     ResolvedEdge,
     ResolvedHead,
+    ResolvedPlacement,
+    ResolvedRay,
     ResolvedReplica,
     ResolvedStage,
 )
@@ -34,11 +36,14 @@ from vllm_omni_plugin.config.schema import (
     AR_ONLY_FIELDS,
     DIFFUSION_ONLY_FIELDS,
     ENGINE_ARG_FIELDS,
+    RAY_PLACEMENT_FIELDS,
+    Backend,
     ConnectorSpec,
     DeployConfig,
     EdgeSpec,
     EngineCommon,
     HeadSpec,
+    RaySpec,
     StageDeployConfig,
     StageOverride,
 )
@@ -75,6 +80,7 @@ class _Resolver:
         platform: PlatformInfo,
         cli_engine_args: dict[str, Any],
         stage_overrides: dict[int, StageOverride],
+        backend: Backend | None = None,
     ) -> None:
         self.loaded = loaded
         self.pipeline: Pipeline = loaded.pipeline
@@ -83,6 +89,8 @@ class _Resolver:
         self.platform = platform
         self.cli = cli_engine_args
         self.overrides = stage_overrides
+        self.backend: Backend = backend or self.cfg.backend or "local"
+        """The command line's ``--worker-backend`` wins over the file's ``backend:``."""
         self.notes: list[str] = list(loaded.notes)
         self.where: dict[tuple[int, str], str] = dict(loaded.lines)
         self.connectors: dict[str, ConnectorSpec] = {}
@@ -274,10 +282,23 @@ class _Resolver:
         edges = ", ".join(f"{a} -> {b}" for a, b in self.pipeline_edges())
         return f"pipeline {self.pipeline.name!r} has no edge {src} -> {dst} (edges: {edges})"
 
-    def checked_edge_specs(self) -> dict[tuple[int, int], EdgeSpec]:
-        """The ``edges:`` entries: on a pipeline edge, and asking only for what we implement."""
+    def checked_edge_specs(self) -> dict[tuple[int, int | str], EdgeSpec]:
+        """The ``edges:`` entries: on a pipeline edge (or the final stage's to the router), and asking only
+        for what we implement."""
+        final = self.pipeline.final_stage.stage_id
         for index, e in enumerate(self.cfg.edges):
-            if (e.from_stage, e.to) not in self.pipeline_edges():
+            if e.to == ROUTER:
+                if e.from_stage != final:
+                    raise self.doc_error(
+                        f"only the final stage ({final}) sends its output to the router",
+                        ("edges", index, "from"),
+                    )
+                if e.max_inflight is not None:
+                    raise self.doc_error(
+                        "max_inflight limits requests into a stage, and the router is none; remove it",
+                        ("edges", index, "max_inflight"),
+                    )
+            elif (e.from_stage, e.to) not in self.pipeline_edges():
                 raise self.doc_error(self.no_edge(e.from_stage, e.to), ("edges", index))
             if e.window_size is not None and e.window_size != WHOLE_OUTPUT:
                 raise self.doc_error(
@@ -311,18 +332,50 @@ class _Resolver:
             spec = specs.get((src, dst))
             edges.append(
                 ResolvedEdge(
-                    from_stage=src, to=dst, connector=name, max_inflight=spec.max_inflight if spec else None
+                    from_stage=src,
+                    to=dst,
+                    connector=name,
+                    max_inflight=spec.max_inflight if spec else None,
+                    same_node_connector=self.same_node_connector(spec, connectors),
                 )
             )
         final = self.pipeline.final_stage.stage_id
         router = ios[final]["output"].get(f"to_stage_{ROUTER}") or self.default_connector(connectors)
         ios[final]["output"][f"to_stage_{ROUTER}"] = router
-        edges.append(ResolvedEdge(from_stage=final, to=ROUTER, connector=router))
-        used = {e.connector for e in edges}
+        router_spec = specs.get((final, ROUTER))
+        edges.append(
+            ResolvedEdge(
+                from_stage=final,
+                to=ROUTER,
+                connector=router,
+                same_node_connector=self.same_node_connector(router_spec, connectors),
+            )
+        )
+        used = {e.connector for e in edges} | {e.same_node_connector for e in edges}
         for key in connectors:
             if key not in used:
                 self.notes.append(f"{self.loaded.source}: connector {key!r} is defined but not used")
         return edges
+
+    def same_node_connector(self, spec: EdgeSpec | None, connectors: dict[str, ConnectorSpec]) -> str | None:
+        """An edge's ``same_node_connector``: defined under ``connectors:``, and only where it can matter."""
+        if spec is None or spec.same_node_connector is None:
+            return None
+        index = self.cfg.edges.index(spec)
+        name = spec.same_node_connector
+        if name not in connectors:
+            defined = ", ".join(sorted(connectors)) or "none"
+            raise self.doc_error(
+                f"connector {name!r} is not defined under connectors: (defined: {defined})",
+                ("edges", index, "same_node_connector"),
+            )
+        if self.backend != "ray":
+            self.notes.append(
+                f"{self.loaded.source}: edges[{index}].same_node_connector applies to backend ray only; "
+                "ignored (every replica runs on this host)"
+            )
+            return None
+        return name
 
     @staticmethod
     def default_connector(connectors: dict[str, ConnectorSpec]) -> str:
@@ -364,6 +417,13 @@ class _Resolver:
         env = dict(stage.env or {})
         devices = [d.strip() for d in (stage.devices or "").split(",") if d.strip()]
         device_env = self.platform.device_env
+        if devices and self.backend == "ray":
+            self.note_at(
+                stage.stage_id,
+                "devices",
+                "ignored with backend ray: Ray gives each replica its devices (num_gpus)",
+            )
+            devices = []
         if devices and device_env is None:
             self.note_at(stage.stage_id, "devices", f"ignored on {self.platform.name}")
             devices = []
@@ -403,6 +463,17 @@ class _Resolver:
         if is_ar and not process:
             raise self.error("the AR stage always runs in its own vLLM EngineCore process", sid, "process")
         headless = bool(stage.headless)
+        if self.backend == "ray" and headless:
+            raise self.error(
+                "backend ray places every stage on the Ray cluster; a headless stage (a worker started by "
+                "hand) cannot be one of them: drop headless or use backend local",
+                sid,
+                "headless",
+            )
+        if self.backend == "ray" and not process:
+            raise self.error(
+                "backend ray runs every stage replica as a Ray actor; drop process: false", sid, "process"
+            )
         if headless and not process:
             raise self.error(
                 "a headless stage runs in processes of its own on its worker; drop process: false",
@@ -584,6 +655,60 @@ class _Resolver:
             raise self.error(f"rejected by vLLM: {problem}", sid, "default_sampling_params")
         return params
 
+    def placement(self, stage: StageDeployConfig, engine_args: dict[str, Any]) -> ResolvedPlacement | None:
+        """What each replica asks the Ray cluster for (backend ray); on the local backend the fields are
+        noted as having no effect."""
+        if self.backend != "ray":
+            for name in RAY_PLACEMENT_FIELDS:
+                if getattr(stage, name) is not None:
+                    self.note_at(stage.stage_id, name, "applies to backend ray only; ignored")
+            return None
+        devices = 0.0
+        if self.platform.device_env is not None:  # a GPU platform: each replica's devices
+            devices = float(
+                engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
+            )
+        if stage.num_gpus is not None and stage.num_gpus > 1 and not float(stage.num_gpus).is_integer():
+            raise self.error(
+                f"{stage.num_gpus:g} GPUs: Ray gives a replica a fraction of one GPU or whole GPUs",
+                stage.stage_id,
+                "num_gpus",
+            )
+        return ResolvedPlacement(
+            num_cpus=1.0 if stage.num_cpus is None else stage.num_cpus,
+            num_gpus=devices if stage.num_gpus is None else stage.num_gpus,
+            resources=dict(sorted((stage.resources or {}).items())),
+            node_labels=dict(sorted((stage.node_labels or {}).items())),
+            max_restarts=-1 if stage.max_restarts is None else stage.max_restarts,
+        )
+
+    def check_ray_connectors(self, edges: list[ResolvedEdge], connectors: dict[str, ConnectorSpec]) -> None:
+        """Backend ray: every replica is an actor in a process of its own, on a node Ray picks."""
+        for edge in edges:
+            where = f"edge {edge.from_stage} -> {edge.to}"
+            cls = connectors[edge.connector].name
+            if cls == "InProcessConnector" or (
+                edge.same_node_connector and connectors[edge.same_node_connector].name == "InProcessConnector"
+            ):
+                raise self.doc_error(
+                    f"{where} uses an InProcessConnector, which cannot reach a Ray actor's process; use "
+                    "NixlConnector (and SharedMemoryConnector as its same_node_connector)",
+                    ("connectors",),
+                )
+            if cls == "SharedMemoryConnector":
+                self.notes.append(
+                    f"{self.loaded.source}: {where} uses the SharedMemoryConnector {edge.connector!r} with "
+                    "backend ray: a replica Ray places on another node than the other end fails to start; "
+                    "use NixlConnector with same_node_connector for shared memory on one node"
+                )
+
+    def ray_settings(self) -> ResolvedRay | None:
+        if self.backend != "ray":
+            if self.cfg.ray is not None:
+                self.notes.append(f"{self.loaded.source}: ray: applies to backend ray only; ignored")
+            return None
+        return ResolvedRay(**set_fields(self.cfg.ray or RaySpec()))
+
     def head(self) -> ResolvedHead:
         head = ResolvedHead(**set_fields(self.cfg.head or HeadSpec()))
         if head.heartbeat_timeout_s <= head.heartbeat_interval_s:
@@ -608,6 +733,7 @@ class _Resolver:
             self.check_headless_connectors(fixed.stage_id, connectors, io)
         engine_args = self.ar_engine_args(stage, fixed) if is_ar else {}
         replicas = self.replicas(stage, engine_args.get("tensor_parallel_size", 1))
+        placement = self.placement(stage, engine_args if is_ar else {})
         sampling = self.sampling_params(stage, fixed)
         return ResolvedStage(
             stage_id=fixed.stage_id,
@@ -628,6 +754,7 @@ class _Resolver:
             headless=headless,
             continuation=fixed.continuation,
             companion_timeout_s=stage.companion_timeout_s or DEFAULT_COMPANION_TIMEOUT_S,
+            placement=placement,
         )
 
     @staticmethod
@@ -677,12 +804,16 @@ class _Resolver:
         ios = self.stage_connectors(stages, connectors)
         edges = self.resolve_edges(ios, connectors)
         self.connectors, self.resolved_edges = connectors, edges
+        if self.backend == "ray":
+            self.check_ray_connectors(edges, connectors)
         resolved = [
             self.resolve_stage(stages[f.stage_id], f, ios[f.stage_id], connectors) for f in pipeline.stages
         ]
         deploy = DeployConfig(
             pipeline=pipeline.name,
             async_chunk=bool(self.cfg.async_chunk),
+            backend=self.backend,
+            ray=self.cfg.ray,
             connectors=connectors,
             head=self.cfg.head,
             edges=list(self.cfg.edges),
@@ -699,6 +830,8 @@ class _Resolver:
             stages=resolved,
             deploy=deploy,
             head=self.head(),
+            backend=self.backend,
+            ray=self.ray_settings(),
             notes=self.notes,
             legacy_source=self.loaded.source if self.loaded.legacy else None,
         )
@@ -711,14 +844,17 @@ def resolve(
     platform: PlatformInfo | None = None,
     cli_engine_args: dict[str, Any] | None = None,
     stage_overrides: dict[int, StageOverride] | None = None,
+    backend: Backend | None = None,
 ) -> ResolvedDeployment:
-    """Resolve a loaded deploy config for ``model`` on ``platform`` (default: the current one)."""
+    """Resolve a loaded deploy config for ``model`` on ``platform`` (default: the current one);
+    ``backend`` (``--worker-backend``) wins over the file's."""
     return _Resolver(
         loaded,
         model,
         platform or current_platform(),
         dict(cli_engine_args or {}),
         dict(stage_overrides or {}),
+        backend,
     ).run()
 
 

@@ -30,6 +30,13 @@ class ResolvedEdge(msgspec.Struct, kw_only=True):
     connector: str
     max_inflight: int | None = None
     """Requests that may be handed over on this edge at once (the rest wait); None: no limit."""
+    same_node_connector: str | None = None
+    """Backend ``ray``: the connector used instead of ``connector`` when both ends of the hand-over run
+    on one Ray node; None: ``connector`` everywhere."""
+
+    def connector_between(self, same_node: bool) -> str:
+        """The connector of this edge for two ends on one node (``same_node``) or on two."""
+        return self.same_node_connector if same_node and self.same_node_connector else self.connector
 
 
 class ResolvedHead(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,6 +46,39 @@ class ResolvedHead(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 29600
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
+
+
+class ResolvedRay(msgspec.Struct, frozen=True, kw_only=True):
+    """How the ``ray`` backend reaches its cluster (``RaySpec`` with its defaults applied)."""
+
+    address: str | None = None
+    """None: ``RAY_ADDRESS``, else the cluster ``ray start`` made on this host (never a new one)."""
+    namespace: str = "vllm_omni"
+    placement_timeout_s: float = 120.0
+
+
+class ResolvedPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """What each replica of a stage asks the Ray cluster for (backend ``ray``)."""
+
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float] = {}
+    node_labels: dict[str, str] = {}
+    max_restarts: int = -1
+    """-1: Ray restarts a dead replica's actor every time."""
+
+    @property
+    def placement_group(self) -> bool:
+        """Multi-device replicas reserve their devices together, on one node, in a placement group."""
+        return self.num_gpus > 1
+
+    def describe(self) -> str:
+        """``{CPU: 1, dit_host: 1} on nodes labelled {...}`` (what is asked for), for messages."""
+        wants = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        text = "{" + ", ".join(f"{k}: {v:g}" for k, v in wants.items() if v) + "}"
+        if self.node_labels:
+            text += " on nodes labelled {" + ", ".join(f"{k}={v}" for k, v in self.node_labels.items()) + "}"
+        return text
 
 
 class ResolvedStage(msgspec.Struct, kw_only=True):
@@ -66,6 +106,8 @@ class ResolvedStage(msgspec.Struct, kw_only=True):
     """The pipeline's next-round function for this stage (see ``PipelineStage.continuation``)."""
     companion_timeout_s: float = 30.0
     """AR stages: how long a request's companion requests may take after its main one."""
+    placement: ResolvedPlacement | None = None
+    """Backend ``ray``: what each replica asks the cluster for; None on the local backend."""
 
 
 class ResolvedDeployment(msgspec.Struct, kw_only=True):
@@ -79,6 +121,10 @@ class ResolvedDeployment(msgspec.Struct, kw_only=True):
     deploy: DeployConfig
     """The completed deploy config: resolving it again gives this same result."""
     head: ResolvedHead = ResolvedHead()
+    backend: str = "local"
+    """Where stage replicas run: ``local`` (processes of this host) or ``ray`` (actors of a Ray cluster)."""
+    ray: ResolvedRay | None = None
+    """Backend ``ray``: the cluster and the placement deadline; None on the local backend."""
     notes: list[str] = []
     legacy_source: str | None = None
     """The legacy stage_args file this was translated from, if any."""

@@ -7,7 +7,7 @@ field by field and defaults are applied once, by resolution. Unknown and mistype
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -17,6 +17,9 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
 PositiveFloat = Annotated[float, Meta(gt=0.0)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
+NonNegativeFloat = Annotated[float, Meta(ge=0.0)]
+Backend = Literal["local", "ray"]
+"""Where stage replicas run: processes on this host (``local``) or actors of a Ray cluster (``ray``)."""
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -31,11 +34,15 @@ class ConnectorSpec(_Strict, frozen=True, kw_only=True):
 
 class EdgeSpec(_Strict, frozen=True, kw_only=True):
     from_stage: int = msgspec.field(name="from")
-    to: int
+    to: int | Literal["router"]
+    """A stage id, or ``router``: the final stage's output on its way back to the API server."""
     window_size: int | None = None
     """Tokens per chunk handed over on this edge; -1 hands over the whole output at once."""
     max_inflight: PositiveInt | None = None
     """Requests in flight on this edge at once (back-pressure); None: bounded only by the stages."""
+    same_node_connector: str | None = None
+    """Backend ``ray``: the connector this edge uses instead of its own when both of its ends run on one
+    Ray node (e.g. shared memory in place of NIXL)."""
 
 
 class EngineCommon(_Strict, kw_only=True):
@@ -85,6 +92,20 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     width: PositiveInt | None = None
     max_batch_size: PositiveInt | None = None
     """Diffusion stages: requests denoised together in one batch."""
+    # placement on a Ray cluster (backend: ray), per replica
+    num_cpus: NonNegativeFloat | None = None
+    """CPUs Ray reserves for each replica (default 1)."""
+    num_gpus: NonNegativeFloat | None = None
+    """GPUs Ray reserves for each replica (default: the stage's devices on a GPU platform, 0 on CPU); more
+    than one gives each replica a placement group on one node."""
+    resources: dict[str, PositiveFloat] | None = None
+    """Ray custom resources each replica needs, e.g. ``{dit_host: 1}`` for nodes started with
+    ``ray start --resources '{"dit_host": 1}'``."""
+    node_labels: dict[str, str] | None = None
+    """Ray node labels a replica's node must carry, e.g. ``{gpu-kind: h100}`` for nodes started with
+    ``ray start --labels gpu-kind=h100``."""
+    max_restarts: Annotated[int, Meta(ge=-1)] | None = None
+    """How often Ray restarts a replica's actor after it died (default -1: always)."""
 
 
 class StageOverride(StageDeployConfig, kw_only=True):
@@ -107,6 +128,17 @@ class HeadSpec(_Strict, kw_only=True):
     it to rejoin, and a worker shuts down because its head is gone."""
 
 
+class RaySpec(_Strict, kw_only=True):
+    """How the ``ray`` backend reaches its cluster and how long it waits for placements."""
+
+    address: str | None = None
+    """The Ray cluster (default: ``RAY_ADDRESS``, else the cluster ``ray start`` made on this host)."""
+    namespace: str | None = None
+    """Ray namespace of the stage actors (default ``vllm_omni``)."""
+    placement_timeout_s: PositiveFloat | None = None
+    """Default 120 s: how long start-up waits for every replica to get a place before it fails."""
+
+
 class PlatformSection(_Strict, kw_only=True):
     stages: list[StageDeployConfig] = []
 
@@ -117,6 +149,9 @@ class DeployConfig(EngineCommon, kw_only=True):
     """A deploy config this one extends: a packaged name (``glm_image.yaml``) or a path relative to
     this file."""
     async_chunk: bool | None = None
+    backend: Backend | None = None
+    """Where stage replicas run (default ``local``; ``ray``: actors on a running Ray cluster)."""
+    ray: RaySpec | None = None
     connectors: dict[str, ConnectorSpec] = {}
     head: HeadSpec | None = None
     edges: list[EdgeSpec] = []
@@ -157,3 +192,5 @@ AR_ONLY_FIELDS: frozenset[str] = frozenset(
 DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
     {"num_inference_steps", "guidance_scale", "height", "width", "max_batch_size"}
 )
+RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")
+"""Stage fields that place replicas on a Ray cluster (backend ``ray`` only)."""

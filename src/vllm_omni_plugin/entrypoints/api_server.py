@@ -33,7 +33,7 @@ from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_a
 from vllm_omni_plugin.entrypoints.openai_images import OmniAPIError
 from vllm_omni_plugin.entrypoints.routes import api_error_handler, router
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.factory import Placement, local_clients
+from vllm_omni_plugin.stage.factory import Placement
 
 logger = get_logger(__name__)
 
@@ -136,10 +136,10 @@ async def serve(
     sock: Any,
     listen_address: str,
     *,
-    placement: Placement = local_clients,
+    placement: Placement | None = None,
 ) -> None:
-    """Start every stage (its replicas where ``placement`` puts them), serve until SIGINT/SIGTERM, then
-    stop every stage."""
+    """Start every stage (its replicas where ``placement`` puts them, by default where the deployment's
+    backend does), serve until SIGINT/SIGTERM, then stop every stage."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
     assert main is not None

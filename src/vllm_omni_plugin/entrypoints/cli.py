@@ -199,6 +199,14 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Directory for generated images served at /media/...; enables response_format=url.",
     )
     group.add_argument(
+        "--worker-backend",
+        choices=("local", "ray"),
+        default=None,
+        help="Where stage replicas run: `local` processes of this host, or `ray` actors on the running "
+        "Ray cluster (RAY_ADDRESS or the deploy config's ray.address). Default: the deploy config's "
+        "`backend:`, else local.",
+    )
+    group.add_argument(
         "--stage-id",
         type=int,
         default=None,
@@ -325,6 +333,7 @@ def resolve_from_args(args: argparse.Namespace):
         stage_configs_path=args.stage_configs_path,
         stage_overrides=args.stage_overrides,
         cli_engine_args=explicit_engine_args(args),
+        backend=args.worker_backend,
     )
     return resolved
 
@@ -379,11 +388,11 @@ def run(args: argparse.Namespace) -> None:
         run_headless(args, resolved)
         return
     from vllm_omni_plugin.entrypoints.api_server import ServeError, run_server
-    from vllm_omni_plugin.stage.errors import StageStartError
+    from vllm_omni_plugin.stage.errors import StagePlacementError, StageStartError
 
     try:
         run_server(args, resolved)
-    except ServeError as exc:
+    except (ServeError, StagePlacementError) as exc:  # the deploy config and the cluster disagree: exit 2
         raise OmniCLIError(str(exc)) from None
     except StageStartError as exc:  # not a usage error: exit 1, still one line (the log has the detail)
         print(f"error: {exc}", file=sys.stderr)

@@ -19,9 +19,10 @@ from typing import Any
 
 from vllm_omni_plugin.config import ResolvedDeployment, resolve_deployment
 from vllm_omni_plugin.config.errors import ConfigError
+from vllm_omni_plugin.config.schema import Backend
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.factory import Placement, build_connectors, build_stages, local_clients
+from vllm_omni_plugin.stage.factory import Placement, build_connectors, build_stages
 from vllm_omni_plugin.stage.headless import HeadlessStageRegistry
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
@@ -32,10 +33,11 @@ logger = get_logger(__name__)
 class AsyncOmni:
     """All stages of one deployment, driven from the caller's event loop.
 
-    ``placement`` decides where each stage's replicas run (default: on this host).
+    ``placement`` decides where each stage's replicas run (default: the deployment's backend, this
+    host or a Ray cluster).
     """
 
-    def __init__(self, deployment: ResolvedDeployment, *, placement: Placement = local_clients) -> None:
+    def __init__(self, deployment: ResolvedDeployment, *, placement: Placement | None = None) -> None:
         self.deployment = deployment
         self.placement = placement
         self.connectors: dict[str, OmniConnector] = {}
@@ -53,6 +55,7 @@ class AsyncOmni:
         stage_configs_path: str | None = None,
         stage_overrides: dict[str, Any] | None = None,
         engine_args: dict[str, Any] | None = None,
+        backend: Backend | None = None,
     ) -> AsyncOmni:
         if not os.path.isdir(model):
             raise ConfigError(f"model directory {model!r} does not exist")
@@ -62,6 +65,7 @@ class AsyncOmni:
             stage_configs_path=stage_configs_path,
             stage_overrides=stage_overrides,
             cli_engine_args=engine_args,
+            backend=backend,
         )
         for note in deployment.notes:
             logger.warning("%s", note)

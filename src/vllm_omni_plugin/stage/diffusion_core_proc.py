@@ -200,14 +200,15 @@ def _run_batch(
         if result.error is None:
             image = result.image
             if connector is not None:
-                out.image_handle = msgspec.to_builtins(connector.put(_as_tensor(image)))
+                out.image_handle = msgspec.to_builtins(connector.put(image_tensor(image)))
             else:
                 out.image = image
         outputs[result.request_id] = out
     return [outputs[m.request_id] for m in batch if m.request_id in outputs]
 
 
-def _as_tensor(image: Any) -> Any:
+def image_tensor(image: Any) -> Any:
+    """An image array as the uint8 tensor a connector takes."""
     import numpy as np
     import torch
 

@@ -37,6 +37,11 @@ class StageStartError(StageError):
     http_status = 503
 
 
+class StagePlacementError(StageStartError):
+    """A replica cannot be placed: it asks for what no node of the cluster has (or there is no cluster
+    to join). The deploy config and the cluster disagree, which the user fixes (the CLI exits 2)."""
+
+
 class RequestAbortedError(StageError):
     """The request was aborted (client disconnect, shutdown)."""
 

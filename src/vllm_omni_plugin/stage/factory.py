@@ -1,9 +1,10 @@
 """Stages from a resolved deployment: this process's connectors and one replica pool per stage.
 
-Which client serves each replica is a *placement*. :func:`local_clients` runs every replica on this host
-(an AR stage on a vLLM engine, a diffusion stage in a ``StageDiffusionCoreProc`` or in this process). A
-headless stage, seen from its head, is one ``RemoteStageClient`` that its worker registers with. Another
-placement (e.g. replicas as a cluster scheduler's actors) is another function of the same signature.
+Which client serves each replica is a *placement*, chosen by the deployment's ``backend``
+(:func:`placement_for`). :func:`local_clients` runs every replica on this host (an AR stage on a vLLM
+engine, a diffusion stage in a ``StageDiffusionCoreProc`` or in this process); backend ``ray`` makes
+every replica a Ray actor (``placement.ray.RayPlacement``). A headless stage, seen from its head, is one
+``RemoteStageClient`` that its worker registers with.
 """
 
 from __future__ import annotations
@@ -116,6 +117,15 @@ def remote_client(
     )
 
 
+def placement_for(deployment: ResolvedDeployment) -> Placement:
+    """The placement of the deployment's backend."""
+    if deployment.backend == "ray":
+        from vllm_omni_plugin.stage.placement.ray import RayPlacement
+
+        return RayPlacement(deployment)
+    return local_clients
+
+
 @dataclass
 class Stages:
     pools: dict[int, StageReplicaPool]
@@ -129,11 +139,13 @@ def build_stages(
     connectors: dict[str, OmniConnector],
     stage_ids: Sequence[int] | None = None,
     *,
-    placement: Placement = local_clients,
+    placement: Placement | None = None,
     headless_worker: bool = False,
 ) -> Stages:
-    """A replica pool per stage (``stage_ids``: only those). Headless stages get a ``RemoteStageClient``,
-    except in the headless worker itself (``headless_worker``), which places them like any other."""
+    """A replica pool per stage (``stage_ids``: only those), placed by ``placement`` (default: the one of
+    the deployment's backend). Headless stages get a ``RemoteStageClient``, except in the headless worker
+    itself (``headless_worker``), which places them like any other."""
+    placement = placement or placement_for(deployment)
     stages = Stages(pools={}, remote={})
     for stage in deployment.stages:
         if stage_ids is not None and stage.stage_id not in stage_ids:

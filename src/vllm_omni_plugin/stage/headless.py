@@ -108,6 +108,12 @@ ERROR_KINDS: dict[ErrorKind, type[StageError]] = {
 }
 """``RemoteOutput.error_kind`` -> the error the head raises."""
 
+
+def error_kind(exc: StageError) -> ErrorKind:
+    """The most specific ``RemoteOutput.error_kind`` for ``exc``."""
+    return next(kind for kind, cls in reversed(ERROR_KINDS.items()) if isinstance(exc, cls))
+
+
 HeadMessage = WorkerAccepted | WorkerRejected | Heartbeat | HeadShutdown | RemoteRequest | StageAbort
 WorkerMessage = WorkerRegister | Heartbeat | WorkerLeaving | RemoteOutput
 

@@ -23,8 +23,6 @@ from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreRequ
 from vllm_omni_plugin.stage.errors import StageError
 from vllm_omni_plugin.stage.factory import build_stages
 from vllm_omni_plugin.stage.headless import (
-    ERROR_KINDS,
-    ErrorKind,
     HeadMessage,
     HeadShutdown,
     Heartbeat,
@@ -35,6 +33,7 @@ from vllm_omni_plugin.stage.headless import (
     WorkerMessage,
     WorkerRegister,
     WorkerRejected,
+    error_kind,
     parse_head_address,
     stage_config_digest,
     tcp_address,
@@ -217,11 +216,6 @@ class HeadlessStageWorker:
         finally:
             self._tasks.pop(request.request_id, None)
         await self._send(reply)
-
-
-def error_kind(exc: StageError) -> ErrorKind:
-    """The most specific ``RemoteOutput.error_kind`` for ``exc``."""
-    return next(kind for kind, cls in reversed(ERROR_KINDS.items()) if isinstance(exc, cls))
 
 
 def run_headless_worker(deployment: ResolvedDeployment, stage_id: int, head_address: str) -> int:

@@ -1,0 +1,319 @@
+"""Backend ray: the tiny GLM-Image served by ``vllm serve --omni`` on a Ray cluster of three nodes on
+this machine (``ray.cluster_utils.Cluster``: a head with ``ar_host``, two nodes with ``dit_host``), every
+stage replica a Ray actor; real HTTP, real NIXL between the API server and the DiT nodes.
+
+One cluster and one deployment for the module (the AR stage on the head node, two DiT replicas, one per
+``dit_host`` node); the tests run in order and the last ones change the cluster (a killed actor, lost
+and added nodes). The local-backend image is made first by the same deploy file with
+``--worker-backend local``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+
+from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
+
+ray = pytest.importorskip("ray", reason="backend ray needs the `ray` extra")
+
+pytestmark = pytest.mark.server
+
+NAMESPACE = "vllm_omni_test"
+NODE = {"num_cpus": 1, "object_store_memory": 80 * 1024 * 1024}
+"""Each Ray node: one CPU (an actor each), the smallest object store Ray accepts plus a little."""
+DEPLOY = f"""
+base_config: tiny_glm_image_cpu.yaml
+backend: ray
+ray: {{namespace: {NAMESPACE}, placement_timeout_s: 600}}
+connectors:
+  nixl: {{name: NixlConnector, extra: {{transfer_timeout_s: 30}}}}
+  shm: {{name: SharedMemoryConnector}}
+edges:
+  - {{from: 0, to: 1, same_node_connector: shm}}
+  - {{from: 1, to: router, same_node_connector: shm}}
+stages:
+  - stage_id: 0
+    num_cpus: 1
+    resources: {{ar_host: 1}}
+    output_connectors: {{to_stage_1: nixl}}
+  - stage_id: 1
+    num_replicas: 2
+    num_cpus: 1
+    resources: {{dit_host: 1}}
+    output_connectors: {{to_stage_router: nixl}}
+"""
+UNPLACEABLE = """
+base_config: glm_image_tiny_ray.yaml
+ray: {placement_timeout_s: 5}
+stages:
+  - stage_id: 0
+    resources: {tpu_v9: 1}
+"""
+REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
+SLOW_REQUEST = {**REQUEST, "seed": 12, "num_inference_steps": 400}
+"""Long enough in the DiT for its actor to be killed while it works on it."""
+
+
+def pixels(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    data = base64.b64decode(response.json()["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def serve_argv(model: Path, deploy: Path, port: int, *extra: str) -> list[str]:
+    return [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
+            "--port", str(port), "--host", "127.0.0.1", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deploy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("ray_backend")
+    (folder / "unplaceable.yaml").write_text(UNPLACEABLE)
+    path = folder / "glm_image_tiny_ray.yaml"
+    path.write_text(DEPLOY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_image(tiny_glm_image: Path, deploy: Path, tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
+    """The same deploy file on the local backend (every stage a process of this host)."""
+    port = free_port()
+    argv = serve_argv(tiny_glm_image, deploy, port, "--worker-backend", "local")
+    with ServerProcess(argv, port=port, log_path=tmp_path_factory.mktemp("local") / "server.log") as server:
+        server.wait_ready(timeout=600)
+        return pixels(httpx.post(server.base_url + "/v1/images/generations", json=REQUEST, timeout=300))
+
+
+@dataclass
+class RayCluster:
+    cluster: Any
+    head: Any
+    dit_nodes: list[Any]
+
+
+@pytest.fixture(scope="module")
+def cluster(local_image: np.ndarray) -> Iterator[RayCluster]:
+    """Three Ray nodes on this machine; this test process is a driver of it (the state API's client)."""
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="ray_omni_", dir="/tmp")  # Ray's socket paths must stay short
+    saved_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp_dir  # Cluster notes "the" local cluster's address in RAY_TMPDIR/ray
+    os.makedirs(os.path.join(temp_dir, "ray"))
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**NODE, "resources": {"ar_host": 1}, "temp_dir": os.path.join(temp_dir, "ray"),
+                        "include_dashboard": True, "dashboard_port": 0},
+    )  # fmt: skip
+    try:
+        dit_nodes = [cluster.add_node(**NODE, resources={"dit_host": 1}) for _ in range(2)]
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        yield RayCluster(cluster, cluster.head_node, dit_nodes)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if saved_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved_tmpdir
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@dataclass
+class Served:
+    server: ServerProcess
+    cluster: RayCluster
+
+    def url(self, path: str) -> str:
+        return self.server.base_url + path
+
+    def health(self) -> tuple[int, dict]:
+        response = httpx.get(self.url("/health"), timeout=10)
+        return response.status_code, response.json()
+
+    def dit_replicas(self) -> list[dict]:
+        return self.health()[1]["stages"]["1"]["replicas"]
+
+    def wait_health(self, check: Any, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            _, body = self.health()
+            if check(body):
+                return body
+            assert time.monotonic() < deadline, body
+            time.sleep(0.25)
+
+    def generate(self, request: dict) -> httpx.Response:
+        return httpx.post(self.url("/v1/images/generations"), json=request, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def served(
+    cluster: RayCluster, tiny_glm_image: Path, deploy: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    port = free_port()
+    env = cpu_test_env({"RAY_ADDRESS": cluster.cluster.address})
+    server = ServerProcess(
+        serve_argv(tiny_glm_image, deploy, port), port=port, env=env,
+        log_path=tmp_path_factory.mktemp("ray_server") / "server.log",
+    )  # fmt: skip
+    with server:
+        server.wait_ready(timeout=900)
+        yield Served(server, cluster)
+
+
+def stage_actors() -> dict[str, Any]:
+    """Our stage actors that Ray's state API lists as alive, by name."""
+    from ray.util.state import list_actors
+
+    alive = [("state", "=", "ALIVE"), ("class_name", "=", "StageReplicaActor")]
+    actors = list_actors(filters=alive, limit=100, detail=True)
+    return {a.name: a for a in actors}
+
+
+def actor_stats(name: str) -> dict[str, Any]:
+    """What a stage actor itself says (requests served, its connectors), asked through Ray."""
+    return msgspec.msgpack.decode(
+        ray.get(ray.get_actor(name, namespace=NAMESPACE).stats.remote(), timeout=30)
+    )
+
+
+def test_each_stage_runs_on_the_nodes_its_resources_name(served: Served) -> None:
+    actors = stage_actors()
+    ar = [a for name, a in actors.items() if "-stage0-" in name]
+    dit = [a for name, a in actors.items() if "-stage1-" in name]
+    assert len(ar) == 1 and len(dit) == 2, sorted(actors)
+    assert ar[0].node_id == served.cluster.head.node_id
+    assert {a.node_id for a in dit} == {n.node_id for n in served.cluster.dit_nodes}
+
+    # /health names the same actors and nodes; each DiT replica, on another node than the API server,
+    # takes both hand-overs over NIXL.
+    for replica in served.dit_replicas():
+        assert replica["state"] == "ready" and replica["waiting"] is None
+        assert actors[replica["actor"]].node_id == replica["node"]
+        assert actors[replica["actor"]].pid == replica["pid"]
+        stats = actor_stats(replica["actor"])
+        assert (stats["input_connector"], stats["output_connector"]) == ("nixl", "nixl")
+
+
+def test_same_image_as_the_local_backend(served: Served, local_image: np.ndarray) -> None:
+    np.testing.assert_array_equal(pixels(served.generate(REQUEST)), local_image)
+
+
+def test_least_loaded_routing_spreads_16_concurrent_requests_over_both_dit_replicas(served: Served) -> None:
+    names = [r["actor"] for r in served.dit_replicas()]
+    before = {name: actor_stats(name)["served"] for name in names}
+    responses: list[httpx.Response] = []
+    requests = [{**REQUEST, "seed": 100 + i, "prompt": f"fox {i}"} for i in range(16)]
+    threads = [threading.Thread(target=lambda r=r: responses.append(served.generate(r))) for r in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [r.status_code for r in responses] == [200] * 16, [
+        r.text for r in responses if r.status_code != 200
+    ]
+    served_now = {name: actor_stats(name)["served"] - before[name] for name in names}
+    assert sum(served_now.values()) == 16
+    assert all(count > 0 for count in served_now.values()), served_now
+
+
+def test_killed_dit_actor_is_restarted_by_ray_and_serves_again(
+    served: Served, local_image: np.ndarray
+) -> None:
+    outcome: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: outcome.append(served.generate(SLOW_REQUEST)))
+    worker.start()
+
+    def dit_busy(body: dict) -> bool:
+        assert not outcome, f"the request ended before the DiT took it: {outcome[0].text}"
+        return any(r["inflight"] for r in body["stages"]["1"]["replicas"])
+
+    busy = served.wait_health(dit_busy, timeout=120)
+    victim = next(r for r in busy["stages"]["1"]["replicas"] if r["inflight"])
+    os.kill(victim["pid"], signal.SIGKILL)
+    worker.join(300)
+
+    # As on the local backend: the request whose replica died gets 503 (or is retried and succeeds).
+    response = outcome[0]
+    assert response.status_code in (200, 503), response.text
+    if response.status_code == 503:
+        assert "stage 1" in response.json()["error"]["message"]
+
+    def restarted(body: dict) -> bool:
+        replica = body["stages"]["1"]["replicas"][victim["replica_id"]]
+        return replica["state"] == "ready" and replica["restarts"] == 1
+
+    body = served.wait_health(restarted)
+    replica = body["stages"]["1"]["replicas"][victim["replica_id"]]
+    assert replica["pid"] != victim["pid"] and replica["node"] == victim["node"]
+    state = stage_actors()[victim["actor"]]
+    assert state.num_restarts >= 1 and state.pid == replica["pid"]
+    np.testing.assert_array_equal(pixels(served.generate(REQUEST)), local_image)
+
+
+def test_lost_dit_nodes_make_the_stage_wait_and_a_new_node_brings_it_back(
+    served: Served, local_image: np.ndarray
+) -> None:
+    cluster = served.cluster
+    for node in cluster.dit_nodes:
+        cluster.cluster.remove_node(node)
+    cluster.dit_nodes = []
+
+    def waiting(body: dict) -> bool:
+        return all(r["waiting"] and r["state"] == "restarting" for r in body["stages"]["1"]["replicas"])
+
+    body = served.wait_health(waiting, timeout=120)
+    status, body = served.health()
+    assert status == 200 and body["status"] == "waiting_for_workers", body
+    assert not body["stages"]["1"]["healthy"] and body["stages"]["0"]["healthy"]
+    for replica in body["stages"]["1"]["replicas"]:
+        assert "no alive node of the Ray cluster has {CPU: 1, dit_host: 1}" in replica["waiting"], replica
+
+    node = cluster.cluster.add_node(**{**NODE, "num_cpus": 2}, resources={"dit_host": 2})
+    cluster.dit_nodes = [node]
+    body = served.wait_health(lambda b: all(r["state"] == "ready" for r in b["stages"]["1"]["replicas"]))
+    assert body["status"] == "ok"
+    assert all(r["node"] == node.node_id for r in body["stages"]["1"]["replicas"])
+    assert {a.node_id for name, a in stage_actors().items() if "-stage1-" in name} == {node.node_id}
+    np.testing.assert_array_equal(pixels(served.generate(REQUEST)), local_image)
+
+
+def test_a_stage_asking_for_a_resource_no_node_has_fails_start_up_with_one_line(
+    cluster: RayCluster, tiny_glm_image: Path, deploy: Path
+) -> None:
+    argv = serve_argv(tiny_glm_image, deploy.parent / "unplaceable.yaml", free_port())
+    env = cpu_test_env({"RAY_ADDRESS": cluster.cluster.address})
+    before = set(stage_actors())
+    result = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=600, start_new_session=True
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr[-3000:]
+    wants = "{CPU: 1, ar_host: 1, tpu_v9: 1}"
+    assert errors[0].startswith(
+        f"error: stage 0 (ar) replica 0 cannot be placed: it asks for {wants} and no alive node of the Ray "
+        f"cluster has {wants}"
+    ), errors[0]
+    assert errors[0].endswith("after 5 s (ray.placement_timeout_s)"), errors[0]
+    assert "Traceback" not in result.stderr
+    assert set(stage_actors()) == before  # none of its actors stayed behind
