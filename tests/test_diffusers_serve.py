@@ -149,9 +149,11 @@ def test_chat_with_image_modality_equals_a_direct_call(served: Served) -> None:
         messages=[{"role": "user", "content": content}],
         extra_body={"modalities": ["image"], "size": "64x64", "seed": 3, **served.sampling},
     )
-    text = response.choices[0].message.content or ""
-    assert text.startswith("![image](data:image/png;base64,")
-    image = decode(text.removeprefix("![image](data:image/png;base64,").removesuffix(")"))
+    parts = response.choices[0].message.content
+    assert isinstance(parts, list) and parts[0]["type"] == "image_url"  # as vllm-omni's clients read it
+    url = parts[0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    image = decode(url.removeprefix("data:image/png;base64,"))
     assert_within_one_level(image, served.reference("a small house on the shore", seed=3, images=images))
 
 
