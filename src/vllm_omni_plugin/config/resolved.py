@@ -75,6 +75,8 @@ class ResolvedDeployment(msgspec.Struct, kw_only=True):
     deploy: DeployConfig
     """The completed deploy config: resolving it again gives this same result."""
     head: ResolvedHead = ResolvedHead()
+    max_retries: int = 1
+    """Runs again a request may get after replica deaths interrupted it (see ``DeployConfig``)."""
     notes: list[str] = []
     legacy_source: str | None = None
     """The legacy stage_args file this was translated from, if any."""

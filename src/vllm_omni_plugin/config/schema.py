@@ -114,6 +114,9 @@ class DeployConfig(EngineCommon, kw_only=True):
     """A deploy config this one extends: a packaged name (``glm_image.yaml``) or a path relative to
     this file."""
     async_chunk: bool | None = None
+    max_retries: NonNegativeInt | None = None
+    """Default 1: how many times a request interrupted by the death of a stage replica (before any of
+    its output reached the client) runs again; past that it fails with HTTP 503."""
     connectors: dict[str, ConnectorSpec] = {}
     head: HeadSpec | None = None
     edges: list[EdgeSpec] = []

@@ -58,6 +58,8 @@ class DiffusionResult(msgspec.Struct, kw_only=True):
     latents: Any = None
     """The final latents (a CPU ``torch.Tensor``, C x h x w) when the request asked for them."""
     error: str | None = None
+    aborted: bool = False
+    """The request was aborted before its image was made (``error`` says so; there is no image)."""
     seed: int | None = None
     """The seed the request's generator used, so an unseeded result can be reproduced."""
     batch_size: int = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,6 +24,14 @@ logger = get_logger(__name__)
 
 class UnknownPipelineError(ValueError):
     """The model's pipeline class has no runner registered."""
+
+
+class BatchAborted(Exception):
+    """Every request of the running batch was aborted: the pipeline call stopped at a step's end."""
+
+
+StopCheck = Callable[[], bool]
+"""Asked after each denoising step: True stops the batch (raises :class:`BatchAborted`)."""
 
 
 @dataclass(slots=True)
@@ -40,8 +49,9 @@ class DiffusersPipelineRunner:
 
     The engine hands :meth:`run` requests whose defaults are already applied and that share
     :meth:`batch_key` (plus size, steps, guidance and image-to-image-ness), with one seeded
-    ``torch.Generator`` per request. Subclasses set ``pipeline_class`` and, as needed, override
-    ``load_kwargs``, :meth:`validate`, :meth:`batch_key` and :meth:`call_kwargs`.
+    ``torch.Generator`` per request, and ``should_stop``, asked after every step. Subclasses set
+    ``pipeline_class`` and, as needed, override ``load_kwargs``, :meth:`validate`, :meth:`batch_key`
+    and :meth:`call_kwargs`.
     """
 
     pipeline_class: ClassVar[str] = ""
@@ -101,8 +111,11 @@ class DiffusersPipelineRunner:
 
     # --- the call ----------------------------------------------------------------------------------
 
-    def run(self, batch: list[DiffusionRequest], generators: list[Any]) -> BatchOutput:
-        """One pipeline call for the whole batch; images as uint8 HxWx3 arrays, in batch order."""
+    def run(
+        self, batch: list[DiffusionRequest], generators: list[Any], should_stop: StopCheck | None = None
+    ) -> BatchOutput:
+        """One pipeline call for the whole batch; images as uint8 HxWx3 arrays, in batch order. Raises
+        :class:`BatchAborted` at the end of the first step after which ``should_stop()`` is true."""
         import numpy as np
 
         first = batch[0]
@@ -113,6 +126,8 @@ class DiffusersPipelineRunner:
             # The last step's latents are the denoised ones; its time splits denoise from decode.
             latents_box[:] = [kwargs["latents"]]
             step_done[:] = [time.perf_counter()]
+            if should_stop is not None and should_stop():
+                raise BatchAborted(f"stopped after step {step + 1}")
             return {}
 
         start = time.perf_counter()

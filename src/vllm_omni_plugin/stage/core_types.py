@@ -48,6 +48,14 @@ class StageFailed(msgspec.Struct, kw_only=True, tag="failed"):
     error: str
 
 
+class StageDropped(msgspec.Struct, kw_only=True, tag="dropped"):
+    """A stage process dropped aborted requests and will send nothing for them."""
+
+    request_ids: list[str]
+    where: str
+    """``queue`` (had not started) or ``batch`` (dropped from the running batch; no image was made)."""
+
+
 class StageCoreOutput(msgspec.Struct, kw_only=True, tag=True):
     request_id: str
     stage_id: int
@@ -76,4 +84,4 @@ class StageCoreOutputs(msgspec.Struct, kw_only=True, tag="outputs"):
 
 # What each direction of a stage process's sockets carries.
 ToStageMessage = StageDiffusionCoreRequest | StageLLMCoreRequest | StageAbort | StageShutdown
-FromStageMessage = StageCoreOutputs | StageReady | StageFailed
+FromStageMessage = StageCoreOutputs | StageDropped | StageReady | StageFailed

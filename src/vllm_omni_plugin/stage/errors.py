@@ -26,9 +26,15 @@ class StageRequestError(StageError):
 
 
 class StageDeadError(StageError):
-    """The stage process (or engine) serving the request died; the stage is being restarted."""
+    """The stage process (or engine) serving the request died; the stage is being restarted. The
+    orchestrator runs the request's stage again while the request's retry budget lasts."""
 
     http_status = 503
+
+
+class RetriesExhaustedError(StageDeadError):
+    """Replica deaths interrupted the request more often than its retry budget (``max_retries``) allows:
+    a request that kills its stage every time cannot keep killing it."""
 
 
 class StageStartError(StageError):
