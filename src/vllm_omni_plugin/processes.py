@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from vllm_omni_plugin.log import get_logger
@@ -257,10 +257,11 @@ class ProcessTree:
 _parent_watch: threading.Thread | None = None
 
 
-def exit_with_parent(what: str, signum: int = signal.SIGTERM) -> None:
-    """In a process started by ``multiprocessing``: send ourselves ``signum`` when the parent that started
-    us is gone, so the process's own handler stops it cleanly (and it frees what it holds). A no-op in a
-    process that multiprocessing did not start, and after the first call."""
+def exit_with_parent(what: str, on_parent_death: Callable[[], None] | None = None) -> None:
+    """In a process started by ``multiprocessing``: once the parent that started it is gone, call
+    ``on_parent_death`` (default: send this process SIGTERM, so its own handler stops it cleanly and it
+    frees what it holds). A no-op in a process that multiprocessing did not start, and after the first
+    call."""
     global _parent_watch
     parent = multiprocessing.parent_process()
     if parent is None or _parent_watch is not None:
@@ -271,7 +272,10 @@ def exit_with_parent(what: str, signum: int = signal.SIGTERM) -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
         logger.warning("%s: parent process %s is gone; stopping", what, parent_pid)
-        os.kill(os.getpid(), signum)
+        if on_parent_death is not None:
+            on_parent_death()
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     _parent_watch = threading.Thread(target=watch, name="omni-parent-watch", daemon=True)
     _parent_watch.start()

@@ -6,7 +6,8 @@ reader thread receives requests and aborts while a batch runs: an aborted reques
 dropped with its payload; one in the running batch gets no image (a batch whose every request is aborted
 stops at the end of the current step). Both are reported back (``StageDropped``). Images go through the
 stage's output connector when one is configured (the message carries the handle). The process exits on
-``StageShutdown``, on SIGTERM and when its parent dies.
+SIGTERM once its running batch is done (in-flight requests drain), and at once, dropping that batch, on
+``StageShutdown`` and when its parent dies.
 """
 
 from __future__ import annotations
@@ -85,10 +86,18 @@ class _Inbox:
         self.aborted: set[str] = set()
         """Ids of the running batch aborted while it runs."""
         self.stopping = False
-        """Set without the lock (a signal handler sets it): readers look again at least every poll."""
+        """No further batch (SIGTERM: the running one finishes). Set without the lock, as a signal
+        handler sets it: readers look again at least every poll."""
+        self.interrupted = False
+        """Not even the running batch finishes (``StageShutdown``, a dead parent): nobody will read it."""
+        self.closed = False
+        """The batch loop has ended: the reader thread ends too."""
 
     def is_aborted(self, request_id: str) -> bool:
-        return self.stopping or request_id in self.aborted
+        return self.interrupted or request_id in self.aborted
+
+    def interrupt(self) -> None:
+        self.interrupted = self.stopping = True
 
     def add(self, request: StageDiffusionCoreRequest) -> None:
         with self.lock:
@@ -136,7 +145,7 @@ def _read_requests(
     to_stage = StageMessageCodec(ToStageMessage)
     from_stage = StageMessageCodec(FromStageMessage)
     try:
-        while not inbox.stopping:
+        while not inbox.closed:
             if not pull.poll(POLL_MS):
                 continue
             try:
@@ -145,7 +154,7 @@ def _read_requests(
                 logger.error("stage %d: an undecodable message; dropped", config.stage_id)
                 continue
             if isinstance(message, StageShutdown):
-                inbox.stopping = True
+                inbox.interrupt()
             elif isinstance(message, StageAbort):
                 dropped = inbox.abort(message.request_ids)
                 for request in dropped:
@@ -173,7 +182,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    exit_with_parent(f"StageDiffusionCoreProc {config.stage_id}-{config.replica_id}")
+    exit_with_parent(f"StageDiffusionCoreProc {config.stage_id}-{config.replica_id}", inbox.interrupt)
 
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
@@ -227,10 +236,10 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
             outputs = [o for o in outputs if o.request_id not in aborted]
             if outputs:
                 push.send(from_stage.encode(StageCoreOutputs(outputs=outputs)))
-            if aborted and not inbox.stopping:
+            if aborted and not inbox.interrupted:
                 push.send(from_stage.encode(StageDropped(request_ids=sorted(aborted), where="batch")))
     finally:
-        inbox.stopping = True
+        inbox.stopping = inbox.closed = True
         reader.join(5)
         for conn in (connector, input_connector):
             if conn is not None:
