@@ -385,7 +385,9 @@ def test_errors_name_file_line_and_field(
 
 
 def test_max_retries_defaults_to_one_and_survives_reresolution(tmp_path: Path, model_dir: str) -> None:
-    default = resolve_deployment(model_dir, deploy_config=str(write(tmp_path, "pipeline: glm_image\n")), platform=CPU)
+    default = resolve_deployment(
+        model_dir, deploy_config=str(write(tmp_path, "pipeline: glm_image\n")), platform=CPU
+    )
     assert default.max_retries == 1 and "max_retries: 1" in default.to_yaml()
     path = write(tmp_path, "pipeline: glm_image\nmax_retries: 0\n")
     loaded = load_deploy_file(str(path), model=model_dir, allow_legacy=False)

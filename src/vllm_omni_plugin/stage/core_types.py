@@ -54,6 +54,8 @@ class StageDropped(msgspec.Struct, kw_only=True, tag="dropped"):
     request_ids: list[str]
     where: str
     """``queue`` (had not started) or ``batch`` (dropped from the running batch; no image was made)."""
+    pid: int = 0
+    """The stage process that sent it (its client ignores what a process it replaced sent)."""
 
 
 class StageCoreOutput(msgspec.Struct, kw_only=True, tag=True):
@@ -80,6 +82,8 @@ class StageDiffusionCoreOutput(StageCoreOutput, kw_only=True, tag="diffusion_out
 
 class StageCoreOutputs(msgspec.Struct, kw_only=True, tag="outputs"):
     outputs: list[StageLLMCoreOutput | StageDiffusionCoreOutput]
+    pid: int = 0
+    """The stage process that sent them (its client ignores what a process it replaced sent)."""
 
 
 # What each direction of a stage process's sockets carries.

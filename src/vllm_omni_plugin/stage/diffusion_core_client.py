@@ -163,10 +163,14 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                     else:
                         self._ready.set_result(message)
                 continue
+            if message.pid != self.manager.pid:  # sent by a process that died since: its requests ran again
+                if isinstance(message, StageCoreOutputs):
+                    for output in message.outputs:
+                        discard_output(output, self.output_connector)
+                continue
             if isinstance(message, StageDropped):
                 self.dropped[message.where] += len(message.request_ids)
                 continue
-            assert isinstance(message, StageCoreOutputs)
             for output in message.outputs:
                 if not self._pending.resolve(output.request_id, output):
                     self.discarded_outputs += 1
@@ -196,7 +200,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         request, put_seconds = send_request_through(request, self.input_connector)
         try:
             output: StageDiffusionCoreOutput = await self._pending.wait(
-                request.request_id, self._push.send(self._to_stage.encode(request))
+                request.request_id, self._send(request)
             )
         except StageDeadError:
             if self.input_connector is not None:  # the dead process never read them: free them now
@@ -209,10 +213,24 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             raise StageError(output.error, stage_id=self.stage_id, request_id=request.request_id)
         return output
 
+    async def _send(self, message: Any) -> None:
+        """Hand ``message`` to the stage process now, or fail: a message must never wait in the socket
+        for a process that is not connected, or a restarted process would get what was meant for the
+        dead one."""
+        import zmq
+
+        try:
+            await self._push.send(self._to_stage.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise StageDeadError(
+                f"{self.label} is not connected (its process died)", stage_id=self.stage_id
+            ) from None
+
     async def abort(self, request_ids: list[str]) -> None:
         self._pending.fail(request_ids)
         if self._push is not None and self.state == StageState.READY:
-            await self._push.send(self._to_stage.encode(StageAbort(request_ids=list(request_ids))))
+            with contextlib.suppress(StageDeadError):
+                await self._send(StageAbort(request_ids=list(request_ids)))
 
     async def shutdown(self) -> None:
         self.state = StageState.STOPPED

@@ -132,14 +132,12 @@ class _Inbox:
 
 
 def _read_requests(
-    context: Any, config: StageDiffusionProcConfig, inbox: _Inbox, input_connector: Any
+    context: Any, pull: Any, config: StageDiffusionProcConfig, inbox: _Inbox, input_connector: Any
 ) -> None:
     """The reader thread: requests into the inbox, aborts applied at once (acknowledged on a socket of its
-    own, as ZMQ sockets are used by one thread each)."""
+    own, as ZMQ sockets are used by one thread each; ``pull`` is handed over from the main thread)."""
     import zmq
 
-    pull = context.socket(zmq.PULL)
-    pull.connect(config.input_address)
     acks = context.socket(zmq.PUSH)
     acks.connect(config.output_address)
     to_stage = StageMessageCodec(ToStageMessage)
@@ -162,7 +160,9 @@ def _read_requests(
                         release(request.diffusion, input_connector)
                 if dropped:
                     ids = [r.request_id for r in dropped]
-                    acks.send(from_stage.encode(StageDropped(request_ids=ids, where="queue")))
+                    acks.send(
+                        from_stage.encode(StageDropped(request_ids=ids, where="queue", pid=os.getpid()))
+                    )
             elif isinstance(message, StageDiffusionCoreRequest):
                 inbox.add(message)
     finally:
@@ -185,6 +185,8 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
     exit_with_parent(f"StageDiffusionCoreProc {config.stage_id}-{config.replica_id}", inbox.interrupt)
 
     context = zmq.Context()
+    pull = context.socket(zmq.PULL)  # connected before StageReady: the client sends only to a connected peer
+    pull.connect(config.input_address)
     push = context.socket(zmq.PUSH)
     push.connect(config.output_address)
     from_stage = StageMessageCodec(FromStageMessage)
@@ -208,6 +210,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
     except Exception as exc:  # reported to the parent as one line; the details go to the log
         logger.error("%s", traceback.format_exc())
         push.send(from_stage.encode(StageFailed(error=f"{type(exc).__name__}: {exc}")))
+        pull.close(linger=0)
         push.close(linger=2000)
         context.term()
         return
@@ -215,7 +218,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
     max_batch = max(1, int(config.diffusion_args.get("max_batch_size", 1)))
     reader = threading.Thread(
         target=_read_requests,
-        args=(context, config, inbox, input_connector),
+        args=(context, pull, config, inbox, input_connector),
         name="stage-reader",
         daemon=True,
     )
@@ -235,9 +238,10 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
                     connector.cleanup(msgspec.convert(output.image_handle, ConnectorHandle))
             outputs = [o for o in outputs if o.request_id not in aborted]
             if outputs:
-                push.send(from_stage.encode(StageCoreOutputs(outputs=outputs)))
+                push.send(from_stage.encode(StageCoreOutputs(outputs=outputs, pid=os.getpid())))
             if aborted and not inbox.interrupted:
-                push.send(from_stage.encode(StageDropped(request_ids=sorted(aborted), where="batch")))
+                dropped = StageDropped(request_ids=sorted(aborted), where="batch", pid=os.getpid())
+                push.send(from_stage.encode(dropped))
     finally:
         inbox.stopping = inbox.closed = True
         reader.join(5)

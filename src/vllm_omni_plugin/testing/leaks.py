@@ -53,7 +53,14 @@ class Leftovers:
 class LeakWatch:
     """Follows the processes under ``root`` (default: this process) and what they map in ``shm_dir``."""
 
-    def __init__(self, root: int | None = None, *, interval: float = 0.25, shm_dir: str = SHM_DIR) -> None:
+    def __init__(
+        self,
+        root: int | None = None,
+        *,
+        interval: float = 0.25,
+        shm_dir: str = SHM_DIR,
+        only_new: bool = True,
+    ) -> None:
         self.root = root if root is not None else os.getpid()
         self.interval = interval
         self.shm_dir = shm_dir
@@ -61,7 +68,8 @@ class LeakWatch:
         self.commands: dict[int, str] = {}
         self.segments: dict[str, int] = {}
         """Segment name -> the first process of the run seen mapping it."""
-        self.before = set(self._listing())
+        self.before = set(self._listing()) if only_new else set()
+        """Segments there before the watch began (not the run's, with ``only_new``)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
