@@ -7,8 +7,8 @@ process of the deployment at the start, middle and end, and the /dev/shm segment
 
 Without --url it serves the tiny GLM-Image (`vllm serve --omni`, deploy/tiny_glm_image_cpu.yaml) and stops
 it afterwards. Kills alternate between the diffusion process and the AR engine core. Exit code 1 when a
-request had an unexpected outcome, the deployment holds more segments at the end than in the middle
-(pools fill to the mix's working set during the first half), or values nobody collected.
+request had an unexpected outcome, the deployment holds more segments at the end than at the start (pool
+capacity, which fills to the mix's working set, and values in flight aside), or values nobody collected.
 """
 
 from __future__ import annotations

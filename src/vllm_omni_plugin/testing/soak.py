@@ -66,14 +66,21 @@ class Sample:
     rss: dict[str, int]
     """``role pid`` -> resident bytes."""
     segments: dict[str, int]
-    """Segment kind (``psm``, ``sem``, ``ours``) -> count."""
+    """Count by kind: ``psm`` and ``sem`` (vLLM's, multiprocessing's), ``one-off`` (ours, one value
+    each), ``pool free`` (reusable capacity of a live process's pool), ``pool put`` (a value not collected
+    yet), ``pool held`` (a value a receiver still reads), ``pool orphaned`` (in the pool of a process that
+    is gone)."""
     segment_bytes: int
-    pool_states: dict[str, int] = field(default_factory=dict)
-    """Our pooled segments by owner and state (``free``, ``put``: a value nobody collected yet, ``held``)."""
 
     @property
     def segment_count(self) -> int:
         return sum(self.segments.values())
+
+    @property
+    def holding(self) -> int:
+        """Segments that are neither reusable pool capacity nor values in flight: what a leak adds to."""
+        in_pools = sum(self.segments.get(k, 0) for k in ("pool free", "pool held", "pool put"))
+        return self.segment_count - in_pools
 
 
 @dataclass
@@ -97,15 +104,15 @@ class SoakReport:
 
     @property
     def segment_growth(self) -> int:
-        """Segments held at the end beyond those held in the middle. Pooled segments are reused, and a
-        pool fills to the working set of the mix during the first requests; past that, what still grows
-        is held by values nobody frees."""
-        return self.sample("end").segment_count - self.sample("middle").segment_count
+        """Segments held at the end beyond those held at the start, pool capacity and values in flight
+        aside: pools are reused and fill to the mix's working set (bounded by their ``pool_bytes``), and a
+        value in flight is freed when its reader lets go; what else grows is a leak."""
+        return self.sample("end").holding - self.sample("start").holding
 
     @property
     def uncollected_values(self) -> int:
         """Pooled values put and never collected, at the end (after the deployment settled)."""
-        return sum(n for key, n in self.sample("end").pool_states.items() if key.endswith(" put"))
+        return self.sample("end").segments.get("pool put", 0)
 
     def format(self) -> str:
         lines = [
@@ -130,17 +137,14 @@ class SoakReport:
             lines.append(
                 f"  {role:32s} " + " / ".join("-" if v is None else f"{v / 2**20:.0f}" for v in values)
             )
-        lines.append(
-            "/dev/shm segments the deployment holds (count; MiB; our pooled ones by owner and state):"
-        )
+        lines.append("/dev/shm segments the deployment holds (count by kind; MiB):")
         for sample in self.samples:
             kinds = ", ".join(f"{k} {n}" for k, n in sorted(sample.segments.items()))
-            pooled = ", ".join(f"{k} {n}" for k, n in sorted(sample.pool_states.items())) or "none"
             size = f"{sample.segment_bytes / 2**20:.0f} MiB"
-            lines.append(f"  {sample.label:8s} {sample.segment_count} ({kinds}); {size}; {pooled}")
+            lines.append(f"  {sample.label:8s} {sample.segment_count}: {kinds}; {size}")
         lines.append(
-            f"segment growth (end - middle): {self.segment_growth}; uncollected values at the end: "
-            f"{self.uncollected_values}"
+            f"segment growth (end - start, pool capacity and values in flight aside): {self.segment_growth}; "
+            f"values never collected at the end: {self.uncollected_values}"
         )
         return "\n".join(lines)
 
@@ -188,19 +192,22 @@ class Deployment:
             if value is not None:
                 rss[f"{role} {pid}"] = value
         kinds: collections.Counter[str] = collections.Counter()
-        states: collections.Counter[str] = collections.Counter()
         total = 0
         for name in self.watch.left_segments():
-            kind = "psm" if name.startswith("psm_") else "sem" if name.startswith("sem.") else "ours"
+            path = os.path.join(SHM_DIR, name)
             try:
-                total += os.stat(os.path.join(SHM_DIR, name)).st_size
+                total += os.stat(path).st_size
             except OSError:
                 continue
-            kinds[kind] += 1
-            if "_pool_" in name:
-                owner = roles.get(int(name.split("_")[2]), "gone")
-                states[f"{owner.split()[0]} {_pool_state(os.path.join(SHM_DIR, name))}"] += 1
-        return Sample(label, sent, rss, dict(kinds), total, dict(states))
+            if name.startswith(("psm_", "sem.")):
+                kinds[name[:3]] += 1
+            elif "_pool_" not in name:
+                kinds["one-off"] += 1
+            elif int(name.split("_")[2]) not in roles:
+                kinds["pool orphaned"] += 1
+            else:
+                kinds[f"pool {_pool_state(path)}"] += 1
+        return Sample(label, sent, rss, dict(kinds), total)
 
     def kill(self, stage: str) -> str:
         """SIGKILL the stage's process (``dit``) or engine core (``ar``) once it serves requests."""
