@@ -204,14 +204,13 @@ def test_a_client_gone_during_the_ar_stage_aborts_its_request_in_every_stage(ser
     tokens = metric(server, "vllm:generation_tokens_total")
     discarded = metric(server, "omni_stage_discarded_outputs_total", stage="1", name="dit")
     dit_drops = aborted(server, "1", "queue") + aborted(server, "1", "batch")
-    ar_tokens = 321  # a 512x512 image: 256 + 64 + 1 AR tokens, long enough to be caught in the AR stage
+    ar_tokens = 721  # a 768x768 image: 576 + 144 + 1 AR tokens, long enough to be caught in the AR stage
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
-            work = asyncio.ensure_future(client.post(GENERATIONS, json={**body(3), "size": "512x512"}))
-            while (await asyncio.to_thread(replica, server, "0"))["inflight"] < 1:
+            work = asyncio.ensure_future(client.post(GENERATIONS, json={**body(3), "size": "768x768"}))
+            while (await client.get("/health")).json()["stages"]["0"]["replicas"][0]["inflight"] < 1:
                 assert not work.done(), f"done before it was seen in the AR stage: {work.result().text[:300]}"
-                await asyncio.sleep(0.01)
             work.cancel()  # the client closes its connection
             with pytest.raises(asyncio.CancelledError):
                 await work
