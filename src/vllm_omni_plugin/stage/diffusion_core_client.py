@@ -42,6 +42,8 @@ READY_TIMEOUT_S = 600.0
 WATCH_INTERVAL_S = 0.2
 EXIT_GRACE_S = 10.0
 """How long a stopped stage process gets to exit (after SIGTERM) before SIGKILL."""
+DEATH_NOTICE_S = 5.0
+"""How long a request that found its process disconnected waits for the watch to notice the death."""
 _IPC_FILE = re.compile(r"^vllm_omni_(\d+)_[0-9a-f]{8}_(in|out)$")
 
 
@@ -222,6 +224,10 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         try:
             await self._push.send(self._to_stage.encode(message), flags=zmq.NOBLOCK)
         except zmq.Again:
+            # Its process is gone: let the watch see it first, so the pool does not pick it again.
+            deadline = asyncio.get_running_loop().time() + DEATH_NOTICE_S
+            while self.state == StageState.READY and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(WATCH_INTERVAL_S / 4)
             raise StageDeadError(
                 f"{self.label} is not connected (its process died)", stage_id=self.stage_id
             ) from None
