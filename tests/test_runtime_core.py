@@ -25,6 +25,7 @@ from vllm_omni_plugin.stage.errors import (
     StageError,
     StageRequestError,
     StageStartError,
+    WorkerLostError,
 )
 from vllm_omni_plugin.stage.factory import build_stages
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
@@ -297,6 +298,26 @@ def test_the_budget_is_per_request_across_stages(tmp_path: Path, max_retries: in
     assert len(result.deaths) == min(max_retries + 1, 2)
     if not ok:
         assert isinstance(result.exception, RetriesExhaustedError)
+
+
+def test_a_lost_headless_worker_fails_its_requests_at_once(deployment) -> None:
+    """A worker on another host comes back only when someone starts one: no retry waits for it."""
+    attempts: list[str] = []
+
+    def lost(request: Any) -> Any:
+        attempts.append(request.request_id)
+        raise WorkerLostError(
+            "stage 1 (dit) worker went silent; waiting for the worker to rejoin", stage_id=1
+        )
+
+    async def main() -> tuple[OmniResult, Orchestrator]:
+        orchestrator, _ = runtime(deployment, {1: lost})
+        await started(orchestrator)
+        return await orchestrator.generate(OmniRequest(prompt="abc")), orchestrator
+
+    result, orchestrator = run(main())
+    assert isinstance(result.exception, WorkerLostError) and result.exception.http_status == 503
+    assert len(attempts) == 1 and result.deaths == [] and not orchestrator.retries
 
 
 def test_a_dead_stage_that_does_not_come_back_fails_within_the_budget(deployment) -> None:

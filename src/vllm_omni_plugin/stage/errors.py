@@ -30,6 +30,15 @@ class StageDeadError(StageError):
     orchestrator runs the request's stage again while the request's retry budget lasts."""
 
     http_status = 503
+    retryable: ClassVar[bool] = True
+    """Whether the orchestrator runs the request again (the deployment brings the replica back itself)."""
+
+
+class WorkerLostError(StageDeadError):
+    """A headless stage worker (on another host) went away. Its requests fail at once (503) rather than
+    wait: the stage comes back only when someone starts a worker that rejoins."""
+
+    retryable = False
 
 
 class RetriesExhaustedError(StageDeadError):

@@ -242,6 +242,8 @@ class Orchestrator:
     ) -> None:
         """A replica died under the request: spend a retry (or give up) and clear what the abandoned
         attempt left on the stage's replicas."""
+        if not death.retryable:
+            raise death
         try:
             budget.spend(stage_id, death)
         except RetriesExhaustedError:
