@@ -1,19 +1,39 @@
-"""Shared fixtures: the CPU test environment and tiny models built once per session."""
+"""Shared fixtures: the CPU test environment, tiny models built once per session, and the guard that fails
+a run which leaves processes or shared-memory segments behind."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from vllm_omni_plugin.testing.leaks import LeakWatch
 from vllm_omni_plugin.testing.server import CPU_TEST_ENV
 
 for _key, _value in CPU_TEST_ENV.items():
     os.environ.setdefault(_key, _value)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+LEAK_GRACE_S = 20.0
+"""How long the guard waits, at the end of the run, for processes and segments to go."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[LeakWatch]:
+    """Fails the run, naming them, when processes it started or ``/dev/shm`` segments they made are still
+    there at its end (then removes them, so that the next run starts clean)."""
+    watch = LeakWatch().start()
+    yield watch
+    gc.collect()  # objects nobody references release what they hold now, not at exit
+    watch.stop()
+    left = watch.leftovers(grace=LEAK_GRACE_S)
+    if left:
+        watch.clean(left)
+        pytest.fail("the test run left this behind (now removed):\n" + left.describe(), pytrace=False)
 
 
 def tiny_model_cache() -> Path:

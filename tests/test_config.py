@@ -492,6 +492,8 @@ STAGE_CASES = [
     ("stages:\n  - stage_id: 1\n    tensor_parallel_size: 2\n", 3, "tensor_parallel_size",
      "diffusion stages run with tensor_parallel_size 1"),
     ("stages:\n  - stage_id: 0\n    process: false\n", 3, "process", "own vLLM EngineCore process"),
+    ("max_retries: -1\n", 1, "max_retries", ">= 0"),
+    ("max_retries: twice\n", 1, "max_retries", 'expected int, got "twice"'),
 ]
 # fmt: on
 
@@ -508,6 +510,18 @@ def test_errors_name_file_line_and_field(
     text = str(info.value)
     assert text.startswith(f"{path}:{line}: "), text
     assert field in text and message in text, text
+
+
+def test_max_retries_defaults_to_one_and_survives_reresolution(tmp_path: Path, model_dir: str) -> None:
+    default = resolve_deployment(
+        model_dir, deploy_config=str(write(tmp_path, "pipeline: glm_image\n")), platform=CPU
+    )
+    assert default.max_retries == 1 and "max_retries: 1" in default.to_yaml()
+    path = write(tmp_path, "pipeline: glm_image\nmax_retries: 0\n")
+    loaded = load_deploy_file(str(path), model=model_dir, allow_legacy=False)
+    none = resolve(loaded, model=model_dir, platform=CPU)
+    assert none.max_retries == 0
+    assert reresolve(none, loaded, CPU).max_retries == 0
 
 
 def test_top_level_errors_name_the_line(tmp_path: Path, model_dir: str) -> None:

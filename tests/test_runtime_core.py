@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FakePlacement, FakeStageClient, dit_answer, fake_deployment
+from helpers import FakePlacement, FakeStageClient, ar_answer, dit_answer, fake_deployment
 from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorError, InProcessConnector
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.errors import (
     RequestAbortedError,
+    RetriesExhaustedError,
     StageDeadError,
     StageError,
     StageRequestError,
     StageStartError,
+    WorkerLostError,
 )
 from vllm_omni_plugin.stage.factory import build_stages
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
@@ -96,7 +98,7 @@ def test_request_defaults_come_from_resolution(deployment) -> None:
     ("failure", "message"),
     [
         (StageError("the DiT ran out of memory", stage_id=1), "the DiT ran out of memory"),
-        (StageDeadError("stage 1 (dit) replica 0 died", stage_id=1), "died"),
+        (StageRequestError("height must be a multiple of 32", stage_id=1), "multiple of 32"),
         (RuntimeError("a bug"), "RuntimeError: a bug"),
     ],
 )
@@ -197,6 +199,143 @@ def test_a_stage_without_a_pool_fails_clearly(deployment) -> None:
 
     result = run(main())
     assert not result.ok and "stage 1 is not served by this deployment" in (result.error or "")
+
+
+# --- replica deaths and retries --------------------------------------------------------------------------
+
+
+class Deaths:
+    """A fake DiT whose replica dies under the first ``deaths`` attempts of each request it names (and
+    restarts within 50 ms), then answers; counts the attempts and what the stage-input processor built."""
+
+    def __init__(self, deaths: dict[str, int], stage_id: int = 1) -> None:
+        self.deaths = dict(deaths)
+        self.stage_id = stage_id
+        self.attempts: list[str] = []
+        self.client: FakeStageClient | None = None
+
+    async def __call__(self, request: Any) -> Any:
+        self.attempts.append(request.request_id)
+        if self.deaths.get(request.request_id, 0) > 0:
+            self.deaths[request.request_id] -= 1
+            assert self.client is not None
+            error = self.client.replica_died("killed by the test")
+            asyncio.get_running_loop().call_later(0.05, setattr, self.client, "state", StageState.READY)
+            raise error
+        await asyncio.sleep(0)
+        return dit_answer(request) if self.stage_id == 1 else ar_answer(request)
+
+
+def with_deaths(deployment: Any, answers: dict[int, Deaths]) -> tuple[Orchestrator, FakePlacement]:
+    orchestrator, placement = runtime(deployment, dict(answers))
+    for stage_id, answer in answers.items():
+        (answer.client,) = placement.clients[stage_id]
+    return orchestrator, placement
+
+
+def test_a_replica_death_runs_the_stage_again_on_the_restarted_replica(deployment) -> None:
+    dying = Deaths({"r1": 1})
+
+    async def main() -> tuple[list[OmniResult], Orchestrator, FakePlacement]:
+        orchestrator, placement = with_deaths(deployment, {1: dying})
+        await started(orchestrator)
+        results = await asyncio.gather(
+            orchestrator.generate(OmniRequest(prompt="abc", request_id="r1")),
+            orchestrator.generate(OmniRequest(prompt="xyz", request_id="r2")),
+        )
+        return list(results), orchestrator, placement
+
+    (r1, r2), orchestrator, placement = run(main())
+    assert r1.ok and r2.ok, (r1.error, r2.error)
+    assert r1.output.image.shape == (64, 64, 3)
+    assert r1.deaths == ["stage 1 (dit) replica 0 died (killed by the test) while serving this request"]
+    assert r2.deaths == []
+    assert dying.attempts.count("r1") == 2 and dying.attempts.count("r2") == 1
+    (ar,), (dit,) = placement.clients[0], placement.clients[1]
+    assert ar.served == ["r1", "r2"]  # the AR stage ran once: the DiT ran again from its held input
+    assert dit.aborted == ["r1"]  # what the abandoned attempt left was aborted before the retry
+    assert dit.deaths == 1 and orchestrator.retries == {1: 1} and not orchestrator.exhausted
+
+
+def test_a_request_that_kills_its_stage_every_time_fails_after_its_budget(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    deployment = fake_deployment(tmp_path, "max_retries: 2\n")
+    dying = Deaths({"poison": 100})
+
+    async def main() -> tuple[OmniResult, OmniResult, Orchestrator]:
+        orchestrator, _ = with_deaths(deployment, {1: dying})
+        await started(orchestrator)
+        poison, fine = await asyncio.gather(
+            orchestrator.generate(OmniRequest(prompt="abc", request_id="poison")),
+            orchestrator.generate(OmniRequest(prompt="abc", request_id="fine")),
+        )
+        return poison, fine, orchestrator
+
+    poison, fine, orchestrator = run(main())
+    assert fine.ok, fine.error
+    assert not poison.ok and isinstance(poison.exception, RetriesExhaustedError)
+    assert poison.exception.http_status == 503 and poison.error_stage == 1
+    assert "died 3 time(s)" in poison.error and "max_retries (2)" in poison.error
+    assert dying.attempts.count("poison") == 3 and len(poison.deaths) == 3
+    assert orchestrator.retries == {1: 2} and orchestrator.exhausted == {1: 1}
+    (gave_up,) = [r for r in caplog.records if "giving up" in r.getMessage()]
+    assert "request poison" in gave_up.getMessage() and "killed by the test" in gave_up.getMessage()
+
+
+@pytest.mark.parametrize(("max_retries", "ok"), [(0, False), (1, False), (2, True)])
+def test_the_budget_is_per_request_across_stages(tmp_path: Path, max_retries: int, ok: bool) -> None:
+    deployment = fake_deployment(tmp_path, f"max_retries: {max_retries}\n")
+    ar, dit = Deaths({"r": 1}, stage_id=0), Deaths({"r": 1}, stage_id=1)
+
+    async def main() -> OmniResult:
+        orchestrator, _ = with_deaths(deployment, {0: ar, 1: dit})
+        await started(orchestrator)
+        return await orchestrator.generate(OmniRequest(prompt="abc", request_id="r"))
+
+    result = run(main())
+    assert result.ok is ok, result.error
+    assert len(result.deaths) == min(max_retries + 1, 2)
+    if not ok:
+        assert isinstance(result.exception, RetriesExhaustedError)
+
+
+def test_a_lost_headless_worker_fails_its_requests_at_once(deployment) -> None:
+    """A worker on another host comes back only when someone starts one: no retry waits for it."""
+    attempts: list[str] = []
+
+    def lost(request: Any) -> Any:
+        attempts.append(request.request_id)
+        raise WorkerLostError(
+            "stage 1 (dit) worker went silent; waiting for the worker to rejoin", stage_id=1
+        )
+
+    async def main() -> tuple[OmniResult, Orchestrator]:
+        orchestrator, _ = runtime(deployment, {1: lost})
+        await started(orchestrator)
+        return await orchestrator.generate(OmniRequest(prompt="abc")), orchestrator
+
+    result, orchestrator = run(main())
+    assert isinstance(result.exception, WorkerLostError) and result.exception.http_status == 503
+    assert len(attempts) == 1 and result.deaths == [] and not orchestrator.retries
+
+
+def test_a_dead_stage_that_does_not_come_back_fails_within_the_budget(deployment) -> None:
+    async def dies_for_good(request: Any) -> Any:
+        (client,) = placement.clients[1]
+        client.restart_on_death = False
+        raise client.replica_died("exit code -9")
+
+    async def main() -> OmniResult:
+        nonlocal placement
+        orchestrator, placement = runtime(deployment, {1: dies_for_good})
+        await started(orchestrator)
+        return await orchestrator.generate(OmniRequest(prompt="abc"))
+
+    placement: FakePlacement
+    result = run(main())
+    assert not result.ok and isinstance(result.exception, RetriesExhaustedError)
+    assert "no healthy replica" in result.error and len(result.deaths) == 2
 
 
 # --- the replica pool -----------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ DIFFUSION_ENGINE_FIELDS = ("dtype", "trust_remote_code", "enforce_eager")
 """Further stage fields handed to the diffusion engine as they are."""
 RESERVED_ENGINE_EXTRAS = frozenset({"model", "tokenizer"})
 WHOLE_OUTPUT = -1
+DEFAULT_MAX_RETRIES = 1
 """``window_size`` of an edge that hands each output over whole, the only hand-over we implement."""
 _CONNECTOR_KEY = re.compile(r"^(from|to)_stage_(\d+|router)$")
 
@@ -809,11 +810,13 @@ class _Resolver:
         resolved = [
             self.resolve_stage(stages[f.stage_id], f, ios[f.stage_id], connectors) for f in pipeline.stages
         ]
+        max_retries = DEFAULT_MAX_RETRIES if self.cfg.max_retries is None else self.cfg.max_retries
         deploy = DeployConfig(
             pipeline=pipeline.name,
             async_chunk=bool(self.cfg.async_chunk),
             backend=self.backend,
             ray=self.cfg.ray,
+            max_retries=max_retries,
             connectors=connectors,
             head=self.cfg.head,
             edges=list(self.cfg.edges),
@@ -832,6 +835,7 @@ class _Resolver:
             head=self.head(),
             backend=self.backend,
             ray=self.ray_settings(),
+            max_retries=max_retries,
             notes=self.notes,
             legacy_source=self.loaded.source if self.loaded.legacy else None,
         )

@@ -125,6 +125,8 @@ class ResolvedDeployment(msgspec.Struct, kw_only=True):
     """Where stage replicas run: ``local`` (processes of this host) or ``ray`` (actors of a Ray cluster)."""
     ray: ResolvedRay | None = None
     """Backend ``ray``: the cluster and the placement deadline; None on the local backend."""
+    max_retries: int = 1
+    """Runs again a request may get after replica deaths interrupted it (see ``DeployConfig``)."""
     notes: list[str] = []
     legacy_source: str | None = None
     """The legacy stage_args file this was translated from, if any."""

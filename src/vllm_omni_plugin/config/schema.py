@@ -152,6 +152,9 @@ class DeployConfig(EngineCommon, kw_only=True):
     backend: Backend | None = None
     """Where stage replicas run (default ``local``; ``ray``: actors on a running Ray cluster)."""
     ray: RaySpec | None = None
+    max_retries: NonNegativeInt | None = None
+    """Default 1: how many times a request interrupted by the death of a stage replica (before any of
+    its output reached the client) runs again; past that it fails with HTTP 503."""
     connectors: dict[str, ConnectorSpec] = {}
     head: HeadSpec | None = None
     edges: list[EdgeSpec] = []

@@ -7,6 +7,11 @@ kernels pick batch-size dependent algorithms (e.g. oneDNN convolutions, GEMV for
 several), so a batched image can differ from the same request run alone by ~1e-6 before quantization
 (at most 1/255 in a few uint8 pixels). ``batch_invariant=True`` runs every request in its own call, for
 bit-exact reproducibility at the cost of throughput.
+
+A request aborted while it waits is not run; a batch whose every request is aborted stops at the end of
+the running step (no decode, no image). A request aborted alone inside a batch shared with others cannot
+leave the batch, whose tensors it is a row of: its row is finished with the batch, and whoever aborted it
+drops its image.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
-from vllm_omni_plugin.diffusion.pipelines import DiffusersPipelineRunner, load_pipeline_runner
+from vllm_omni_plugin.diffusion.pipelines import BatchAborted, DiffusersPipelineRunner, load_pipeline_runner
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
@@ -31,6 +36,10 @@ logger = get_logger(__name__)
 MAX_SEED = 2**63 - 1
 PROGRESS_INTERVAL_S = 10.0
 """How often a long batch logs its progress: short batches stay quiet, a minute-long one says so."""
+ABORTED = "aborted"
+
+IsAborted = Callable[[str], bool]
+"""Whether the request with this id was aborted (asked before and during its batch)."""
 
 
 def torch_dtype(name: Any, device: Any = "cpu") -> Any:
@@ -176,6 +185,16 @@ class DiffusionEngine:
             batch_size=batch_size,
         )
 
+    @staticmethod
+    def _aborted(request: DiffusionRequest, batch_size: int) -> DiffusionResult:
+        return DiffusionResult(
+            request_id=request.request_id,
+            error=ABORTED,
+            aborted=True,
+            seed=request.seed,
+            batch_size=batch_size,
+        )
+
     def plan(
         self, requests: Sequence[DiffusionRequest]
     ) -> tuple[list[list[int]], dict[int, DiffusionResult]]:
@@ -195,12 +214,16 @@ class DiffusionEngine:
         batches = [list(chunk) for indices in groups.values() for chunk in _chunks(indices, size)]
         return batches, failed
 
-    def generate(self, requests: Iterable[DiffusionRequest]) -> list[DiffusionResult]:
-        """One result per request, in request order; failures carry ``error`` instead of an image."""
+    def generate(
+        self, requests: Iterable[DiffusionRequest], is_aborted: IsAborted | None = None
+    ) -> list[DiffusionResult]:
+        """One result per request, in request order; failures carry ``error`` instead of an image, aborted
+        requests (``is_aborted``) ``aborted``."""
         resolved = [self._resolve(r) for r in requests]
         batches, results = self.plan(resolved)
         for batch in batches:
-            for index, result in zip(batch, self._run_batch([resolved[i] for i in batch]), strict=True):
+            requests_of_batch = [resolved[i] for i in batch]
+            for index, result in zip(batch, self._run_batch(requests_of_batch, is_aborted), strict=True):
                 results[index] = result
         return [results[i] for i in range(len(resolved))]
 
@@ -237,15 +260,28 @@ class DiffusionEngine:
                 time.perf_counter() - progress.start,
             )
 
-    def _run_batch(self, batch: list[DiffusionRequest]) -> list[DiffusionResult]:
+    def _run_batch(
+        self, batch: list[DiffusionRequest], is_aborted: IsAborted | None
+    ) -> list[DiffusionResult]:
         import torch
 
+        skipped = {r.request_id for r in batch if is_aborted(r.request_id)} if is_aborted else set()
+        if skipped:  # aborted before their batch started: the others run without them
+            live = [r for r in batch if r.request_id not in skipped]
+            ran = {result.request_id: result for result in self._run_batch(live, is_aborted)} if live else {}
+            return [ran.get(r.request_id) or self._aborted(r, 0) for r in batch]
         # CPU generators whatever the device: diffusers then draws the noise on the CPU and moves it, so a
         # seed gives the same image on every platform (up to kernel numerics).
         generators = [torch.Generator("cpu").manual_seed(int(r.seed or 0)) for r in batch]
         self._progress = _BatchProgress(batch, time.perf_counter())
+        ids = [r.request_id for r in batch]
+        stop = None if is_aborted is None else (lambda: all(is_aborted(i) for i in ids))
         try:
-            out = self.runner.run(batch, generators)
+            out = self.runner.run(batch, generators, should_stop=stop)
+        except BatchAborted as exc:
+            self._progress = None
+            logger.info("diffusion batch of %d: every request aborted, %s", len(batch), exc)
+            return [self._aborted(r, len(batch)) for r in batch]
         except Exception as exc:
             self._progress = None
             if len(batch) > 1:  # find the culprit: the others must not fail with it
@@ -255,7 +291,7 @@ class DiffusionEngine:
                     type(exc).__name__,
                     exc,
                 )
-                return [result for request in batch for result in self._run_batch([request])]
+                return [result for request in batch for result in self._run_batch([request], is_aborted)]
             return [self._failed(batch[0], exc, batch_size=1)]
         self._finish_progress()
         results = []

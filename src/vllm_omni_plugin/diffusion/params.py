@@ -60,6 +60,8 @@ class DiffusionResult(msgspec.Struct, kw_only=True):
     error: str | None = None
     invalid: bool = False
     """The runner refused the request itself (a bad value), rather than failing to run it."""
+    aborted: bool = False
+    """The request was aborted before its image was made (``error`` says so; there is no image)."""
     seed: int | None = None
     """The seed the request's generator used, so an unseeded result can be reproduced."""
     batch_size: int = 0

@@ -39,6 +39,14 @@ class UnservablePipelineError(ValueError):
     """A diffusers pipeline class whose ``__call__`` lacks what a runner needs."""
 
 
+class BatchAborted(Exception):
+    """Every request of the running batch was aborted: the pipeline call stopped at a step's end."""
+
+
+StopCheck = Callable[[], bool]
+"""Asked after each denoising step: True stops the batch (raises :class:`BatchAborted`)."""
+
+
 @dataclass(slots=True)
 class BatchOutput:
     """What one pipeline call produced, in batch order."""
@@ -89,7 +97,7 @@ class DiffusersPipelineRunner:
     prompt and its one source image (``image_argument``) where the signature takes them, and the
     defaults (steps, guidance, size) are the pipeline's own. Subclasses set ``pipeline_class`` and, as
     needed, the class attributes below and :meth:`load_overrides`, :meth:`validate`, :meth:`batch_key`,
-    :meth:`call_kwargs`.
+    :meth:`call_kwargs`. ``run`` asks ``should_stop`` after every step.
     """
 
     pipeline_class: ClassVar[str] = ""
@@ -209,8 +217,11 @@ class DiffusersPipelineRunner:
 
     # --- the call ----------------------------------------------------------------------------------
 
-    def run(self, batch: list[DiffusionRequest], generators: list[Any]) -> BatchOutput:
-        """One pipeline call for the whole batch; images as uint8 HxWx3 arrays, in batch order."""
+    def run(
+        self, batch: list[DiffusionRequest], generators: list[Any], should_stop: StopCheck | None = None
+    ) -> BatchOutput:
+        """One pipeline call for the whole batch; images as uint8 HxWx3 arrays, in batch order. Raises
+        :class:`BatchAborted` at the end of the first step after which ``should_stop()`` is true."""
         import numpy as np
 
         first = batch[0]
@@ -233,6 +244,8 @@ class DiffusersPipelineRunner:
             step_done[:] = [time.perf_counter()]
             if self.on_step is not None:
                 self.on_step(step)
+            if should_stop is not None and should_stop():
+                raise BatchAborted(f"stopped after step {step + 1}")
             return {}
 
         if "callback_on_step_end" in self.call_arguments:

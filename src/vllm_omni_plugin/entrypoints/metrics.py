@@ -14,6 +14,7 @@ from typing import Any
 from vllm_omni_plugin.entrypoints.omni import AsyncOmni
 from vllm_omni_plugin.stage.orchestrator import OmniResult
 
+ABORT_PLACES = ("queue", "batch", "engine")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -46,6 +47,33 @@ class OmniCollector:
             labels=["stage", "name"],
         )
         diffusion = {s.stage_id for s in self.omni.deployment.stages if s.execution_type == "diffusion"}
+        deaths = CounterMetricFamily(
+            "omni_stage_replica_deaths",
+            "Stage replica processes (or engines) that died",
+            labels=["stage", "name"],
+        )
+        retries = CounterMetricFamily(
+            "omni_stage_retries",
+            "Requests that ran a stage again because a replica died under them",
+            labels=["stage", "name"],
+        )
+        exhausted = CounterMetricFamily(
+            "omni_stage_retries_exhausted",
+            "Requests failed (503) at a stage after more replica deaths than max_retries allows",
+            labels=["stage", "name"],
+        )
+        aborted = CounterMetricFamily(
+            "omni_stage_aborted_requests",
+            "Aborted requests a stage dropped: queue (not started), batch (dropped from a running batch, no "
+            "image made), engine (aborted in the AR engine)",
+            labels=["stage", "name", "where"],
+        )
+        discarded = CounterMetricFamily(
+            "omni_stage_discarded_outputs",
+            "Stage outputs that arrived after their request was aborted, freed unread",
+            labels=["stage", "name"],
+        )
+        orchestrator = self.omni.orchestrator
         for sid, pool in self.omni.pools.items():
             labels = [str(sid), pool.name]
             depth.add_metric(labels, pool.queue_depth)
@@ -53,7 +81,13 @@ class OmniCollector:
             restarts.add_metric(labels, sum(c.restarts for c in pool.clients))
             if sid in diffusion:
                 steps.add_metric(labels, sum(c.denoise_steps for c in pool.clients))
-        yield from (depth, healthy, restarts, steps)
+            deaths.add_metric(labels, sum(c.deaths for c in pool.clients))
+            retries.add_metric(labels, orchestrator.retries[sid] if orchestrator else 0)
+            exhausted.add_metric(labels, orchestrator.exhausted[sid] if orchestrator else 0)
+            for where in ABORT_PLACES:
+                aborted.add_metric([*labels, where], sum(c.dropped[where] for c in pool.clients))
+            discarded.add_metric(labels, sum(c.discarded_outputs for c in pool.clients))
+        yield from (depth, healthy, restarts, steps, deaths, retries, exhausted, aborted, discarded)
 
         moved = CounterMetricFamily(
             "omni_connector_bytes",
@@ -146,8 +180,15 @@ class OmniMetrics:
             ["endpoint", "status"],
             registry=None,
         )
+        self.disconnects = Counter(
+            "omni_client_disconnects",
+            "Requests whose client closed the connection before the answer; aborted in every stage",
+            ["endpoint"],
+            registry=None,
+        )
         self._registered: list[Any] = []
-        for metric in (self.collector, self.stage_latency, self.request_latency, self.images, self.failures):
+        metrics = (self.collector, self.stage_latency, self.request_latency, self.images, self.failures)
+        for metric in (*metrics, self.disconnects):
             registry.register(metric)
             self._registered.append(metric)
 

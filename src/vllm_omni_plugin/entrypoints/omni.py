@@ -77,16 +77,14 @@ class AsyncOmni:
         self.connectors = build_connectors(self.deployment)
         stages = build_stages(self.deployment, self.connectors, placement=self.placement)
         self.pools, remote = stages.pools, stages.remote
-        started: list[StageReplicaPool] = []
         try:
             for pool in self.pools.values():
                 await pool.start()
-                started.append(pool)
             if remote:  # only once the local stages run: starting them blocks this loop at times
                 self.registry = HeadlessStageRegistry(self.deployment, remote)
                 await self.registry.start()
-        except BaseException:
-            for pool in started:
+        except BaseException:  # including an interrupt half-way: every pool, also the one starting
+            for pool in self.pools.values():
                 await pool.shutdown()
             await self._stop_registry()
             self._close_connectors()

@@ -181,6 +181,8 @@ class OmniServer:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await work
         if gone:
+            if self.metrics is not None:
+                self.metrics.disconnects.labels(endpoint).inc()
             logger.info("client of %s went away; aborted %d request(s)", endpoint, len(requests))
             raise OmniAPIError("the client disconnected", status=499)
         results: list[OmniResult] = work.result()

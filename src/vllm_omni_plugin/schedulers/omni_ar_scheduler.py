@@ -15,6 +15,9 @@ resolution picks the variant from the final ``async_scheduling`` flag.
   client.
 - Hooks for KV-handoff pipelines: ``on_prefill_finished`` and ``on_trigger_token`` (token ids listed in
   ``SamplingParams.extra_args["omni"]["trigger_token_ids"]``).
+- The EngineCore process it runs in stops when the process that started it dies (vLLM's EngineCore
+  would otherwise outlive a SIGKILLed API server, holding its shared memory): built in that process
+  and only in omni deployments, the scheduler is where the watch starts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_omni_plugin.ar_channel import OMNI_KEY, RUNNER_DROPPED_MESSAGE, omni_extra_args, runner_extras
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.processes import exit_with_parent
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
@@ -48,6 +52,7 @@ class OmniARSchedulerMixin:
         """Request id -> its ``trigger_token_ids`` (requests that have any)."""
         self._omni_stage_outputs: dict[str, dict[str, Any]] = {}
         """Stage outputs the runner computed, held until their request's final output."""
+        exit_with_parent("EngineCore")
 
     # --- hooks (override in subclasses; called once per event) ---
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import abc
+import collections
 import enum
 from typing import Any
 
+from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_types import StageCoreOutput
+from vllm_omni_plugin.stage.errors import StageDeadError
+
+logger = get_logger(__name__)
 
 
 class StageState(enum.StrEnum):
@@ -23,8 +28,13 @@ class StageCoreClientBase(abc.ABC):
     What pools and servers may use is declared here and nowhere else: identity (``stage_id``,
     ``replica_id``, ``name``, ``label``), the process serving it (``pid``), health (``state``,
     ``healthy``, ``inflight``, ``restarts``, ``awaits_worker``, ``health()``), the restart policy
-    (``restart_on_death``), stats (``log_stats``, ``denoise_steps``) and the request calls (``generate``,
-    ``abort``).
+    (``restart_on_death``), what it saw (``deaths``, ``dropped``, ``discarded_outputs``), stats
+    (``log_stats``, ``denoise_steps``) and the request calls (``generate``, ``abort``).
+
+    However a placement learns that a replica's process died (a local process's exit, an engine's
+    dead-engine error, a remote worker's silence, a cluster scheduler's actor-death event), it reports it
+    through :meth:`replica_died` and fails the replica's in-flight requests with the error that returns;
+    the orchestrator retries those within each request's budget.
     """
 
     def __init__(self, stage_id: int, replica_id: int, name: str, *, restart: bool = True) -> None:
@@ -42,6 +52,12 @@ class StageCoreClientBase(abc.ABC):
         self.denoise_steps = 0
         """Denoising steps this replica ran, counted per request, kept across restarts (diffusion
         replicas report it as they go; 0 for the others)."""
+        self.deaths = 0
+        self.dropped: collections.Counter[str] = collections.Counter()
+        """Aborted requests the replica dropped, by where they were: ``queue`` (not started), ``batch``
+        (dropped from a running batch, no image made), ``engine`` (aborted in the AR engine)."""
+        self.discarded_outputs = 0
+        """Outputs that arrived after their request was aborted, freed unread."""
 
     @property
     def label(self) -> str:
@@ -71,6 +87,22 @@ class StageCoreClientBase(abc.ABC):
             "restarts": self.restarts,
             "pid": self.pid,
         }
+
+    def replica_died(self, cause: str) -> StageDeadError:
+        """Record that this replica's process died (``cause`` says how); the state follows the restart
+        policy. Returns the error its in-flight requests fail with."""
+        self.deaths += 1
+        self.state = StageState.RESTARTING if self.restart_on_death else StageState.DEAD
+        logger.error(
+            "%s died (%s) with %d request(s) in flight%s",
+            self.label,
+            cause,
+            len(self.inflight),
+            "; restarting it" if self.restart_on_death else "",
+        )
+        return StageDeadError(
+            f"{self.label} died ({cause}) while serving this request", stage_id=self.stage_id
+        )
 
     async def log_stats(self) -> None:  # noqa: B027 - a hook: replicas without stats log nothing
         """Log the replica's periodic stats (vLLM's throughput lines for an AR engine)."""

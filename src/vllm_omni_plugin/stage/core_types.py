@@ -60,6 +60,18 @@ class StageProgress(msgspec.Struct, kw_only=True, tag="progress"):
     """A diffusion replica's running count of denoising steps (per request), sent while it works."""
 
     denoise_steps: int
+    pid: int = 0
+    """The stage process that sent it (its client ignores what a process it replaced sent)."""
+
+
+class StageDropped(msgspec.Struct, kw_only=True, tag="dropped"):
+    """A stage process dropped aborted requests and will send nothing for them."""
+
+    request_ids: list[str]
+    where: str
+    """``queue`` (had not started) or ``batch`` (dropped from the running batch; no image was made)."""
+    pid: int = 0
+    """The stage process that sent it (its client ignores what a process it replaced sent)."""
 
 
 class StageCoreOutput(msgspec.Struct, kw_only=True, tag=True):
@@ -93,8 +105,10 @@ class StageDiffusionCoreOutput(StageCoreOutput, kw_only=True, tag="diffusion_out
 
 class StageCoreOutputs(msgspec.Struct, kw_only=True, tag="outputs"):
     outputs: list[StageLLMCoreOutput | StageDiffusionCoreOutput]
+    pid: int = 0
+    """The stage process that sent them (its client ignores what a process it replaced sent)."""
 
 
 # What each direction of a stage process's sockets carries.
 ToStageMessage = StageDiffusionCoreRequest | StageLLMCoreRequest | StageAbort | StageShutdown
-FromStageMessage = StageCoreOutputs | StageReady | StageFailed | StageProgress
+FromStageMessage = StageCoreOutputs | StageDropped | StageReady | StageFailed | StageProgress

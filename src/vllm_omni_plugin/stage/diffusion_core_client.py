@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import queue
+import re
 import tempfile
 import threading
 import uuid
@@ -15,6 +16,7 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.processes import ProcessId, ProcessTree
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     FromStageMessage,
@@ -22,6 +24,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageCoreOutputs,
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
+    StageDropped,
     StageFailed,
     StageProgress,
     StageReady,
@@ -36,7 +39,7 @@ from vllm_omni_plugin.stage.errors import (
     StageRequestError,
     StageStartError,
 )
-from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
+from vllm_omni_plugin.stage.payload import collect_output, discard_output, release, send_request_through
 from vllm_omni_plugin.stage.pending_replies import PendingReplies
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
@@ -44,6 +47,26 @@ logger = get_logger(__name__)
 
 READY_TIMEOUT_S = 600.0
 WATCH_INTERVAL_S = 0.2
+EXIT_GRACE_S = 10.0
+"""How long a stopped stage process gets to exit (after SIGTERM) before SIGKILL."""
+DEATH_NOTICE_S = 5.0
+"""How long a request that found its process disconnected waits for the watch to notice the death."""
+_IPC_FILE = re.compile(r"^vllm_omni_(\d+)_[0-9a-f]{8}_(in|out)$")
+
+
+def sweep_orphaned_ipc_files(directory: str | None = None) -> list[str]:
+    """Remove the ZMQ socket files of clients whose process is gone (a SIGKILLed server leaves them)."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            match = _IPC_FILE.match(name)
+            if match is None or ProcessId.of(int(match.group(1))) is not None:
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    return removed
 
 
 class StageDiffusionCoreClient(StageCoreClientBase):
@@ -65,6 +88,8 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         config.output_address = f"ipc://{base}_out"
         self.config = config
         self.manager = StageDiffusionCoreProcManager(config)
+        self.processes = ProcessTree(self.label)
+        """The stage process and the shared memory it maps (removed once it is gone)."""
         self.output_connector = output_connector
         self.input_connector = input_connector
         self._to_stage = StageMessageCodec(ToStageMessage)
@@ -86,6 +111,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         import zmq
         import zmq.asyncio
 
+        sweep_orphaned_ipc_files()
         self._context = zmq.asyncio.Context()
         self._push = self._context.socket(zmq.PUSH)
         self._push.bind(self.config.input_address)
@@ -98,7 +124,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
     async def _launch(self) -> None:
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
-        await loop.run_in_executor(None, self.manager.start)
+        await loop.run_in_executor(None, self._start_process)
         deadline = loop.time() + READY_TIMEOUT_S
         while not self._ready.done():
             if not self.manager.is_alive():
@@ -110,6 +136,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 raise StageStartError(f"{self.label} not ready after {READY_TIMEOUT_S:.0f}s")
             await asyncio.wait({self._ready}, timeout=WATCH_INTERVAL_S)
         ready = self._ready.result()
+        await asyncio.to_thread(self.processes.record, self.manager.pid)
         self.state = StageState.READY
         logger.info(
             "%s ready on %s (pid %d, loaded in %.2fs)",
@@ -118,6 +145,15 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             ready.pid,
             ready.load_seconds,
         )
+
+    def _start_process(self) -> None:
+        self.manager.start()
+        self.processes = ProcessTree(self.label).record(self.manager.pid)
+
+    def _stop_process(self) -> None:
+        """Stop the stage process (if it still runs) and remove the shared memory it left."""
+        self.manager.stop(EXIT_GRACE_S)
+        self.processes.stop(EXIT_GRACE_S)
 
     async def _read_outputs(self) -> None:
         while True:
@@ -138,12 +174,20 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                     else:
                         self._ready.set_result(message)
                 continue
+            if message.pid != self.manager.pid:  # sent by a process that died since: its requests ran again
+                if isinstance(message, StageCoreOutputs):
+                    for output in message.outputs:
+                        discard_output(output, self.output_connector)
+                continue
+            if isinstance(message, StageDropped):
+                self.dropped[message.where] += len(message.request_ids)
+                continue
             if isinstance(message, StageProgress):
                 self.denoise_steps = self._steps_before + message.denoise_steps
                 continue
-            assert isinstance(message, StageCoreOutputs)
             for output in message.outputs:
                 if not self._pending.resolve(output.request_id, output):
+                    self.discarded_outputs += 1
                     discard_output(output, self.output_connector)  # aborted meanwhile
 
     async def _watch(self) -> None:
@@ -151,22 +195,10 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             await asyncio.sleep(WATCH_INTERVAL_S)
             if self.state != StageState.READY or self.manager.is_alive():
                 continue
-            code = self.manager.exitcode
-            logger.error(
-                "%s died (exit code %s); failing %d in-flight request(s)",
-                self.label,
-                code,
-                len(self._pending),
-            )
-            self.state = StageState.RESTARTING
-            error = StageDeadError(
-                f"{self.label} died (exit code {code}) while serving this request; the stage is restarting",
-                stage_id=self.stage_id,
-            )
+            error = self.replica_died(f"exit code {self.manager.exitcode}")
             self._pending.fail_all(error)
-            self.manager.stop()
-            if not self.restart_on_death:
-                self.state = StageState.DEAD
+            await asyncio.to_thread(self._stop_process)
+            if not self.restart_on_death or self.state == StageState.STOPPED:
                 return
             try:
                 self.restarts += 1
@@ -181,9 +213,15 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         if self.state != StageState.READY:
             raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
         request, put_seconds = send_request_through(request, self.input_connector)
-        output: StageDiffusionCoreOutput = await self._pending.wait(
-            request.request_id, self._push.send(self._to_stage.encode(request))
-        )
+        try:
+            output: StageDiffusionCoreOutput = await self._pending.wait(
+                request.request_id, self._send(request)
+            )
+        except StageDeadError:
+            if self.input_connector is not None:  # the dead process never read them: free them now
+                with contextlib.suppress(Exception):
+                    release(request.diffusion, self.input_connector)
+            raise
         output.timings["transfer_put"] = put_seconds
         collect_output(output, self.output_connector)
         if output.error is not None:
@@ -191,10 +229,28 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             raise error(output.error, stage_id=self.stage_id, request_id=request.request_id)
         return output
 
+    async def _send(self, message: Any) -> None:
+        """Hand ``message`` to the stage process now, or fail: a message must never wait in the socket
+        for a process that is not connected, or a restarted process would get what was meant for the
+        dead one."""
+        import zmq
+
+        try:
+            await self._push.send(self._to_stage.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            # Its process is gone: let the watch see it first, so the pool does not pick it again.
+            deadline = asyncio.get_running_loop().time() + DEATH_NOTICE_S
+            while self.state == StageState.READY and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(WATCH_INTERVAL_S / 4)
+            raise StageDeadError(
+                f"{self.label} is not connected (its process died)", stage_id=self.stage_id
+            ) from None
+
     async def abort(self, request_ids: list[str]) -> None:
         self._pending.fail(request_ids)
         if self._push is not None and self.state == StageState.READY:
-            await self._push.send(self._to_stage.encode(StageAbort(request_ids=list(request_ids))))
+            with contextlib.suppress(StageDeadError):
+                await self._send(StageAbort(request_ids=list(request_ids)))
 
     async def shutdown(self) -> None:
         self.state = StageState.STOPPED
@@ -206,7 +262,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         if self._push is not None and self.manager.is_alive():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._push.send(self._to_stage.encode(StageShutdown())), 1.0)
-        await asyncio.get_running_loop().run_in_executor(None, self.manager.stop)
+        await asyncio.to_thread(self._stop_process)
         for sock in (self._push, self._pull):
             if sock is not None:
                 sock.close(linger=0)
@@ -265,19 +321,25 @@ class InlineStageDiffusionClient(StageCoreClientBase):
                     self._queue.put(None)
                     break
                 batch.append(nxt)
-            batch = [b for b in batch if b[0].request_id not in self._aborted]
+            waiting = [b for b in batch if b[0].request_id not in self._aborted]
+            self._dropped(batch, waiting, "queue")
+            batch = waiting
             if not batch:
                 continue
             try:
                 requests = [msgspec.convert(b[0].diffusion, self._engine.request_type) for b in batch]
-                results = {r.request_id: r for r in self._engine.generate(requests)}
+                results = {
+                    r.request_id: r for r in self._engine.generate(requests, self._aborted.__contains__)
+                }
             except Exception as exc:  # a batch that cannot even be converted fails its requests only
                 for _message, future, loop in batch:
                     loop.call_soon_threadsafe(
                         _set_exception, future, StageError(str(exc), stage_id=self.stage_id)
                     )
                 continue
-            for message, future, loop in batch:
+            made = [b for b in batch if not (r := results.get(b[0].request_id)) or not r.aborted]
+            self._dropped(batch, made, "batch")
+            for message, future, loop in made:
                 result = results.get(message.request_id)
                 output = StageDiffusionCoreOutput(
                     request_id=message.request_id,
@@ -295,6 +357,18 @@ class InlineStageDiffusionClient(StageCoreClientBase):
     def _count_steps(self, denoise_steps: int) -> None:
         self.denoise_steps = denoise_steps  # from the engine's thread: one int assignment
 
+    def _dropped(self, batch: list[Any], kept: list[Any], where: str) -> None:
+        """Count and forget the aborted requests of ``batch`` not in ``kept`` (on their loop's thread)."""
+        for message, future, loop in batch:
+            if not any(message is k[0] for k in kept):
+                self._aborted.discard(message.request_id)
+                loop.call_soon_threadsafe(self.dropped.update, [where])
+                loop.call_soon_threadsafe(
+                    _set_exception,
+                    future,
+                    RequestAbortedError("aborted", stage_id=self.stage_id, request_id=message.request_id),
+                )
+
     @property
     def pid(self) -> int | None:
         return os.getpid() if self.healthy else None
@@ -308,6 +382,10 @@ class InlineStageDiffusionClient(StageCoreClientBase):
         self._queue.put((request, future, loop))
         try:
             output = await future
+        except asyncio.CancelledError:
+            if not future.done():  # still queued or in its batch: the worker drops it
+                self._aborted.add(request.request_id)
+            raise
         finally:
             self.inflight.discard(request.request_id)
         if output.error is not None:
@@ -316,7 +394,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
         return output
 
     async def abort(self, request_ids: list[str]) -> None:
-        self._aborted.update(request_ids)
+        self._aborted.update(set(request_ids) & self.inflight)  # only what it has: others never come
 
     async def shutdown(self) -> None:
         self.state = StageState.STOPPED

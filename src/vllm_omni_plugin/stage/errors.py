@@ -26,9 +26,24 @@ class StageRequestError(StageError):
 
 
 class StageDeadError(StageError):
-    """The stage process (or engine) serving the request died; the stage is being restarted."""
+    """The stage process (or engine) serving the request died; the stage is being restarted. The
+    orchestrator runs the request's stage again while the request's retry budget lasts."""
 
     http_status = 503
+    retryable: ClassVar[bool] = True
+    """Whether the orchestrator runs the request again (the deployment brings the replica back itself)."""
+
+
+class WorkerLostError(StageDeadError):
+    """A headless stage worker (on another host) went away. Its requests fail at once (503) rather than
+    wait: the stage comes back only when someone starts a worker that rejoins."""
+
+    retryable = False
+
+
+class RetriesExhaustedError(StageDeadError):
+    """Replica deaths interrupted the request more often than its retry budget (``max_retries``) allows:
+    a request that kills its stage every time cannot keep killing it."""
 
 
 class StageStartError(StageError):

@@ -45,6 +45,7 @@ from vllm_omni_plugin.stage.errors import (
     StageError,
     StageRequestError,
     StageStartError,
+    WorkerLostError,
 )
 from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
 from vllm_omni_plugin.stage.pending_replies import PendingReplies
@@ -199,7 +200,7 @@ class RemoteStageClient(StageCoreClientBase):
         if self.identity is None:
             return
         logger.error("%s %s; failing %d in-flight request(s)", self.label, why, len(self._pending))
-        error = StageDeadError(
+        error = WorkerLostError(
             f"{self.label} {why} while serving this request; waiting for the worker to rejoin",
             stage_id=self.stage_id,
         )

@@ -2,8 +2,8 @@
 
 One replica is one vLLM ``AsyncLLM`` (input processing, detokenization and the ``EngineCore`` process
 are vLLM's), built from the resolved ``EngineArgs`` that carry our ``scheduler_cls`` and ``worker_cls``.
-When its engine core dies, the in-flight requests fail with ``StageDeadError`` and a new engine is
-started.
+When its engine core dies, the in-flight requests fail with ``StageDeadError`` (the orchestrator runs them
+again) and a new engine is started once what the dead one's processes left is removed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from vllm_omni_plugin.ar_channel import stage_outputs_of
 from vllm_omni_plugin.compat import engine_core_pids, resolve
 from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.processes import ProcessTree, spawning_without_main
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
 from vllm_omni_plugin.stage.errors import (
@@ -30,6 +31,10 @@ from vllm_omni_plugin.stage.errors import (
 from vllm_omni_plugin.stage.tokenizer_view import tokenizer_view
 
 logger = get_logger(__name__)
+
+EXIT_GRACE_S = 10.0
+"""How long a stopped or dead engine's processes (EngineCore, workers) get to exit before SIGKILL."""
+ENGINE_DIED = "its vLLM engine core exited"
 
 
 def scheduler_state_logger(state: dict[str, Any]) -> Any:
@@ -87,6 +92,8 @@ class StageLLMCoreClient(StageCoreClientBase):
         self.default_sampling_params = dict(default_sampling_params or {})
         self.engine: Any = None
         """vLLM's ``AsyncLLM`` while the replica runs."""
+        self.processes = ProcessTree(self.label)
+        """The engine's processes and the shared memory they map (removed once they are gone)."""
         self._restarting: asyncio.Task[None] | None = None
         self.scheduler_state: dict[str, Any] = {}
         """The engine's last reported scheduler state (running and waiting requests, KV-cache usage),
@@ -105,10 +112,16 @@ class StageLLMCoreClient(StageCoreClientBase):
             args = dict(self.engine_args)
             if args.get("tokenizer") and args.get("model"):
                 args["tokenizer"] = tokenizer_view(args["tokenizer"], args["model"])
-            with replica_environment(self.env):
-                return AsyncLLM.from_engine_args(
+            with replica_environment(self.env), spawning_without_main():
+                engine = AsyncLLM.from_engine_args(
                     AsyncEngineArgs(**args), stat_loggers=[scheduler_state_logger(self.scheduler_state)]
                 )
+            self.processes = ProcessTree(self.label).record(_first(engine_core_pids(engine)))
+            if self.state == StageState.STOPPED:  # stopped while it started (interrupted): nobody will use it
+                engine.shutdown()
+                self.processes.stop(EXIT_GRACE_S)
+                raise StageStartError(f"{self.label} was stopped while it started", stage_id=self.stage_id)
+            return engine
 
         try:
             self.engine = await loop.run_in_executor(None, build)
@@ -119,8 +132,7 @@ class StageLLMCoreClient(StageCoreClientBase):
 
     @property
     def pid(self) -> int | None:
-        pids = engine_core_pids(self.engine) if self.engine is not None else []
-        return pids[0] if pids else None
+        return _first(engine_core_pids(self.engine)) if self.engine is not None else None
 
     def health(self) -> dict[str, Any]:
         return {**super().health(), **self.scheduler_state}
@@ -191,13 +203,15 @@ class StageLLMCoreClient(StageCoreClientBase):
         except EngineDeadError as exc:
             self._on_engine_dead()
             raise StageDeadError(
-                f"{self.label}: the vLLM engine core died while serving this request; restarting the stage",
+                f"{self.label} died ({ENGINE_DIED}) while serving this request",
                 stage_id=self.stage_id,
                 request_id=request.request_id,
             ) from exc
         except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await self.engine.abort(request.request_id)
+            if self.engine is not None:
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(request.request_id)
+                    self.dropped["engine"] += 1
             raise
         finally:
             self.inflight.discard(request.request_id)
@@ -228,21 +242,26 @@ class StageLLMCoreClient(StageCoreClientBase):
     def _on_engine_dead(self) -> None:
         if self.state != StageState.READY:
             return
-        self.state = StageState.RESTARTING if self.restart_on_death else StageState.DEAD
-        logger.error("%s: vLLM engine core died", self.label)
-        if self.restart_on_death and self._restarting is None:
+        self.replica_died(ENGINE_DIED)
+        if self._restarting is None:
             self._restarting = asyncio.create_task(self._restart())
 
     async def _restart(self) -> None:
+        """Stop what is left of the dead engine (its workers exit with it), remove the shared memory its
+        processes left, then start a new engine unless the replica stays down."""
         old, self.engine = self.engine, None
         with contextlib.suppress(Exception):
             old.shutdown()
         try:
+            await asyncio.to_thread(self.processes.stop, EXIT_GRACE_S)
+            if not self.restart_on_death or self.state == StageState.STOPPED:
+                return
             self.restarts += 1
             await self._launch()
         except StageError as exc:
-            logger.error("%s could not be restarted: %s", self.label, exc)
-            self.state = StageState.DEAD
+            if self.state != StageState.STOPPED:
+                logger.error("%s could not be restarted: %s", self.label, exc)
+                self.state = StageState.DEAD
         finally:
             self._restarting = None
 
@@ -252,9 +271,20 @@ class StageLLMCoreClient(StageCoreClientBase):
                 await self.engine.abort(list(request_ids))
 
     async def shutdown(self) -> None:
+        """Stop the engine and wait until its processes are gone and their shared memory removed (a
+        container runtime SIGKILLs whatever outlives the main process, and with it anything it held)."""
         self.state = StageState.STOPPED
+        if self._restarting is not None:  # a restart under way finishes first; what it started stops below
+            with contextlib.suppress(Exception):
+                await self._restarting
         if self.engine is not None:
             engine, self.engine = self.engine, None
+            await asyncio.to_thread(self.processes.record, _first(engine_core_pids(engine)))
             # On this loop's thread: vLLM cancels its output handler before stopping the engine core,
             # so the handler never sees a dead engine (and logs no EngineDeadError).
             engine.shutdown()
+        await asyncio.to_thread(self.processes.stop, EXIT_GRACE_S)
+
+
+def _first(pids: list[int]) -> int | None:
+    return pids[0] if pids else None

@@ -7,11 +7,20 @@ request n, the AR engine decodes request n+1, and each stage batches what it has
 ``max_inflight`` lets that many requests into its consuming stage at once; the others wait with their
 source's output. Cancelling a request aborts it in every stage. Per-request timings record queue, each
 stage, the processors and transfers, with absolute intervals so overlap can be checked.
+
+A stage replica that dies fails the requests it was serving with ``StageDeadError``. Each such request
+runs that stage again, from the stage's input (its sources' outputs, which the orchestrator holds) on a
+live or restarted replica, as long as its budget of ``max_retries`` lasts (one budget per request, all
+stages together); then it fails with ``RetriesExhaustedError`` (HTTP 503), logged with the deaths it saw.
+A request's output reaches its client only after every stage has finished, so an interrupted request has
+delivered nothing, and every request is seeded and free of side effects: running it again gives what it
+would have given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
@@ -23,8 +32,14 @@ from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
-from vllm_omni_plugin.stage.payload import release
+from vllm_omni_plugin.stage.core_types import StageCoreOutput
+from vllm_omni_plugin.stage.errors import (
+    RequestAbortedError,
+    RetriesExhaustedError,
+    StageDeadError,
+    StageError,
+)
+from vllm_omni_plugin.stage.payload import carries_handles, release
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 
 logger = get_logger(__name__)
@@ -81,10 +96,40 @@ class OmniResult:
     stage_outputs: dict[int, Any] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
     """What the pipeline's processors recorded for the client (e.g. BAGEL's ``think_text``)."""
+    deaths: list[str] = field(default_factory=list)
+    """The replica deaths that interrupted this request (each cost one retry)."""
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclass
+class RetryBudget:
+    """How often one request may run a stage again after a replica death (all its stages together)."""
+
+    request_id: str
+    max_retries: int
+    deaths: list[str]
+
+    def spend(self, stage_id: int, death: StageDeadError) -> None:
+        """Count ``death``; raises RetriesExhaustedError once the deaths outnumber the retries."""
+        self.deaths.append(str(death))
+        if len(self.deaths) <= self.max_retries:
+            return
+        logger.error(
+            "request %s: giving up after %d replica death(s) (max_retries %d): %s",
+            self.request_id,
+            len(self.deaths),
+            self.max_retries,
+            " | ".join(self.deaths),
+        )
+        raise RetriesExhaustedError(
+            f"stage replicas died {len(self.deaths)} time(s) while serving this request, more than its "
+            f"max_retries ({self.max_retries}) allows; last: {death}",
+            stage_id=stage_id,
+            request_id=self.request_id,
+        ) from death
 
 
 @dataclass
@@ -126,6 +171,10 @@ class Orchestrator:
             if isinstance(e.to, int) and e.max_inflight is not None
         }
         """Edges with ``max_inflight``: how many requests may be in their consuming stage at once."""
+        self.retries: collections.Counter[int] = collections.Counter()
+        """Stage id -> runs again after a replica death."""
+        self.exhausted: collections.Counter[int] = collections.Counter()
+        """Stage id -> requests that failed there because their retry budget was spent."""
 
     async def generate(self, request: OmniRequest) -> OmniResult:
         """Run one request through every stage; never raises for a failed request (see ``error``)."""
@@ -135,9 +184,10 @@ class Orchestrator:
         done: dict[int, asyncio.Future[Any]] = {
             sid: asyncio.get_running_loop().create_future() for sid in self.stages
         }
+        budget = RetryBudget(request.request_id, self.deployment.max_retries, result.deaths)
         tasks = [
             asyncio.create_task(
-                self._run_stage(sid, request, done, result), name=f"{request.request_id}:{sid}"
+                self._run_stage(sid, request, done, result, budget), name=f"{request.request_id}:{sid}"
             )
             for sid in self.stages
         ]
@@ -175,36 +225,21 @@ class Orchestrator:
             stage_id = sources[0]
 
     async def _run_stage(
-        self, stage_id: int, request: OmniRequest, done: dict[int, asyncio.Future[Any]], result: OmniResult
+        self,
+        stage_id: int,
+        request: OmniRequest,
+        done: dict[int, asyncio.Future[Any]],
+        result: OmniResult,
+        budget: RetryBudget,
     ) -> None:
         stage = self.stages[stage_id]
         try:
             sources = {sid: await asyncio.shield(done[sid]) for sid in stage.input_sources}
             async with self._admitted(stage_id, stage.input_sources):
-                t0 = time.perf_counter()
-                processor = self.processors.get(stage_id)
-                if processor is None:
-                    raise StageError(f"stage {stage_id} has no input processor", stage_id=stage_id)
-                context = ProcessorContext(
-                    self.deployment.model, self.deployment, stage_id, request, result.notes
-                )
-                stage_request = processor(sources, context)
-                t1 = time.perf_counter()
-                result.timings[f"processor_{stage_id}"] = t1 - t0
-                if stage_request is None:  # nothing for this stage to do for this request
-                    done[stage_id].set_result(None)
-                    return
-                if stage_id not in self.pools:
-                    raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
-                output = await self.pools[stage_id].generate(stage_request)
-                continuation = self.continuations.get(stage_id)
-                while (
-                    continuation is not None and (stage_request := continuation(output, context)) is not None
-                ):
-                    output = await self.pools[stage_id].generate(stage_request)
-                t2 = time.perf_counter()
-            result.intervals.append(StageInterval(stage_id, t1, t2))
-            result.timings[f"stage_{stage_id}"] = t2 - t1
+                output = await self._run_with_retries(stage_id, request, sources, result, budget)
+            if output is None:  # the processor left this stage nothing to do for this request
+                done[stage_id].set_result(None)
+                return
             for key, value in output.timings.items():
                 result.timings[f"stage_{stage_id}_{key}"] = value
             result.stage_outputs[stage_id] = output
@@ -223,15 +258,112 @@ class Orchestrator:
         lease runs out. A payload the next stage already read is left alone by its connector."""
         for sid, output in result.stage_outputs.items():
             for consumer in self.stages.values():
-                if sid not in consumer.input_sources or consumer.stage_id in result.stage_outputs:
-                    continue
-                connector = self.connectors.get(self.deployment.edge(sid, consumer.stage_id).connector)
-                if connector is None:
-                    continue
-                try:
-                    release(output, connector)
-                except Exception:  # best effort: the owner's lease frees what is left
-                    logger.exception("freeing stage %d's output of request %s failed", sid, result.request_id)
+                if sid in consumer.input_sources and consumer.stage_id not in result.stage_outputs:
+                    self._release_payload(sid, consumer.stage_id, output, result.request_id)
+
+    def _release_payload(self, source: int, consumer: int, output: Any, request_id: str) -> None:
+        connector = self.connectors.get(self.deployment.edge(source, consumer).connector)
+        if connector is None:
+            return
+        try:
+            release(output, connector)
+        except Exception:  # best effort: the owner's lease frees what is left
+            logger.exception("freeing stage %d's output of request %s failed", source, request_id)
+
+    async def _run_with_retries(
+        self,
+        stage_id: int,
+        request: OmniRequest,
+        sources: dict[int, Any],
+        result: OmniResult,
+        budget: RetryBudget,
+    ) -> StageCoreOutput | None:
+        """The stage's output for the request, run again after each replica death its budget allows."""
+        while True:
+            try:
+                return await self._invoke(stage_id, request, sources, result)
+            except StageDeadError as death:
+                await self._after_death(stage_id, request.request_id, death, budget)
+                sources = await self._renewed_sources(stage_id, request, sources, result, budget)
+
+    async def _renewed_sources(
+        self,
+        stage_id: int,
+        request: OmniRequest,
+        sources: dict[int, Any],
+        result: OmniResult,
+        budget: RetryBudget,
+    ) -> dict[int, Any]:
+        """The input for another run of ``stage_id``. A source output that carries connector handles
+        (values a source stage's workers put themselves, e.g. BAGEL's context KV caches) is read once:
+        the dead attempt may have taken it, so what is left of it is freed and its stage runs again
+        (seeded, like every stage). Outputs held here in full are used as they are."""
+        renewed = dict(sources)
+        for sid, output in sources.items():
+            if not carries_handles(output):
+                continue
+            self._release_payload(sid, stage_id, output, request.request_id)
+            upstream = {s: result.stage_outputs[s] for s in self.stages[sid].input_sources}
+            logger.info(
+                "request %s: running stage %d again for stage %d's input", request.request_id, sid, stage_id
+            )
+            renewed[sid] = await self._run_with_retries(sid, request, upstream, result, budget)
+            result.stage_outputs[sid] = renewed[sid]
+        return renewed
+
+    async def _invoke(
+        self, stage_id: int, request: OmniRequest, sources: dict[int, Any], result: OmniResult
+    ) -> StageCoreOutput | None:
+        """One invocation of a stage from its input: the processor's request(s) of the stage's pool,
+        round after round for a stage with a continuation; None when the processor leaves the stage
+        nothing to do.
+
+        A ``StageDeadError`` from anywhere in it runs the whole invocation again, so whatever an attempt
+        collected before a death (outputs carrying connector handles) it must release on the way out.
+        """
+        t0 = time.perf_counter()
+        processor = self.processors.get(stage_id)
+        if processor is None:
+            raise StageError(f"stage {stage_id} has no input processor", stage_id=stage_id)
+        context = ProcessorContext(self.deployment.model, self.deployment, stage_id, request, result.notes)
+        stage_request = processor(sources, context)
+        t1 = time.perf_counter()
+        result.timings[f"processor_{stage_id}"] = t1 - t0
+        if stage_request is None:
+            return None
+        if stage_id not in self.pools:
+            raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
+        output = await self.pools[stage_id].generate(stage_request)
+        continuation = self.continuations.get(stage_id)
+        while continuation is not None and (stage_request := continuation(output, context)) is not None:
+            output = await self.pools[stage_id].generate(stage_request)
+        t2 = time.perf_counter()
+        result.intervals.append(StageInterval(stage_id, t1, t2))
+        result.timings[f"stage_{stage_id}"] = t2 - t1
+        return output
+
+    async def _after_death(
+        self, stage_id: int, request_id: str, death: StageDeadError, budget: RetryBudget
+    ) -> None:
+        """A replica died under the request: spend a retry (or give up) and clear what the abandoned
+        attempt left on the stage's replicas."""
+        if not death.retryable:
+            raise death
+        try:
+            budget.spend(stage_id, death)
+        except RetriesExhaustedError:
+            self.exhausted[stage_id] += 1
+            raise
+        self.retries[stage_id] += 1
+        logger.warning(
+            "request %s: %s; running stage %d again (retry %d of %d)",
+            request_id,
+            death,
+            stage_id,
+            len(budget.deaths),
+            budget.max_retries,
+        )
+        await self.pools[stage_id].abort([request_id])
 
     @contextlib.asynccontextmanager
     async def _admitted(self, stage_id: int, sources: list[int]) -> AsyncIterator[None]:

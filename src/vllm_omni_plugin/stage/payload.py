@@ -53,6 +53,17 @@ def internalize(value: Any, connector: OmniConnector, timeout: float | None = No
     return value
 
 
+def carries_handles(value: Any) -> bool:
+    """Whether a message holds connector handles (values that are read once, by one receiver)."""
+    if isinstance(value, dict):
+        return (HANDLE_KEY in value and len(value) == 1) or any(carries_handles(v) for v in value.values())
+    if isinstance(value, msgspec.Struct):
+        return any(carries_handles(getattr(value, f)) for f in value.__struct_fields__)
+    if isinstance(value, list | tuple):
+        return any(carries_handles(v) for v in value)
+    return False
+
+
 def release(value: Any, connector: OmniConnector) -> None:
     """Free the handles inside a message that will never be read (its request was aborted)."""
     if isinstance(value, dict):

@@ -28,7 +28,7 @@ from vllm_omni_plugin.diffusion.bagel.request import (
     BagelSampling,
 )
 from vllm_omni_plugin.diffusion.bagel.transformer import ContextBank, GenerationTransformer
-from vllm_omni_plugin.diffusion.pipelines import BatchOutput
+from vllm_omni_plugin.diffusion.pipelines import BatchAborted, BatchOutput, StopCheck
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.models.bagel.autoencoder import VaeDecoder, load_vae_decoder
 from vllm_omni_plugin.models.bagel.config import BagelConfig, load_bagel_config
@@ -218,8 +218,11 @@ class BagelGenerationRunner:
     # --- the batch ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: list[BagelGenerationRequest], generators: list[Any]) -> BatchOutput:
-        """Denoise and decode ``batch`` (one ``batch_key``); uint8 HxWx3 arrays in batch order."""
+    def run(
+        self, batch: list[BagelGenerationRequest], generators: list[Any], should_stop: StopCheck | None = None
+    ) -> BatchOutput:
+        """Denoise and decode ``batch`` (one ``batch_key``); uint8 HxWx3 arrays in batch order. Raises
+        :class:`BatchAborted` after the first step at whose end ``should_stop()`` is true."""
         if not batch:
             return BatchOutput([], None, {"denoise": 0.0, "decode": 0.0, "total": 0.0})
         if len(generators) != len(batch):
@@ -228,7 +231,7 @@ class BagelGenerationRunner:
         if len(keys) != 1:
             raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
         start = time.perf_counter()
-        latents = self._denoise(batch, generators)
+        latents = self._denoise(batch, generators, should_stop)
         self._sync()
         denoised = time.perf_counter()
         images = self._decode(latents, batch[0].height, batch[0].width)
@@ -237,7 +240,9 @@ class BagelGenerationRunner:
             images, None, {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
         )
 
-    def _denoise(self, batch: list[BagelGenerationRequest], generators: list[Any]) -> torch.Tensor:
+    def _denoise(
+        self, batch: list[BagelGenerationRequest], generators: list[Any], should_stop: StopCheck | None
+    ) -> torch.Tensor:
         cfg, model = self.cfg, self.transformer
         first = batch[0]
         rows_h, cols_w = first.height // cfg.latent_downsample, first.width // cfg.latent_downsample
@@ -272,6 +277,8 @@ class BagelGenerationRunner:
             x = x - v * dts[step]
             if self.on_step is not None:
                 self.on_step(step)
+            if should_stop is not None and should_stop():
+                raise BatchAborted(f"stopped after step {step + 1}")
         return x
 
     def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[Any]:

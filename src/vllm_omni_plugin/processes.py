@@ -1,0 +1,316 @@
+"""The processes a stage replica runs and the shared memory they hold, read from ``/proc`` (Linux).
+
+vLLM's engine processes make ``/dev/shm`` segments that the API process never sees: the EngineCore's
+scheduler-output broadcast queue (``psm_*``, 16 MiB x 10 chunks by default), each worker's response
+queue (``psm_*``, 24 MiB x 10) and multiprocessing semaphores (``sem.mp-*``). The process that made one
+unlinks it when it exits cleanly; otherwise multiprocessing's resource tracker does, once every process
+sharing the tracker has exited. Two stops defeat both: an EngineCore that a second SIGTERM finds past
+its handler (vLLM resets it to the default while tearing down, so the signal our shutdown sends after the
+group's own kills it), and a container runtime that SIGKILLs the group, tracker included, as soon as the
+main process is gone. So a replica's client records what the replica's processes map while they run
+(:class:`ProcessTree`), and once they are gone unlinks what is left (:meth:`ProcessTree.release`) before
+the main process exits or the replica restarts.
+
+Two more things about the processes we start: :func:`exit_with_parent` stops a process whose parent died
+(vLLM's EngineCore does not notice the death of the API process by itself), and
+:func:`spawning_without_main` keeps spawned stage processes from re-running the user's script (so the
+offline API works in a script without a ``__main__`` guard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from vllm_omni_plugin.log import get_logger
+
+logger = get_logger(__name__)
+
+SHM_DIR = "/dev/shm"
+OUR_SEGMENT_PREFIX = "vllm_omni_"
+"""Our connectors' segments: ``vllm_omni_<owner pid>_...``."""
+_MAPPED_SHM = re.compile(r" /dev/shm/(\S+)$")
+_OWNER = re.compile(r"^vllm_omni_(\d+)_")
+PARENT_POLL_S = 0.5
+
+
+# --- reading /proc ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessId:
+    """A process, told apart from a later one that reuses its pid by its start time."""
+
+    pid: int
+    start: int
+    """Start time in clock ticks after boot (``/proc/PID/stat`` field 22)."""
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        stat = _stat(pid)
+        return None if stat is None else cls(pid, stat[1])
+
+    def alive(self) -> bool:
+        """Running (a zombie, killed and not yet reaped, has exited)."""
+        stat = _stat(self.pid)
+        return stat is not None and stat[1] == self.start and stat[2] not in ("Z", "X")
+
+
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, start time, state) of ``pid``, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()
+    try:
+        return int(fields[1]), int(fields[19]), fields[0]
+    except (IndexError, ValueError):
+        return None
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+
+
+def descendants(root: int) -> list[int]:
+    """Every live descendant of ``root`` (children, their children, ...), in no particular order."""
+    children: dict[int, list[int]] = {}
+    for pid in _pids():
+        stat = _stat(pid)
+        if stat is not None:
+            children.setdefault(stat[0], []).append(pid)
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def mapped_segments(pid: int) -> set[str]:
+    """Names of the ``/dev/shm`` files ``pid`` maps (unlinked ones excluded)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    return {m.group(1) for line in lines if (m := _MAPPED_SHM.search(line)) is not None}
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of ``pid`` (None when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+# --- what a replica's processes hold ------------------------------------------------------------------
+
+
+def tracker_name(segment: str) -> tuple[str, str] | None:
+    """How multiprocessing's resource tracker knows a ``/dev/shm`` file: (name, resource type)."""
+    if segment.startswith("psm_"):
+        return "/" + segment, "shared_memory"
+    if segment.startswith("sem."):
+        return "/" + segment.removeprefix("sem."), "semaphore"
+    return None
+
+
+def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
+    """Remove ``/dev/shm/name``, and tell the resource tracker this process shares (if it runs one) that
+    it is gone, so the tracker does not warn about it, or try again, at exit. True if it was there."""
+    try:
+        os.unlink(os.path.join(shm_dir, name))
+    except FileNotFoundError:
+        return False
+    known = tracker_name(name)
+    if known is not None:
+        from multiprocessing import resource_tracker
+
+        tracker = getattr(resource_tracker, "_resource_tracker", None)
+        if getattr(tracker, "_fd", None) is not None:  # only one that runs: never start a tracker for this
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(*known)
+    return True
+
+
+def _held_elsewhere(names: set[str], exclude: set[int]) -> set[str]:
+    """Which of ``names`` a live process outside ``exclude`` maps."""
+    held: set[str] = set()
+    for pid in _pids():
+        if pid in exclude:
+            continue
+        held |= names & mapped_segments(pid)
+        if held == names:
+            break
+    return held
+
+
+@dataclass
+class ProcessTree:
+    """The processes of one replica (its root and every descendant seen) and the ``/dev/shm`` files they
+    mapped, recorded while they run so that what they leave can be removed once they are gone."""
+
+    label: str
+    members: dict[int, ProcessId] = field(default_factory=dict)
+    segments: set[str] = field(default_factory=set)
+
+    def record(self, root: int | None) -> ProcessTree:
+        """Add ``root``, its live descendants and the segments they map (call while they run)."""
+        if root is None:
+            return self
+        for pid in (root, *descendants(root)):
+            pid_id = self.members.get(pid)
+            if pid_id is None or not pid_id.alive():
+                pid_id = ProcessId.of(pid)
+                if pid_id is None:
+                    continue
+                self.members[pid] = pid_id
+            self.segments |= mapped_segments(pid)
+        return self
+
+    def alive(self) -> list[ProcessId]:
+        return [p for p in self.members.values() if p.alive()]
+
+    def wait_gone(self, timeout: float) -> list[ProcessId]:
+        """Wait until every member has exited, at most ``timeout`` s; returns those still running."""
+        deadline = time.monotonic() + timeout
+        while (left := self.alive()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left
+
+    def kill(self, timeout: float = 5.0) -> list[ProcessId]:
+        """SIGKILL the members still running; returns those that still did not go."""
+        for member in self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(member.pid, signal.SIGKILL)
+        return self.wait_gone(timeout)
+
+    def release(self, shm_dir: str = SHM_DIR) -> list[str]:
+        """Remove the segments the members left: their own (``vllm_omni_<member pid>_*``) and the
+        ``psm_*`` / ``sem.*`` files they mapped that no live process maps. Members still running keep
+        theirs. Returns the names removed."""
+        running = {p.pid for p in self.alive()}
+        dead = {pid for pid in self.members if pid not in running}
+        try:
+            present = set(os.listdir(shm_dir))
+        except OSError:
+            return []
+        ours = {name for name in present if (m := _OWNER.match(name)) is not None and int(m.group(1)) in dead}
+        foreign: set[str] = set()
+        if not running:  # while a member runs it may still use them
+            foreign = {name for name in self.segments & present if tracker_name(name) is not None}
+            if foreign:
+                foreign -= _held_elsewhere(foreign, exclude=set(self.members))
+        removed = sorted(name for name in ours | foreign if unlink_segment(name, shm_dir))
+        if removed:
+            logger.info(
+                "%s: removed %d shared-memory segment(s) its processes left: %s",
+                self.label,
+                len(removed),
+                ", ".join(removed),
+            )
+        return removed
+
+    def stop(self, grace: float, shm_dir: str = SHM_DIR) -> list[str]:
+        """Wait ``grace`` s for the members to exit, SIGKILL any that did not, then :meth:`release`."""
+        left = self.wait_gone(grace)
+        if left:
+            logger.warning(
+                "%s: process(es) %s still running %.0f s after the stop; killing them",
+                self.label,
+                ", ".join(str(p.pid) for p in left),
+                grace,
+            )
+            self.kill()
+        return self.release(shm_dir)
+
+
+# --- processes we start -------------------------------------------------------------------------------
+
+_parent_watch: threading.Thread | None = None
+
+
+def exit_with_parent(what: str, on_parent_death: Callable[[], None] | None = None) -> None:
+    """In a process started by ``multiprocessing``: once the parent that started it is gone, call
+    ``on_parent_death`` (default: send this process SIGTERM, so its own handler stops it cleanly and it
+    frees what it holds). A no-op in a process that multiprocessing did not start, and after the first
+    call."""
+    global _parent_watch
+    parent = multiprocessing.parent_process()
+    if parent is None or _parent_watch is not None:
+        return
+    parent_pid = parent.pid
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        logger.warning("%s: parent process %s is gone; stopping", what, parent_pid)
+        if on_parent_death is not None:
+            on_parent_death()
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    _parent_watch = threading.Thread(target=watch, name="omni-parent-watch", daemon=True)
+    _parent_watch.start()
+
+
+_main_lock = threading.Lock()
+_main_users = 0
+_main_spec: object = None
+
+
+@contextlib.contextmanager
+def spawning_without_main() -> Iterator[None]:
+    """Processes spawned meanwhile (ours, vLLM's EngineCore) do not import the ``__main__`` module.
+
+    A spawned child normally runs the parent's main script again (as ``__mp_main__``) before its target;
+    a script without a ``__main__`` guard then starts the whole deployment again inside the child, and
+    multiprocessing refuses ("...before the current process has finished its bootstrapping phase").
+    Stage processes need nothing from the user's script, so while this is active ``__main__`` carries a
+    spec named ``__main__``, which multiprocessing's spawn takes as "nothing to import".
+    """
+    global _main_users, _main_spec
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    with _main_lock:
+        if _main_users == 0:
+            _main_spec = getattr(main, "__spec__", None)
+            main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+        _main_users += 1
+    try:
+        yield
+    finally:
+        with _main_lock:
+            _main_users -= 1
+            if _main_users == 0:
+                main.__spec__ = _main_spec
+                _main_spec = None

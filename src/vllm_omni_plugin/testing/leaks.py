@@ -1,0 +1,167 @@
+"""What a test run (or a benchmark) leaves behind: processes it started and ``/dev/shm`` segments they
+made, told apart from those of other users of the machine.
+
+:class:`LeakWatch` follows, from a background thread, every process descending from this one and the
+``/dev/shm`` files they map (``psm_*``, ``sem.*``, ours). A process is remembered by pid and start time,
+so one reparented after its parent died still counts, and a later process reusing its pid does not. A
+segment counts as the run's if one of its processes mapped it, or if it is one of ours named after one of
+them (``vllm_omni_<pid>_*``). Segments that a process of the run mapped for less than a poll interval
+can escape it; everything that lives as long as an engine does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from vllm_omni_plugin.processes import (
+    OUR_SEGMENT_PREFIX,
+    SHM_DIR,
+    ProcessId,
+    cmdline,
+    descendants,
+    mapped_segments,
+    unlink_segment,
+)
+
+RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
+
+
+@dataclass
+class Leftovers:
+    processes: dict[int, str] = field(default_factory=dict)
+    """Pid -> command line of each process of the run still running."""
+    segments: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.processes or self.segments)
+
+    def describe(self) -> str:
+        lines = []
+        if self.processes:
+            lines.append(f"{len(self.processes)} process(es) still running:")
+            lines += [f"  pid {pid}: {cmd[:160]}" for pid, cmd in sorted(self.processes.items())]
+        if self.segments:
+            lines.append(f"{len(self.segments)} /dev/shm segment(s) left: {', '.join(self.segments)}")
+        return "\n".join(lines)
+
+
+class LeakWatch:
+    """Follows the processes under ``root`` (default: this process) and what they map in ``shm_dir``."""
+
+    def __init__(
+        self,
+        root: int | None = None,
+        *,
+        interval: float = 0.25,
+        shm_dir: str = SHM_DIR,
+        only_new: bool = True,
+    ) -> None:
+        self.root = root if root is not None else os.getpid()
+        self.interval = interval
+        self.shm_dir = shm_dir
+        self.processes: dict[int, ProcessId] = {}
+        self.commands: dict[int, str] = {}
+        self.segments: dict[str, int] = {}
+        """Segment name -> the first process of the run seen mapping it."""
+        self.before = set(self._listing()) if only_new else set()
+        """Segments there before the watch began (not the run's, with ``only_new``)."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _listing(self) -> list[str]:
+        try:
+            return os.listdir(self.shm_dir)
+        except OSError:
+            return []
+
+    def start(self) -> LeakWatch:
+        self._thread = threading.Thread(target=self._run, name="leak-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.poll()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(Exception):  # a process vanishing mid-read must not end the watch
+                self.poll()
+
+    def poll(self) -> None:
+        """Record the live descendants and the segments every recorded process maps now."""
+        with self._lock:
+            for pid in descendants(self.root):
+                known = self.processes.get(pid)
+                if known is None or not known.alive():
+                    pid_id = ProcessId.of(pid)
+                    if pid_id is not None:
+                        self.processes[pid] = pid_id
+                        self.commands[pid] = cmdline(pid)
+            for pid in (self.root, *[p.pid for p in self.processes.values() if p.alive()]):
+                for name in mapped_segments(pid):
+                    self.segments.setdefault(name, pid)
+
+    def running(self) -> dict[int, str]:
+        """Processes of the run still running, except this process's own resource tracker (it ends with
+        this process)."""
+        with self._lock:
+            alive = [p for p in self.processes.values() if p.alive() and p.pid != self.root]
+        return {
+            p.pid: self.commands.get(p.pid, "")
+            for p in alive
+            if not (RESOURCE_TRACKER in self.commands.get(p.pid, "") and _parent(p.pid) == self.root)
+        }
+
+    def left_segments(self) -> list[str]:
+        with self._lock:
+            pids = {self.root, *self.processes}
+            mapped = set(self.segments)
+        left = []
+        for name in self._listing():
+            if name in self.before:
+                continue
+            owner = _owner_pid(name)
+            if name in mapped or (owner is not None and owner in pids):
+                left.append(name)
+        return sorted(left)
+
+    def leftovers(self, grace: float = 0.0) -> Leftovers:
+        """What is left, after waiting up to ``grace`` s for it to go."""
+        deadline = time.monotonic() + grace
+        while True:
+            left = Leftovers(self.running(), self.left_segments())
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.2)
+
+    def clean(self, left: Leftovers) -> None:
+        """Kill the leftover processes and remove the leftover segments."""
+        for pid in left.processes:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for name in left.segments:
+            unlink_segment(name, self.shm_dir)
+
+
+def _owner_pid(name: str) -> int | None:
+    if not name.startswith(OUR_SEGMENT_PREFIX):
+        return None
+    head = name[len(OUR_SEGMENT_PREFIX) :].split("_", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None

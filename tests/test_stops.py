@@ -1,0 +1,162 @@
+"""Stopping a served deployment the ways users and container runtimes do, with requests in flight: nothing
+stays behind, neither a process of the deployment nor a ``/dev/shm`` segment (ours, vLLM's,
+multiprocessing's). SIGKILL of the main process alone may leave what the main process itself owned for
+the next start's sweep, which is checked too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vllm_omni_plugin.processes import SHM_DIR
+from vllm_omni_plugin.testing.leaks import LeakWatch
+from vllm_omni_plugin.testing.server import ServerProcess, bin_script, free_port
+
+pytestmark = pytest.mark.server
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = str(REPO / "deploy" / "tiny_glm_image_cpu.yaml")
+GENERATIONS = "/v1/images/generations"
+IN_FLIGHT = [
+    {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": 300, "seed": 1},  # long in the DiT
+    {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": 300, "seed": 2},
+    {
+        "prompt": "a big painting",
+        "size": "512x512",
+        "num_inference_steps": 2,
+        "seed": 3,
+    },  # long in the AR stage
+    {"prompt": "a big painting", "size": "512x512", "num_inference_steps": 2, "seed": 4},
+]
+
+
+class Served:
+    """A served deployment, its watch (its processes and the segments they map) and requests in flight."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:
+        port = free_port()
+        self.server = ServerProcess(
+            [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", DEPLOY,
+             "--port", str(port), "--host", "127.0.0.1"],
+            port=port, log_path=log_dir / "server.log",
+        )  # fmt: skip
+        self.server.start()
+        assert self.server.proc is not None
+        self.pid = self.server.proc.pid
+        self.watch = LeakWatch(root=self.pid, interval=0.1).start()
+        self.responses: list[int | str] = []
+        self.threads: list[threading.Thread] = []
+        try:
+            self.server.wait_ready(timeout=300)
+        except BaseException:
+            self.finish()
+            raise
+
+    def send_in_flight(self) -> None:
+        """The requests of ``IN_FLIGHT``, returning once both stages are working on some of them."""
+
+        def send(body: dict) -> None:
+            try:
+                self.responses.append(
+                    httpx.post(self.server.base_url + GENERATIONS, json=body, timeout=300).status_code
+                )
+            except httpx.HTTPError as exc:
+                self.responses.append(type(exc).__name__)
+
+        self.threads = [threading.Thread(target=send, args=(b,), daemon=True) for b in IN_FLIGHT]
+        for thread in self.threads:
+            thread.start()
+        deadline = time.monotonic() + 120
+        while True:
+            stages = httpx.get(self.server.base_url + "/health", timeout=30).json()["stages"]
+            if all(s["replicas"][0]["inflight"] >= 1 for s in stages.values()):
+                return
+            assert time.monotonic() < deadline, stages
+            time.sleep(0.01)
+
+    def wait_main(self, timeout: float = 120) -> int:
+        assert self.server.proc is not None
+        return self.server.proc.wait(timeout)
+
+    def left(self, grace: float = 30.0) -> tuple[dict[int, str], list[str]]:
+        """Processes of the deployment still running and segments still there, after up to ``grace`` s."""
+        self.watch.stop()
+        left = self.watch.leftovers(grace)
+        return left.processes, left.segments
+
+    def ipc_files(self) -> list[str]:
+        return sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"vllm_omni_{self.pid}_"))
+
+    def finish(self) -> None:
+        """Whatever happened: stop what is left (the guard would report it otherwise)."""
+        self.server.stop()
+        self.watch.stop()
+        left = self.watch.leftovers()
+        self.watch.clean(left)
+        for thread in self.threads:
+            thread.join(60)
+
+
+@pytest.fixture
+def served(tiny_glm_image: Path, tmp_path: Path):
+    deployment = Served(tiny_glm_image, tmp_path)
+    try:
+        yield deployment
+    finally:
+        deployment.finish()
+
+
+def test_ctrl_c_sigint_to_the_group(served: Served) -> None:
+    served.send_in_flight()
+    os.killpg(served.pid, signal.SIGINT)
+    assert served.wait_main() == 0
+    assert served.left() == ({}, [])
+    assert served.ipc_files() == []
+
+
+def test_sigterm_to_the_main_process(served: Served) -> None:
+    served.send_in_flight()
+    os.kill(served.pid, signal.SIGTERM)
+    assert served.wait_main() == 0
+    for thread in served.threads:
+        thread.join(60)
+    assert served.responses == [200] * len(IN_FLIGHT)  # drained, not dropped
+    assert served.left() == ({}, [])
+    assert served.ipc_files() == []
+
+
+def test_sigterm_to_the_group_then_sigkill_of_the_group_once_main_is_gone(served: Served) -> None:
+    """As container runtimes stop a container: nothing may rely on a process outliving the main one."""
+    served.send_in_flight()
+    os.killpg(served.pid, signal.SIGTERM)
+    assert served.wait_main() == 0
+    os.killpg(served.pid, signal.SIGKILL)  # the group, at once: resource tracker and stragglers included
+    assert served.left() == ({}, [])
+    assert served.ipc_files() == []
+
+
+def test_sigkill_of_the_main_process_alone_then_the_next_start_sweeps(
+    served: Served, tiny_glm_image: Path, tmp_path: Path
+) -> None:
+    served.send_in_flight()
+    os.kill(served.pid, signal.SIGKILL)
+    assert served.wait_main() == -signal.SIGKILL
+    processes, segments = served.left()
+    assert processes == {}  # the stage processes noticed their parent's death and exited
+    # what the main process itself owned stays for the next start's sweep: its pool and socket files
+    assert all(name.startswith(f"vllm_omni_{served.pid}_") for name in segments), segments
+    ipc = served.ipc_files()
+    assert ipc, "expected the killed main process's socket files"
+    following = Served(tiny_glm_image, tmp_path / "next")
+    try:
+        assert [n for n in segments if os.path.exists(os.path.join(SHM_DIR, n))] == []
+        assert served.ipc_files() == []
+    finally:
+        following.finish()
