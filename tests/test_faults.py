@@ -83,7 +83,7 @@ def body(i: int) -> dict[str, Any]:
     long = i % 4 == 0
     size = "256x256" if long else "64x64"
     return {"model": MODEL, "prompt": f"fox number {i}", "size": size, "seed": i,
-            "num_inference_steps": 60 if long else 4}  # fmt: skip
+            "num_inference_steps": 120 if long else 4}  # fmt: skip
 
 
 def decode(response: httpx.Response) -> np.ndarray:
@@ -136,7 +136,7 @@ def reference(server: ServerProcess) -> list[np.ndarray]:
 # --- stage deaths -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("stage", "name", "min_inflight"), [("1", "dit", 4), ("0", "ar", 8)])
+@pytest.mark.parametrize(("stage", "name", "min_inflight"), [("1", "dit", 2), ("0", "ar", 8)])
 def test_a_stage_killed_under_24_requests_loses_none_and_changes_no_image(
     server: ServerProcess, reference: list[np.ndarray], stage: str, name: str, min_inflight: int
 ) -> None:

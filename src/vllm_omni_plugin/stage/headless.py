@@ -30,6 +30,7 @@ from typing import Any, Literal
 import msgspec
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedHead
+from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
@@ -108,6 +109,21 @@ ERROR_KINDS: dict[ErrorKind, type[StageError]] = {
     "aborted": RequestAbortedError,
 }
 """``RemoteOutput.error_kind`` -> the error the head raises."""
+
+
+def remote_stage_output(
+    message: RemoteOutput, label: str, stage_id: int, put_seconds: float, connector: OmniConnector | None
+) -> StageLLMCoreOutput | StageDiffusionCoreOutput:
+    """The stage output a remote replica answered with (its image collected), or the error its stage
+    raised, raised here as the same ``StageError`` class."""
+    if message.error is not None or message.output is None:
+        kind = ERROR_KINDS[message.error_kind] if message.error_kind else StageError
+        error = message.error or "the replica returned no output"
+        raise kind(f"{label}: {error}", stage_id=stage_id, request_id=message.request_id)
+    output = message.output
+    output.timings["transfer_put"] = put_seconds
+    collect_output(output, connector)
+    return output
 
 
 def error_kind(exc: StageError) -> ErrorKind:
@@ -220,14 +236,7 @@ class RemoteStageClient(StageCoreClientBase):
         message: RemoteOutput = await self._pending.wait(
             request.request_id, self._send(self.identity, RemoteRequest(request=request))
         )
-        if message.error is not None or message.output is None:
-            error = message.error or "the worker returned no output"
-            kind = ERROR_KINDS[message.error_kind] if message.error_kind else StageError
-            raise kind(f"{self.label}: {error}", stage_id=self.stage_id, request_id=request.request_id)
-        output = message.output
-        output.timings["transfer_put"] = put_seconds
-        collect_output(output, self.output_connector)
-        return output
+        return remote_stage_output(message, self.label, self.stage_id, put_seconds, self.output_connector)
 
     async def abort(self, request_ids: list[str]) -> None:
         self._pending.fail(request_ids)

@@ -42,8 +42,8 @@ from vllm_omni_plugin.stage.errors import (
     StagePlacementError,
     StageStartError,
 )
-from vllm_omni_plugin.stage.headless import ERROR_KINDS, RemoteOutput
-from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
+from vllm_omni_plugin.stage.headless import RemoteOutput, remote_stage_output
+from vllm_omni_plugin.stage.payload import discard_output, send_request_through
 from vllm_omni_plugin.stage.placement.ray_actor import ActorPlaced, ReplicaSpec, StageReplicaActor
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
@@ -492,14 +492,7 @@ class RayStageClient(StageCoreClientBase):
         finally:
             self.inflight.discard(request.request_id)
         message: RemoteOutput = self._replies.decode(data)
-        if message.error is not None or message.output is None:
-            error = message.error or "the actor returned no output"
-            kind = ERROR_KINDS[message.error_kind] if message.error_kind else StageError
-            raise kind(f"{self.label}: {error}", stage_id=self.stage_id, request_id=request.request_id)
-        output = message.output
-        output.timings["transfer_put"] = put_seconds
-        collect_output(output, self.output_connector)
-        return output
+        return remote_stage_output(message, self.label, self.stage_id, put_seconds, self.output_connector)
 
     def _discard_later(self, ref: Any) -> None:
         """A reply nobody waits for any more may still hold an image in the output connector: free it."""
