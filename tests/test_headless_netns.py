@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vllm_omni_plugin.testing.leaks import LeakWatch
 from vllm_omni_plugin.testing.netns import NamespaceHTTP, NamespacePair
 from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
 
@@ -229,7 +230,10 @@ def test_killed_worker_fails_its_request_with_503_and_a_restarted_worker_rejoins
 
 
 def test_worker_exits_when_the_head_disappears(hosts: TwoHosts) -> None:
-    os.killpg(hosts.head.proc.pid, signal.SIGKILL)
+    head_host = LeakWatch(root=hosts.head.proc.pid, only_new=False)
+    head_host.poll()  # what the head's processes hold in /dev/shm (vLLM's message queues among them)
+    os.killpg(hosts.head.proc.pid, signal.SIGKILL)  # the head's whole host is gone...
+    head_host.clean(head_host.leftovers(grace=10))  # ...and its /dev/shm with it: not a leak of ours
     code = hosts.worker.proc.wait(60)
     assert code == 1
     log = hosts.worker.log_text()

@@ -36,6 +36,8 @@ class Leftovers:
     processes: dict[int, str] = field(default_factory=dict)
     """Pid -> command line of each process of the run still running."""
     segments: list[str] = field(default_factory=list)
+    mappers: dict[str, str] = field(default_factory=dict)
+    """Segment -> the process of the run seen mapping it first (pid and command line), where known."""
 
     def __bool__(self) -> bool:
         return bool(self.processes or self.segments)
@@ -47,6 +49,7 @@ class Leftovers:
             lines += [f"  pid {pid}: {cmd[:160]}" for pid, cmd in sorted(self.processes.items())]
         if self.segments:
             lines.append(f"{len(self.segments)} /dev/shm segment(s) left: {', '.join(self.segments)}")
+            lines += [f"  {name}: first mapped by {who}" for name, who in sorted(self.mappers.items())]
         return "\n".join(lines)
 
 
@@ -140,6 +143,11 @@ class LeakWatch:
         while True:
             left = Leftovers(self.running(), self.left_segments())
             if not left or time.monotonic() >= deadline:
+                with self._lock:
+                    for name in left.segments:
+                        pid = self.segments.get(name)
+                        if pid is not None:
+                            left.mappers[name] = f"pid {pid} ({self.commands.get(pid, 'this process')[:120]})"
                 return left
             time.sleep(0.2)
 
