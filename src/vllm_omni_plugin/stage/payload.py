@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -53,31 +54,32 @@ def internalize(value: Any, connector: OmniConnector, timeout: float | None = No
     return value
 
 
+def handles_in(value: Any) -> Iterator[Any]:
+    """The connector handles inside a message (struct fields, lists, dicts), in order, as they travel
+    (the fields of a ``ConnectorHandle``)."""
+    if isinstance(value, dict):
+        if HANDLE_KEY in value and len(value) == 1:
+            yield value[HANDLE_KEY]
+            return
+        for v in value.values():
+            yield from handles_in(v)
+    elif isinstance(value, msgspec.Struct):
+        for f in value.__struct_fields__:
+            yield from handles_in(getattr(value, f))
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from handles_in(v)
+
+
 def carries_handles(value: Any) -> bool:
     """Whether a message holds connector handles (values that are read once, by one receiver)."""
-    if isinstance(value, dict):
-        return (HANDLE_KEY in value and len(value) == 1) or any(carries_handles(v) for v in value.values())
-    if isinstance(value, msgspec.Struct):
-        return any(carries_handles(getattr(value, f)) for f in value.__struct_fields__)
-    if isinstance(value, list | tuple):
-        return any(carries_handles(v) for v in value)
-    return False
+    return next(handles_in(value), None) is not None
 
 
 def release(value: Any, connector: OmniConnector) -> None:
     """Free the handles inside a message that will never be read (its request was aborted)."""
-    if isinstance(value, dict):
-        if HANDLE_KEY in value and len(value) == 1:
-            connector.cleanup(msgspec.convert(value[HANDLE_KEY], ConnectorHandle))
-            return
-        for v in value.values():
-            release(v, connector)
-    elif isinstance(value, msgspec.Struct):
-        for f in value.__struct_fields__:
-            release(getattr(value, f), connector)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            release(v, connector)
+    for handle in handles_in(value):
+        connector.cleanup(msgspec.convert(handle, ConnectorHandle))
 
 
 def send_request_through(request: Any, connector: OmniConnector | None) -> tuple[Any, float]:
