@@ -13,7 +13,6 @@ Requests alternate text-to-image and image edits. Targets: >= 2x the reference a
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import time
@@ -73,6 +72,7 @@ def ours(
 ) -> tuple[dict[int, float], dict]:
     from vllm_omni_plugin.entrypoints.omni import Omni
     from vllm_omni_plugin.stage.orchestrator import OmniRequest
+    from vllm_omni_plugin.testing.load import in_flight
 
     def requests(total: int) -> list[OmniRequest]:
         out = []
@@ -117,29 +117,15 @@ def ours(
     return rates, handoff
 
 
-def in_flight(omni: Any, requests: list[Any], concurrency: int) -> list[Any]:
-    """Every request, with ``concurrency`` of them in flight at any time (a new one as one finishes), as
-    clients of a busy server keep it."""
-    import concurrent.futures
-
-    pending = iter(requests)
-    running = {omni.submit(r) for r in itertools.islice(pending, concurrency)}
-    results = []
-    while running:
-        done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-        for future in done:
-            results.append(future.result())
-            running.update(omni.submit(r) for r in itertools.islice(pending, 1))
-    return results
-
-
 def handoff_of(result: Any) -> tuple[int, float]:
     """KV bytes a request handed over (its contexts) and the seconds that took: the exports in the
     thinker's worker plus the DiT's get."""
+    from vllm_omni_plugin.connectors.base import HANDLE_KEY
+
     thinker = result.stage_outputs[0]
     outputs = [thinker, *thinker.companions.values()]
     contexts = [o.stage_outputs["context"] for o in outputs]
-    kv_bytes = sum(int(c["kv"]["__omni_connector_handle__"]["nbytes"]) for c in contexts)
+    kv_bytes = sum(int(c["kv"][HANDLE_KEY]["nbytes"]) for c in contexts)
     seconds = max(c["export_s"] for c in contexts) + result.timings.get("stage_1_transfer_in", 0.0)
     return kv_bytes, seconds
 

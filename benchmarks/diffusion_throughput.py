@@ -24,7 +24,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import wait
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -78,6 +77,7 @@ def diffusers_rates(model: str, images: int, batch: int) -> tuple[float, float]:
 def offline_rates(model: str, deploy: str, images: int, levels: list[int]) -> dict[int, float]:
     from vllm_omni_plugin.entrypoints.omni import Omni
     from vllm_omni_plugin.stage.orchestrator import OmniRequest
+    from vllm_omni_plugin.testing.load import in_flight
 
     def req(i: int) -> OmniRequest:
         return OmniRequest(prompt=prompt(i), height=SIZE, width=SIZE, num_inference_steps=STEPS, seed=i)
@@ -89,12 +89,7 @@ def offline_rates(model: str, deploy: str, images: int, levels: list[int]) -> di
             rates = []
             for _ in range(ROUNDS):
                 start = time.perf_counter()
-                pending: set = set()
-                for i in range(images):  # keep `concurrency` requests in flight, like the HTTP clients
-                    if len(pending) >= concurrency:
-                        _, pending = wait(pending, return_when="FIRST_COMPLETED")
-                    pending.add(omni.submit(req(i)))
-                wait(pending)
+                in_flight(omni, (req(i) for i in range(images)), concurrency)  # as the HTTP clients
                 rates.append(images / (time.perf_counter() - start))
             out[concurrency] = statistics.median(rates)
     return out

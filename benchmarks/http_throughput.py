@@ -61,10 +61,9 @@ async def http_rate(base_url: str, model: str, images: int, concurrency: int) ->
 
 
 def offline_rate(model: str, images: int, concurrency: int) -> float:
-    from concurrent.futures import wait
-
     from vllm_omni_plugin.entrypoints.omni import Omni
     from vllm_omni_plugin.stage.orchestrator import OmniRequest
+    from vllm_omni_plugin.testing.load import in_flight
 
     def req(i: int) -> OmniRequest:
         return OmniRequest(
@@ -76,12 +75,7 @@ def offline_rate(model: str, images: int, concurrency: int) -> float:
         rates = []
         for _ in range(ROUNDS):
             start = time.perf_counter()
-            pending: set = set()
-            for i in range(images):  # keep `concurrency` requests in flight, like the HTTP clients
-                if len(pending) >= concurrency:
-                    _, pending = wait(pending, return_when="FIRST_COMPLETED")
-                pending.add(omni.submit(req(i)))
-            wait(pending)
+            in_flight(omni, (req(i) for i in range(images)), concurrency)  # as the HTTP clients
             rates.append(images / (time.perf_counter() - start))
         return statistics.median(rates)
 
