@@ -46,13 +46,10 @@ def server(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory):
         log_path=tmp_path_factory.mktemp("bagel_server") / "server.log",
         env=cpu_test_env({"VLLM_LOG_STATS_INTERVAL": "1"}),  # /metrics sees the thinker's export counters
     )  # fmt: skip
-    proc.start()
-    try:
+    with proc:
         proc.wait_ready(timeout=300)
         yield proc
-    finally:
-        proc.stop()
-        assert our_segments() == []
+    assert our_segments() == []
 
 
 @pytest.fixture(scope="module")

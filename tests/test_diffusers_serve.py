@@ -79,14 +79,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         port=port,
         log_path=tmp_path_factory.mktemp(f"serve_{family}") / "server.log",
     )  # fmt: skip
-    server.start()
-    try:
+    with server:
         server.wait_ready(timeout=300)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
         guidance, edits = FAMILIES[family]
         yield Served(family, model, server, client, guidance, edits)
-    finally:
-        server.stop()
 
 
 def decode(b64: str) -> np.ndarray:

@@ -40,12 +40,9 @@ def server(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory):
         port=port,
         log_path=tmp_path_factory.mktemp("faults") / "server.log",
     )  # fmt: skip
-    proc.start()
-    try:
+    with proc:
         proc.wait_ready(timeout=300)
         yield proc
-    finally:
-        proc.stop()
 
 
 # --- helpers ------------------------------------------------------------------------------------------
