@@ -9,8 +9,9 @@ source's output. Cancelling a request aborts it in every stage. Per-request timi
 stage, the processors and transfers, with absolute intervals so overlap can be checked.
 
 A stage replica that dies fails the requests it was serving with ``StageDeadError``. Each such request
-runs that stage again, from the stage's input (its sources' outputs, which the orchestrator holds) on a
-live or restarted replica, as long as its budget of ``max_retries`` lasts (one budget per request, all
+runs that stage again, from the stage's input (its sources' outputs, which the orchestrator holds; a
+source output made of read-once connector handles, BAGEL's contexts, is made again by running its stage)
+on a live or restarted replica, as long as its budget of ``max_retries`` lasts (one budget per request, all
 stages together); then it fails with ``RetriesExhaustedError`` (HTTP 503), logged with the deaths it saw.
 A request's output reaches its client only after every stage has finished, so an interrupted request has
 delivered nothing, and every request is seeded and free of side effects: running it again gives what it
