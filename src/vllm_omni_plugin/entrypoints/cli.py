@@ -193,6 +193,13 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Largest input image (images/edits upload or chat image_url) the API accepts.",
     )
     group.add_argument(
+        "--image-max-inference-steps",
+        type=_positive_int,
+        default=1000,
+        metavar="STEPS",
+        help="Largest num_inference_steps a request may ask for.",
+    )
+    group.add_argument(
         "--image-media-dir",
         default=None,
         metavar="DIR",

@@ -54,6 +54,9 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
         multiple=pipeline.image_size_multiple,
         max_side=int(getattr(args, "image_max_size", None) or ImageLimits.max_side),
         max_upload_bytes=int(getattr(args, "image_max_upload_bytes", None) or ImageLimits.max_upload_bytes),
+        max_inference_steps=int(
+            getattr(args, "image_max_inference_steps", None) or ImageLimits.max_inference_steps
+        ),
         default_width=int(defaults.get("width") or ImageLimits.default_width),
         default_height=int(defaults.get("height") or ImageLimits.default_height),
     )
