@@ -25,7 +25,7 @@ import pytest
 from PIL import Image
 
 from helpers import our_segments
-from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port, metric_value
 
 pytestmark = pytest.mark.server
 
@@ -250,14 +250,6 @@ def test_think_mode_returns_the_plan_with_the_image(client: openai.OpenAI) -> No
     assert content[1]["type"] == "text"
 
 
-def _metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_nothing_held_after_fifty_mixed_requests(server: ServerProcess) -> None:
     """Text-to-image, edits, understanding, think mode and requests whose client goes away: afterwards
     the thinker holds no KV blocks and every exported context was released."""
@@ -306,8 +298,8 @@ def test_nothing_held_after_fifty_mixed_requests(server: ServerProcess) -> None:
     while True:
         thinker = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][0]
         metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
-        exports = _metric(metrics, "omni_context_exports_total")
-        held = _metric(metrics, "omni_context_export_outstanding")
+        exports = metric_value(metrics, "omni_context_exports_total")
+        held = metric_value(metrics, "omni_context_export_outstanding")
         idle = (
             thinker.get("running") == 0
             and thinker.get("waiting") == 0
@@ -338,7 +330,7 @@ def test_a_dit_death_runs_the_request_again_from_the_thinker(server: ServerProce
         "modalities": ["image"],
         "height": 64,
         "width": 64,
-        "num_inference_steps": 300,
+        "num_inference_steps": 600,
         "seed": 1,
     }
     before = httpx.get(server.base_url + "/metrics", timeout=10).text
@@ -346,13 +338,9 @@ def test_a_dit_death_runs_the_request_again_from_the_thinker(server: ServerProce
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
             task = asyncio.create_task(http.post("/v1/chat/completions", json=body))
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:  # kill it while the DiT works on the request
-                await asyncio.sleep(0.1)
-                stages = (await http.get("/health")).json()["stages"]
-                if stages["1"]["replicas"][0]["inflight"] > 0:
-                    break
-            os.kill(dit_pid, signal.SIGKILL)
+            steps = metric_value(before, "omni_diffusion_denoise_steps_total")
+            await asyncio.to_thread(server.wait_denoising, steps, body["num_inference_steps"])
+            os.kill(dit_pid, signal.SIGKILL)  # while the DiT works on the request
             return await task
 
     response = asyncio.run(run())
@@ -365,24 +353,16 @@ def test_a_dit_death_runs_the_request_again_from_the_thinker(server: ServerProce
     expected = np.asarray(image_of(undisturbed.json()["choices"][0]["message"]["content"]))
     assert np.abs(retried.astype(int) - expected.astype(int)).max() <= 1
     after = httpx.get(server.base_url + "/metrics", timeout=10).text
-    retries = [_metric_of(text, "omni_stage_retries_total", stage="1") for text in (before, after)]
+    retries = [metric_value(text, "omni_stage_retries_total", stage="1") for text in (before, after)]
     assert retries[1] - retries[0] == 1
-    assert _metric_of(after, "omni_stage_replica_deaths_total", stage="1") >= 1
+    assert metric_value(after, "omni_stage_replica_deaths_total", stage="1") >= 1
     deadline = time.monotonic() + 60
     while True:  # the thinker freed both runs' blocks; every context of both runs was released
         thinker = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][0]
-        held = _metric(
+        held = metric_value(
             httpx.get(server.base_url + "/metrics", timeout=10).text, "omni_context_export_outstanding"
         )
         if thinker.get("kv_cache_usage") == 0.0 and held == 0:
             break
         assert time.monotonic() < deadline, (thinker, held)
         time.sleep(0.5)
-
-
-def _metric_of(text: str, name: str, **labels: str) -> float:
-    """One sample's value: the line of ``name`` whose labels include ``labels``."""
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0

@@ -105,11 +105,6 @@ def assert_within_one_level(served: np.ndarray, direct: np.ndarray) -> None:
     assert served.std() > 10  # an image, not a constant (NaNs would come out as one)
 
 
-def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
 # --- images equal to diffusers ---------------------------------------------------------------------------
 
 
@@ -120,7 +115,7 @@ def test_generations_equal_direct_diffusers_calls(served: Served) -> None:
         assert "edits images and needs a source image" in str(caught.value)
         assert "QwenImageEditPipeline" in str(caught.value)
         return
-    before = metric(served.server, "omni_diffusion_denoise_steps_total")
+    before = served.server.metric("omni_diffusion_denoise_steps_total")
     result = served.client.images.generate(
         model=served.name,
         prompt="a red fox in the snow",
@@ -132,7 +127,7 @@ def test_generations_equal_direct_diffusers_calls(served: Served) -> None:
     for i, image in enumerate(images):  # seeds 11, 12, 13; the three ran as one batch
         assert_within_one_level(image, served.reference("a red fox in the snow", seed=11 + i))
     assert len({image.tobytes() for image in images}) == 3
-    assert metric(served.server, "omni_diffusion_denoise_steps_total") - before == 3 * STEPS
+    assert served.server.metric("omni_diffusion_denoise_steps_total") - before == 3 * STEPS
 
 
 def test_chat_with_image_modality_equals_a_direct_call(served: Served) -> None:

@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEPLOY = str(REPO / "deploy" / "tiny_glm_image_cpu.yaml")
 MODEL = "tiny-glm-image"
 GENERATIONS = "/v1/images/generations"
+ENDLESS = 100_000
+"""Steps of a request that is only ever cancelled: it cannot end before the test is done with it."""
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,8 @@ def server(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     proc = ServerProcess(
         [bin_script("vllm"), "serve", str(tiny_glm_image), "--omni", "--deploy-config", DEPLOY,
-         "--port", str(port), "--host", "127.0.0.1", "--served-model-name", MODEL],
+         "--port", str(port), "--host", "127.0.0.1", "--served-model-name", MODEL,
+         "--image-max-inference-steps", str(ENDLESS)],
         port=port,
         log_path=tmp_path_factory.mktemp("faults") / "server.log",
     )  # fmt: skip
@@ -54,18 +57,6 @@ def health(server: ServerProcess) -> dict[str, Any]:
 
 def replica(server: ServerProcess, stage: str) -> dict[str, Any]:
     return health(server)["stages"][stage]["replicas"][0]
-
-
-def metric(server: ServerProcess, sample: str, /, **labels: str) -> float:
-    """The value of one Prometheus sample of /metrics (0 when absent)."""
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    for line in text.splitlines():
-        if not line.startswith(sample + "{") and not line.startswith(sample + " "):
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def wait_for(condition: Any, timeout: float, what: str) -> None:
@@ -138,16 +129,16 @@ def test_a_stage_killed_under_24_requests_loses_none_and_changes_no_image(
     server: ServerProcess, reference: list[np.ndarray], stage: str, name: str, min_inflight: int
 ) -> None:
     labels = {"stage": stage, "name": name}
-    deaths = metric(server, "omni_stage_replica_deaths_total", **labels)
-    retries = metric(server, "omni_stage_retries_total", **labels)
+    deaths = server.metric("omni_stage_replica_deaths_total", **labels)
+    retries = server.metric("omni_stage_retries_total", **labels)
     restarts = replica(server, stage)["restarts"]
     responses, killed = run_with_kill(server, stage, min_inflight)
     assert_same_images(responses, reference)
     after = replica(server, stage)
     assert after["restarts"] == restarts + 1 and after["pid"] != killed and after["state"] == "ready"
-    assert metric(server, "omni_stage_replica_deaths_total", **labels) == deaths + 1
-    assert metric(server, "omni_stage_retries_total", **labels) >= retries + 1  # at least one was in flight
-    assert metric(server, "omni_stage_retries_exhausted_total", **labels) == 0
+    assert server.metric("omni_stage_replica_deaths_total", **labels) == deaths + 1
+    assert server.metric("omni_stage_retries_total", **labels) >= retries + 1  # at least one was in flight
+    assert server.metric("omni_stage_retries_exhausted_total", **labels) == 0
     assert f"stage {stage} ({name}) replica 0: removed" in server.log_text()  # what the dead one left
 
 
@@ -158,7 +149,7 @@ def test_a_request_that_kills_its_stage_every_time_gets_503_after_its_budget(ser
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
             work = asyncio.ensure_future(
-                client.post(GENERATIONS, json={**body(1), "num_inference_steps": 300})
+                client.post(GENERATIONS, json={**body(1), "num_inference_steps": 1000})
             )
             while not work.done():  # kill the DiT process whenever the request is in it
                 state = await asyncio.to_thread(replica, server, "1")
@@ -176,7 +167,7 @@ def test_a_request_that_kills_its_stage_every_time_gets_503_after_its_budget(ser
     log = server.log_text()
     (line,) = [ln for ln in log.splitlines() if "giving up after 2 replica death(s)" in ln]
     assert re.search(r"request [0-9a-f]{32}: giving up", line) and line.count("died (exit code -9)") == 2
-    assert metric(server, "omni_stage_retries_exhausted_total", stage="1", name="dit") == 1
+    assert server.metric("omni_stage_retries_exhausted_total", stage="1", name="dit") == 1
     wait_for(lambda: replica(server, "1")["state"] == "ready", 120, "the DiT to come back")
     assert replica(server, "1")["restarts"] == restarts + 2
     after = httpx.post(server.base_url + GENERATIONS, json=body(2), timeout=300)
@@ -188,18 +179,18 @@ def test_a_request_that_kills_its_stage_every_time_gets_503_after_its_budget(ser
 
 def aborted(server: ServerProcess, stage: str, where: str) -> float:
     name = {"0": "ar", "1": "dit"}[stage]
-    return metric(server, "omni_stage_aborted_requests_total", stage=stage, name=name, where=where)
+    return server.metric("omni_stage_aborted_requests_total", stage=stage, name=name, where=where)
 
 
 def images_made(server: ServerProcess) -> float:
-    return metric(server, "omni_images_generated_total", endpoint="images/generations")
+    return server.metric("omni_images_generated_total", endpoint="images/generations")
 
 
 def test_a_client_gone_during_the_ar_stage_aborts_its_request_in_every_stage(server: ServerProcess) -> None:
-    disconnects = metric(server, "omni_client_disconnects_total", endpoint="images/generations")
+    disconnects = server.metric("omni_client_disconnects_total", endpoint="images/generations")
     engine, images = aborted(server, "0", "engine"), images_made(server)
-    tokens = metric(server, "vllm:generation_tokens_total")
-    discarded = metric(server, "omni_stage_discarded_outputs_total", stage="1", name="dit")
+    tokens = server.metric("vllm:generation_tokens_total")
+    discarded = server.metric("omni_stage_discarded_outputs_total", stage="1", name="dit")
     dit_drops = aborted(server, "1", "queue") + aborted(server, "1", "batch")
     ar_tokens = 721  # a 768x768 image: 576 + 144 + 1 AR tokens, long enough to be caught in the AR stage
 
@@ -215,32 +206,32 @@ def test_a_client_gone_during_the_ar_stage_aborts_its_request_in_every_stage(ser
     asyncio.run(main())
     wait_for(lambda: aborted(server, "0", "engine") == engine + 1, 30, "the AR engine's abort")
     assert replica(server, "0")["inflight"] == 0 and replica(server, "1")["inflight"] == 0
-    assert metric(server, "omni_client_disconnects_total", endpoint="images/generations") == disconnects + 1
+    assert server.metric("omni_client_disconnects_total", endpoint="images/generations") == disconnects + 1
     time.sleep(3.0)  # longer than the whole AR stage of this request takes here: nothing comes later
     assert (
-        metric(server, "vllm:generation_tokens_total") - tokens < ar_tokens
+        server.metric("vllm:generation_tokens_total") - tokens < ar_tokens
     )  # the engine stopped decoding it
     assert (
         aborted(server, "1", "queue") + aborted(server, "1", "batch") == dit_drops
     )  # it never reached the DiT
     assert images_made(server) == images
-    assert metric(server, "omni_stage_discarded_outputs_total", stage="1", name="dit") == discarded
+    assert server.metric("omni_stage_discarded_outputs_total", stage="1", name="dit") == discarded
 
 
 def test_clients_gone_during_the_dit_stage_are_dropped_from_its_queue_and_its_batch(
     server: ServerProcess,
 ) -> None:
     queue, batch, images = aborted(server, "1", "queue"), aborted(server, "1", "batch"), images_made(server)
-    discarded = metric(server, "omni_stage_discarded_outputs_total", stage="1", name="dit")
-    disconnects = metric(server, "omni_client_disconnects_total", endpoint="images/generations")
+    discarded = server.metric("omni_stage_discarded_outputs_total", stage="1", name="dit")
+    disconnects = server.metric("omni_client_disconnects_total", endpoint="images/generations")
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
+            steps = server.metric("omni_diffusion_denoise_steps_total")
             running = asyncio.ensure_future(
-                client.post(GENERATIONS, json={**body(5), "num_inference_steps": 1000})
+                client.post(GENERATIONS, json={**body(5), "num_inference_steps": ENDLESS})
             )
-            await asyncio.to_thread(wait_for, lambda: replica(server, "1")["inflight"] >= 1, 120, "the DiT")
-            await asyncio.sleep(0.5)  # its batch has started
+            await asyncio.to_thread(server.wait_denoising, steps, ENDLESS)  # its batch has started
             # another size: it cannot join the running batch and waits in the DiT process's queue
             queued = asyncio.ensure_future(client.post(GENERATIONS, json={**body(6), "size": "128x64"}))
             await asyncio.to_thread(wait_for, lambda: replica(server, "1")["inflight"] >= 2, 120, "the queue")
@@ -256,10 +247,10 @@ def test_clients_gone_during_the_dit_stage_are_dropped_from_its_queue_and_its_ba
     asyncio.run(main())
     wait_for(lambda: aborted(server, "1", "batch") == batch + 1, 30, "the batch drop")
     assert replica(server, "1")["inflight"] == 0
-    assert metric(server, "omni_client_disconnects_total", endpoint="images/generations") == disconnects + 2
+    assert server.metric("omni_client_disconnects_total", endpoint="images/generations") == disconnects + 2
     time.sleep(1.0)
     assert images_made(server) == images  # no image was made for either
-    assert metric(server, "omni_stage_discarded_outputs_total", stage="1", name="dit") == discarded
+    assert server.metric("omni_stage_discarded_outputs_total", stage="1", name="dit") == discarded
     after = httpx.post(server.base_url + GENERATIONS, json=body(7), timeout=300)
     assert after.status_code == 200, after.text
 

@@ -23,7 +23,7 @@ from PIL import Image
 from vllm_omni_plugin.processes import SHM_DIR, unlink_segment
 from vllm_omni_plugin.testing.leaks import LeakWatch
 from vllm_omni_plugin.testing.netns import NamespaceHTTP, NamespacePair
-from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port, metric_value
 
 pytestmark = pytest.mark.server
 
@@ -128,12 +128,7 @@ class TwoHosts:
         return self.worker
 
     def metric(self, name: str, **labels: str) -> float:
-        text = self.http.get(self.url("/metrics"), timeout=10).text
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        for line in text.splitlines():
-            if line.startswith(f"{name}{{{want}}} "):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{name}{{{want}}} not in /metrics")
+        return metric_value(self.http.get(self.url("/metrics"), timeout=10).text, name, **labels)
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,12 @@ pytestmark = pytest.mark.server
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = str(REPO / "deploy" / "tiny_glm_image_cpu.yaml")
 GENERATIONS = "/v1/images/generations"
+DIT_STEPS = 2000
+"""Long enough that the DiT-long requests are still denoising while the AR-long ones go through the AR
+stage; short enough that both drain well inside the 30 s drain timeout (they share one DiT batch)."""
 DIT_LONG = [
-    {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": 1000, "seed": 1},
-    {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": 1000, "seed": 2},
+    {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": DIT_STEPS, "seed": 1},
+    {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": DIT_STEPS, "seed": 2},
 ]
 AR_LONG = [
     {"prompt": "a big painting", "size": "512x512", "num_inference_steps": 2, "seed": 3},
@@ -42,7 +45,7 @@ class Served:
         port = free_port()
         self.server = ServerProcess(
             [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", DEPLOY,
-             "--port", str(port), "--host", "127.0.0.1"],
+             "--port", str(port), "--host", "127.0.0.1", "--image-max-inference-steps", str(DIT_STEPS)],
             port=port, log_path=log_dir / "server.log",
         )  # fmt: skip
         self.server.start()
@@ -58,11 +61,11 @@ class Served:
             raise
 
     def send_in_flight(self) -> None:
-        """The requests of ``IN_FLIGHT``, returning once both stages are working on some of them: the
-        DiT-long ones first, then, while the DiT works on them, the AR-long ones. The AR stage of a big
-        image is mostly the model's processor in the API process, which holds up /health while it runs:
-        a poll may come back only after an AR-long request moved on to the DiT, still busy with the
-        DiT-long ones, and that is in flight too."""
+        """The requests of ``IN_FLIGHT``, returning once every one of them is in a stage and both stages
+        are working: the DiT-long ones first, until all of them are in the DiT, then, while the DiT
+        works on them, the AR-long ones. A request the server has not yet read does not count: the
+        model's processor of a big image runs in the API process and holds up its event loop, and a
+        connection whose request was not read when the server stops is closed unanswered."""
 
         def send(body: dict) -> None:
             try:
@@ -73,8 +76,8 @@ class Served:
                 self.responses.append(type(exc).__name__)
 
         phases = (
-            (DIT_LONG, lambda ar, dit: dit >= 1),
-            (AR_LONG, lambda ar, dit: dit >= 1 and (ar >= 1 or dit > len(DIT_LONG))),
+            (DIT_LONG, lambda ar, dit: dit >= len(DIT_LONG)),
+            (AR_LONG, lambda ar, dit: ar + dit >= len(IN_FLIGHT)),
         )
         for bodies, busy in phases:
             threads = [threading.Thread(target=send, args=(b,), daemon=True) for b in bodies]

@@ -7,6 +7,7 @@ graceful path users take), then SIGKILL to the whole group, so no engine process
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -73,6 +74,19 @@ def _pgid_of(pid: int) -> int | None:
         return None
 
 
+def metric_value(text: str, sample: str, /, **labels: str) -> float:
+    """The sum of the Prometheus samples named ``sample`` in ``text`` (a /metrics page) whose labels
+    include ``labels`` (0 when none does)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith((sample + "{", sample + " ")):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0])) if "{" in line else {}
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -113,6 +127,24 @@ class ServerProcess:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def metric(self, sample: str, /, **labels: str) -> float:
+        """See ``metric_value``: one sample (or a sum) of this server's /metrics."""
+        return metric_value(httpx.get(self.base_url + "/metrics", timeout=30).text, sample, **labels)
+
+    def wait_denoising(self, since: float, steps: int, timeout: float = 120.0) -> None:
+        """Until the diffusion stages have run more than none and at most half of ``steps`` denoising
+        steps past ``since`` (``omni_diffusion_denoise_steps_total`` read before the request was sent):
+        the request of ``steps`` steps is being denoised now, far from its end. Only the steps count
+        proves that; a request counted in flight in a stage may be waiting, or already finishing."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done = self.metric("omni_diffusion_denoise_steps_total") - since
+            if 0 < done <= steps // 2:
+                return
+            assert done <= steps // 2, f"{done:.0f} of {steps} steps were done before a report came"
+            assert time.monotonic() < deadline, "no denoising step was reported"
+            time.sleep(0.02)
 
     def wait_ready(self, timeout: float = 300.0, path: str = "/health", http: Any = httpx) -> None:
         """Until ``path`` answers 200; ``http`` is anything with httpx's ``get`` (e.g. a client that
