@@ -23,7 +23,15 @@ from PIL import Image
 from vllm_omni_plugin.processes import SHM_DIR, unlink_segment
 from vllm_omni_plugin.testing.leaks import LeakWatch
 from vllm_omni_plugin.testing.netns import NamespaceHTTP, NamespacePair
-from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port, metric_value
+from vllm_omni_plugin.testing.server import (
+    ServerProcess,
+    bin_script,
+    cpu_test_env,
+    free_port,
+    metric_value,
+    wait_denoising,
+    wait_for_metric,
+)
 
 pytestmark = pytest.mark.server
 
@@ -210,12 +218,10 @@ def test_killed_worker_fails_its_request_with_503_and_a_restarted_worker_rejoins
     def slow_request() -> None:
         outcome["response"] = hosts.http.post(hosts.url("/v1/images/generations"), json=slow, timeout=300)
 
+    steps = hosts.metric("omni_diffusion_denoise_steps_total")
     thread = threading.Thread(target=slow_request)
     thread.start()
-    deadline = time.monotonic() + 120
-    while hosts.health()["stages"]["1"]["replicas"][0]["inflight"] < 1:
-        assert time.monotonic() < deadline and thread.is_alive(), "the request never reached the DiT"
-        time.sleep(0.02)
+    wait_denoising(hosts.metric, steps, slow["num_inference_steps"])
     os.killpg(hosts.worker.proc.pid, signal.SIGKILL)  # the worker and its DiT process, like a lost host
     thread.join(120)
     response = outcome["response"]
@@ -231,8 +237,13 @@ def test_killed_worker_fails_its_request_with_503_and_a_restarted_worker_rejoins
     hosts.start_worker("worker2.log").wait_for_log("registered with the head", timeout=300)
     body = hosts.wait_health("ok")
     assert body["stages"]["1"]["replicas"][0]["restarts"] == 1
+    steps = hosts.metric("omni_diffusion_denoise_steps_total")
     image = pixels(hosts.http.post(hosts.url("/v1/images/generations"), json=REQUEST, timeout=300))
     np.testing.assert_array_equal(image, single_host_image)
+    # the new worker counts from 0; the head's count goes on from the lost one's
+    wait_for_metric(
+        hosts.metric, "omni_diffusion_denoise_steps_total", steps + REQUEST["num_inference_steps"]
+    )
 
 
 def test_worker_exits_when_the_head_disappears(hosts: TwoHosts) -> None:

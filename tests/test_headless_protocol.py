@@ -1,5 +1,5 @@
-"""The head's side of headless stages over real ZMQ sockets: registration, refusals, heartbeats, a lost
-worker (its requests fail with StageDeadError, the stage waits for a rejoin) and head shutdown. The
+"""The head's side of headless stages over real ZMQ sockets: registration, refusals, heartbeats, progress, a
+lost worker (its requests fail with StageDeadError, the stage waits for a rejoin) and head shutdown. The
 "worker" here is a bare DEALER socket speaking the protocol, so each rule is checked on its own; the
 two-namespace test runs the real worker end to end."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -28,6 +30,7 @@ from vllm_omni_plugin.stage.headless import (
     RemoteStageClient,
     WorkerAccepted,
     WorkerMessage,
+    WorkerProgress,
     WorkerRegister,
     WorkerRejected,
     parse_head_address,
@@ -87,6 +90,14 @@ async def start(deployment) -> tuple[HeadlessStageRegistry, RemoteStageClient, z
     registry = HeadlessStageRegistry(deployment, {1: client})
     await registry.start()
     return registry, client, zmq.asyncio.Context()
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Until the head's receive loop has handled what was sent."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
 
 
 def request(request_id: str) -> StageDiffusionCoreRequest:
@@ -156,6 +167,8 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
             worker = Peer(context, registry.address)
             await worker.send(worker.register(deployment))
             assert isinstance(await worker.receive(), WorkerAccepted)
+            await worker.send(WorkerProgress(denoise_steps=7))
+            await until(lambda: client.denoise_steps == 7)
             pending = asyncio.ensure_future(client.generate(request("lost")))
             assert isinstance(await worker.receive(), RemoteRequest)
             # ... and the worker says nothing more: after heartbeat_timeout_s the head gives up on it.
@@ -166,12 +179,16 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
                 await client.generate(request("meanwhile"))
 
             # The lost worker's late messages are refused; a restarted worker (new socket) rejoins.
-            await worker.send(Heartbeat())
+            await worker.send(WorkerProgress(denoise_steps=9))
             assert isinstance(await worker.receive(), WorkerRejected)
+            assert client.denoise_steps == 7
             again = Peer(context, registry.address)
             await again.send(again.register(deployment, pid=5151))
             assert isinstance(await again.receive(), WorkerAccepted)
             assert client.healthy and client.restarts == 1 and client.pid == 5151
+            # the new worker counts its steps from 0: the head's count goes on from the lost one's
+            await again.send(WorkerProgress(denoise_steps=3))
+            await until(lambda: client.denoise_steps == 10)
 
             await registry.shutdown()
             assert isinstance(await again.receive(), HeadShutdown)

@@ -30,7 +30,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_plugin.testing.server import (
+    ServerProcess,
+    bin_script,
+    cpu_test_env,
+    free_port,
+    wait_for_metric,
+)
 
 ray = pytest.importorskip("ray", reason="backend ray needs the `ray` extra")
 
@@ -70,6 +76,7 @@ stages:
 REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
 SLOW_REQUEST = {**REQUEST, "seed": 12, "num_inference_steps": 400}
 """Long enough in the DiT for its actor to be killed while it works on it."""
+STEPS = "omni_diffusion_denoise_steps_total"
 
 
 def pixels(response: httpx.Response) -> np.ndarray:
@@ -196,6 +203,11 @@ def actor_stats(name: str) -> dict[str, Any]:
     )
 
 
+def actor_steps(name: str) -> int:
+    """The denoising steps a stage actor itself counted (this incarnation's)."""
+    return ray.get(ray.get_actor(name, namespace=NAMESPACE).denoise_steps.remote(), timeout=30)
+
+
 def test_each_stage_runs_on_the_nodes_its_resources_name(served: Served) -> None:
     actors = stage_actors()
     ar = [a for name, a in actors.items() if "-stage0-" in name]
@@ -221,6 +233,9 @@ def test_same_image_as_the_local_backend(served: Served, local_image: np.ndarray
 def test_least_loaded_routing_spreads_16_concurrent_requests_over_both_dit_replicas(served: Served) -> None:
     names = [r["actor"] for r in served.dit_replicas()]
     before = {name: actor_stats(name)["served"] for name in names}
+    # nothing restarted yet: the head's count is what the actors counted, once it has asked them
+    steps = sum(actor_steps(name) for name in names)
+    wait_for_metric(served.server.metric, STEPS, steps)
     responses: list[httpx.Response] = []
     requests = [{**REQUEST, "seed": 100 + i, "prompt": f"fox {i}"} for i in range(16)]
     threads = [threading.Thread(target=lambda r=r: responses.append(served.generate(r))) for r in requests]
@@ -234,6 +249,8 @@ def test_least_loaded_routing_spreads_16_concurrent_requests_over_both_dit_repli
     served_now = {name: actor_stats(name)["served"] - before[name] for name in names}
     assert sum(served_now.values()) == 16
     assert all(count > 0 for count in served_now.values()), served_now
+    # the head's /metrics counts the steps the actors ran
+    wait_for_metric(served.server.metric, STEPS, steps + 16 * REQUEST["num_inference_steps"])
 
 
 def test_killed_dit_actor_is_restarted_by_ray_and_serves_again(
@@ -249,6 +266,7 @@ def test_killed_dit_actor_is_restarted_by_ray_and_serves_again(
 
     busy = served.wait_health(dit_busy, timeout=120)
     victim = next(r for r in busy["stages"]["1"]["replicas"] if r["inflight"])
+    counted = served.server.metric(STEPS)
     os.kill(victim["pid"], signal.SIGKILL)
     worker.join(300)
 
@@ -268,6 +286,8 @@ def test_killed_dit_actor_is_restarted_by_ray_and_serves_again(
     state = stage_actors()[victim["actor"]]
     assert state.num_restarts >= 1 and state.pid == replica["pid"]
     np.testing.assert_array_equal(pixels(served.generate(REQUEST)), local_image)
+    # the restarted actor counts from 0; the head's count goes on from the dead one's
+    wait_for_metric(served.server.metric, STEPS, counted + REQUEST["num_inference_steps"], at_least=True)
 
 
 def test_lost_dit_nodes_make_the_stage_wait_and_a_new_node_brings_it_back(

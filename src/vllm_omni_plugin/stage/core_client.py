@@ -52,6 +52,8 @@ class StageCoreClientBase(abc.ABC):
         self.denoise_steps = 0
         """Denoising steps this replica ran, counted per request, kept across restarts (diffusion
         replicas report it as they go; 0 for the others)."""
+        self._steps_of_earlier = 0
+        """The steps of the processes (workers, actors) this replica ran before its current one."""
         self.deaths = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         """Aborted requests the replica dropped, by where they were: ``queue`` (not started), ``batch``
@@ -62,6 +64,15 @@ class StageCoreClientBase(abc.ABC):
     @property
     def label(self) -> str:
         return f"stage {self.stage_id} ({self.name}) replica {self.replica_id}"
+
+    def count_steps(self, reported: int) -> None:
+        """``reported``: the running count of denoising steps of the replica's current process."""
+        self.denoise_steps = self._steps_of_earlier + reported
+
+    def count_steps_anew(self) -> None:
+        """The replica's process was replaced (a restart, a worker that joined again): the new one counts
+        from 0, and ``denoise_steps`` keeps what the old ones ran."""
+        self._steps_of_earlier = self.denoise_steps
 
     @property
     def healthy(self) -> bool:

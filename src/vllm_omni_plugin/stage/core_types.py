@@ -56,6 +56,11 @@ class StageFailed(msgspec.Struct, kw_only=True, tag="failed"):
     error: str
 
 
+PROGRESS_REPORT_INTERVAL_S = 0.5
+"""How often a working diffusion replica tells its client how many denoising steps it has run (a stage
+process, a headless worker, a Ray actor asked by the head)."""
+
+
 class StageProgress(msgspec.Struct, kw_only=True, tag="progress"):
     """A diffusion replica's running count of denoising steps (per request), sent while it works."""
 

@@ -100,8 +100,6 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         self._context: Any = None
         self._push: Any = None
         self._pull: Any = None
-        self._steps_before = 0
-        """Denoising steps of this replica's earlier processes (a restarted one counts from 0)."""
 
     @property
     def pid(self) -> int | None:
@@ -183,7 +181,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 self.dropped[message.where] += len(message.request_ids)
                 continue
             if isinstance(message, StageProgress):
-                self.denoise_steps = self._steps_before + message.denoise_steps
+                self.count_steps(message.denoise_steps)
                 continue
             for output in message.outputs:
                 if not self._pending.resolve(output.request_id, output):
@@ -202,7 +200,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 return
             try:
                 self.restarts += 1
-                self._steps_before = self.denoise_steps
+                self.count_steps_anew()
                 await self._launch()
             except StageError as exc:
                 logger.error("%s could not be restarted: %s", self.label, exc)

@@ -28,6 +28,7 @@ from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import exit_with_parent, spawning_without_main
 from vllm_omni_plugin.stage.core_types import (
+    PROGRESS_REPORT_INTERVAL_S,
     FromStageMessage,
     StageAbort,
     StageCoreOutputs,
@@ -46,9 +47,6 @@ from vllm_omni_plugin.stage.serialization import StageMessageCodec
 logger = get_logger(__name__)
 
 POLL_MS = 200
-
-PROGRESS_REPORT_INTERVAL_S = 0.5
-"""How often a working replica tells its client how many denoising steps it has run."""
 
 ConnectorSpecTuple = tuple[str, str, dict[str, Any]]
 """(connector name, class name, extra): what a stage process needs to build a connector itself."""

@@ -83,6 +83,12 @@ class WorkerLeaving(msgspec.Struct, kw_only=True, tag="leaving"):
     reason: str
 
 
+class WorkerProgress(msgspec.Struct, kw_only=True, tag="worker_progress"):
+    """The worker's running count of denoising steps (all its replicas), sent while it changes."""
+
+    denoise_steps: int
+
+
 class HeadShutdown(msgspec.Struct, kw_only=True, tag="head_shutdown"):
     pass
 
@@ -132,7 +138,7 @@ def error_kind(exc: StageError) -> ErrorKind:
 
 
 HeadMessage = WorkerAccepted | WorkerRejected | Heartbeat | HeadShutdown | RemoteRequest | StageAbort
-WorkerMessage = WorkerRegister | Heartbeat | WorkerLeaving | RemoteOutput
+WorkerMessage = WorkerRegister | Heartbeat | WorkerLeaving | RemoteOutput | WorkerProgress
 
 
 def stage_config_digest(deployment: ResolvedDeployment, stage_id: int) -> str:
@@ -209,6 +215,7 @@ class RemoteStageClient(StageCoreClientBase):
         self.last_seen = time.monotonic()
         self.joins += 1
         self.restarts = self.joins - 1
+        self.count_steps_anew()
         self.state = StageState.READY
         logger.info("%s registered (join %d)", self.label, self.joins)
 
@@ -320,6 +327,8 @@ class HeadlessStageRegistry:
             client.last_seen = time.monotonic()
             if isinstance(message, RemoteOutput):
                 client.deliver(message)
+            elif isinstance(message, WorkerProgress):
+                client.count_steps(message.denoise_steps)
             elif isinstance(message, WorkerLeaving):
                 client.detach(f"left ({message.reason})")
 

@@ -19,7 +19,12 @@ from typing import Any
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreRequest, StageLLMCoreRequest
+from vllm_omni_plugin.stage.core_types import (
+    PROGRESS_REPORT_INTERVAL_S,
+    StageAbort,
+    StageDiffusionCoreRequest,
+    StageLLMCoreRequest,
+)
 from vllm_omni_plugin.stage.errors import StageError
 from vllm_omni_plugin.stage.factory import build_stages
 from vllm_omni_plugin.stage.headless import (
@@ -31,6 +36,7 @@ from vllm_omni_plugin.stage.headless import (
     WorkerAccepted,
     WorkerLeaving,
     WorkerMessage,
+    WorkerProgress,
     WorkerRegister,
     WorkerRejected,
     error_kind,
@@ -175,7 +181,18 @@ class HeadlessStageWorker:
                     return
                 await self._send(Heartbeat())
 
+        async def progress() -> None:
+            """The replicas' denoising steps, for the head's /metrics, whenever they changed."""
+            sent = 0
+            while True:
+                await asyncio.sleep(PROGRESS_REPORT_INTERVAL_S)
+                steps = sum(replica.denoise_steps for replica in pool.clients)
+                if steps != sent:
+                    await self._send(WorkerProgress(denoise_steps=steps))
+                    sent = steps
+
         beat = asyncio.create_task(heartbeat(), name="heartbeat to head")
+        steps = asyncio.create_task(progress(), name="progress to head")
         try:
             while True:
                 message = self._codec_in.decode(await self._dealer.recv())
@@ -199,6 +216,7 @@ class HeadlessStageWorker:
                     return
         finally:
             beat.cancel()
+            steps.cancel()
 
     async def _generate(
         self, pool: StageReplicaPool, request: StageLLMCoreRequest | StageDiffusionCoreRequest

@@ -87,6 +87,38 @@ def metric_value(text: str, sample: str, /, **labels: str) -> float:
     return total
 
 
+def wait_denoising(metric: Callable[[str], float], since: float, steps: int, timeout: float = 120.0) -> None:
+    """Until the diffusion stages have run more than none and at most half of ``steps`` denoising steps
+    past ``since`` (``omni_diffusion_denoise_steps_total`` read before the request was sent; ``metric``
+    reads a sample of the server's /metrics): the request of ``steps`` steps is being denoised now, far
+    from its end. Only the steps count proves that; a request counted in flight in a stage may be
+    waiting, or already finishing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = metric("omni_diffusion_denoise_steps_total") - since
+        if 0 < done <= steps // 2:
+            return
+        assert done <= steps // 2, f"{done:.0f} of {steps} steps were done before a report came"
+        assert time.monotonic() < deadline, "no denoising step was reported"
+        time.sleep(0.02)
+
+
+def wait_for_metric(
+    metric: Callable[[str], float],
+    sample: str,
+    expected: float,
+    *,
+    at_least: bool = False,
+    timeout: float = 30.0,
+) -> None:
+    """Until ``metric(sample)`` is ``expected`` (or more, ``at_least``): what remote replicas report
+    reaches /metrics a moment after the answer."""
+    deadline = time.monotonic() + timeout
+    while (value := metric(sample)) != expected and not (at_least and value > expected):
+        assert time.monotonic() < deadline, f"{sample} is {value}, not {'at least ' * at_least}{expected}"
+        time.sleep(0.1)
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -133,18 +165,8 @@ class ServerProcess:
         return metric_value(httpx.get(self.base_url + "/metrics", timeout=30).text, sample, **labels)
 
     def wait_denoising(self, since: float, steps: int, timeout: float = 120.0) -> None:
-        """Until the diffusion stages have run more than none and at most half of ``steps`` denoising
-        steps past ``since`` (``omni_diffusion_denoise_steps_total`` read before the request was sent):
-        the request of ``steps`` steps is being denoised now, far from its end. Only the steps count
-        proves that; a request counted in flight in a stage may be waiting, or already finishing."""
-        deadline = time.monotonic() + timeout
-        while True:
-            done = self.metric("omni_diffusion_denoise_steps_total") - since
-            if 0 < done <= steps // 2:
-                return
-            assert done <= steps // 2, f"{done:.0f} of {steps} steps were done before a report came"
-            assert time.monotonic() < deadline, "no denoising step was reported"
-            time.sleep(0.02)
+        """See the module's ``wait_denoising``, on this server's /metrics."""
+        wait_denoising(self.metric, since, steps, timeout)
 
     def wait_ready(self, timeout: float = 300.0, path: str = "/health", http: Any = httpx) -> None:
         """Until ``path`` answers 200; ``http`` is anything with httpx's ``get`` (e.g. a client that

@@ -34,7 +34,7 @@ from vllm_omni_plugin.config.resolved import ROUTER, ResolvedDeployment, Resolve
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
-from vllm_omni_plugin.stage.core_types import StageAbort, StageFailed, StageReady
+from vllm_omni_plugin.stage.core_types import PROGRESS_REPORT_INTERVAL_S, StageAbort, StageFailed, StageReady
 from vllm_omni_plugin.stage.errors import (
     RequestAbortedError,
     StageDeadError,
@@ -351,6 +351,8 @@ class RayStageClient(StageCoreClientBase):
             self.owner.abandon()  # start-up fails as a whole: no actor of it may stay behind
             raise
         self._tasks.append(asyncio.create_task(self._watch(), name=f"{self.label} watch"))
+        if self.stage.execution_type != "llm_ar":
+            self._tasks.append(asyncio.create_task(self._progress(), name=f"{self.label} progress"))
 
     async def _load(self) -> None:
         """Load the stage in the placed actor and pick this replica's connectors from its node."""
@@ -462,6 +464,16 @@ class RayStageClient(StageCoreClientBase):
             except ray.exceptions.RayActorError:
                 continue  # lost again while loading
             self.restarts += 1
+            self.count_steps_anew()
+
+    async def _progress(self) -> None:
+        """Ask the actor for its denoising steps while it serves (for /metrics); deaths are _watch's."""
+        while True:
+            await asyncio.sleep(PROGRESS_REPORT_INTERVAL_S)
+            if self.state != StageState.READY:
+                continue
+            with contextlib.suppress(Exception):
+                self.count_steps(await self.actor.denoise_steps.remote())
 
     # --- requests ---------------------------------------------------------------------------------
 

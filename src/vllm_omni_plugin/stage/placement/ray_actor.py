@@ -286,6 +286,10 @@ class StageReplicaActor:
             ActorStats(served=self.served, input_connector=self.input_name, output_connector=self.output_name)
         )
 
+    async def denoise_steps(self) -> int:
+        """The running count of this incarnation's denoising steps (the head asks while it serves)."""
+        return self.replica.denoise_steps if self.replica is not None else 0
+
     async def log_stats(self) -> None:
         if self.replica is not None:
             await self.replica.log_stats()
