@@ -209,9 +209,11 @@ class StageLLMCoreClient(StageCoreClientBase):
             ) from exc
         except asyncio.CancelledError:
             if self.engine is not None:
+                # Counted and sent before any await: a second cancellation (the request's other tasks
+                # being torn down) must not interrupt the abort, nor lose its count.
+                self.dropped["engine"] += 1
                 with contextlib.suppress(Exception):
-                    await self.engine.abort(request.request_id)
-                    self.dropped["engine"] += 1
+                    await asyncio.shield(self.engine.abort(request.request_id))
             raise
         finally:
             self.inflight.discard(request.request_id)
