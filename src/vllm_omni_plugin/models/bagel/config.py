@@ -388,28 +388,23 @@ def _transform(top: dict[str, Any], key: str, default: TransformConfig, root: Pa
 
 
 def _position_table_sides(weights: Path) -> dict[str, int]:
-    """Sides of the 2-D position tables stored in the checkpoint (header only; nothing else is read).
+    """Sides of the 2-D position tables stored in the checkpoint (its header only: the 29 GB body is neither
+    read nor mapped).
 
     The weights are the authority: the hub's config.json says ``max_latent_size`` 32 while the released
     table has 64 x 64 rows, and BAGEL's own loader passes 64.
     """
     if not weights.is_file():
         return {}
-    from safetensors import safe_open
+    from vllm_omni_plugin.models.bagel.weights import read_header  # here: weights.py imports this module
 
+    entries = read_header(weights)
     sides: dict[str, int] = {}
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            names = set(f.keys())
-            for key in (LATENT_POS_EMBED_KEY, VIT_POS_EMBED_KEY):
-                if key in names:
-                    rows = f.get_slice(key).get_shape()[0]
-                    side = math.isqrt(rows)
-                    if side * side != rows:
-                        raise BagelConfigError(f"{weights}: {key} has {rows} rows, not a square grid")
-                    sides[key] = side
-    except BagelConfigError:
-        raise
-    except Exception as exc:
-        raise BagelConfigError(f"{weights}: not a readable safetensors file: {exc}") from None
+    for key in (LATENT_POS_EMBED_KEY, VIT_POS_EMBED_KEY):
+        if key in entries:
+            rows = entries[key].shape[0] if entries[key].shape else 0
+            side = math.isqrt(rows)
+            if side * side != rows:
+                raise BagelConfigError(f"{weights}: {key} has {rows} rows, not a square grid")
+            sides[key] = side
     return sides
