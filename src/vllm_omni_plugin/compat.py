@@ -59,13 +59,38 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "CPUModelRunner": ("vllm.v1.worker.cpu_model_runner:CPUModelRunner",),
     "GPUWorker": ("vllm.v1.worker.gpu_worker:Worker",),
     "GPUModelRunner": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner",),
+    "GPUModelRunnerV2": ("vllm.v1.worker.gpu.model_runner:GPUModelRunner",),
+    # V2 model runner (vllm/v1/worker/gpu/): the per-model state GLM-Image's planned positions use
+    "DefaultModelState": ("vllm.v1.worker.gpu.model_states.default:DefaultModelState",),
+    "UvaBackedTensor": ("vllm.v1.worker.gpu.buffer_utils:UvaBackedTensor",),
     "Attention": (
         "vllm.model_executor.layers.attention:Attention",
         "vllm.attention.layer:Attention",
     ),
     "get_attention_context": ("vllm.model_executor.layers.attention.attention:get_attention_context",),
+    # paged KV cache layouts (runners/paged_kv.py and its tests)
+    "AttentionBackendEnum": ("vllm.v1.attention.backends.registry:AttentionBackendEnum",),
+    "cpu_attn_isa": ("vllm.v1.attention.backends.cpu_attn:_get_attn_isa",),
+    "KVCacheLayout": ("vllm.v1.kv_cache_layout:KVCacheLayout",),
+    "KVCacheTensor": ("vllm.v1.kv_cache_interface:KVCacheTensor",),
+    "FullAttentionSpec": ("vllm.v1.kv_cache_interface:FullAttentionSpec",),
+    "KVQuantMode": ("vllm.v1.kv_cache_interface:KVQuantMode",),
+    "create_kv_cache_views": ("vllm.v1.kv_cache_interface:create_kv_cache_views",),
+    "compute_layout_strides": ("vllm.v1.kv_cache_interface:compute_layout_strides",),
+    "PagedAttention": ("vllm.v1.attention.ops.paged_attn:PagedAttention",),
+    "AttentionGroup": ("vllm.v1.worker.utils:AttentionGroup",),
+    "select_common_block_size": ("vllm.v1.worker.utils:select_common_block_size",),
+    "CacheDType": ("vllm.config.cache:CacheDType",),
     "extract_layer_index": ("vllm.model_executor.models.utils:extract_layer_index",),
     "uses_mrope": ("vllm.transformers_utils.config:uses_mrope",),
+    "KVConnectorBase_V1": ("vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1",),
+    "KVConnectorMetadata": ("vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorMetadata",),
+    "KVConnectorWorkerMetadata": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorWorkerMetadata",
+    ),
+    "KVConnectorRole": ("vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorRole",),
+    "get_kv_transfer_group": ("vllm.distributed.kv_transfer:get_kv_transfer_group",),
+    "has_kv_transfer_group": ("vllm.distributed.kv_transfer:has_kv_transfer_group",),
     "RequestStatus": ("vllm.v1.request:RequestStatus",),
     "FinishReason": ("vllm.v1.engine:FinishReason",),
     "EngineCoreOutput": ("vllm.v1.engine:EngineCoreOutput",),
@@ -140,6 +165,28 @@ def vllm_version() -> str:
         except metadata.PackageNotFoundError:
             continue
     return "unknown vLLM"
+
+
+def vllm_release() -> tuple[int, int] | None:
+    """``(major, minor)`` of the installed vLLM, or None when it cannot be read."""
+    text = vllm_version().rpartition(" ")[2]
+    parts = text.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+V1_RUNNER_DEFAULT_RELEASES = ((0, 31), (0, 33))
+"""vLLM releases (first, last) whose CUDA default is the V2 model runner while the V1 runner, which the
+omni AR hooks and the CPU test suite use, still exists; there resolution picks V1 for AR stages."""
+
+
+def picks_v1_runner() -> bool:
+    """Whether the installed vLLM is one of ``V1_RUNNER_DEFAULT_RELEASES``."""
+    release = vllm_release()
+    first, last = V1_RUNNER_DEFAULT_RELEASES
+    return release is not None and first <= release <= last
 
 
 def __getattr__(name: str) -> Any:
