@@ -23,6 +23,12 @@ subclass keeps what vLLM has (the Qwen2 stack, SigLIP, the connector, the weight
   block inside one step.
 * **NaViT ViT.** Images keep their aspect ratio (BAGEL's transforms); SigLIP runs on each image's own
   patch grid with BAGEL's extrapolated 2-D position ids.
+* **CUDA graphs.** Routing rows and finding image blocks reads the step on the host, which a CUDA graph
+  capture forbids. Image rows only come in steps that carry multimodal embeddings, which the runner hands
+  to :meth:`~OmniBagelForConditionalGeneration.embed_input_ids` outside the graph; steps without them
+  (every decode step) and captures take a forward without host reads, so vLLM's default
+  FULL_AND_PIECEWISE mode captures decode batches whole. A generated ``<|vision_pad|>`` is text there, as
+  in BAGEL.
 
 Prompts are token ids with one ``<|image_pad|>`` per image and the images as ``multi_modal_data``; the
 multimodal processor expands each placeholder into ``[<|vision_start|>] + VAE tokens +
@@ -40,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+import vllm.envs as vllm_envs
 from torch import nn
 from transformers import BatchFeature
 from vllm.config import VllmConfig
@@ -75,7 +82,7 @@ from vllm_omni_plugin.models.bagel.transforms import (
     normalized_tensor,
     patchify,
 )
-from vllm_omni_plugin.runners.paged_kv import gather_tokens, key_value_blocks
+from vllm_omni_plugin.runners.paged_kv import read_tokens
 
 VAE_KWARG = "bagel_vae"
 """``mm_processor_kwargs`` key: False sends an image as a ViT block only (understanding)."""
@@ -115,6 +122,15 @@ def bagel_positions(
     positions[cursor:] = np.arange(rope, rope + n - cursor)
     rope += n - cursor
     return positions, rope
+
+
+def context_next_position(vllm_config: Any, request: Any) -> int:
+    """The position after a request's prompt (the DiT's latents start there), for the context export
+    connector's scheduler side, which has the request but not the model."""
+    images = [f for f in request.mm_features or () if f.modality == "image"]
+    blocks = [(f.mm_position.offset, f.mm_position.length) for f in images]
+    end_of_image = cached_bagel_config(vllm_config.model_config.model).tokens.end_of_image
+    return bagel_positions(request.prompt_token_ids, blocks, end_of_image)[1]
 
 
 @dataclass(frozen=True)
@@ -187,10 +203,11 @@ class ImageBlockAttention:
             if run.cached > 0:
                 if kv_cache is None:
                     _, layer, kv_cache, _ = resolve("get_attention_context")(layer_name)
-                    backend = layer.attn_backend.get_name()
+                    backend = layer.attn_backend
                 assert self.block_tables is not None and backend is not None
-                cached_k, cached_v = gather_tokens(
-                    *key_value_blocks(kv_cache, backend, head_dim), self.block_tables[run.request], run.cached
+                # the attention metadata's block table holds kernel block ids: no manager block size
+                cached_k, cached_v = read_tokens(
+                    kv_cache, backend, head_dim, self.block_tables[run.request], run.cached
                 )
                 keys = torch.cat([cached_k.to(keys.dtype), keys])
                 values = torch.cat([cached_v.to(values.dtype), values])
@@ -274,6 +291,30 @@ def _rows(und: Any, gen: Any, x: torch.Tensor, mask: torch.Tensor | None) -> tor
     out[keep] = und_out
     out[mask] = gen(x[mask])
     return out
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s CUDA stream is being captured into a graph (where a host read would abort it)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def check_cudagraph_mode(compilation_config: Any) -> None:
+    """Refuses CUDA graph modes that would replay a graph for a prefill step with images.
+
+    Image rows need the eager forward (it reads the step on the host), while a captured graph replays what
+    its dummy batch did: text rows only. FULL_AND_PIECEWISE (vLLM's default) and FULL_DECODE_ONLY capture
+    uniform decode batches only; PIECEWISE graphs live inside torch.compile'd modules, and this forward
+    calls none. FULL, and vLLM 0.33's breakable graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, which capture
+    the whole forward of mixed batches too), would silently drop the image rows' treatment.
+    """
+    mode = getattr(compilation_config.cudagraph_mode, "name", "NONE")
+    breakable = mode != "NONE" and bool(getattr(vllm_envs, "VLLM_USE_BREAKABLE_CUDAGRAPH", False))
+    if mode == "FULL" or breakable:
+        setting = "VLLM_USE_BREAKABLE_CUDAGRAPH=1" if breakable else "cudagraph_mode FULL"
+        raise ValueError(
+            f"the BAGEL thinker cannot run with {setting}: its image steps must run eagerly; use "
+            "cudagraph_mode FULL_AND_PIECEWISE (the default) or FULL_DECODE_ONLY"
+        )
 
 
 def _linear(layer: nn.Module) -> Any:
@@ -406,6 +447,13 @@ _STAGE1_ONLY = ("decoder.", "llm2vae.", "language_model.model.norm_moe_gen.")
 )
 class OmniBagelForConditionalGeneration(BagelForConditionalGeneration, SupportsMRoPE):
     requires_raw_input_tokens = True
+    step_has_images = False
+    """Set by :meth:`embed_input_ids` for each real step, read by :meth:`forward`: image rows (VAE rows
+    through the generation expert, image blocks attended again) only come with multimodal embeddings.
+    Without them the forward never reads the step on the host, so vLLM can capture it in a CUDA graph.
+    The forward does not clear it: vLLM's dual-batch overlap runs one step's forward once per micro-batch
+    (in threads). A dummy run after an image step therefore runs eagerly, which is harmless outside a
+    capture; captures come before any real step and the forward checks for one anyway."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         hf_config = vllm_config.model_config.hf_config
@@ -416,6 +464,7 @@ class OmniBagelForConditionalGeneration(BagelForConditionalGeneration, SupportsM
             )
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("the BAGEL thinker runs without pipeline parallelism")
+        check_cudagraph_mode(vllm_config.compilation_config)
         if not resolve("uses_mrope")(hf_config):
             raise ValueError(
                 "the BAGEL thinker needs M-RoPE positions (hf_overrides rope_parameters.mrope_section); "
@@ -491,6 +540,22 @@ class OmniBagelForConditionalGeneration(BagelForConditionalGeneration, SupportsM
 
     # --- the decoder ----------------------------------------------------------------------------
 
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: MultiModalEmbeddings | None = None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Notes, from the host-side list alone, whether this step carries image rows.
+
+        vLLM's runners (V1 ``_preprocess``, V2 ``prepare_inputs_embeds``) call this outside any CUDA graph
+        for every real step, with the step's multimodal embeddings: empty unless placeholder rows are
+        scheduled, so always empty for decode steps. Dummy and capture runs never call it.
+        """
+        self.step_has_images = multimodal_embeddings is not None and len(multimodal_embeddings) > 0
+        return super().embed_input_ids(input_ids, multimodal_embeddings, is_multimodal=is_multimodal)
+
     def forward(
         self,
         input_ids: torch.Tensor | None,
@@ -501,11 +566,12 @@ class OmniBagelForConditionalGeneration(BagelForConditionalGeneration, SupportsM
     ) -> torch.Tensor:
         model = self.language_model.model
         hidden = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
-        gen = None
-        if input_ids is not None:
-            mask = input_ids[: hidden.shape[0]] == self.bagel.tokens.vision_pad
-            gen = mask if bool(mask.any()) else None
-        blocks = ImageBlockAttention.of_step(positions, model.layers[0].self_attn.attn.layer_name)
+        gen = blocks = None
+        if self.step_has_images and not _capturing(hidden):  # eager only: it reads the step on the host
+            if input_ids is not None:
+                mask = input_ids[: hidden.shape[0]] == self.bagel.tokens.vision_pad
+                gen = mask if bool(mask.any()) else None
+            blocks = ImageBlockAttention.of_step(positions, model.layers[0].self_attn.attn.layer_name)
         for layer in model.layers:
             hidden = self._layer(layer, positions, hidden, gen, blocks)
         return model.norm(hidden)
@@ -580,7 +646,8 @@ class OmniBagelForConditionalGeneration(BagelForConditionalGeneration, SupportsM
         with CheckpointReader(self.bagel.vae_weights) as reader:
             for name in names:
                 param = params[name]
-                tensor = reader.tensor(name.removeprefix("vae_encoder."))
+                key = name.removeprefix("vae_encoder.")
+                tensor = reader.tensor(key, dtype=param.dtype, device=param.device)
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
         return set(names)
 
