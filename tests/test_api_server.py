@@ -118,6 +118,18 @@ def test_images_edits_with_uploaded_png(client: openai.OpenAI) -> None:
     assert decode_b64(result.data[0].b64_json).size == (128, 64)
 
 
+def test_edit_that_cannot_fit_the_ar_stage_is_refused_with_the_numbers(client: openai.OpenAI) -> None:
+    """Four 256x256 sources (64 tokens each: the tiny processor's max_pixels is 256^2, halved, 16-pixel
+    patches) and a 960x960 image (901 tokens) overrun max_model_len 1024 only together."""
+    sources = [(f"source{i}.png", png_bytes(256, 256), "image/png") for i in range(4)]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.edit(image=sources, prompt="make it blue", size="960x960", extra_body=FAST)
+    message = assert_openai_error({"error": info.value.body}, 400, "size")
+    assert "max_model_len 1024" in message
+    assert "source images 256 (64, 64, 64, 64) + generated 901 (a 960x960 image)" in message
+    assert "ask for at most 864x864" in message
+
+
 def data_uri_image(content: object) -> Image.Image:
     """The image of a chat answer as vllm-omni's clients read it: ``content[0]["image_url"]["url"]``."""
     assert isinstance(content, list) and content[0]["type"] == "image_url", content

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +34,8 @@ class ServerSettings:
     media_dir: str | None = None
     ar_max_model_len: int | None = None
     token_budget: Any = None
-    """``f(height, width, image_to_image) -> AR tokens`` of the pipeline, when it has an AR stage."""
+    """``f(prompt, image_sizes, width, height, limit) -> ARTokenCount``: the pipeline's
+    ``ar_token_budget`` on this model, when an AR stage's ``max_model_len`` bounds its requests."""
     pipeline: str = ""
     generation_params: frozenset[str] = frozenset()
     """The pipeline-specific request settings this deployment takes."""
@@ -61,7 +64,9 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
         default_height=int(defaults.get("height") or ImageLimits.default_height),
     )
     ar = next((s for s in deployment.stages if s.execution_type == "llm_ar"), None)
-    budget = import_object(pipeline.ar_token_budget) if ar is not None and pipeline.ar_token_budget else None
+    budget = None
+    if ar is not None and pipeline.ar_token_budget:
+        budget = functools.partial(import_object(pipeline.ar_token_budget), deployment.model)
     facts = import_object(pipeline.model_inspector)(deployment.model) if pipeline.model_inspector else None
     return ServerSettings(
         served_model_names=names,
@@ -76,6 +81,12 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
         needs_images=facts.needs_images if facts is not None else False,
         model_label=facts.pipeline_class if facts is not None else pipeline.name,
     )
+
+
+def _image_size(image: Any) -> tuple[int, int]:
+    """(width, height) of a decoded image (uint8 HxWx3 array) or a PIL image."""
+    shape = getattr(image, "shape", None)
+    return (int(shape[1]), int(shape[0])) if shape is not None else tuple(image.size)
 
 
 def http_status(exc: BaseException | None) -> int:
@@ -122,18 +133,52 @@ class OmniServer:
             raise OmniAPIError(f"The model `{model}` does not exist.", status=404, param="model")
         return model or names[0]
 
-    def check_size(self, width: int, height: int, image_to_image: bool, param: str = "size") -> None:
+    def check_size(self, width: int, height: int, param: str = "size") -> None:
         check_dimensions(width, height, self.limits, param)
+
+    def check_ar_tokens(
+        self,
+        prompt: str,
+        images: Sequence[Any],
+        width: int,
+        height: int,
+        *,
+        size_param: str = "size",
+        source_param: str = "prompt",
+    ) -> None:
+        """Refuse, before any stage runs, a request the AR stage cannot hold: its prompt, source images
+        and generated tokens together over ``max_model_len`` (vLLM would fail it only after the work)."""
         budget, max_len = self.settings.token_budget, self.settings.ar_max_model_len
-        if budget is not None and max_len:
-            needed = int(budget(height, width, image_to_image))
-            if needed >= int(max_len):
-                raise OmniAPIError(
-                    f"a {width}x{height} image needs {needed} AR tokens, more than the AR stage's "
-                    f"max_model_len {max_len} allows; ask for a smaller size (or serve with a larger "
-                    "--max-model-len)",
-                    param=param,
-                )
+        if budget is None or not max_len:
+            return
+        sizes = [_image_size(img) for img in images]
+        try:
+            count = budget(prompt, sizes, width, height, int(max_len))
+        except ValueError as exc:  # a source image the pipeline's processor cannot take
+            raise OmniAPIError(str(exc), param=source_param) from None
+        if count.total <= max_len:
+            return
+        per_image = f" ({', '.join(map(str, count.image_tokens))})" if len(count.image_tokens) > 1 else ""
+        numbers = (
+            f"prompt {count.prompt_tokens} + source images {sum(count.image_tokens)}{per_image} + "
+            f"generated {count.generated_tokens} (a {width}x{height} image) = {count.total}"
+        )
+        room = int(max_len) - count.prompt_tokens - sum(count.image_tokens)
+        held, verb = ("the prompt and source images", "leave") if images else ("the prompt", "leaves")
+        left = f"{held} {verb} {room} tokens for the image" if room > 0 else f"{held} alone {verb} no room"
+        less_input = "send a shorter prompt"
+        if images:
+            less_input = "send fewer or smaller source images or a shorter prompt"
+        if count.largest_fit is not None:
+            w, h = count.largest_fit
+            change, param = f"ask for at most {w}x{h}, or {less_input}", size_param
+        else:
+            change, param = less_input, source_param
+        raise OmniAPIError(
+            f"this request needs {count.total} AR tokens, more than the AR stage's max_model_len {max_len}: "
+            f"{numbers}; {left}. To fit, {change} (or serve with a larger --max-model-len)",
+            param=param,
+        )
 
     def check_settings(self, req: Any) -> None:
         """Pipeline-specific settings (e.g. BAGEL's ``cfg_text_scale``) only where the pipeline has them."""

@@ -61,7 +61,8 @@ async def create_images(raw: Request) -> Response:
     response_format = _check_response_format(server, req.response_format)
     size = parse_size(req.size, server.limits)
     width, height = size or (server.limits.default_width, server.limits.default_height)
-    server.check_size(width, height, image_to_image=False)
+    server.check_size(width, height)
+    server.check_ar_tokens(req.prompt, [], width, height)
     server.check_steps(req.num_inference_steps)
     requests = _image_requests(req, req.prompt, width, height)
     results = await server.run("images/generations", requests, raw)
@@ -124,7 +125,8 @@ async def edit_images(raw: Request) -> Response:
     finally:
         await form.close()
     width, height = size or fit_to_grid(images[0].shape[1], images[0].shape[0], limits)
-    server.check_size(width, height, image_to_image=True)
+    server.check_size(width, height)
+    server.check_ar_tokens(req.prompt, images, width, height, source_param="image")
     server.check_steps(req.num_inference_steps)
     requests = _image_requests(req, req.prompt, width, height, images)
     results = await server.run("images/edits", requests, raw)
@@ -161,7 +163,9 @@ async def chat_completions(raw: Request) -> Response:
     if size is None and images:
         size = fit_to_grid(images[0].shape[1], images[0].shape[0], limits)
     width, height = size or (limits.default_width, limits.default_height)
-    server.check_size(width, height, image_to_image=bool(images), param="size" if req.size else "height")
+    size_param = "size" if req.size else "height"
+    server.check_size(width, height, param=size_param)
+    server.check_ar_tokens(prompt, images, width, height, size_param=size_param, source_param="messages")
     output_format = req.output_format or "png"
     requests = _image_requests(req, prompt, width, height, images, req.sampling_params())
     results = await server.run("chat/completions", requests, raw)

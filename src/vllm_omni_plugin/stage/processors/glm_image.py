@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm_omni_plugin.config.pipeline import ARTokenCount
 from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreRequest,
     StageLLMCoreOutput,
@@ -66,6 +68,94 @@ def _processor(model: str) -> Any:
     return AutoProcessor.from_pretrained(os.path.join(model, "processor"))
 
 
+def _messages(images: Sequence[Any], prompt: str) -> list[dict[str, Any]]:
+    """The one-turn conversation the processor's chat template renders: the source images, then the text."""
+    content: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
+    content.append({"type": "text", "text": prompt})
+    return [{"role": "user", "content": content}]
+
+
+@functools.cache
+def _special_tokens_added(model: str) -> int:
+    return int(_processor(model).tokenizer.num_special_tokens_to_add())
+
+
+def _text_tokens(model: str, prompt: str, images: int, height: int, width: int, exact: bool) -> int:
+    """The prompt's tokens besides the source images' (chat template, text, size scaffold), as
+    ``request2ar`` builds them; ``exact=False``: an upper bound without tokenizing.
+
+    The text is what ``GlmImageProcessor`` tokenizes: the rendered template with one ``<|image|>`` per
+    source (each then counted as its image tokens), then ``<sop>th tw<eop>[<sop>ph pw<eop>]`` and the
+    image start. The bound is its UTF-8 bytes: a byte-level BPE emits at most one token per byte, plus
+    the special tokens the tokenizer adds itself."""
+    processor = _processor(model)
+    tokenizer = processor.tokenizer
+    rendered = processor.apply_chat_template(_messages([None] * images, prompt), tokenize=False)
+    th, tw, ph, pw = glm_image_grid(height, width)
+    scaffold = f"{processor.grid_bos_token}{th} {tw}{processor.grid_eos_token}"
+    if not images:
+        scaffold += f"{processor.grid_bos_token}{ph} {pw}{processor.grid_eos_token}"
+    text = f"{rendered}{scaffold}{processor.bos_token}"
+    # As ProcessorMixin.apply_chat_template: no special tokens added to a template that starts with bos.
+    add_special = not (tokenizer.bos_token is not None and rendered.startswith(tokenizer.bos_token))
+    if exact:
+        return len(tokenizer(text, add_special_tokens=add_special)["input_ids"]) - images
+    placeholders = images * len(processor.image_token.encode("utf-8"))
+    return len(text.encode("utf-8")) - placeholders + (_special_tokens_added(model) if add_special else 0)
+
+
+def glm_image_source_tokens(model: str, width: int, height: int) -> int:
+    """AR tokens of one source image: the image processor's own rule on the model's processor config
+    (``smart_resize`` halves the image, clamps it to min/max pixels on the patch x merge grid, then one
+    token per patch), the count the AR engine expands the image's placeholder to."""
+    image_processor = _processor(model).image_processor
+    return int(image_processor.get_number_of_image_patches(height, width, {}))
+
+
+def glm_image_ar_tokens(
+    model: str, prompt: str, image_sizes: Sequence[tuple[int, int]], width: int, height: int, limit: int
+) -> ARTokenCount:
+    """Every token a request holds in the AR stage (``Pipeline.ar_token_budget``): prompt text, source
+    images (``image_sizes``: (width, height) each) and the generated grid of a ``width`` x ``height`` image.
+
+    ``request2ar`` tokenizes the prompt anyway, so the text is bounded first and tokenized here only when
+    that bound does not fit ``limit`` (the AR stage's ``max_model_len``): a count over the limit is exact.
+    Raises ``ValueError`` for a source image the processor cannot take (aspect ratio over 4, too small).
+    """
+    sources: list[int] = []
+    for i, (w, h) in enumerate(image_sizes):
+        try:
+            sources.append(glm_image_source_tokens(model, w, h))
+        except ValueError as exc:
+            raise ValueError(f"source image {i + 1} ({w}x{h}) cannot be used by GLM-Image: {exc}") from None
+    images = len(sources)
+    generated = glm_image_max_new_tokens(height, width, image_to_image=bool(images))
+    rest = sum(sources) + generated
+    text = _text_tokens(model, prompt, images, height, width, exact=False)
+    if text + rest <= limit:
+        return ARTokenCount(
+            prompt_tokens=text, image_tokens=tuple(sources), generated_tokens=generated, exact=False
+        )
+    text = _text_tokens(model, prompt, images, height, width, exact=True)
+    room = limit - text - sum(sources)
+    fit = None if text + rest <= limit else _largest_fit(room, width, height, bool(images))
+    return ARTokenCount(
+        prompt_tokens=text, image_tokens=tuple(sources), generated_tokens=generated, largest_fit=fit
+    )
+
+
+def _largest_fit(room: int, width: int, height: int, image_to_image: bool) -> tuple[int, int] | None:
+    """The largest size of about this aspect ratio, on the 32-pixel grid, whose generated tokens fit in
+    ``room``; None when not even the smallest does."""
+    long_side, short_side = max(width, height), min(width, height)
+    for side in range(long_side // FACTOR * FACTOR, FACTOR - 1, -FACTOR):
+        other = max(FACTOR, round(side * short_side / long_side / FACTOR) * FACTOR)
+        w, h = (side, other) if width >= height else (other, side)
+        if glm_image_max_new_tokens(h, w, image_to_image) <= room:
+            return w, h
+    return None
+
+
 def _size(request: OmniRequest, deployment: ResolvedDeployment) -> tuple[int, int]:
     """The request's size, else the DiT stage's resolved default (the pipeline's, unless configured)."""
     dit = next(s for s in deployment.stages if s.execution_type == "diffusion")
@@ -91,10 +181,8 @@ def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCo
     except ValueError as exc:
         raise StageRequestError(str(exc), stage_id=context.stage_id) from None
     images = [_as_pil(img) for img in request.images]
-    content: list[dict[str, Any]] = [{"type": "image", "image": img} for img in images]
-    content.append({"type": "text", "text": request.prompt})
     inputs = _processor(context.model).apply_chat_template(
-        [{"role": "user", "content": content}],
+        _messages(images, request.prompt),
         tokenize=True,
         target_h=height,
         target_w=width,
