@@ -1,7 +1,7 @@
 """BAGEL's thinker (``models.bagel_thinker``) in a real vLLM engine against the independent reference.
 
-The engine runs in a child process (this file run as a script) with the Omni worker and scheduler and a
-shared-memory context connector; it exports the context of each prompt, reads it back through the
+The engine runs in a child process (this file run as a script) with the Omni worker and scheduler and the
+context export KV connector putting into a shared-memory connector; it exports the context of each prompt, reads it back through the
 connector and writes everything to one file. The test process compares with
 ``testing.bagel_reference`` (a single-process PyTorch BAGEL sharing no model code with the stages).
 """
@@ -40,6 +40,8 @@ def _engine_main(model: str, out_path: str) -> None:
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
 
+    from vllm_omni_plugin.ar_channel import context_export_kv_transfer_config
+    from vllm_omni_plugin.config.pipeline import BAGEL
     from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorHandle, make_connector
     from vllm_omni_plugin.models.bagel.engine_args import thinker_engine_args
     from vllm_omni_plugin.stage.processors.bagel import bagel_tokens
@@ -57,7 +59,7 @@ def _engine_main(model: str, out_path: str) -> None:
         limit_mm_per_prompt={"image": 2},
         worker_cls="vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker",
         scheduler_cls="vllm_omni_plugin.schedulers.omni_ar_scheduler.OmniARScheduler",
-        additional_config={"omni": {"context_connector": connector}},
+        kv_transfer_config=context_export_kv_transfer_config(connector, BAGEL.stage(0).context_position),
         **thinker_engine_args(model),
     )
     reader = make_connector("ctx", "SharedMemoryConnector", {})

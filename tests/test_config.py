@@ -255,10 +255,16 @@ def test_every_packaged_bagel_config_resolves(path: Path, platform, tiny_bagel: 
     assert ar["hf_overrides"]["architectures"] == ["OmniBagelForConditionalGeneration"]
     assert "mrope_section" in ar["hf_overrides"]["rope_parameters"] and ar["disable_chunked_mm_input"]
     edge = resolved.edge(0, 1)
-    exported = ar["additional_config"]["omni"]["context_connector"]
+    kv_transfer = ar["kv_transfer_config"]
+    assert kv_transfer["kv_connector"] == "ContextExportConnector"
+    assert kv_transfer["kv_connector_module_path"] == "vllm_omni_plugin.runners.context_export"
+    assert kv_transfer["kv_role"] == "kv_producer"
+    omni = kv_transfer["kv_connector_extra_config"]["omni"]
+    exported = omni["context_connector"]
     assert (
         exported["name"] == edge.connector and exported["class"] == resolved.connectors[edge.connector].name
     )
+    assert omni["next_position"] == "vllm_omni_plugin.models.bagel_thinker.context_next_position"
     dit = resolved.stage(1).diffusion_args
     assert dit["runner_cls"] == "vllm_omni_plugin.diffusion.bagel.runner.BagelGenerationRunner"
     assert resolved.stage(0).continuation and resolved.stage(0).companion_timeout_s == 30.0
@@ -272,7 +278,7 @@ def test_nixl_config_puts_both_hops_on_nixl(model_dir: str) -> None:
         "router": "NixlConnector",
     }
     assert resolved.stage(1).output_connectors["to_stage_router"] == "nixl_dit_to_router"
-    assert resolved.stage(0).replicas[0].env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert resolved.stage(0).replicas[0].env == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert resolved.edge(0, 1).max_inflight == 4 and resolved.edge(1, "router").max_inflight is None
 
 
@@ -734,7 +740,11 @@ def test_replicas_split_devices(tmp_path: Path, model_dir: str) -> None:
     )
     resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
     assert [r.devices for r in resolved.stage(0).replicas] == ["0,1", "2,3"]
-    assert resolved.stage(0).replicas[1].env == {"FOO": "bar", "CUDA_VISIBLE_DEVICES": "2,3"}
+    assert resolved.stage(0).replicas[1].env == {
+        "FOO": "bar",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        "VLLM_USE_V2_MODEL_RUNNER": "0",  # the AR stage runs vLLM's V1 model runner
+    }
     assert [r.devices for r in resolved.stage(1).replicas] == ["4", "4", "4"]
 
 

@@ -19,8 +19,13 @@ EXPORT_CONTEXT = "export_context"
 """``extra_args[OMNI_KEY][EXPORT_CONTEXT] = True``: export the request's whole K/V once its prompt is
 computed (KV-handoff pipelines; see ``runners/context_export.py``)."""
 CONTEXT_CONNECTOR_KEY = "context_connector"
-"""``additional_config[OMNI_KEY][CONTEXT_CONNECTOR_KEY]``: ``{"name", "class", "extra"}`` of the
-connector an AR stage exports contexts through (set by resolution)."""
+"""``kv_transfer_config.kv_connector_extra_config[OMNI_KEY][CONTEXT_CONNECTOR_KEY]``: ``{"name", "class",
+"extra"}`` of the connector an AR stage exports contexts through (set by resolution)."""
+NEXT_POSITION_KEY = "next_position"
+"""``kv_transfer_config.kv_connector_extra_config[OMNI_KEY][NEXT_POSITION_KEY]``: dotted path of the
+pipeline's ``f(vllm_config, request) -> int``, the position after a request's prompt (M-RoPE models)."""
+CONTEXT_EXPORT_CONNECTOR = ("vllm_omni_plugin.runners.context_export", "ContextExportConnector")
+"""Module and class of the context export KV connector (``kv_transfer_config`` of such a stage)."""
 RUNNER_OUTPUT_ATTR = "omni"
 """The attribute of a ``ModelRunnerOutput`` that holds its :class:`OmniRunnerOutput`."""
 RUNNER_DROPPED_MESSAGE = "the AR stage could not rebuild this request after preemption"
@@ -48,6 +53,23 @@ def omni_extra_args(sampling_params: Any) -> dict[str, Any]:
     extra = getattr(sampling_params, "extra_args", None) or {}
     value = extra.get(OMNI_KEY) or {}
     return value if isinstance(value, dict) else {}
+
+
+def context_export_kv_transfer_config(
+    context_connector: dict[str, Any], next_position: str | None
+) -> dict[str, Any]:
+    """The ``kv_transfer_config`` engine argument of an AR stage that exports contexts: vLLM loads the
+    context export connector from its module and hands it ``kv_connector_extra_config``."""
+    omni: dict[str, Any] = {CONTEXT_CONNECTOR_KEY: context_connector}
+    if next_position:
+        omni[NEXT_POSITION_KEY] = next_position
+    module, cls = CONTEXT_EXPORT_CONNECTOR
+    return {
+        "kv_connector": cls,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {OMNI_KEY: omni},
+    }
 
 
 def stage_outputs_of(kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:

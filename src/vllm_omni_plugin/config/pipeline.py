@@ -40,11 +40,40 @@ class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
     """Dotted path of ``f(output, context) -> request | None``: a stage that works on one request in
     several rounds (BAGEL's thinker writes its plan, then builds the contexts) asks it for the next."""
     exports_context: bool = False
-    """An AR stage that hands its KV cache over (BAGEL): resolution gives its engine the connector of
-    its output edge, through which the model runner exports each request's context."""
+    """An AR stage that hands its KV cache over (BAGEL): resolution gives its engine the context export
+    KV connector (``runners/context_export.py``) with the connector of its output edge."""
+    context_position: str | None = None
+    """Dotted path of ``f(vllm_config, request) -> int``: the position after a request's prompt, sent with
+    its exported context (M-RoPE models whose prompt positions are not one per token). None: its length."""
+    v1_runner: str | None = None
+    """Why this AR stage runs on vLLM's V1 model runner where vLLM would pick V2 (CUDA/ROCm, vLLM
+    0.31-0.33): resolution sets ``VLLM_USE_V2_MODEL_RUNNER=0`` in its replicas' environment and logs this.
+    A user who sets the variable wins."""
+    v2_runner_limits: str | None = None
+    """What this AR stage cannot do on vLLM's V2 model runner (said when a user chooses V2)."""
     diffusion_runner: str | None = None
     """Dotted path of the runner class of a diffusion stage whose model is not a diffusers pipeline
     (BAGEL's generation runner); None: the runner is chosen by ``model_index.json``."""
+
+
+class ARTokenCount(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request holds in an AR stage's context (``Pipeline.ar_token_budget``), which the stage's
+    ``max_model_len`` bounds: vLLM stops a request whose prompt and output reach it."""
+
+    prompt_tokens: int
+    """Text: chat template, prompt and any scaffold the processor adds (source images not included)."""
+    image_tokens: tuple[int, ...] = ()
+    """Per source image."""
+    generated_tokens: int = 0
+    exact: bool = True
+    """False: ``prompt_tokens`` is an upper bound (a budget counts exactly where the bound does not fit)."""
+    largest_fit: tuple[int, int] | None = None
+    """(width, height): the largest output size of about the asked aspect ratio that would fit, when the
+    asked one does not and the prompt and sources leave room for one."""
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + sum(self.image_tokens) + self.generated_tokens
 
 
 class DiffusionDefaults(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -73,8 +102,10 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     image_size_multiple: int = 16
     """Height and width of the images this pipeline makes must be multiples of this."""
     ar_token_budget: str | None = None
-    """Dotted path of ``f(height, width, image_to_image) -> int``: the AR tokens one image takes, so a
-    server can refuse a size the AR stage's ``max_model_len`` cannot hold. None: no AR stage bounds it."""
+    """Dotted path of ``f(model, prompt, image_sizes, width, height, limit) -> ARTokenCount``: every token
+    one request holds in the AR stage (prompt, source images, generated image), so the API server refuses a
+    request the AR stage's ``max_model_len`` (``limit``) cannot hold before any stage runs. None: no AR
+    stage bounds it."""
     diffusion_defaults: DiffusionDefaults = DiffusionDefaults()
     generation_params: tuple[str, ...] = ()
     """Pipeline-specific generation settings a request (and the diffusion stage's
@@ -181,6 +212,14 @@ GLM_IMAGE = Pipeline(
             engine_args_provider="vllm_omni_plugin.models.glm_image_config.sampling_vocab_overrides",
             model_arch="GlmImageForConditionalGeneration",
             output_type="token_ids",
+            v1_runner=(
+                "image-to-image hands the source images' prior tokens to the DiT through the V1 runner's "
+                "step output, and the V1 runner is the one the CPU test suite runs"
+            ),
+            v2_runner_limits=(
+                "image-to-image needs the V1 runner (the source images' prior tokens reach the DiT "
+                "through its step output); text-to-image runs on V2"
+            ),
         ),
         PipelineStage(
             stage_id=1,
@@ -198,7 +237,7 @@ GLM_IMAGE = Pipeline(
     repo_ids=("zai-org/GLM-Image",),
     default_deploy_config="glm_image.yaml",
     image_size_multiple=32,  # one AR token per 32x32 pixels
-    ar_token_budget="vllm_omni_plugin.stage.processors.glm_image.glm_image_max_new_tokens",
+    ar_token_budget="vllm_omni_plugin.stage.processors.glm_image.glm_image_ar_tokens",
     diffusion_defaults=DiffusionDefaults(height=1024, width=1024),
 )
 
@@ -237,6 +276,12 @@ BAGEL = Pipeline(
             model_arch="OmniBagelForConditionalGeneration",
             output_type="token_ids",
             exports_context=True,
+            context_position="vllm_omni_plugin.models.bagel_thinker.context_next_position",
+            v1_runner=(
+                "the V1 runner is the one the CPU test suite runs end to end (vLLM's CPU V2 runner needs "
+                "Triton's CPU backend); the thinker's hooks (KV connector, stock M-RoPE positions) also "
+                "work on V2"
+            ),
         ),
         PipelineStage(
             stage_id=1,

@@ -29,11 +29,14 @@ class PlatformInfo:
     """Dotted path of the Omni AR worker (None: the AR stage cannot run here)."""
     diffusion_worker_cls: str | None = None
     """Dotted path of the diffusion worker (None: diffusion stages cannot run here)."""
+    v2_runner_default: bool = False
+    """vLLM picks its V2 model runner here unless ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise (CUDA and
+    ROCm, vLLM 0.31+, wherever Triton imports); on CPU it runs V1 (its V2 needs Triton's CPU backend)."""
 
 
 PLATFORMS: dict[str, PlatformInfo] = {
-    "cuda": PlatformInfo("cuda", True, "CUDA_VISIBLE_DEVICES", OMNI_GPU_WORKER, CUDA_DIFFUSION_WORKER),
-    "rocm": PlatformInfo("rocm", True, "HIP_VISIBLE_DEVICES", OMNI_GPU_WORKER, CUDA_DIFFUSION_WORKER),
+    "cuda": PlatformInfo("cuda", True, "CUDA_VISIBLE_DEVICES", OMNI_GPU_WORKER, CUDA_DIFFUSION_WORKER, True),
+    "rocm": PlatformInfo("rocm", True, "HIP_VISIBLE_DEVICES", OMNI_GPU_WORKER, CUDA_DIFFUSION_WORKER, True),
     "cpu": PlatformInfo("cpu", False, None, OMNI_CPU_WORKER, CPU_DIFFUSION_WORKER),
 }
 PLATFORM_SECTIONS = ("cuda", "rocm", "cpu", "xpu", "npu", "tpu")

@@ -16,7 +16,8 @@ from typing import Any
 
 import msgspec
 
-from vllm_omni_plugin.ar_channel import CONTEXT_CONNECTOR_KEY, OMNI_KEY
+from vllm_omni_plugin.ar_channel import context_export_kv_transfer_config
+from vllm_omni_plugin.compat import picks_v1_runner
 from vllm_omni_plugin.config.errors import ConfigError
 from vllm_omni_plugin.config.loader import LoadedConfig, convert
 from vllm_omni_plugin.config.merge import merge_stage, set_fields
@@ -24,6 +25,7 @@ from vllm_omni_plugin.config.pipeline import Pipeline, PipelineStage
 from vllm_omni_plugin.config.platform import PLATFORM_SECTIONS, PlatformInfo, current_platform, is_omni_worker
 from vllm_omni_plugin.config.resolved import (
     ROUTER,
+    RUNNER_ENV,
     ResolvedDeployment,
     ResolvedEdge,
     ResolvedHead,
@@ -413,9 +415,11 @@ class _Resolver:
 
     # --- stages -------------------------------------------------------------------------------------
 
-    def replicas(self, stage: StageDeployConfig, tp: int) -> list[ResolvedReplica]:
+    def replicas(
+        self, stage: StageDeployConfig, tp: int, extra_env: dict[str, str] | None = None
+    ) -> list[ResolvedReplica]:
         n = stage.num_replicas or 1
-        env = dict(stage.env or {})
+        env = {**(extra_env or {}), **(stage.env or {})}
         devices = [d.strip() for d in (stage.devices or "").split(",") if d.strip()]
         device_env = self.platform.device_env
         if devices and self.backend == "ray":
@@ -557,6 +561,52 @@ class _Resolver:
             raise self.error(f"the AR stage is not supported on platform {self.platform.name!r}", sid)
         return self.platform.ar_worker_cls
 
+    def model_runner(self, stage: StageDeployConfig, fixed: PipelineStage) -> tuple[str, str, dict[str, str]]:
+        """``(runner, why, environment to add)`` of an AR stage: the user's ``VLLM_USE_V2_MODEL_RUNNER``
+        (the stage's ``env:``, else this process's environment) wins; else, where vLLM would pick its V2
+        runner and the pipeline's stage prefers V1 (vLLM 0.31-0.33), V1."""
+        sid = stage.stage_id
+        stage_env = stage.env or {}
+        if RUNNER_ENV in stage_env:
+            chosen, where = stage_env[RUNNER_ENV], f"stage {sid} env"
+        else:
+            chosen, where = os.environ.get(RUNNER_ENV), "the environment"
+        if chosen is not None:
+            try:
+                v2 = bool(int(chosen))
+            except ValueError:
+                raise self.error(
+                    f"{RUNNER_ENV}={chosen!r} ({where}): vLLM reads an integer; set 0 (V1 model runner) "
+                    "or 1 (V2), or unset it",
+                    sid,
+                    "env",
+                ) from None
+            why = f"{RUNNER_ENV}={chosen} set in {where}"
+            if v2 and not self.platform.v2_runner_default:
+                self.check_v2_runner_possible(sid, why)
+            if v2 and fixed.v2_runner_limits:
+                why += f"; {fixed.v2_runner_limits}"
+            return ("v2" if v2 else "v1"), why, {}
+        if self.platform.v2_runner_default and fixed.v1_runner and picks_v1_runner():
+            return "v1", f"{RUNNER_ENV}=0 set for this stage: {fixed.v1_runner}", {RUNNER_ENV: "0"}
+        if self.platform.v2_runner_default:
+            return "v2", f"vLLM's default on {self.platform.name}", {}
+        return "v1", f"vLLM's runner on {self.platform.name}", {}
+
+    def check_v2_runner_possible(self, sid: int, why: str) -> None:
+        """vLLM's V2 runner off CUDA/ROCm (the CPU build) needs Triton with a backend for this device."""
+        try:
+            from vllm.triton_utils import HAS_TRITON
+        except ImportError:
+            HAS_TRITON = False
+        if not HAS_TRITON:
+            raise self.error(
+                f"{why}, but vLLM's V2 model runner needs Triton with a {self.platform.name} backend, "
+                "which this installation lacks; unset it (vLLM's V1 runner serves this stage)",
+                sid,
+                "env",
+            )
+
     def ar_engine_args(self, stage: StageDeployConfig, fixed: PipelineStage) -> dict[str, Any]:
         extras = self.checked_engine_extras(stage)
         async_final = self.final_async_scheduling(stage)
@@ -580,13 +630,37 @@ class _Resolver:
                 ) from None
             args.update({k: v for k, v in provided.items() if k not in extras})
         args.update(extras)
+        args.setdefault("enforce_eager", False)  # written out: whether vLLM captures CUDA graphs
         if fixed.exports_context:
-            args["additional_config"] = self.context_connector_config(stage, extras.get("additional_config"))
+            args["kv_transfer_config"] = self.context_export_config(stage, fixed, args)
         return dict(sorted(args.items()))
 
-    def context_connector_config(self, stage: StageDeployConfig, additional: Any) -> dict[str, Any]:
-        """``additional_config`` for an AR stage that exports contexts: the connector of its output edge
-        (the model runner puts each context there; the next stage's processes read it back)."""
+    def context_export_config(
+        self, stage: StageDeployConfig, fixed: PipelineStage, args: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``kv_transfer_config`` for an AR stage that exports contexts: vLLM runs the context export KV
+        connector, which puts each context into the connector of the stage's output edge (the next
+        stage's processes read it back)."""
+        sid = stage.stage_id
+        if "kv_transfer_config" in args:
+            raise self.error(
+                "kv_transfer_config: this stage hands its KV cache to the next stage through the plugin's "
+                "context export KV connector, and vLLM runs one KV connector per engine; remove it",
+                sid,
+                "engine_extras.kv_transfer_config",
+            )
+        from vllm_omni_plugin.runners.paged_kv import kv_cache_dtype_refusal
+
+        refusal = kv_cache_dtype_refusal(args.get("kv_cache_dtype"))
+        if refusal is not None:
+            raise self.error(refusal, sid, "engine_extras.kv_cache_dtype")
+        if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
+            raise self.error(
+                "a stage that hands its KV cache over runs with tensor_parallel_size 1 and "
+                "pipeline_parallel_size 1 (each worker would export a part of every context)",
+                sid,
+                "tensor_parallel_size",
+            )
         edge = next(
             (e for e in self.resolved_edges if e.from_stage == stage.stage_id and e.to != ROUTER), None
         )
@@ -600,11 +674,8 @@ class _Resolver:
                 stage.stage_id,
                 "output_connectors",
             )
-        out = dict(additional) if isinstance(additional, dict) else {}
-        omni = dict(out.get(OMNI_KEY) or {})
-        omni[CONTEXT_CONNECTOR_KEY] = {"name": edge.connector, "class": spec.name, "extra": dict(spec.extra)}
-        out[OMNI_KEY] = omni
-        return out
+        context_connector = {"name": edge.connector, "class": spec.name, "extra": dict(spec.extra)}
+        return context_export_kv_transfer_config(context_connector, fixed.context_position)
 
     def diffusion_args(self, stage: StageDeployConfig, sampling: dict[str, Any]) -> dict[str, Any]:
         """The diffusion worker's arguments, with its request defaults merged here once: the stage's
@@ -733,7 +804,11 @@ class _Resolver:
         if headless:
             self.check_headless_connectors(fixed.stage_id, connectors, io)
         engine_args = self.ar_engine_args(stage, fixed) if is_ar else {}
-        replicas = self.replicas(stage, engine_args.get("tensor_parallel_size", 1))
+        runner = why = None
+        runner_env: dict[str, str] = {}
+        if is_ar:
+            runner, why, runner_env = self.model_runner(stage, fixed)
+        replicas = self.replicas(stage, engine_args.get("tensor_parallel_size", 1), runner_env)
         placement = self.placement(stage, engine_args if is_ar else {})
         sampling = self.sampling_params(stage, fixed)
         return ResolvedStage(
@@ -756,6 +831,8 @@ class _Resolver:
             continuation=fixed.continuation,
             companion_timeout_s=stage.companion_timeout_s or DEFAULT_COMPANION_TIMEOUT_S,
             placement=placement,
+            model_runner=runner,
+            model_runner_reason=why,
         )
 
     @staticmethod

@@ -15,6 +15,8 @@ from vllm_omni_plugin.config.schema import ConnectorSpec, DeployConfig
 
 ROUTER = "router"
 """The destination of the final stage's output: the API server (or offline API) that asked."""
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+"""vLLM's switch between its V1 (``0``) and V2 (``1``) model runners."""
 
 
 class ResolvedReplica(msgspec.Struct, kw_only=True):
@@ -108,6 +110,10 @@ class ResolvedStage(msgspec.Struct, kw_only=True):
     """AR stages: how long a request's companion requests may take after its main one."""
     placement: ResolvedPlacement | None = None
     """Backend ``ray``: what each replica asks the cluster for; None on the local backend."""
+    model_runner: str | None = None
+    """AR stages: ``v1`` or ``v2``, the vLLM model runner the stage's engine runs."""
+    model_runner_reason: str | None = None
+    """AR stages: why that runner (who chose it, and what it means for the stage)."""
 
 
 class ResolvedDeployment(msgspec.Struct, kw_only=True):

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from vllm_omni_plugin import PLUGIN_NAME, __version__
 from vllm_omni_plugin.compat import CompatImportError
 from vllm_omni_plugin.config.errors import ConfigError
+from vllm_omni_plugin.config.platform import PLATFORMS
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -237,9 +238,13 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         )
     group.add_argument(
         "--print-resolved-config",
-        action="store_true",
-        default=False,
-        help="Print the final per-stage arguments (after every override) as YAML and exit.",
+        nargs="?",
+        const="this",
+        default=None,
+        choices=("this", *PLATFORMS),
+        metavar="PLATFORM",
+        help="Print the final per-stage arguments (after every override) as YAML and exit; with a platform "
+        f"({', '.join(PLATFORMS)}), as they would resolve there (e.g. review a GPU deployment on a laptop).",
     )
     return parser
 
@@ -334,6 +339,7 @@ def resolve_from_args(args: argparse.Namespace):
 
     if not getattr(args, "model", None):
         raise OmniCLIError("give the model: vllm serve MODEL --omni ...")
+    target = args.print_resolved_config
     resolved = resolve_deployment(
         args.model,
         deploy_config=args.deploy_config,
@@ -341,6 +347,7 @@ def resolve_from_args(args: argparse.Namespace):
         stage_overrides=args.stage_overrides,
         cli_engine_args=explicit_engine_args(args),
         backend=args.worker_backend,
+        platform=PLATFORMS[target] if target in PLATFORMS else None,
     )
     return resolved
 

@@ -20,13 +20,11 @@ class OmniCPUWorker(OmniWorkerMixin, CPUWorker):
     """vLLM's CPU worker with the Omni model runner.
 
     ``CPUWorker.init_device`` builds its runner inline (there is no factory hook as on GPU), so the
-    runner is replaced right after, before any model is loaded.
+    runner is replaced right after, before any model is loaded. vLLM's CPU V2 runner (which needs
+    Triton's CPU backend) is left stock, as on GPU.
     """
 
     def init_device(self, *args: Any, **kwargs: Any) -> None:
         super().init_device(*args, **kwargs)
-        if getattr(self, "use_v2_model_runner", False):
-            raise RuntimeError(
-                "the Omni AR stage needs vLLM's V1 model runner (unset VLLM_USE_V2_MODEL_RUNNER)"
-            )
-        self.model_runner = OmniCPUModelRunner(self.vllm_config, self.model_runner.device)
+        if not getattr(self, "use_v2_model_runner", False):
+            self.model_runner = OmniCPUModelRunner(self.vllm_config, self.model_runner.device)

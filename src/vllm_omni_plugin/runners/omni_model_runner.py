@@ -1,19 +1,24 @@
-"""``OmniModelRunnerMixin``: what an omni AR stage needs from vLLM's model runner, as small hooks.
+"""``OmniModelRunnerMixin``: what an omni AR stage needs from vLLM's V1 model runner, as small hooks.
 
 - **Safe resume.** Under async scheduling vLLM's ``_update_states`` rebuilds a request that left the
   persistent batch (resumed after preemption, or not scheduled last step) from
   ``CachedRequestData.all_token_ids[req_id]``, and raises ``KeyError`` when the scheduler did not fill
-  it: the engine core dies (the production crash told in ``docs/architecture.md``). A pre-pass fills
-  any missing entry from the runner's own request state; a request it cannot rebuild is left out of
-  this step and the Omni scheduler finishes it with an error, so the engine keeps serving everyone else.
+  it: the engine core dies (the production crash told in ``docs/architecture.md``). A pre-pass at the
+  start of ``execute_model`` fills any missing entry from the runner's own request state; a request it
+  cannot rebuild is left out of the step (the whole step sees a scheduler output without it) and the
+  Omni scheduler finishes it with an error, so the engine keeps serving everyone else. Under async
+  scheduling the runner records each sampled token as a ``-1`` placeholder (``output_token_ids`` and
+  ``input_batch.token_ids_cpu``, flagged as token ids) until the next step writes the real id on the
+  device, so a placeholder is never taken for a token.
 - **Precomputed decode positions.** M-RoPE models whose generated tokens have 2-D grid positions
   (GLM-Image) return them from ``get_mrope_input_positions`` after the prompt's; stock vLLM gives
   generated tokens ``delta + context_len`` on every axis. After vLLM's own computation we copy the
-  planned positions in wherever a request has them.
+  planned positions in wherever a request has them. (V2 runner: ``runners/planned_positions.py``.)
 - **Stage outputs and dropped requests.** Per-request outputs for the next stage recorded with
   ``set_stage_output`` (or computed by the model, ``omni_stage_outputs(mm_features)``), and the requests
   the resume pre-pass left out, travel on the step's ``ModelRunnerOutput`` as an ``OmniRunnerOutput``
-  (``vllm_omni_plugin.ar_channel``), which the Omni scheduler reads.
+  (``vllm_omni_plugin.ar_channel``), which the Omni scheduler reads. (Context exports of KV-handoff
+  pipelines travel through the KV connector of ``runners/context_export.py`` on either runner.)
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from vllm_omni_plugin.ar_channel import RUNNER_OUTPUT_ATTR, OmniRunnerOutput
 from vllm_omni_plugin.compat import runner_output_payload
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.runners.context_export import ContextExporter
 
 if TYPE_CHECKING:
     from vllm.config import CompilationConfig, VllmConfig
@@ -52,8 +56,6 @@ class OmniModelRunnerMixin:
         """Stage outputs recorded and not yet sent (a request's go with the first step that ran it)."""
         self._omni_dropped: list[str] = []
         """Requests the resume pre-pass left out of the current step."""
-        self.context_exporter = ContextExporter(self.vllm_config)
-        """Copies the K/V of requests that ask for it (KV-handoff pipelines) when their prompt is computed."""
 
     # --- what the step's output carries ---
 
@@ -61,13 +63,19 @@ class OmniModelRunnerMixin:
         """Record a per-request output of this stage (msgpack-serialisable) for the request's output."""
         self._omni_stage_outputs.setdefault(req_id, {})[key] = value
 
+    def execute_model(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
+        output = super().execute_model(self._omni_resume_prepass(scheduler_output), *args, **kwargs)
+        if output is None:  # the step's output comes from sample_tokens
+            return output
+        payload = runner_output_payload(output)
+        if payload is not None and self._omni_dropped:
+            # A step with nothing left to run returns vLLM's shared empty output: attach to a copy.
+            payload = copy.copy(payload)
+            self._attach_omni_output(payload)
+            return payload
+        return output
+
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        exporter = self.context_exporter
-        if exporter.due:  # the forward pass has written these prompts' K/V into the paged cache
-            static = self.compilation_config.static_forward_context
-            for req_id, outputs in exporter.export_due(self.requests, static).items():
-                for key, value in outputs.items():
-                    self.set_stage_output(req_id, key, value)
         output = super().sample_tokens(*args, **kwargs)
         payload = runner_output_payload(output)
         if payload is not None:
@@ -98,14 +106,16 @@ class OmniModelRunnerMixin:
         outputs = list(state.output_token_ids[:num_output_tokens])
         if len(outputs) == num_output_tokens and -1 not in outputs:
             return prompt + outputs
-        # Async placeholders (-1): the real ids may still sit in the persistent batch's token buffer.
+        # Async placeholders (-1): the real ids may still sit in the persistent batch's token buffer,
+        # which holds -1 too (flagged as token ids) for tokens whose real id only the device has.
         row = self.input_batch.req_id_to_index.get(req_id)
         if row is None:
             return None
         start, end = len(prompt), len(prompt) + num_output_tokens
         if not self.input_batch.is_token_ids[row, start:end].all():
             return None
-        return prompt + [int(t) for t in self.input_batch.token_ids_cpu[row, start:end]]
+        tokens = [int(t) for t in self.input_batch.token_ids_cpu[row, start:end]]
+        return None if -1 in tokens else prompt + tokens
 
     def _omni_resume_prepass(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         cached = scheduler_output.scheduled_cached_reqs
@@ -155,6 +165,9 @@ class OmniModelRunnerMixin:
         out.scheduled_spec_decode_tokens = {
             k: v for k, v in scheduler_output.scheduled_spec_decode_tokens.items() if k not in dropped
         }
+        out.scheduled_encoder_inputs = {
+            k: v for k, v in scheduler_output.scheduled_encoder_inputs.items() if k not in dropped
+        }
         self._omni_dropped.extend(dropped)
         for rid in dropped:
             logger.error(
@@ -165,9 +178,8 @@ class OmniModelRunnerMixin:
         return out
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> Any:
-        result = super()._update_states(self._omni_resume_prepass(scheduler_output))
+        result = super()._update_states(scheduler_output)
         self._collect_model_stage_outputs(scheduler_output)
-        self.context_exporter.note_scheduled(self.requests, scheduler_output)
         return result
 
     def _collect_model_stage_outputs(self, scheduler_output: SchedulerOutput) -> None:

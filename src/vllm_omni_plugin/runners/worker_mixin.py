@@ -1,32 +1,28 @@
-"""What the Omni workers add to vLLM's CPU and GPU workers, whatever the platform."""
+"""What the Omni workers add to vLLM's CPU and GPU workers, whatever the platform and model runner."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import msgspec
+
+from vllm_omni_plugin.compat import resolve
+
+
+def context_export_connector() -> Any:
+    """This worker process's context export KV connector (``runners/context_export.py``), if any."""
+    if not resolve("has_kv_transfer_group")():
+        return None
+    connector = resolve("get_kv_transfer_group")()
+    return connector if hasattr(connector, "take_stage_outputs") else None
 
 
 class OmniWorkerMixin:
     """Mixed in front of vLLM's worker class (``CPUWorker``, ``Worker``)."""
 
-    model_runner: Any
-
-    def _context_exporter(self) -> Any:
-        runner = getattr(self, "model_runner", None)
-        return getattr(runner, "context_exporter", None)
-
     def omni_context_connector_health(self) -> dict[str, Any] | None:
         """Counters of the context connector in this worker (``collective_rpc`` target): whoever serves
         ``/metrics`` and the leak checks see the sending side of a KV handoff through it."""
-        exporter = self._context_exporter()
-        health = exporter.health() if exporter is not None else None
+        connector = context_export_connector()
+        health = connector.health() if connector is not None else None
         return None if health is None else msgspec.to_builtins(health)
-
-    def shutdown(self) -> None:
-        exporter = self._context_exporter()
-        if exporter is not None:
-            with contextlib.suppress(Exception):  # the rest of the shutdown must run
-                exporter.close()
-        super().shutdown()

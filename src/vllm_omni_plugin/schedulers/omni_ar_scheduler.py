@@ -4,15 +4,17 @@ Like vLLM's ``AsyncScheduler`` extends ``Scheduler`` through two hooks, ``OmniAR
 the omni behaviour through a few overrides and is placed in front of either base; configuration
 resolution picks the variant from the final ``async_scheduling`` flag.
 
-- ``all_token_ids`` is filled for every request the model runner may have to rebuild (resumed, or
-  absent from its persistent batch), whatever the base or the runner version: the runner's async resume
-  path reads it (a missing entry once killed an engine core in production, see ``docs/architecture.md``).
+- ``all_token_ids`` is filled for every request vLLM's V1 model runner may have to rebuild (resumed, or
+  absent from its persistent batch), whatever the base: the runner's async resume path reads it (a
+  missing entry once killed an engine core in production, see ``docs/architecture.md``). vLLM's V2 model
+  runner never reads it (a resumed request comes back whole), so with V2 nothing is added.
 - A request the runner had to leave out of a step (``OmniRunnerOutput.dropped_req_ids``: it could not
   be rebuilt) is finished with an error that reaches its client, instead of a ``KeyError`` that would
   kill the engine core.
-- Per-request stage outputs from the runner (``OmniRunnerOutput.stage_outputs``) travel back with the
-  request's final output under ``kv_transfer_params["omni"]``, vLLM's per-request dict channel to the
-  client.
+- Per-request stage outputs from the runner (``OmniRunnerOutput.stage_outputs``) and from the context
+  export KV connector (``runners/context_export.py``, whose worker metadata vLLM reads after it finished
+  the step's requests) travel back with the request's final output under ``kv_transfer_params["omni"]``,
+  vLLM's per-request dict channel to the client.
 - Hooks for KV-handoff pipelines: ``on_prefill_finished`` and ``on_trigger_token`` (token ids listed in
   ``SamplingParams.extra_args["omni"]["trigger_token_ids"]``).
 - The EngineCore process it runs in stops when the process that started it dies (vLLM's EngineCore
@@ -52,6 +54,8 @@ class OmniARSchedulerMixin:
         """Request id -> its ``trigger_token_ids`` (requests that have any)."""
         self._omni_stage_outputs: dict[str, dict[str, Any]] = {}
         """Stage outputs the runner computed, held until their request's final output."""
+        self._omni_fills_all_token_ids = not getattr(self.vllm_config, "use_v2_model_runner", False)
+        """Only vLLM's V1 model runner reads ``CachedRequestData.all_token_ids``."""
         exit_with_parent("EngineCore")
 
     # --- hooks (override in subclasses; called once per event) ---
@@ -75,6 +79,8 @@ class OmniARSchedulerMixin:
         data = super()._make_cached_request_data(
             running_reqs, resumed_reqs, num_scheduled_tokens, spec_decode_tokens, req_to_new_blocks
         )
+        if not self._omni_fills_all_token_ids:
+            return data
         previous = getattr(self, "prev_step_scheduled_req_ids", set())  # absent in some vLLM versions
         for request in (*running_reqs, *resumed_reqs):
             req_id = request.request_id
@@ -123,7 +129,11 @@ class OmniARSchedulerMixin:
         outputs: dict[int, EngineCoreOutputs] = super().update_from_output(
             scheduler_output, model_runner_output
         )
-        self._attach_stage_outputs(outputs, extras.stage_outputs if extras else {})
+        stage_outputs = dict(extras.stage_outputs) if extras else {}
+        take = getattr(self.connector, "take_stage_outputs", None)  # the context export connector
+        if take is not None:
+            stage_outputs.update(take())
+        self._attach_stage_outputs(outputs, stage_outputs)
         if hooks:
             self._run_hooks(outputs, prefilling, watched)
         for client_index, output in dropped:
@@ -174,6 +184,9 @@ class OmniARSchedulerMixin:
                 params = dict(output.kv_transfer_params or {})
                 params.setdefault(OMNI_KEY, {}).update(held.pop(output.request_id))
                 output.kv_transfer_params = params
+        for req_id in [rid for rid in held if rid not in self.requests]:
+            # finished without an output to carry them (aborted): a connector lease frees their payloads
+            del held[req_id]
 
     def _run_hooks(
         self,

@@ -9,17 +9,21 @@ every replica a Ray actor (``placement.ray.RayPlacement``). A headless stage, se
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vllm_omni_plugin.config.resolved import ROUTER, ResolvedDeployment, ResolvedStage
+from vllm_omni_plugin.config.resolved import ROUTER, RUNNER_ENV, ResolvedDeployment, ResolvedStage
 from vllm_omni_plugin.connectors.base import OmniConnector, make_connector
+from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase
 from vllm_omni_plugin.stage.diffusion_core_client import InlineStageDiffusionClient, StageDiffusionCoreClient
 from vllm_omni_plugin.stage.diffusion_core_proc import ConnectorSpecTuple, StageDiffusionProcConfig
 from vllm_omni_plugin.stage.headless import RemoteStageClient
 from vllm_omni_plugin.stage.llm_core_client import StageLLMCoreClient
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
+
+logger = get_logger(__name__)
 
 Placement = Callable[[ResolvedDeployment, ResolvedStage, dict[str, OmniConnector]], list[StageCoreClientBase]]
 """``(deployment, stage, connectors) -> one client per replica of the stage``."""
@@ -134,6 +138,21 @@ class Stages:
     """Headless stages (served by workers that register with this head), by stage id."""
 
 
+def adopt_model_runner(stage: ResolvedStage) -> None:
+    """This process takes the AR stage's model-runner choice before it builds any ``VllmConfig`` (vLLM
+    reads the variable, and may cache it, in every process that builds one), and says why once."""
+    chosen = next((r.env[RUNNER_ENV] for r in stage.replicas if RUNNER_ENV in r.env), None)
+    if chosen is not None and RUNNER_ENV not in os.environ:
+        os.environ[RUNNER_ENV] = chosen
+    logger.info(
+        "stage %d (%s) runs vLLM's %s model runner: %s",
+        stage.stage_id,
+        stage.name,
+        (stage.model_runner or "").upper(),
+        stage.model_runner_reason,
+    )
+
+
 def build_stages(
     deployment: ResolvedDeployment,
     connectors: dict[str, OmniConnector],
@@ -147,6 +166,9 @@ def build_stages(
     itself (``headless_worker``), which places them like any other."""
     placement = placement or placement_for(deployment)
     stages = Stages(pools={}, remote={})
+    for stage in deployment.stages:
+        if stage.model_runner is not None and (stage_ids is None or stage.stage_id in stage_ids):
+            adopt_model_runner(stage)
     for stage in deployment.stages:
         if stage_ids is not None and stage.stage_id not in stage_ids:
             continue

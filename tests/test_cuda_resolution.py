@@ -1,0 +1,162 @@
+"""What a CUDA host gets from the shipped deploy files, resolved here (no GPU needed): the model runner
+each AR stage runs and why, BAGEL's context export KV connector, CUDA graphs on or off, and the memory
+budget of every stage; the user's own choices win, and impossible ones are refused in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment
+from vllm_omni_plugin.config.resolved import RUNNER_ENV
+from vllm_omni_plugin.stage.factory import adopt_model_runner
+from vllm_omni_plugin.testing.server import bin_script, cpu_test_env
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+CUDA, CPU = PLATFORMS["cuda"], PLATFORMS["cpu"]
+GLM_IMAGE_GPU_FILES = ("glm_image.yaml",)
+BAGEL_GPU_FILES = ("bagel.yaml",)
+
+
+@pytest.fixture(autouse=True)
+def no_runner_choice_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RUNNER_ENV, raising=False)
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("glm-image")
+    (path / "model_index.json").write_text('{"_class_name": "GlmImagePipeline"}')
+    return str(path)
+
+
+def deployments(glm_dir: str, bagel_dir: str) -> list[tuple[str, str]]:
+    return [(glm_dir, name) for name in GLM_IMAGE_GPU_FILES] + [(bagel_dir, name) for name in BAGEL_GPU_FILES]
+
+
+@pytest.mark.parametrize("name", [*GLM_IMAGE_GPU_FILES, *BAGEL_GPU_FILES])
+def test_every_gpu_deploy_file_on_cuda(name: str, glm_dir: str, tiny_bagel: Path) -> None:
+    model = str(tiny_bagel) if name in BAGEL_GPU_FILES else glm_dir
+    resolved = resolve_deployment(model, deploy_config=str(DEPLOY / name), platform=CUDA)
+    for stage in resolved.stages:
+        if stage.execution_type == "llm_ar":
+            # vLLM 0.31-0.33 would pick its V2 runner on CUDA; our AR stages are put on V1, saying why
+            assert stage.model_runner == "v1"
+            assert all(replica.env[RUNNER_ENV] == "0" for replica in stage.replicas)
+            assert stage.model_runner_reason.startswith(f"{RUNNER_ENV}=0 set for this stage: ")
+            assert stage.engine_args["enforce_eager"] in (True, False)  # graphs on or off, written out
+            assert 0 < stage.engine_args["gpu_memory_utilization"] <= 1
+        else:
+            assert stage.model_runner is None
+            assert all(RUNNER_ENV not in replica.env for replica in stage.replicas)
+
+
+@pytest.mark.parametrize("name", BAGEL_GPU_FILES)
+def test_bagel_thinker_exports_through_the_kv_connector(name: str, tiny_bagel: Path) -> None:
+    resolved = resolve_deployment(str(tiny_bagel), deploy_config=str(DEPLOY / name), platform=CUDA)
+    thinker = resolved.stage(0).engine_args
+    assert "additional_config" not in thinker
+    config = thinker["kv_transfer_config"]
+    assert config["kv_connector"] == "ContextExportConnector"
+    assert config["kv_connector_module_path"] == "vllm_omni_plugin.runners.context_export"
+    assert config["kv_role"] == "kv_producer"
+    edge = resolved.edge(0, 1)
+    assert config["kv_connector_extra_config"]["omni"]["context_connector"] == {
+        "name": edge.connector,
+        "class": resolved.connectors[edge.connector].name,
+        "extra": dict(resolved.connectors[edge.connector].extra),
+    }
+
+
+def test_cpu_runs_v1_without_setting_anything(glm_dir: str) -> None:
+    resolved = resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CPU)
+    ar = resolved.stage(0)
+    assert ar.model_runner == "v1" and all(RUNNER_ENV not in r.env for r in ar.replicas)
+
+
+def test_a_user_who_sets_the_variable_wins(glm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    resolved = resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CUDA)
+    ar = resolved.stage(0)
+    assert ar.model_runner == "v2"
+    assert all(RUNNER_ENV not in r.env for r in ar.replicas)  # theirs, inherited as it is
+    assert "set in the environment" in ar.model_runner_reason
+    assert "image-to-image needs the V1 runner" in ar.model_runner_reason  # what V2 means for GLM-Image
+
+
+def test_a_stage_env_wins_over_the_process_environment(glm_dir: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        f"base_config: glm_image.yaml\nstages:\n  - stage_id: 0\n    env: {{{RUNNER_ENV}: '0'}}\n"
+    )
+    ar = resolve_deployment(glm_dir, deploy_config=str(path), platform=CUDA).stage(0)
+    assert ar.model_runner == "v1" and "stage 0 env" in ar.model_runner_reason
+    assert all(r.env[RUNNER_ENV] == "0" for r in ar.replicas)
+
+
+def test_a_value_vllm_cannot_read_is_refused(glm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RUNNER_ENV, "yes")
+    with pytest.raises(ConfigError) as err:
+        resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CUDA)
+    assert f"{RUNNER_ENV}='yes'" in str(err.value) and "set 0" in str(err.value)
+
+
+def test_v2_where_triton_has_no_backend_is_refused(glm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        pytest.skip("this vLLM has Triton with a CPU backend: its V2 runner can run here")
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    with pytest.raises(ConfigError) as err:
+        resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CPU)
+    assert len(str(err.value).splitlines()) == 1
+    assert "needs Triton with a cpu backend" in str(err.value)
+
+
+def test_the_head_adopts_the_choice_before_any_vllm_config(glm_dir: str, monkeypatch) -> None:
+    resolved = resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CUDA)
+    adopt_model_runner(resolved.stage(0))
+    assert os.environ[RUNNER_ENV] == "0"
+    monkeypatch.setenv(RUNNER_ENV, "1")  # a user's own value is never overwritten
+    adopt_model_runner(resolved.stage(0))
+    assert os.environ[RUNNER_ENV] == "1"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("engine_extras: {kv_transfer_config: {kv_connector: LMCacheConnectorV1, kv_role: kv_both}}",
+         "vLLM runs one KV connector per engine"),
+        ("tensor_parallel_size: 2\n    devices: '0,1'", "tensor_parallel_size 1"),
+        ("engine_extras: {kv_cache_dtype: fp8}", "set --kv-cache-dtype auto"),
+    ],
+)  # fmt: skip
+def test_what_the_context_export_cannot_run_with(
+    extra: str, message: str, tiny_bagel: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(f"base_config: bagel.yaml\nstages:\n  - stage_id: 0\n    {extra}\n")
+    with pytest.raises(ConfigError) as err:
+        resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=CUDA)
+    assert message in str(err.value) and "deploy.yaml" in str(err.value)
+
+
+def test_print_resolved_config_for_cuda_shows_them(tiny_bagel: Path) -> None:
+    result = subprocess.run(
+        [bin_script("vllm"), "serve", str(tiny_bagel), "--omni", "--deploy-config", str(DEPLOY / "bagel.yaml"),
+         "--print-resolved-config", "cuda"],
+        capture_output=True, text=True, timeout=300, env=cpu_test_env(drop=("VLLM_PLUGINS",)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    thinker = resolved["stages"][0]
+    assert resolved["platform"] == "cuda"
+    assert thinker["model_runner"] == "v1" and thinker["replicas"][0]["env"][RUNNER_ENV] == "0"
+    assert thinker["engine_args"]["kv_transfer_config"]["kv_connector"] == "ContextExportConnector"
+    assert "enforce_eager" in thinker["engine_args"] and "gpu_memory_utilization" in thinker["engine_args"]
