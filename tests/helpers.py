@@ -4,18 +4,24 @@ Besides small helpers (a source image, a handle through the wire, our shared-mem
 the stage runtime without engines: :class:`FakeStageClient` is a replica that answers in this process,
 a ``StageCoreClientBase`` like every real client, and :data:`FAKE_PIPELINE` a two-stage pipeline whose
 stage-input processors need no model. ``fake_placement`` puts every replica of a resolved deployment on
-fake clients, through the stage factory's placement seam.
+fake clients, through the stage factory's placement seam; :func:`app_client` serves the API app over such
+a runtime. :func:`run_result_script` and :func:`run_output_script` run a script (an engine script, or a test
+module run as one) in a process of its own, so that a vLLM engine's global state stays out of pytest's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import json
 import os
+import subprocess
+import sys
 import textwrap
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -42,8 +48,16 @@ from vllm_omni_plugin.stage.core_types import (
 )
 from vllm_omni_plugin.stage.errors import StageDeadError
 from vllm_omni_plugin.stage.orchestrator import ProcessorContext
+from vllm_omni_plugin.testing.server import cpu_test_env
+
+if TYPE_CHECKING:
+    import httpx
+    import torch
+
+    from vllm_omni_plugin.entrypoints.omni_server import OmniServer
 
 SHM_DIR = "/dev/shm"
+ENGINE_SCRIPTS = Path(__file__).parent / "engine_scripts"
 
 
 # --- small helpers ------------------------------------------------------------------------------------
@@ -225,3 +239,73 @@ class FakePlacement:
         ]
         self.clients[stage.stage_id] = made
         return list(made)
+
+
+@contextlib.asynccontextmanager
+async def app_client(
+    deployment: ResolvedDeployment, placement: FakePlacement, *flags: str, timeout: float = 5.0
+) -> AsyncIterator[tuple[httpx.AsyncClient, OmniServer]]:
+    """The API app of ``vllm serve MODEL --omni *flags`` over a started runtime of ``placement``'s replicas,
+    and an HTTP client of it (``timeout``: the client's, httpx's default unless given); the runtime is
+    shut down on the way out."""
+    import httpx
+
+    from vllm_omni_plugin.entrypoints.api_server import build_api_app
+    from vllm_omni_plugin.entrypoints.cli import build_parser
+    from vllm_omni_plugin.entrypoints.omni import AsyncOmni
+    from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
+
+    args = build_parser().parse_args(["serve", deployment.model, "--omni", *flags])
+    omni = AsyncOmni(deployment, placement=placement)
+    await omni.start()
+    server = OmniServer(omni, settings_from_args(args, deployment))
+    try:
+        transport = httpx.ASGITransport(app=build_api_app(args, server))
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://omni.test", timeout=timeout
+        ) as client:
+            yield client, server
+    finally:
+        server.close()
+        await omni.shutdown()
+
+
+# --- scripts in a process of their own ------------------------------------------------------------------
+
+
+def _run_script(path: Path | str, args: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python path *args`` with the CPU test environment, its vLLM engine core and worker in that one
+    process (a child's threads and global state never reach pytest's process)."""
+    return subprocess.run(
+        [sys.executable, str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+    )
+
+
+def _ends(result: subprocess.CompletedProcess[str]) -> str:
+    """The ends of a failed script's output, for the assertion message."""
+    return result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def run_result_script(path: Path | str, *args: str, timeout: float = 600) -> Any:
+    """Runs a script that prints its findings as one ``RESULT {json}`` line; returns them (the last such
+    line). The script must exit 0."""
+    result = _run_script(path, args, timeout)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, _ends(result)
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def run_output_script(
+    path: Path | str, *args: str, out: Path, timeout: float = 600
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Runs a script whose last argument is an output path ``out``, to which it writes ``<out>.json`` and,
+    for tensors too large for a line of output, ``<out>.safetensors``; returns what both hold."""
+    from safetensors.torch import load_file
+
+    result = _run_script(path, (*args, str(out)), timeout)
+    assert result.returncode == 0, _ends(result)
+    return json.loads(Path(f"{out}.json").read_text()), load_file(f"{out}.safetensors")

@@ -11,7 +11,6 @@ import io
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from helpers import FakePlacement, fake_deployment, our_segments
+from helpers import FakePlacement, app_client, fake_deployment, our_segments
 from vllm_omni_plugin import compat
 from vllm_omni_plugin.entrypoints.api_server import bind_socket, build_api_app, serve
 from vllm_omni_plugin.entrypoints.cli import build_parser
@@ -40,23 +39,13 @@ def parse(*flags: str) -> Any:
     )
 
 
-@contextlib.asynccontextmanager
-async def running(
+def running(
     tmp_path: Path, placement: FakePlacement | None = None, media_dir: Path | None = None
-) -> AsyncIterator[tuple[httpx.AsyncClient, OmniServer]]:
+) -> contextlib.AbstractAsyncContextManager[tuple[httpx.AsyncClient, OmniServer]]:
     """The app over a started runtime of fake replicas, and an HTTP client of it."""
-    deployment = fake_deployment(tmp_path)
-    args = parse("--api-key", KEY, *(["--image-media-dir", str(media_dir)] if media_dir else []))
-    omni = AsyncOmni(deployment, placement=placement or FakePlacement())
-    await omni.start()
-    server = OmniServer(omni, settings_from_args(args, deployment))
-    try:
-        transport = httpx.ASGITransport(app=build_api_app(args, server))
-        async with httpx.AsyncClient(transport=transport, base_url="http://omni.test") as client:
-            yield client, server
-    finally:
-        server.close()
-        await omni.shutdown()
+    media = ["--image-media-dir", str(media_dir)] if media_dir else []
+    flags = ("--served-model-name", MODEL, "--api-key", KEY, *media)
+    return app_client(fake_deployment(tmp_path), placement or FakePlacement(), *flags)
 
 
 def test_response_format_url_serves_the_image_from_the_media_dir(tmp_path: Path) -> None:

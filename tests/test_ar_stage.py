@@ -3,34 +3,16 @@ scheduler/runner classes."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.testing.server import cpu_test_env
-
-SCRIPTS = Path(__file__).parent / "engine_scripts"
-
-
-def run_script(name: str, *args: str, timeout: float = 600) -> dict:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+from helpers import ENGINE_SCRIPTS, run_result_script
 
 
 @pytest.fixture(scope="module")
 def resume(tiny_text_model: Path) -> dict:
-    return run_script("resume_path.py", str(tiny_text_model))
+    return run_result_script(ENGINE_SCRIPTS / "resume_path.py", str(tiny_text_model))
 
 
 def test_stock_runner_reproduces_the_seed_keyerror(resume: dict) -> None:
@@ -42,7 +24,7 @@ def test_stock_runner_reproduces_the_seed_keyerror(resume: dict) -> None:
 
 @pytest.fixture(scope="module")
 def async_resume(tiny_text_model: Path) -> dict:
-    return run_script("async_resume.py", str(tiny_text_model))
+    return run_result_script(ENGINE_SCRIPTS / "async_resume.py", str(tiny_text_model))
 
 
 def test_the_cpu_runner_reproduces_the_gpu_async_state(async_resume: dict) -> None:
@@ -116,8 +98,12 @@ def test_hooks_and_stage_outputs(resume: dict) -> None:
 def test_scheduler_variants_match_stock_vllm_under_preemption(tiny_text_model: Path) -> None:
     """Greedy tokens of a real engine: stock vLLM vs our scheduler + worker (both variants), with a KV
     cache small enough to force preemptions."""
-    result = run_script(
-        "greedy_variants.py", str(tiny_text_model), str(64 << 10), "60", "stock,omni_sync,omni_async_variant"
+    result = run_result_script(
+        ENGINE_SCRIPTS / "greedy_variants.py",
+        str(tiny_text_model),
+        str(64 << 10),
+        "60",
+        "stock,omni_sync,omni_async_variant",
     )
     stock = result["stock"]["tokens"]
     assert all(len(t) == 60 for t in stock)
@@ -132,7 +118,7 @@ def test_context_export_connector_holds_blocks_until_the_copy_is_reported(tiny_t
     request whose prompt ends this step is sent to the worker with its blocks; it finishes in that step
     (max_tokens=1) and still gets its handle; its blocks stay allocated until the worker reports the copy,
     then are freed; nothing is exported twice or left behind."""
-    r = run_script("context_export_blocks.py", str(tiny_text_model))
+    r = run_result_script(ENGINE_SCRIPTS / "context_export_blocks.py", str(tiny_text_model))
     assert r["connector"] == "ContextExportConnector"
     assert r["exports"] == [["ctx", r["ctx_blocks"], 20, 20]] and len(r["ctx_blocks"]) == 2
     assert r["ctx_finished"] == "length"

@@ -25,12 +25,8 @@ import pytest
 import yaml
 from PIL import Image
 
-from helpers import FakePlacement
+from helpers import FakePlacement, app_client
 from vllm_omni_plugin.config import PLATFORMS, ResolvedDeployment, resolve_deployment
-from vllm_omni_plugin.entrypoints.api_server import build_api_app
-from vllm_omni_plugin.entrypoints.cli import build_parser
-from vllm_omni_plugin.entrypoints.omni import AsyncOmni
-from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
 from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, ProcessorContext
 from vllm_omni_plugin.stage.processors.glm_image import glm_image_ar_tokens, request2ar
@@ -110,17 +106,8 @@ async def app(
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FakePlacement, RecordingAR]]:
     ar = RecordingAR()
     placement = FakePlacement({0: ar})
-    args = build_parser().parse_args(["serve", deployment.model, "--omni", "--served-model-name", MODEL])
-    omni = AsyncOmni(deployment, placement=placement)
-    await omni.start()
-    server = OmniServer(omni, settings_from_args(args, deployment))
-    try:
-        transport = httpx.ASGITransport(app=build_api_app(args, server))
-        async with httpx.AsyncClient(transport=transport, base_url="http://omni.test", timeout=120) as client:
-            yield client, placement, ar
-    finally:
-        server.close()
-        await omni.shutdown()
+    async with app_client(deployment, placement, "--served-model-name", MODEL, timeout=120) as (client, _):
+        yield client, placement, ar
 
 
 def served(placement: FakePlacement) -> dict[int, list[str]]:

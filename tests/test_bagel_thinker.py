@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,20 +113,11 @@ def _engine_main(model: str, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from safetensors.torch import load_file
+    from helpers import run_output_script
 
-    from vllm_omni_plugin.testing.server import cpu_test_env
-
-    out = str(tmp_path_factory.mktemp("thinker") / "contexts")
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tiny_bagel), out],
-        env=cpu_test_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {"kv": load_file(out + ".safetensors"), "meta": json.loads(Path(out + ".json").read_text())}
+    out = tmp_path_factory.mktemp("thinker") / "contexts"
+    meta, tensors = run_output_script(__file__, str(tiny_bagel), out=out)
+    return {"kv": tensors, "meta": meta}
 
 
 @pytest.fixture(scope="module")

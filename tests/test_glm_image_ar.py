@@ -7,7 +7,6 @@ thread binding and global state stay out of the pytest process; the transformers
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from helpers import source_image
+from helpers import run_result_script, source_image
 
 ARCH = "GlmImageForConditionalGeneration"
 MODEL_CLASS = "vllm_omni_plugin.models.glm_image_ar:GlmImageForConditionalGeneration"
@@ -126,8 +125,6 @@ def hf_greedy(hf: SimpleNamespace) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def engine(hf: SimpleNamespace, hf_greedy: dict[str, dict[str, Any]], tmp_path_factory) -> dict[str, Any]:
-    from vllm_omni_plugin.testing.server import cpu_test_env
-
     image_token_id = hf.model.config.image_token_id
     requests = []
     for name, case in CASES.items():
@@ -152,16 +149,7 @@ def engine(hf: SimpleNamespace, hf_greedy: dict[str, dict[str, Any]], tmp_path_f
                 )
     spec = tmp_path_factory.mktemp("glm_image_ar") / "requests.json"
     spec.write_text(json.dumps({"requests": requests, "positions": positions}))
-    result = subprocess.run(
-        [sys.executable, __file__, str(hf.dir), str(spec)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-6000:]
-    out = json.loads(lines[-1].removeprefix("RESULT "))
+    out = run_result_script(__file__, str(hf.dir), str(spec), timeout=900)
     print(f"\nGLM-Image AR in vLLM: {json.dumps(out['metrics'])}")
     return out
 

@@ -29,18 +29,15 @@ What runs, and why not more:
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from vllm_omni_plugin.testing.server import cpu_test_env
+from helpers import ENGINE_SCRIPTS, run_result_script
 
-SCRIPT = Path(__file__).parent / "engine_scripts" / "glm_image_v2_positions.py"
+SCRIPT = ENGINE_SCRIPTS / "glm_image_v2_positions.py"
 MAX_MODEL_LEN = 280
 """As in the script."""
 SCENARIOS = ("t2i_both_grids", "i2i_sources_chunked", "batch_clipped_and_reused_slot", "resumed_mid_decode")
@@ -142,21 +139,33 @@ def test_positions_read_no_device_value_on_the_host() -> None:
             host_read(probe)
 
 
+@pytest.mark.cuda
+def test_positions_are_captured_in_a_cuda_graph() -> None:
+    """On the device the function runs inside a CUDA graph (a host read would fail the capture), and a
+    replay over new inputs written in place gives what the CPU gives."""
+    from vllm_omni_plugin.runners.planned_positions import planned_mrope_positions
+
+    first, second = random_batch(3, torch.int64), random_batch(4, torch.int64)
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in first.items()}
+    out = torch.zeros((3, 65), dtype=torch.int64, device="cuda")
+    planned_mrope_positions(**inputs, out=out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        planned_mrope_positions(**inputs, out=out)
+    for name, value in second.items():
+        if isinstance(value, torch.Tensor):
+            inputs[name].copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[:, : second["num_tokens"]].cpu(), planned_mrope_positions(**second))
+
+
 # --- V2's model state against the V1 runner -----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def run(tiny_glm_image: Path) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tiny_glm_image)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_result_script(SCRIPT, str(tiny_glm_image))
 
 
 def checked_scenario(run: dict[str, Any], name: str) -> dict[str, list[int]]:

@@ -14,7 +14,6 @@ import json
 import math
 import shutil
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,15 +21,15 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import ENGINE_SCRIPTS, run_result_script
 from vllm_omni_plugin.config.pipeline import detect_pipeline
 from vllm_omni_plugin.models.bagel.config import BagelConfigError, load_bagel_config
 from vllm_omni_plugin.models.bagel.weights import DTYPE_BYTES, CheckpointReader, read_header
-from vllm_omni_plugin.testing.server import cpu_test_env
 
 DATA = Path(__file__).parent / "data" / "real_models"
 BAGEL_LISTINGS = DATA / "bagel_weights"
 GLM_LISTINGS = DATA / "glm_image_weights"
-SCRIPTS = Path(__file__).parent / "engine_scripts"
+SCRIPT = ENGINE_SCRIPTS / "real_layouts.py"
 EMA, AE = "ema.safetensors", "ae.safetensors"
 
 
@@ -66,19 +65,6 @@ def bagel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in (EMA, AE):
         write_header_only(root / name, listing(BAGEL_LISTINGS / f"{name}.json"))
     return root
-
-
-def run_script(name: str, *args: str, timeout: float = 900) -> Any:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-5000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 # --- BAGEL: configs and what the checkpoint holds -------------------------------------------------------
@@ -213,7 +199,7 @@ def thinker_loads(bagel_dir: Path) -> list[dict[str, Any]]:
     """The thinker loaded twice: from ema + ae through vLLM's iterator (a folder without an index file),
     and from ema alone (the encoder then read from ae.safetensors by the thinker itself)."""
     ema, ae = BAGEL_LISTINGS / f"{EMA}.json", BAGEL_LISTINGS / f"{AE}.json"
-    return run_script("real_layouts.py", "bagel", str(bagel_dir), f"{ema},{ae}", str(ema))
+    return run_result_script(SCRIPT, "bagel", str(bagel_dir), f"{ema},{ae}", str(ema), timeout=900)
 
 
 def test_bagel_thinker_loads_every_weight_of_the_real_checkpoint(thinker_loads: list[dict[str, Any]]) -> None:
@@ -239,8 +225,8 @@ def test_glm_image_ar_loads_every_weight_of_the_real_checkpoint() -> None:
     """Our vLLM GLM-Image AR model with the real config and the engine arguments resolution gives it
     (sampling over the 16512 image ids, 168064 embedding rows), loaded with transformers' names."""
     encoder = DATA / "glm_image" / "vision_language_encoder"
-    (load,) = run_script(
-        "real_layouts.py", "glm_image", str(encoder), str(GLM_LISTINGS / "vision_language_encoder.json")
+    (load,) = run_result_script(
+        SCRIPT, "glm_image", str(encoder), str(GLM_LISTINGS / "vision_language_encoder.json"), timeout=900
     )
     assert load["error"] is None
     assert load["missing"] == [] and load["not_params"] == []

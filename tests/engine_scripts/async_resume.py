@@ -26,52 +26,27 @@ import sys
 import traceback
 from typing import Any
 
+from one_process import TINY_ENGINE_ARGS, engine_config, loaded_runner, make_scheduler, one_process
+
 PROMPTS = {"a": [11, 12, 13, 14, 15, 16, 17, 18], "b": [21, 22, 23, 24, 25, 26, 27, 28]}
 
 
 def main() -> None:
     model = sys.argv[1]
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.attention.backends.utils import record_kv_cache_layout, resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.worker.worker_base import WorkerBase
 
     from vllm_omni_plugin.ar_channel import runner_extras
     from vllm_omni_plugin.runners.cpu_worker import OmniCPUModelRunner
 
-    engine_args = EngineArgs(
-        model=model, enforce_eager=True, dtype="float32", max_model_len=96, block_size=32,
-        kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False,
-    )  # fmt: skip
-    config = engine_args.create_engine_config()
+    config = engine_config(model, **TINY_ENGINE_ARGS)
     config.scheduler_config.async_scheduling = True  # the CPU platform turns it off; a GPU has it on
-    current_platform.register_triton_kernel_overrides()  # what vLLM's CPU worker does at start-up
     result: dict[str, Any] = {}
-    with set_current_vllm_config(config):
-        init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:0", local_rank=0, backend="gloo"
-        )
-        ensure_model_parallel_initialized(1, 1)
-        runner = OmniCPUModelRunner(config, torch.device("cpu"))
+    with one_process(config):
+        runner, kv_config = loaded_runner(OmniCPUModelRunner, config, kv_cache_bytes=1 << 20)
         result["async"] = bool(runner.use_async_scheduling)
-        runner.load_model()
-        spec = runner.get_kv_cache_spec()
-        layout = resolve_kv_cache_layout(
-            config, [WorkerBase.get_supported_kv_cache_layouts(runner)], list(spec.values())
-        )
-        record_kv_cache_layout(config.cache_config, layout.name)
-        kv_config = get_kv_cache_configs(config, [spec], [1 << 20])[0]
-        runner.initialize_kv_cache(kv_config)
-        config.cache_config.num_gpu_blocks = kv_config.num_blocks
 
         def step(output: SchedulerOutput) -> dict[str, Any]:
             """One whole step; sampled token per request (real ids), and who was left out."""
@@ -90,12 +65,7 @@ def main() -> None:
             return {"error": None, "sampled": sampled, "dropped": extras.dropped_req_ids if extras else []}
 
         def first_step(names: list[str]) -> tuple[SchedulerOutput, dict[str, list[int]]]:
-            scheduler = Scheduler(
-                vllm_config=config,
-                kv_cache_config=kv_config,
-                structured_output_manager=StructuredOutputManager(config),
-                block_size=32,
-            )
+            scheduler = make_scheduler(Scheduler, config, kv_config)
             for rid in names:
                 prompt = PROMPTS[rid.split("_")[0]]
                 scheduler.add_request(

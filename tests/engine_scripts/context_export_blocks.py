@@ -11,48 +11,30 @@ from __future__ import annotations
 import json
 import sys
 
+from one_process import TINY_ENGINE_ARGS, engine_config, make_scheduler
+
 
 def main() -> None:
     model = sys.argv[1]
-    import torch
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
     from vllm_omni_plugin.ar_channel import context_export_kv_transfer_config
     from vllm_omni_plugin.runners.context_export import ContextExportWorkerMetadata
     from vllm_omni_plugin.schedulers.omni_ar_scheduler import OmniARScheduler
 
     connector = {"name": "ctx", "class": "SharedMemoryConnector", "extra": {}}
-    engine_args = EngineArgs(
-        model=model, enforce_eager=True, dtype="float32", max_model_len=96, block_size=16,
-        kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False,
+    config = engine_config(
+        model,
+        num_gpu_blocks=16,
+        **{**TINY_ENGINE_ARGS, "block_size": 16},
         kv_transfer_config=context_export_kv_transfer_config(connector, None),
-    )  # fmt: skip
-    config = engine_args.create_engine_config()
-    config.cache_config.num_gpu_blocks = 16
+    )
     result: dict[str, object] = {}
-    with set_current_vllm_config(config):
-        kv = KVCacheConfig(
-            num_blocks=16,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    ["model.layers.0.self_attn.attn"],
-                    FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32),
-                )
-            ],
-        )
-        scheduler = OmniARScheduler(
-            vllm_config=config,
-            kv_cache_config=kv,
-            structured_output_manager=StructuredOutputManager(config),
-            block_size=16,
-        )
+    with set_current_vllm_config(config):  # a scheduler needs no distributed state
+        scheduler = make_scheduler(OmniARScheduler, config)
         result["connector"] = type(scheduler.connector).__name__
         export = SamplingParams(max_tokens=1, extra_args={"omni": {"export_context": True}})
         scheduler.add_request(Request("ctx", list(range(1, 21)), export, None))  # 20 tokens: 2 blocks

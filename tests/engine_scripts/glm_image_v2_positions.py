@@ -37,6 +37,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from one_process import TINY_ENGINE_ARGS, engine_config, loaded_runner, one_process
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (helpers)
 
 MAX_MODEL_LEN = 280
@@ -133,9 +135,6 @@ def main() -> None:
     from PIL import Image
     from transformers import BatchFeature, GlmImageProcessor
     from vllm import ModelRegistry
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.multimodal.inputs import (
         MultiModalFeatureSpec,
         MultiModalFieldConfig,
@@ -144,7 +143,6 @@ def main() -> None:
     )
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from helpers import source_image
 
@@ -163,11 +161,13 @@ def main() -> None:
 
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, MODEL_CLASS)
-    config = EngineArgs(
-        model=str(model_dir / "vision_language_encoder"), tokenizer=str(model_dir / "processor"),
-        dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-        block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False, seed=0,
-    ).create_engine_config()  # fmt: skip
+    config = engine_config(
+        str(model_dir / "vision_language_encoder"),
+        tokenizer=str(model_dir / "processor"),
+        **{**TINY_ENGINE_ARGS, "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE},
+        max_num_seqs=MAX_NUM_SEQS,
+        seed=0,
+    )
 
     # --- prompts and source images, as GlmImageProcessor makes them ---
     processor = GlmImageProcessor.from_pretrained(model_dir / "processor")
@@ -209,17 +209,9 @@ def main() -> None:
             )
     result["prompt_lens"] = {name: len(ids) for name, ids in prompts.items()}
 
-    with set_current_vllm_config(config):
-        init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:0", local_rank=0, backend="gloo"
-        )
-        ensure_model_parallel_initialized(1, 1)
-
-        # --- V1: the real Omni CPU runner with the tiny model loaded ---
-        runner = OmniCPUModelRunner(config, torch.device("cpu"))
-        runner.load_model()
-        # No attention backends are built without a KV cache: an empty group list skips batch reordering.
-        runner.kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[])
+    with one_process(config):
+        # --- V1: the real Omni CPU runner with the tiny model loaded (no KV cache: positions need none) ---
+        runner, _ = loaded_runner(OmniCPUModelRunner, config)
         runner.use_async_scheduling = False  # positions do not depend on it; tokens are fed back below
         model = runner.get_model()
         # what the model's V2 hook would load (vLLM's CPU worker itself imports some of V2's modules)

@@ -17,13 +17,12 @@ import sys
 import traceback
 from typing import Any
 
+from one_process import engine_config, one_process
+
 
 def main() -> None:
     kind, model_dir, *loads = sys.argv[1:]
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
 
     import vllm_omni_plugin
 
@@ -41,18 +40,13 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown kind {kind!r}")
 
-    engine_args = EngineArgs(
-        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=4096,
+    config = engine_config(
+        model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=4096,
         **stage_args,
     )  # fmt: skip
-    config = engine_args.create_engine_config()
     dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
     results: list[dict[str, Any]] = []
-    with set_current_vllm_config(config):
-        init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:0", local_rank=0, backend="gloo"
-        )
-        ensure_model_parallel_initialized(1, 1)
+    with one_process(config):
         for load in loads:
             listings = [json.loads(open(path, encoding="utf-8").read()) for path in load.split(",")]
             config.compilation_config.static_forward_context.clear()  # attention layers of the last load

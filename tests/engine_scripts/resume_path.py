@@ -14,63 +14,32 @@ import os
 import sys
 import traceback
 
+from one_process import TINY_ENGINE_ARGS, engine_config, make_scheduler, no_kv_cache_config, one_process
+
 
 def main() -> None:
     model = sys.argv[1]
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
 
     from vllm_omni_plugin.ar_channel import RUNNER_OUTPUT_ATTR, OmniRunnerOutput
     from vllm_omni_plugin.runners.cpu_worker import CPUModelRunner
     from vllm_omni_plugin.schedulers.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
 
-    engine_args = EngineArgs(
-        model=model, enforce_eager=True, dtype="float32", max_model_len=96, block_size=32,
-        kv_cache_memory_bytes=1 << 20, enable_prefix_caching=False,
-    )  # fmt: skip
-    config = engine_args.create_engine_config()
-    config.cache_config.num_gpu_blocks = 16
+    config = engine_config(model, num_gpu_blocks=16, **TINY_ENGINE_ARGS)
     result: dict[str, object] = {}
-    with set_current_vllm_config(config):
-        init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:0", local_rank=0, backend="gloo"
-        )
-        ensure_model_parallel_initialized(1, 1)
-
-        def make_scheduler(cls):
-            kv = KVCacheConfig(
-                num_blocks=16,
-                kv_cache_tensors=[],
-                kv_cache_groups=[
-                    KVCacheGroupSpec(
-                        ["model.layers.0.self_attn.attn"],
-                        FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=32, dtype=torch.float32),
-                    )
-                ],
-            )
-            return cls(
-                vllm_config=config,
-                kv_cache_config=kv,
-                structured_output_manager=StructuredOutputManager(config),
-                block_size=32,
-            )
-
+    with one_process(config):
         prompt = [11, 12, 13, 14, 15, 16, 17, 18]
         outputs = [201, 202, 203]
 
         # 1. Each scheduler variant fills all_token_ids for a resumed request, even one that was
         #    scheduled in the previous step (where stock vLLM leaves it out).
         for cls in (Scheduler, OmniARScheduler, OmniARAsyncScheduler):
-            scheduler = make_scheduler(cls)
+            scheduler = make_scheduler(cls, config)
             request = Request("r0", list(prompt), SamplingParams(max_tokens=16), None)
             scheduler.add_request(request)
             first = scheduler.schedule()
@@ -87,9 +56,8 @@ def main() -> None:
         def run_runner(cls, output_token_ids):
             runner = cls(config, torch.device("cpu"))
             runner.use_async_scheduling = True
-            # No attention backends are built without a model: an empty group list skips batch reordering.
-            runner.kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[])
-            scheduler = make_scheduler(Scheduler)
+            runner.kv_cache_config = no_kv_cache_config()  # no model loaded: no attention backends
+            scheduler = make_scheduler(Scheduler, config)
             request = Request("r0", list(prompt), SamplingParams(max_tokens=16), None)
             scheduler.add_request(request)
             step1 = scheduler.schedule()
@@ -129,7 +97,7 @@ def main() -> None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         try:
             for cls in (OmniARScheduler, OmniARAsyncScheduler):
-                scheduler = make_scheduler(cls)
+                scheduler = make_scheduler(cls, config)
                 request = Request("r0", list(prompt), SamplingParams(max_tokens=16), None)
                 scheduler.add_request(request)
                 scheduler.schedule()
@@ -144,7 +112,7 @@ def main() -> None:
 
         # 3. The scheduler turns a request the runner left out into an error for that request only.
         for cls in (OmniARScheduler, OmniARAsyncScheduler):
-            scheduler = make_scheduler(cls)
+            scheduler = make_scheduler(cls, config)
             for rid in ("a", "b"):
                 scheduler.add_request(Request(rid, list(prompt), SamplingParams(max_tokens=4), None))
             step = scheduler.schedule()
@@ -169,7 +137,7 @@ def main() -> None:
             def on_trigger_token(self, request, token_id):
                 self.events.append(["trigger", request.request_id, token_id])
 
-        scheduler = make_scheduler(Recording)
+        scheduler = make_scheduler(Recording, config)
         params = SamplingParams(max_tokens=2, extra_args={"omni": {"trigger_token_ids": [77]}})
         scheduler.add_request(Request("h", list(prompt), params, None))
         step = scheduler.schedule()
