@@ -36,6 +36,19 @@ def nothing_left_behind() -> Iterator[LeakWatch]:
         pytest.fail("the test run left this behind (now removed):\n" + left.describe(), pytrace=False)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` skip, saying so, where there is no CUDA device (scripts/gpu_check.sh runs
+    them on a GPU host)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def tiny_model_cache() -> Path:
     """Tiny models are cached across runs (they are rebuilt when their config hash changes)."""
     return Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", REPO_ROOT / ".cache" / "tiny_models"))

@@ -593,6 +593,6 @@ def test_bf16_on_cpu_stays_close_to_fp32(tiny_bagel: Path, runner: BagelGenerati
     _bf16_close_to_fp32("cpu", tiny_bagel, runner)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_bf16_stays_close_to_cpu_fp32(tiny_bagel: Path, runner: BagelGenerationRunner) -> None:
     _bf16_close_to_fp32("cuda", tiny_bagel, runner)

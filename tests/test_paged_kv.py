@@ -232,6 +232,23 @@ def test_gpu_backend_layouts_read_back_exactly(name: str, dtype: torch.dtype) ->
                 assert_reads(paged_kv.gather_tokens(keys, values, REQUEST_BLOCKS, NUM_TOKENS), expected, what)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"])
+def test_reads_on_the_device_equal_the_host(name: str) -> None:
+    """The same cache bytes on a CUDA device: the reader gives exactly what it gives on the host."""
+    spec, layouts = backend_spec_and_layouts(name, torch.bfloat16)
+    backend = backend_class(name) or name
+    views = layer_views(spec, layouts[0])
+    write_request(name, views, slot_mapping(REQUEST_BLOCKS, BLOCK, NUM_TOKENS))
+    for layer, cache in views.items():
+        on_host = paged_kv.read_tokens(cache, backend, HEAD_DIM, REQUEST_BLOCKS, NUM_TOKENS)
+        device_cache = torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype, device="cuda")
+        device_cache.copy_(cache)
+        keys, values = paged_kv.read_tokens(device_cache, backend, HEAD_DIM, REQUEST_BLOCKS, NUM_TOKENS)
+        assert keys.device.type == "cuda"
+        assert_reads((keys.cpu(), values.cpu()), on_host, f"{name} {layer} on cuda")
+
+
 def test_rocm_aiter_fa_reads_as_flash_attn_the_name_it_reports() -> None:
     """AITER's FA backend calls itself FLASH_ATTN (what ``get_name()`` callers pass) and writes alike."""
     cls = backend_class("ROCM_AITER_FA")
