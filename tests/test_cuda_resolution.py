@@ -19,8 +19,8 @@ from vllm_omni_plugin.testing.server import bin_script, cpu_test_env
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 CUDA, CPU = PLATFORMS["cuda"], PLATFORMS["cpu"]
-GLM_IMAGE_GPU_FILES = ("glm_image.yaml",)
-BAGEL_GPU_FILES = ("bagel.yaml",)
+GLM_IMAGE_GPU_FILES = ("glm_image.yaml", "glm_image_1gpu.yaml")
+BAGEL_GPU_FILES = ("bagel.yaml", "bagel_h200.yaml")
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +54,7 @@ def test_every_gpu_deploy_file_on_cuda(name: str, glm_dir: str, tiny_bagel: Path
         else:
             assert stage.model_runner is None
             assert all(RUNNER_ENV not in replica.env for replica in stage.replicas)
+            assert 0 < stage.diffusion_args["gpu_memory_utilization"] <= 1  # the DiT's memory budget
 
 
 @pytest.mark.parametrize("name", BAGEL_GPU_FILES)
@@ -119,13 +120,45 @@ def test_v2_where_triton_has_no_backend_is_refused(glm_dir: str, monkeypatch: py
     assert "needs Triton with a cpu backend" in str(err.value)
 
 
-def test_the_head_adopts_the_choice_before_any_vllm_config(glm_dir: str, monkeypatch) -> None:
+def test_the_head_adopts_the_choice_before_any_vllm_config(glm_dir: str) -> None:
     resolved = resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CUDA)
-    adopt_model_runner(resolved.stage(0))
-    assert os.environ[RUNNER_ENV] == "0"
-    monkeypatch.setenv(RUNNER_ENV, "1")  # a user's own value is never overwritten
-    adopt_model_runner(resolved.stage(0))
-    assert os.environ[RUNNER_ENV] == "1"
+    try:
+        adopt_model_runner(resolved.stage(0))
+        assert os.environ[RUNNER_ENV] == "0"
+        os.environ[RUNNER_ENV] = "1"  # a user's own value is never overwritten
+        adopt_model_runner(resolved.stage(0))
+        assert os.environ[RUNNER_ENV] == "1"
+    finally:
+        os.environ.pop(RUNNER_ENV, None)
+
+
+def test_on_v2_glm_image_refuses_source_images_before_any_stage_runs(
+    tiny_glm_image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What GLM-Image hands its DiT about source images travels on the V1 runner's step output: with a
+    user's VLLM_USE_V2_MODEL_RUNNER=1 an edit is a 400 saying so, before any stage runs."""
+    import asyncio
+
+    from helpers import FakePlacement, app_client
+    from vllm_omni_plugin.testing.gpu_check import source_png
+
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    deployment = resolve_deployment(
+        str(tiny_glm_image), deploy_config=str(DEPLOY / "tiny_glm_image_cpu.yaml"), platform=CUDA
+    )
+    placement = FakePlacement()
+
+    async def main() -> None:
+        async with app_client(deployment, placement, timeout=60) as (c, _):
+            files = {"image": ("in.png", source_png(), "image/png")}
+            edit = await c.post("/v1/images/edits", data={"prompt": "blue", "size": "64x64"}, files=files)
+            assert edit.status_code == 400, edit.text
+            message = edit.json()["error"]["message"]
+            assert "V2 model runner" in message and f"unset {RUNNER_ENV}" in message
+            served = [r for clients in placement.clients.values() for cl in clients for r in cl.served]
+            assert served == []  # refused before any stage ran
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize(
@@ -145,6 +178,26 @@ def test_what_the_context_export_cannot_run_with(
     with pytest.raises(ConfigError) as err:
         resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=CUDA)
     assert message in str(err.value) and "deploy.yaml" in str(err.value)
+
+
+def test_stages_sharing_a_device_must_split_its_memory(glm_dir: str, tmp_path: Path) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        "base_config: glm_image_1gpu.yaml\nstages:\n  - stage_id: 1\n    gpu_memory_utilization: 0.7\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve_deployment(glm_dir, deploy_config=str(path), platform=CUDA)
+    message = str(err.value)
+    assert "device 0 is shared by stage 0 (ar) 0.35, stage 1 (dit) 0.7: together 1.05" in message
+    assert "deploy.yaml" in message and len(message.splitlines()) == 1
+    # an AR stage without a budget takes vLLM's default, 0.9, which leaves a DiT on its device too little
+    path.write_text(
+        "pipeline: glm_image\nstages:\n  - {stage_id: 0, devices: '0'}\n"
+        "  - {stage_id: 1, devices: '0', gpu_memory_utilization: 0.3}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve_deployment(glm_dir, deploy_config=str(path), platform=CUDA)
+    assert "stage 0 (ar) 0.9 (vLLM's default), stage 1 (dit) 0.3: together 1.2" in str(err.value)
 
 
 def test_print_resolved_config_for_cuda_shows_them(tiny_bagel: Path) -> None:

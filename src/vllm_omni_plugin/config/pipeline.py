@@ -49,8 +49,9 @@ class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
     """Why this AR stage runs on vLLM's V1 model runner where vLLM would pick V2 (CUDA/ROCm, vLLM
     0.31-0.33): resolution sets ``VLLM_USE_V2_MODEL_RUNNER=0`` in its replicas' environment and logs this.
     A user who sets the variable wins."""
-    v2_runner_limits: str | None = None
-    """What this AR stage cannot do on vLLM's V2 model runner (said when a user chooses V2)."""
+    images_need_v1_runner: bool = False
+    """Source images (image-to-image) need vLLM's V1 model runner here: what the stage hands the next
+    stage about them travels on the V1 runner's step output. On V2 the server refuses them (400)."""
     diffusion_runner: str | None = None
     """Dotted path of the runner class of a diffusion stage whose model is not a diffusers pipeline
     (BAGEL's generation runner); None: the runner is chosen by ``model_index.json``."""
@@ -216,10 +217,7 @@ GLM_IMAGE = Pipeline(
                 "image-to-image hands the source images' prior tokens to the DiT through the V1 runner's "
                 "step output, and the V1 runner is the one the CPU test suite runs"
             ),
-            v2_runner_limits=(
-                "image-to-image needs the V1 runner (the source images' prior tokens reach the DiT "
-                "through its step output); text-to-image runs on V2"
-            ),
+            images_need_v1_runner=True,
         ),
         PipelineStage(
             stage_id=1,

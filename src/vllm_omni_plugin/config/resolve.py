@@ -60,15 +60,21 @@ from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER, is_omni_ar_scheduler
 
 DEFAULT_COMPANION_TIMEOUT_S = 30.0
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+"""What a vLLM engine takes of its device when ``gpu_memory_utilization`` is not set."""
 DIFFUSION_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
 """What a diffusion stage's ``default_sampling_params`` may set: defaults of the diffusion engine for
 requests that leave them unset (a stage field of the same name wins)."""
-DIFFUSION_ENGINE_FIELDS = ("dtype", "trust_remote_code", "enforce_eager")
+DIFFUSION_ENGINE_FIELDS = ("dtype", "trust_remote_code", "enforce_eager", "gpu_memory_utilization")
 """Further stage fields handed to the diffusion engine as they are."""
 RESERVED_ENGINE_EXTRAS = frozenset({"model", "tokenizer"})
 WHOLE_OUTPUT = -1
 DEFAULT_MAX_RETRIES = 1
 """``window_size`` of an edge that hands each output over whole, the only hand-over we implement."""
+IMAGES_NEED_V1 = (
+    "image-to-image needs the V1 runner (what the stage hands the DiT about source images travels on its "
+    "step output) and is refused; text-to-image runs on V2"
+)
 _CONNECTOR_KEY = re.compile(r"^(from|to)_stage_(\d+|router)$")
 
 StageIO = dict[str, dict[str, str]]
@@ -584,8 +590,8 @@ class _Resolver:
             why = f"{RUNNER_ENV}={chosen} set in {where}"
             if v2 and not self.platform.v2_runner_default:
                 self.check_v2_runner_possible(sid, why)
-            if v2 and fixed.v2_runner_limits:
-                why += f"; {fixed.v2_runner_limits}"
+            if v2 and fixed.images_need_v1_runner:
+                why += f"; {IMAGES_NEED_V1}"
             return ("v2" if v2 else "v1"), why, {}
         if self.platform.v2_runner_default and fixed.v1_runner and picks_v1_runner():
             return "v1", f"{RUNNER_ENV}=0 set for this stage: {fixed.v1_runner}", {RUNNER_ENV: "0"}
@@ -696,6 +702,14 @@ class _Resolver:
         for name in DIFFUSION_ENGINE_FIELDS:
             if getattr(stage, name) is not None:
                 args[name] = getattr(stage, name)
+        if stage.gpu_memory_utilization is not None and self.platform.device_env is None:
+            self.note_at(
+                stage.stage_id,
+                "gpu_memory_utilization",
+                f"on {self.platform.name} a share of the machine's memory (as vLLM's CPU backend reads it): "
+                "the stage admits requests by their estimated activation memory within it, but nothing "
+                "caps what it allocates",
+            )
         for name in DIFFUSION_DEFAULT_KEYS:
             for value in (getattr(stage, name), sampling.get(name), pipeline_defaults.get(name)):
                 if value is not None:
@@ -835,6 +849,40 @@ class _Resolver:
             model_runner_reason=why,
         )
 
+    def check_shared_devices(self, resolved: list[ResolvedStage]) -> None:
+        """Stages placed on one device of this host split its memory: their ``gpu_memory_utilization``
+        (an AR stage without one takes vLLM's default, 0.9) must add up to at most 1, or the second
+        stage to start finds the device full."""
+        if self.platform.device_env is None or self.backend != "local":
+            return
+        shares: dict[str, list[tuple[ResolvedStage, float, str]]] = {}
+        for stage in resolved:
+            if stage.headless:  # its devices are another host's
+                continue
+            if stage.execution_type == "llm_ar":
+                share = stage.engine_args.get("gpu_memory_utilization")
+                note = "" if share is not None else " (vLLM's default)"
+                share = VLLM_DEFAULT_GPU_MEMORY_UTILIZATION if share is None else share
+            else:
+                share, note = stage.diffusion_args.get("gpu_memory_utilization"), ""
+                if share is None:
+                    continue
+            for device in {d for replica in stage.replicas for d in (replica.devices or "").split(",") if d}:
+                shares.setdefault(device, []).append((stage, float(share), note))
+        for device, users in sorted(shares.items()):
+            total = sum(share for _, share, _ in users)
+            if len(users) > 1 and total > 1.0 + 1e-9:
+                parts = ", ".join(
+                    f"stage {s.stage_id} ({s.name}) {share:g}{note}" for s, share, note in users
+                )
+                raise self.error(
+                    f"device {device} is shared by {parts}: together {total:g} of its memory; lower their "
+                    "gpu_memory_utilization so that they add up to at most 1 (about 0.9 leaves room for "
+                    "each process's CUDA context)",
+                    users[-1][0].stage_id,
+                    "gpu_memory_utilization",
+                )
+
     @staticmethod
     def completed_stage(stage: StageDeployConfig, resolved: ResolvedStage) -> StageDeployConfig:
         """The stage as a deploy config that resolves to ``resolved`` again (derived values written out,
@@ -887,6 +935,7 @@ class _Resolver:
         resolved = [
             self.resolve_stage(stages[f.stage_id], f, ios[f.stage_id], connectors) for f in pipeline.stages
         ]
+        self.check_shared_devices(resolved)
         max_retries = DEFAULT_MAX_RETRIES if self.cfg.max_retries is None else self.cfg.max_retries
         deploy = DeployConfig(
             pipeline=pipeline.name,

@@ -72,6 +72,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     max_num_batched_tokens: PositiveInt | None = None
     max_model_len: PositiveInt | None = None
     gpu_memory_utilization: Fraction | None = None
+    """The share of its device's memory the stage keeps to: an AR stage's vLLM engine (weights, KV cache,
+    activations), a diffusion stage's process (capped there; batches are admitted by their estimated
+    activations within what its weights leave). Stages placed on one GPU split it between them."""
     kv_cache_memory_bytes: NonNegativeInt | None = None
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
@@ -182,7 +185,6 @@ AR_ONLY_FIELDS: frozenset[str] = frozenset(
         "max_num_seqs",
         "max_num_batched_tokens",
         "max_model_len",
-        "gpu_memory_utilization",
         "kv_cache_memory_bytes",
         "async_scheduling",
         "tensor_parallel_size",

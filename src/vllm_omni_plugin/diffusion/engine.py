@@ -12,6 +12,10 @@ A request aborted while it waits is not run; a batch whose every request is abor
 the running step (no decode, no image). A request aborted alone inside a batch shared with others cannot
 leave the batch, whose tensors it is a row of: its row is finished with the batch, and whoever aborted it
 drops its image.
+
+With a memory budget (``gpu_memory_utilization``, see :mod:`vllm_omni_plugin.diffusion.memory`), a batch
+takes requests only while the runner's estimate of their activations fits what the budget leaves after
+the weights; the others run in the next batch, and a request that does not fit alone fails as invalid.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.memory import (
+    MemoryBudget,
+    allocated_bytes,
+    device_memory_bytes,
+    gib,
+    tensor_bytes,
+)
 from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.diffusion.pipelines import BatchAborted, DiffusersPipelineRunner, load_pipeline_runner
 from vllm_omni_plugin.dotted import import_object
@@ -72,6 +83,8 @@ class DiffusionEngine:
     unseeded requests. ``trust_remote_code`` and ``enforce_eager`` are accepted so a resolved deploy
     config's ``diffusion_args`` can be passed as is; registered runners need neither. A batch that runs
     longer than ``progress_interval_s`` logs its requests' step progress every that many seconds.
+    ``gpu_memory_utilization``: the share of the device's memory (the machine's on CPU) the stage keeps
+    to; batches are formed within what it leaves after the weights (``memory``).
     """
 
     def __init__(
@@ -92,6 +105,7 @@ class DiffusionEngine:
         runner: DiffusersPipelineRunner | None = None,
         runner_cls: str | None = None,
         progress_interval_s: float = PROGRESS_INTERVAL_S,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         import torch
 
@@ -108,6 +122,10 @@ class DiffusionEngine:
         self.runner = runner or load_pipeline_runner(self.model, dtype=self.dtype, device=self.device)
         self.load_seconds = time.perf_counter() - start
         runner = self.runner
+        self.memory: MemoryBudget | None = None
+        """The stage's memory budget, its weights measured (None: no budget, batches by size only)."""
+        if gpu_memory_utilization is not None:
+            self.memory = self._measure_budget(gpu_memory_utilization)
         self.request_type: type = getattr(runner, "request_type", DiffusionRequest)
         """What this engine's runner takes (``DiffusionRequest`` for diffusers pipelines; BAGEL's runner
         has its own request type and fills its defaults itself)."""
@@ -138,6 +156,47 @@ class DiffusionEngine:
             max_batch_size,
             ", batch-invariant" if batch_invariant else "",
             self.load_seconds,
+        )
+
+    def _measure_budget(self, fraction: float) -> MemoryBudget:
+        """The budget with the weights as loaded: the allocator's count on CUDA, else the runner's
+        tensors. A budget the weights leave nothing of is a start-up error, not a stage that refuses
+        every request."""
+        weights = allocated_bytes(self.device)
+        if weights is None:
+            holder = getattr(self.runner, "weight_tensors", None)
+            weights = tensor_bytes(holder()) if holder is not None else 0
+        budget = MemoryBudget(
+            fraction=fraction,
+            device=str(self.device),
+            device_bytes=device_memory_bytes(self.device),
+            weight_bytes=weights,
+        )
+        if budget.activation_bytes <= 0:
+            raise ValueError(
+                "the diffusion stage's memory budget holds its weights and nothing more: "
+                f"{budget.describe()}; raise gpu_memory_utilization"
+            )
+        if not hasattr(self.runner, "activation_bytes"):
+            logger.warning(
+                "diffusion engine: %s estimates no activation memory; batches are not bounded by the budget",
+                type(self.runner).__name__,
+            )
+        logger.info("diffusion engine memory: %s", budget.describe())
+        return budget
+
+    def activation_bytes(self, batch: Sequence[Any]) -> int | None:
+        """The runner's estimate of the activations of ``batch`` run as one call (None: it has none)."""
+        estimate = getattr(self.runner, "activation_bytes", None)
+        return None if estimate is None else int(estimate(list(batch)))
+
+    def _too_large(self, request: Any, need: int) -> ValueError:
+        assert self.memory is not None
+        what = getattr(self.runner, "describe_request", None)
+        subject = what(request) if what is not None else f"a {request.height}x{request.width} image"
+        return ValueError(
+            f"{subject} needs about {gib(need)} of activations on its own, more than this stage's memory "
+            f"budget leaves for a batch ({self.memory.describe()}); ask for a smaller image"
         )
 
     # --- requests ----------------------------------------------------------------------------------
@@ -198,21 +257,47 @@ class DiffusionEngine:
     def plan(
         self, requests: Sequence[DiffusionRequest]
     ) -> tuple[list[list[int]], dict[int, DiffusionResult]]:
-        """Batches of request indices (compatible, at most ``max_batch_size``) and the requests that failed
-        validation, by index. Batches keep request order within a key; keys in order of first appearance."""
+        """Batches of request indices (compatible, at most ``max_batch_size``, within the memory budget)
+        and the requests that failed validation or fit no batch, by index. Batches keep request order
+        within a key; keys in order of first appearance."""
         groups: dict[tuple[Any, ...], list[int]] = {}
         failed: dict[int, DiffusionResult] = {}
         for index, request in enumerate(requests):
             try:
                 self.runner.validate(request)
                 key = self._batch_key(request)
+                self._check_fits_alone(request)
             except Exception as exc:
                 failed[index] = self._failed(request, exc, invalid=isinstance(exc, ValueError | TypeError))
                 continue
             groups.setdefault(key, []).append(index)
         size = 1 if self.batch_invariant else self.max_batch_size
-        batches = [list(chunk) for indices in groups.values() for chunk in _chunks(indices, size)]
+        batches = [chunk for indices in groups.values() for chunk in self._admitted(requests, indices, size)]
         return batches, failed
+
+    def _check_fits_alone(self, request: Any) -> None:
+        if self.memory is None:
+            return
+        need = self.activation_bytes([request])
+        if need is not None and need > self.memory.activation_bytes:
+            raise self._too_large(request, need)
+
+    def _admitted(self, requests: Sequence[Any], indices: list[int], size: int) -> Iterable[list[int]]:
+        """``indices`` (one batch key) cut into batches of at most ``size`` whose estimated activations
+        fit the budget (each request fits alone: ``plan`` refused the others)."""
+        if self.memory is None:
+            yield from (list(chunk) for chunk in _chunks(indices, size))
+            return
+        limit = self.memory.activation_bytes
+        batch: list[int] = []
+        for index in indices:
+            grown = [requests[i] for i in (*batch, index)]
+            if batch and (len(batch) == size or (self.activation_bytes(grown) or 0) > limit):
+                yield batch
+                batch = []
+            batch.append(index)
+        if batch:
+            yield batch
 
     def generate(
         self, requests: Iterable[DiffusionRequest], is_aborted: IsAborted | None = None

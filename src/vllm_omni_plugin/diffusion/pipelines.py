@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
+
+from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.log import get_logger
 
@@ -66,6 +69,75 @@ class ModelFacts:
     """It turns source images into the output (edits, image-to-image)."""
     needs_images: bool
     """It cannot run without a source image (an edit pipeline)."""
+
+
+DEFAULT_TEXT_TOKENS = 512
+"""Prompt tokens a pipeline's transformer attends to when its ``__call__`` names no
+``max_sequence_length`` default (T5-conditioned pipelines pad to 256 or 512)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DenoiserShape:
+    """What a pipeline's activation memory follows, read from its modules' configs (no weights needed:
+    meta-device modules give the same)."""
+
+    hidden: int
+    """Width of the denoiser's token stream (heads x head size)."""
+    ff_inner: int
+    """Width of its widest feed-forward (before the down projection)."""
+    patch_pixels: int
+    """Image pixels per token side (the VAE's scale times the patch, packing included)."""
+    decoder_channels: int
+    """Channels of the VAE decoder at full resolution (its last upsampled level)."""
+    element: int
+    vae_element: int
+    guidance_embedded: bool
+    """The transformer takes guidance as an input (FLUX's distilled guidance): one pass, not two."""
+
+    def image_tokens(self, height: int, width: int) -> int:
+        return -(-height // self.patch_pixels) * -(-width // self.patch_pixels)
+
+
+def denoiser_shape(pipe: Any) -> DenoiserShape:
+    """The :class:`DenoiserShape` of a loaded (or meta-device) diffusers pipeline."""
+    import math
+
+    model = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    if model is None:
+        raise ValueError(f"{type(pipe).__name__} has neither a transformer nor a unet")
+    cfg = dict(model.config)
+    heads, head_dim = cfg.get("num_attention_heads"), cfg.get("attention_head_dim")
+    hidden = heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else 0
+    if hidden <= 0:  # a UNet: its widest level (an overestimate: that level runs at a lower resolution)
+        hidden = max(cfg.get("block_out_channels") or [1280])
+    widths = [m.net[-1].in_features for m in model.modules() if type(m).__name__ == "FeedForward"]
+    vae_cfg = dict(pipe.vae.config)
+    latent = vae_cfg.get("latent_channels") or vae_cfg.get("z_dim") or cfg.get("in_channels") or 4
+    in_channels = cfg.get("in_channels") or latent
+    patch = cfg.get("patch_size") if isinstance(cfg.get("patch_size"), int) else 1
+    if in_channels != latent and in_channels % latent == 0:  # latents packed into tokens (FLUX, Qwen-Image)
+        patch = math.isqrt(in_channels // latent)
+    return DenoiserShape(
+        hidden=hidden,
+        ff_inner=max(widths, default=4 * hidden),
+        patch_pixels=int(getattr(pipe, "vae_scale_factor", 8)) * max(1, patch),
+        decoder_channels=_decoder_channels(vae_cfg),
+        element=next(model.parameters()).element_size(),
+        vae_element=next(pipe.vae.parameters()).element_size(),
+        guidance_embedded=bool(cfg.get("guidance_embeds")),
+    )
+
+
+def _decoder_channels(vae_cfg: dict[str, Any]) -> int:
+    """The decoder's channels at full resolution: those of the level above the finest (its upsample
+    writes them at full resolution); 512 when the config says neither way."""
+    levels = vae_cfg.get("block_out_channels")
+    if levels:
+        return int(levels[min(1, len(levels) - 1)])
+    base, mult = vae_cfg.get("base_dim"), vae_cfg.get("dim_mult")
+    if base and mult:
+        return int(base * mult[min(1, len(mult) - 1)])
+    return 512
 
 
 def call_parameters(pipeline_cls: type) -> Mapping[str, inspect.Parameter]:
@@ -121,6 +193,10 @@ class DiffusersPipelineRunner:
     """Requests must give a size (no ``default_size``, not even the pipeline's)."""
     supports_negative_prompt: bool | None = None
     supports_image_to_image: bool | None = None
+    batched_guidance: ClassVar[bool] = True
+    """Guidance runs the conditional and unconditional passes as one batch of twice the rows (SD3's
+    classifier-free guidance), unless the transformer embeds guidance; False where the pipeline runs them
+    one after the other (Qwen-Image's true CFG, GLM-Image)."""
 
     def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
         cls = type(self)
@@ -137,6 +213,8 @@ class DiffusersPipelineRunner:
             self.default_guidance_scale = _default(params, self.guidance_argument, float)
         self.default_size = None if cls.size_required else cls.default_size or _pipeline_default_size(pipe)
         self.supports_negative_prompt, self.supports_image_to_image = cls.input_support(params)
+        self.text_tokens = _default(params, "max_sequence_length", int) or DEFAULT_TEXT_TOKENS
+        """Prompt tokens the transformer attends to (the pipeline's ``max_sequence_length`` default)."""
         self.on_step: Callable[[int], None] | None = None
         """Called after each denoising step of a :meth:`run` with the step's index (the engine's
         progress); a runner whose pipeline has no step callback never calls it."""
@@ -215,6 +293,54 @@ class DiffusersPipelineRunner:
             kwargs[self.image_argument] = [_as_pil(r.images[0]) for r in batch if r.images]
         return kwargs
 
+    # --- memory ------------------------------------------------------------------------------------
+
+    def weight_tensors(self) -> list[Any]:
+        """The pipeline's modules (what its weights are, counted where no allocator counts them)."""
+        import torch
+
+        return [c for c in self.pipe.components.values() if isinstance(c, torch.nn.Module)]
+
+    @functools.cached_property
+    def memory_shape(self) -> DenoiserShape:
+        return denoiser_shape(self.pipe)
+
+    def source_pixels(self, request: DiffusionRequest) -> list[int]:
+        """Pixels of each source image as the pipeline encodes it (their own size unless resized)."""
+        return [h * w for h, w in (_image_size(i) for i in request.images or [])]
+
+    def activation_bytes(self, batch: list[DiffusionRequest]) -> int:
+        """Estimated peak activations of ``batch`` (one batch key, defaults applied) as one call: the
+        largest of its phases (:meth:`activation_phases`), which follow one another."""
+        return max(self.activation_phases(batch).values())
+
+    def activation_phases(self, batch: list[DiffusionRequest]) -> dict[str, int]:
+        """Estimated peak of each phase of the call: ``encode`` (the VAE over the largest source image),
+        ``denoise`` (one transformer block over every row: image, prompt and source-image tokens; twice
+        the rows where guidance is batched) and ``decode`` (the VAE over the whole batch)."""
+        shape = self.memory_shape
+        first = batch[0]
+        guided = (first.guidance_scale or 0.0) > 1.0 and self.batched_guidance and not shape.guidance_embedded
+        rows = len(batch) * (2 if guided else 1)
+        sources = [self.source_pixels(r) for r in batch]
+        tokens = (
+            shape.image_tokens(first.height, first.width)
+            + self.prompt_tokens(batch)
+            + max(sum(p) // shape.patch_pixels**2 for p in sources)
+        )
+        largest_source = max((max(p, default=0) for p in sources), default=0)
+        return {
+            "encode": vae_decode_bytes(1, largest_source, shape.decoder_channels, shape.vae_element),
+            "denoise": transformer_block_bytes(rows, tokens, shape.hidden, shape.ff_inner, shape.element),
+            "decode": vae_decode_bytes(
+                len(batch), first.height * first.width, shape.decoder_channels, shape.vae_element
+            ),
+        }
+
+    def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
+        """Prompt tokens each row of the batch carries into the transformer."""
+        return self.text_tokens
+
     # --- the call ----------------------------------------------------------------------------------
 
     def run(
@@ -288,6 +414,7 @@ class GlmImageRunner(DiffusersPipelineRunner):
     supports_image_to_image = True
     max_images = None
     size_required = True  # the AR stage drew its tokens for one size
+    batched_guidance = False  # the unconditional pass is a second transformer call
     glyph_max_length: ClassVar[int] = 2048  # the pipeline's max_sequence_length default
     _GLYPH_PATTERNS = (r"'([^']*)'", r"\u201c([^\u201c\u201d]*)\u201d", r'"([^"]*)"', r"「([^「」]*)」")
 
@@ -364,6 +491,43 @@ class GlmImageRunner(DiffusersPipelineRunner):
                 f"0..{self.codebook_size - 1} only (image start/end and text ids must not reach it)"
             )
 
+    def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
+        return max(self.glyph_length(r.prompt) for r in batch)
+
+    def source_pixels(self, request: DiffusionRequest) -> list[int]:
+        """Each source's pixels as its grid says (the AR stage's grid of the resized image)."""
+        import torch
+
+        return [
+            int(torch.as_tensor(g).reshape(-1).prod()) * self.token_pixels**2
+            for g in request.source_image_grid_thw or []
+        ]
+
+    def activation_phases(self, batch: list[DiffusionRequest]) -> dict[str, int]:
+        """As the generic estimate, except that source images do not join the sequence: the pipeline runs
+        the transformer over each source once and keeps its K/V of every layer (per request) through the
+        denoising loop, where each layer's attention joins them to the batch's own K/V; the cache is
+        cleared before the decode."""
+        alone = [msgspec.structs.replace(r, images=None, source_image_grid_thw=None) for r in batch]
+        phases = super().activation_phases(alone)
+        shape = self.memory_shape
+        pixels = [self.source_pixels(r) for r in batch]
+        source_tokens = [sum(p) // shape.patch_pixels**2 for p in pixels]
+        if not any(source_tokens):
+            return phases
+        layers = int(self.pipe.transformer.config.num_layers)
+        kv_token = 2 * shape.hidden * shape.element  # one token's K and V in one layer
+        cache = layers * sum(source_tokens) * kv_token
+        joined = 2 * sum(source_tokens) * kv_token  # one layer's cache expanded to the batch, and joined
+        writing = transformer_block_bytes(1, max(source_tokens), shape.hidden, shape.ff_inner, shape.element)
+        largest = max(max(p, default=0) for p in pixels)
+        encoding = vae_decode_bytes(1, largest, shape.decoder_channels, shape.vae_element)
+        return {
+            "encode": cache + max(writing, encoding),
+            "denoise": cache + joined + phases["denoise"],
+            "decode": phases["decode"],
+        }
+
     def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
         import torch
 
@@ -432,6 +596,7 @@ class QwenImageRunner(DiffusersPipelineRunner):
 
     pipeline_class = "QwenImagePipeline"
     guidance_argument = "true_cfg_scale"
+    batched_guidance = False  # true CFG: the negative prompt's pass is a second transformer call
     default_negative_prompt: ClassVar[str] = " "
 
     def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
@@ -459,6 +624,9 @@ class QwenImageEditRunner(QwenImageRunner):
     pipeline_class = "QwenImageEditPipeline"
     needs_images = True
 
+    def source_pixels(self, request: DiffusionRequest) -> list[int]:
+        return [1024 * 1024 for _ in request.images or []]  # resized to about a megapixel (call_kwargs)
+
     def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
@@ -481,6 +649,9 @@ class QwenImageEditPlusRunner(QwenImageRunner):
     pipeline_class = "QwenImageEditPlusPipeline"
     needs_images = True
     max_images = 3
+
+    def source_pixels(self, request: DiffusionRequest) -> list[int]:
+        return [1024 * 1024 for _ in request.images or []]  # the pipeline resizes each to about 1 MP
 
     @classmethod
     def load_overrides(cls, model: str) -> dict[str, Any]:

@@ -33,14 +33,22 @@ class DiffusionWorker:
         raise NotImplementedError
 
     def load_model(self, model: str | Path, **engine_args: Any) -> DiffusionEngine:
-        """An engine on this worker's device; ``dtype`` unset or ``"auto"``: the platform default."""
+        """An engine on this worker's device; ``dtype`` unset or ``"auto"``: the platform default. With
+        ``gpu_memory_utilization`` the device is capped first (where the platform can), so loading too
+        stays within the stage's share."""
         if self.device is None:
             self.init_device()
         if engine_args.get("dtype") in (None, "auto"):
             engine_args["dtype"] = self.default_dtype
         engine_args.pop("device", None)
+        if engine_args.get("gpu_memory_utilization") is not None:
+            self.limit_memory(float(engine_args["gpu_memory_utilization"]))
         self.engine = DiffusionEngine(model, device=self.device, **engine_args)
         return self.engine
+
+    def limit_memory(self, fraction: float) -> None:
+        """Cap this process's allocations on the device at ``fraction`` of its memory (a no-op where
+        nothing can cap them: the engine still admits batches by their estimates)."""
 
     def execute(self, requests: Iterable[DiffusionRequest]) -> list[DiffusionResult]:
         if self.engine is None:
@@ -84,3 +92,11 @@ class CUDADiffusionWorker(DiffusionWorker):
         self.device = torch.device("cuda", self.local_rank)
         logger.info("diffusion worker: %s (%s)", self.device, torch.cuda.get_device_name(self.device))
         return self.device
+
+    def limit_memory(self, fraction: float) -> None:
+        """The caching allocator refuses (out of memory) past ``fraction`` of the GPU: the stage cannot
+        take what another stage on the same GPU was promised."""
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        logger.info("diffusion worker: %s capped at %g of its memory", self.device, fraction)

@@ -4,6 +4,12 @@ One replica is one vLLM ``AsyncLLM`` (input processing, detokenization and the `
 are vLLM's), built from the resolved ``EngineArgs`` that carry our ``scheduler_cls`` and ``worker_cls``.
 When its engine core dies, the in-flight requests fail with ``StageDeadError`` (the orchestrator runs them
 again) and a new engine is started once what the dead one's processes left is removed.
+
+A restarted engine does not profile the device again: the stage it shares may have grown meanwhile (a
+DiT serving on the same GPU), so profiling would find less memory and give a smaller KV cache, or fail
+vLLM's "Error in memory profiling" check. It gets the KV cache its first start measured instead
+(``kv_cache_memory_bytes``, with which vLLM skips profiling, and ``num_gpu_blocks_override``, so the
+block count is the same whatever vLLM's per-block arithmetic), unless the deploy file fixed the size.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ logger = get_logger(__name__)
 
 EXIT_GRACE_S = 10.0
 """How long a stopped or dead engine's processes (EngineCore, workers) get to exit before SIGKILL."""
+KV_REUSE_FIXED_BY = ("kv_cache_memory_bytes", "num_gpu_blocks_override")
+"""Engine arguments with which the deploy file (or command line) fixed the KV cache: nothing is reused."""
 ENGINE_DIED = "its vLLM engine core exited"
 
 
@@ -98,6 +106,15 @@ class StageLLMCoreClient(StageCoreClientBase):
         self.scheduler_state: dict[str, Any] = {}
         """The engine's last reported scheduler state (running and waiting requests, KV-cache usage),
         from vLLM's own per-step stats; in ``/health``."""
+        self.kv_cache_args: dict[str, int] = {}
+        """The KV cache the first start measured (``kv_cache_memory_bytes``, ``num_gpu_blocks_override``),
+        which every restart reuses; empty before the first start and when the engine arguments fix it."""
+        self.kv_cache_blocks: int | None = None
+        """KV-cache blocks of the running engine (vLLM's ``num_gpu_blocks``), in ``/health``."""
+
+    def launch_args(self) -> dict[str, Any]:
+        """The engine arguments of the next start: the resolved ones, plus the measured KV cache."""
+        return {**self.engine_args, **self.kv_cache_args}
 
     async def start(self) -> None:
         await self._launch()
@@ -109,7 +126,7 @@ class StageLLMCoreClient(StageCoreClientBase):
         loop = asyncio.get_running_loop()
 
         def build() -> Any:
-            args = dict(self.engine_args)
+            args = self.launch_args()
             if args.get("tokenizer") and args.get("model"):
                 args["tokenizer"] = tokenizer_view(args["tokenizer"], args["model"])
             with replica_environment(self.env), spawning_without_main():
@@ -127,15 +144,34 @@ class StageLLMCoreClient(StageCoreClientBase):
             self.engine = await loop.run_in_executor(None, build)
         except Exception as exc:
             raise StageStartError(f"{self.label} failed to start: {type(exc).__name__}: {exc}") from exc
+        self._record_kv_cache(self.engine.vllm_config)
         self.state = StageState.READY
         logger.info("%s ready (vLLM engine, %.1fs)", self.label, time.perf_counter() - start)
+
+    def _record_kv_cache(self, vllm_config: Any) -> None:
+        """After the first start: the KV cache vLLM chose, as the arguments that give it again."""
+        self.kv_cache_blocks = vllm_config.cache_config.num_gpu_blocks
+        if self.kv_cache_args or any(self.engine_args.get(k) is not None for k in KV_REUSE_FIXED_BY):
+            return
+        measured = measured_kv_cache(vllm_config)
+        if measured is None:
+            logger.info("%s: its KV cache size cannot be measured; a restart profiles again", self.label)
+            return
+        blocks, size = measured
+        self.kv_cache_args = {"kv_cache_memory_bytes": size, "num_gpu_blocks_override": blocks}
+        logger.info(
+            "%s: KV cache of %d blocks (%.2f GiB); a restart reuses it instead of profiling the device",
+            self.label,
+            blocks,
+            size / 2**30,
+        )
 
     @property
     def pid(self) -> int | None:
         return _first(engine_core_pids(self.engine)) if self.engine is not None else None
 
     def health(self) -> dict[str, Any]:
-        return {**super().health(), **self.scheduler_state}
+        return {**super().health(), "kv_cache_blocks": self.kv_cache_blocks, **self.scheduler_state}
 
     async def log_stats(self) -> None:
         if self.engine is not None and self.healthy:
@@ -290,3 +326,36 @@ class StageLLMCoreClient(StageCoreClientBase):
 
 def _first(pids: list[int]) -> int | None:
     return pids[0] if pids else None
+
+
+def kv_cache_dtype_bytes(cache_dtype: str, model_dtype: Any) -> int | None:
+    """Bytes per KV element for vLLM's ``cache_dtype`` (``auto``: the model's dtype); None when the cache
+    keeps scales beside its values (its size is not elements x bytes)."""
+    if cache_dtype == "auto":
+        return int(getattr(model_dtype, "itemsize", 0)) or None
+    if "per_token_head" in cache_dtype or cache_dtype.startswith("nvfp4"):
+        return None
+    if cache_dtype.startswith("fp8") or cache_dtype == "int8":
+        return 1
+    return {"bfloat16": 2, "float16": 2, "half": 2, "float": 4, "float32": 4}.get(cache_dtype)
+
+
+def measured_kv_cache(vllm_config: Any) -> tuple[int, int] | None:
+    """(blocks, bytes) of a started engine's KV cache, per worker: ``num_gpu_blocks`` (what the engine
+    core reported) times each block's bytes (layers x K and V x KV heads x head size x dtype, vLLM's page
+    size of full attention). None where that product is not the engine's allocation: models with layers
+    other than attention (hybrid, attention-free), pipeline or data parallelism (blocks per worker differ
+    from the reported sum), a cache with scales."""
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    blocks = cache.num_gpu_blocks
+    if not blocks or parallel.pipeline_parallel_size != 1 or parallel.data_parallel_size != 1:
+        return None
+    if model.is_hybrid or model.is_attention_free or getattr(model, "has_noops", False):
+        return None
+    element = kv_cache_dtype_bytes(str(cache.cache_dtype), model.dtype)
+    if element is None:
+        return None
+    layers = model.get_num_layers_by_block_type(parallel, "attention")
+    kv = 1 if model.use_mla else 2  # MLA keeps one latent vector per token
+    per_block = cache.block_size * layers * kv * model.get_num_kv_heads(parallel) * model.get_head_size()
+    return int(blocks), int(blocks) * per_block * element

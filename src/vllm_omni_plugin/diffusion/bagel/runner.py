@@ -28,6 +28,7 @@ from vllm_omni_plugin.diffusion.bagel.request import (
     BagelSampling,
 )
 from vllm_omni_plugin.diffusion.bagel.transformer import ContextBank, GenerationTransformer
+from vllm_omni_plugin.diffusion.memory import element_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.pipelines import BatchAborted, BatchOutput, StopCheck
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.models.bagel.autoencoder import VaeDecoder, load_vae_decoder
@@ -40,6 +41,12 @@ logger = get_logger(__name__)
 COND, CFG_TEXT, CFG_IMG = 0, 1, 2
 DECODE_PIXELS_PER_CALL = 4 * 1024 * 1024
 """Images decode together up to this many pixels per decoder call (bounds the decoder's activations)."""
+LAYER_HIDDEN_WIDTHS = 6
+"""Live ``[tokens, hidden]`` tensors of a row at a layer's peak (residual, normed input, attention
+output, and the fp32 per-head Q norm, rotation and its result, counted in hidden-size halves)."""
+LAYER_FF_WIDTHS = 4
+"""Live ``[tokens, intermediate]`` tensors at the MLP's peak: gate and up (one fused projection of
+two), the gate's activation and its product with up."""
 
 
 def flow_schedule(num_steps: int, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +118,83 @@ class BagelGenerationRunner:
             transformer,
             decoder,
             tensors_read={cfg.llm_weights.name: llm_read, cfg.vae_weights.name: vae_read},
+        )
+
+    # --- memory ------------------------------------------------------------------------------------
+
+    def weight_tensors(self) -> list[Any]:
+        """Every tensor generation holds (its weights, counted where no allocator counts them)."""
+        model = self.transformer
+        tensors: list[Any] = [self.decoder]
+        for layer in model.layers:
+            for expert in (layer.und, layer.gen):
+                tensors.extend(getattr(expert, name) for name in expert.__slots__)
+        tensors.extend([model.markers, model.norm_gen, model.latent_pos_embed])
+        tensors.extend([*model.time_mlp, *(model.vae2llm or ()), *(model.llm2vae or ())])
+        return [t for t in tensors if t is not None]
+
+    def activation_bytes(self, batch: list[BagelGenerationRequest]) -> int:
+        """Estimated peak of running ``batch`` (one batch key) as one call: the larger of its phases (the
+        context bank is freed before the decode)."""
+        return max(self.activation_phases(batch).values())
+
+    def activation_phases(self, batch: list[BagelGenerationRequest]) -> dict[str, int]:
+        """Estimated peak of ``denoise`` and of ``decode``.
+
+        Denoising holds the context bank (every row's context K/V of every layer, padded to the longest,
+        with the image block in front: ``rows x (block + longest context)`` tokens), at steps where only
+        some rows are guided a copy of the cond rows' part of it, one context on its way into the bank,
+        and one layer's activations over every row's block."""
+        cfg, llm = self.cfg, self.cfg.llm
+        first = batch[0]
+        block = (first.height // cfg.latent_downsample) * (first.width // cfg.latent_downsample) + 2
+        element = element_bytes(self.dtype)
+        kv_token = llm.num_layers * 2 * llm.num_kv_heads * llm.head_dim * element
+        lengths = [self._context_lengths(r) for r in batch]
+        rows = sum(len(ls) for ls in lengths)
+        longest = max(max(ls) for ls in lengths)
+        bank = rows * (block + longest) * kv_token
+        if any(self._guidance_toggles(r) for r in batch):
+            bank += len(batch) * (block + max(ls[0] for ls in lengths)) * kv_token
+        layer = (
+            rows * block * (LAYER_HIDDEN_WIDTHS * llm.hidden_size + LAYER_FF_WIDTHS * llm.intermediate_size)
+        )
+        denoise = bank + longest * kv_token + layer * element
+        per_call = max(1, min(len(batch), DECODE_PIXELS_PER_CALL // (first.height * first.width)))
+        channels = cfg.vae.ch * cfg.vae.ch_mult[min(1, len(cfg.vae.ch_mult) - 1)]
+        decode = vae_decode_bytes(per_call, first.height * first.width, channels, element)
+        return {"denoise": denoise, "decode": decode}
+
+    @staticmethod
+    def _context_lengths(request: BagelGenerationRequest) -> list[int]:
+        """``kv_len`` of each row the request adds to a batch, cond first (a branch whose context is
+        cond's, or that never runs, adds none)."""
+        s, cond = request.sampling, request.cond
+        lengths = [cond.kv_len]
+        guided = s.cfg_text_scale > 1.0
+        for ctx, runs in ((request.cfg_text, guided), (request.cfg_img, guided and s.cfg_img_scale > 1.0)):
+            if not runs or ctx is None or ctx is cond:
+                continue
+            if ctx.prefix_of == "cond" and ctx.kv_len == cond.kv_len:
+                continue
+            lengths.append(ctx.kv_len)
+        return lengths
+
+    @staticmethod
+    def _guidance_toggles(request: BagelGenerationRequest) -> bool:
+        """Guidance is on at some steps and off at others (the bank's active rows change)."""
+        s = request.sampling
+        if s.cfg_text_scale <= 1.0:
+            return False
+        timesteps, _ = flow_schedule(s.num_inference_steps, s.timestep_shift)
+        active = {guidance_active(t, (s.cfg_interval[0], s.cfg_interval[1])) for t in timesteps}
+        return len(active) > 1
+
+    @staticmethod
+    def describe_request(request: BagelGenerationRequest) -> str:
+        lengths = [c.kv_len for c in (request.cond, request.cfg_text, request.cfg_img) if c is not None]
+        return (
+            f"a {request.height}x{request.width} image over contexts of {', '.join(map(str, lengths))} tokens"
         )
 
     # --- per-request hooks -------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""A diffusion stage keeps to its memory budget (``gpu_memory_utilization``): batches are formed within
+what the budget leaves after the weights, by the runner's activation estimate, and a request that cannot
+fit even alone fails as a bad request (HTTP 400) naming its size and the budget, instead of running out
+of memory. On CPU the budget is a share of the machine's memory (there is no device to cap); these tests
+size it from the machine they run on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
+from vllm_omni_plugin.diffusion.bagel.request import BagelContext, BagelGenerationRequest, BagelSampling
+from vllm_omni_plugin.diffusion.bagel.runner import BagelGenerationRunner
+from vllm_omni_plugin.diffusion.memory import RESERVE_BYTES, MemoryBudget, tensor_bytes
+from vllm_omni_plugin.diffusion.pipelines import load_pipeline_runner
+from vllm_omni_plugin.entrypoints.omni_server import http_status
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+STEPS = 2
+CODEBOOK = 16384
+
+
+def fraction_leaving(weights: int, activations: int) -> float:
+    """The ``gpu_memory_utilization`` whose budget, on this machine, leaves ``activations`` bytes for a
+    batch once ``weights`` and the reserve are taken (budgets this small keep the minimum reserve)."""
+    fraction = (weights + RESERVE_BYTES + activations + 1) / psutil.virtual_memory().total
+    budget = MemoryBudget(fraction, "cpu", psutil.virtual_memory().total, weights)
+    assert abs(budget.activation_bytes - activations) <= 2, budget
+    return fraction
+
+
+def glm_request(request_id: str, size: int, seed: int = 0) -> DiffusionRequest:
+    import torch
+
+    side = size // 16
+    prior = torch.randint(0, CODEBOOK, (side * side,), generator=torch.Generator().manual_seed(seed))
+    return DiffusionRequest(request_id=request_id, prompt="a red fox", height=size, width=size, seed=seed,
+                            num_inference_steps=STEPS, prior_token_ids=prior)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def glm_runner(tiny_glm_image: Path) -> Any:
+    import torch
+
+    return load_pipeline_runner(str(tiny_glm_image), dtype=torch.float32, device="cpu")
+
+
+def test_batches_keep_to_the_budget_and_a_request_too_large_alone_is_refused(
+    tiny_glm_image: Path, glm_runner: Any
+) -> None:
+    sizes = {n: glm_runner.activation_bytes([glm_request(str(i), 64) for i in range(n)]) for n in (1, 2, 3)}
+    assert sizes[1] < sizes[2] < sizes[3]  # the estimate grows with the batch
+    big = glm_runner.activation_bytes([glm_request("big", 512)])
+    room = (sizes[2] + sizes[3]) // 2  # two 64x64 requests fit a batch, three do not
+    assert big > room
+    weights = tensor_bytes(glm_runner.weight_tensors())
+    fraction = fraction_leaving(weights, room)
+    engine = DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", max_batch_size=8,
+                             gpu_memory_utilization=fraction)  # fmt: skip
+    assert engine.memory is not None and engine.memory.weight_bytes == weights
+
+    requests = [glm_request(f"r{i}", 64, seed=i) for i in range(5)] + [glm_request("big", 512)]
+    batches, failed = engine.plan(requests)
+    assert batches == [[0, 1], [2, 3], [4]]  # max_batch_size 8 allows more; the budget does not
+    assert list(failed) == [5] and failed[5].invalid
+    message = failed[5].error
+    assert "512x512" in message and f"gpu_memory_utilization {fraction:g}" in message
+    assert "GiB" in message and "smaller image" in message
+
+    results = engine.generate(requests)
+    assert [r.batch_size for r in results[:5]] == [2, 2, 2, 2, 1] and all(r.ok for r in results[:5])
+    assert results[5].invalid and results[5].error == message
+
+    unbounded = DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", max_batch_size=8)
+    assert unbounded.plan(requests)[0] == [[0, 1, 2, 3, 4], [5]]  # without a budget: batches by size only
+
+
+def test_a_budget_the_weights_fill_fails_at_start(tiny_glm_image: Path, glm_runner: Any) -> None:
+    weights = tensor_bytes(glm_runner.weight_tensors())
+    fraction = (weights + RESERVE_BYTES // 2) / psutil.virtual_memory().total
+    with pytest.raises(ValueError, match="holds its weights and nothing more.*raise gpu_memory_utilization"):
+        DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", gpu_memory_utilization=fraction)
+
+
+def test_a_request_too_large_for_the_budget_is_a_400_through_the_stage(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """The one-stage diffusion pipeline, its stage in this process: the refusal reaches the caller as a
+    bad request, and requests that fit are served."""
+    import torch
+
+    from vllm_omni_plugin.entrypoints.omni import Omni
+    from vllm_omni_plugin.stage.orchestrator import OmniRequest
+
+    runner = load_pipeline_runner(str(tiny_sd3), dtype=torch.float32, device="cpu")
+
+    def sd3(size: int) -> DiffusionRequest:
+        return DiffusionRequest(request_id="x", prompt="a fox", height=size, width=size, guidance_scale=2.0,
+                                num_inference_steps=STEPS)  # fmt: skip
+
+    room = (runner.activation_bytes([sd3(64)]) + runner.activation_bytes([sd3(1024)])) // 2
+    fraction = fraction_leaving(tensor_bytes(runner.weight_tensors()), room)
+    deploy = tmp_path / "budget.yaml"
+    deploy.write_text(
+        "pipeline: diffusion\nstages:\n  - stage_id: 0\n    process: false\n"
+        f"    gpu_memory_utilization: {fraction!r}\n"
+    )
+    with Omni(str(tiny_sd3), deploy_config=str(deploy)) as omni:
+        assert omni.deployment.stage(0).diffusion_args["gpu_memory_utilization"] == fraction
+        small, large = omni.generate(
+            [
+                OmniRequest(
+                    prompt="a fox", height=s, width=s, seed=0, num_inference_steps=STEPS, guidance_scale=2.0
+                )
+                for s in (64, 1024)
+            ]  # fmt: skip
+        )
+    assert small.ok, small.error
+    assert not large.ok and http_status(large.exception) == 400
+    assert "1024x1024" in large.error and "gpu_memory_utilization" in large.error
+
+
+def test_resolution_hands_the_budget_to_the_diffusion_stage(tiny_glm_image: Path, tmp_path: Path) -> None:
+    deploy = tmp_path / "shared.yaml"
+    deploy.write_text(
+        "pipeline: glm_image\nstages:\n"
+        "  - {stage_id: 0, devices: '0', gpu_memory_utilization: 0.5}\n"
+        "  - {stage_id: 1, devices: '0', gpu_memory_utilization: 0.4}\n"
+    )
+    for platform in ("cuda", "cpu"):
+        resolved = resolve_deployment(
+            str(tiny_glm_image), deploy_config=str(deploy), platform=PLATFORMS[platform]
+        )
+        assert resolved.stage(0).engine_args["gpu_memory_utilization"] == 0.5
+        assert resolved.stage(1).diffusion_args["gpu_memory_utilization"] == 0.4
+        notes = [n for n in resolved.notes if "gpu_memory_utilization" in n]
+        if platform == "cuda":
+            assert notes == []
+        else:  # what the field means without a GPU, said once, at its line
+            (note,) = notes
+            assert "shared.yaml:4" in note and "share of the machine's memory" in note
+
+
+def test_bagel_estimate_follows_size_contexts_and_guidance(tiny_bagel: Path) -> None:
+    """BAGEL's DiT keeps every row's context K/V for the whole batch: the estimate grows with the image,
+    the contexts' lengths and the guidance branches that run, and counts a branch shared with cond once."""
+    import torch
+
+    runner = BagelGenerationRunner.load(str(tiny_bagel), dtype=torch.float32, device="cpu")
+
+    def request(size: int, cond: int, text: int | None = 0, img: BagelContext | None = None, **sampling: Any):
+        cond_ctx = BagelContext(kv_len=cond, rope=cond)
+        text_ctx = None if text is None else BagelContext(kv_len=text, rope=text)
+        return BagelGenerationRequest(request_id="r", cond=cond_ctx, cfg_text=text_ctx, cfg_img=img, height=size,
+                                      width=size, sampling=BagelSampling(**sampling))  # fmt: skip
+
+    estimate = runner.activation_bytes
+    long = 40_000  # tokens: the tiny model's contexts outweigh its decoder only when they are this long
+    base = estimate([request(64, long)])
+    assert estimate([request(64, long)]) > estimate([request(64, 64)])  # the decoder's share, at least
+    assert estimate([request(128, long)]) > base
+    assert estimate([request(64, 2 * long)]) > base
+    assert estimate([request(64, long)] * 2) > base
+    assert estimate([request(64, long, text=None, cfg_text_scale=1.0)]) < base  # one row, not two
+    same_as_cond = BagelContext(kv_len=long, rope=long, prefix_of="cond")
+    other = BagelContext(kv_len=long - 10, rope=long - 10)
+    edit = {"cfg_img_scale": 2.0, "cfg_interval": (0.0, 1.0)}
+    assert estimate([request(64, long, img=same_as_cond, **edit)]) < estimate(
+        [request(64, long, img=other, **edit)]
+    )
+    assert runner.describe_request(request(64, 100)) == "a 64x64 image over contexts of 100, 0 tokens"
+    assert tensor_bytes(runner.weight_tensors()) > 0
