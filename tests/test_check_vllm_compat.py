@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import random
 import re
 import shutil
@@ -229,6 +230,23 @@ def test_the_script_exits_2_when_it_cannot_check(tmp_path: Path) -> None:
     proc = _run_script(tmp_path, "--package", str(tmp_path / "nowhere"), str(_installed_vllm_root()))
     assert proc.returncode == cli.EXIT_USAGE
     assert proc.stderr.startswith("error: ") and "compat.py" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_index_it_cannot_reach_is_not_taken_for_releases_that_do_not_exist(tmp_path: Path) -> None:
+    """Offline, pip also says "no matching distribution" (with no versions at all): the default run must
+    stop with exit 2 rather than note the range's releases as unreleased and pass."""
+    env = {
+        **os.environ,
+        "VLLM_OMNI_COMPAT_CACHE": str(tmp_path / "cache"),
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_RETRIES": "0",
+        "PIP_TIMEOUT": "2",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT)], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == cli.EXIT_USAGE, proc.stdout + proc.stderr
+    assert "cannot look up" in proc.stderr and "not released" not in proc.stdout + proc.stderr
 
 
 # --- a copy of vLLM 0.33's sources with one thing taken away --------------------------------------

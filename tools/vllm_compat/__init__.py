@@ -30,3 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 class CheckError(Exception):
     """Something the checker cannot do (a release pip cannot find, a broken cache): one line, exit 2."""
+
+
+class NotReleased(CheckError):
+    """pip's index has no release of the requirement (as opposed to pip failing to ask, e.g. offline):
+    a release of the supported range that does not exist is noted, one pip could not look up is not."""

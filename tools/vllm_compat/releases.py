@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_compat import ROOT, CheckError
+from vllm_compat import ROOT, CheckError, NotReleased
 from vllm_compat.sources import release_sources
 from vllm_compat.tree import SourceTree
 
@@ -87,7 +87,7 @@ def columns_for(targets: list[str], specifiers: dict[str, SpecifierSet]) -> tupl
     for dist, version, required in requested:
         try:
             tree = release_sources(dist, version)
-        except CheckError as exc:
+        except NotReleased as exc:
             if required:
                 raise
             notes.append(f"{dist} {version}: not released ({exc})")

@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_compat import CheckError
+from vllm_compat import CheckError, NotReleased
 from vllm_compat.remote_zip import NoRangeRequests, RemoteZipFile, member_ranges
 from vllm_compat.tree import SourceTree, is_source
 
@@ -79,7 +79,12 @@ def locate_wheel(requirement: str) -> Wheel:
             requirement,
         )
         if proc.returncode != 0 or not os.path.exists(report):
-            raise CheckError(f"pip cannot find {requirement}: {_pip_error(proc)}")
+            error = _pip_error(proc)
+            versions = re.search(r"\(from versions: ([^)]*)\)", proc.stderr)
+            if "No matching distribution found" in error and versions and versions.group(1) != "none":
+                # the index answered with the releases it has, and this is not one of them
+                raise NotReleased(f"pip cannot find {requirement}: {error}")
+            raise CheckError(f"pip cannot look up {requirement} (is its index reachable?): {error}")
         with open(report, encoding="utf-8") as f:
             item = json.load(f)["install"][0]
     metadata = item["metadata"]
@@ -195,10 +200,10 @@ def release_sources(dist: str, version_spec: str) -> SourceTree:
         if cached.exists():
             return SourceTree.from_zip(cached, f"{dist} {version}")
     if version == "":
-        raise CheckError(f"no release matches {dist}=={version_spec} (pip said so lately)")
+        raise NotReleased(f"no release matches {dist}=={version_spec} (pip said so lately)")
     try:
         wheel = locate_wheel(f"{dist}=={version_spec}")
-    except CheckError:
+    except NotReleased:
         if not exact:
             remember_resolved(dist, version_spec, "")
         raise
