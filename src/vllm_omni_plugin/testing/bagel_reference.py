@@ -11,6 +11,12 @@ the initial noise comes from ``torch.Generator("cpu").manual_seed(seed)``, and t
 and autoencoder parameters are read from ``config.json`` (``vae_transform``, ``vit_transform``,
 ``vae_config``) with the original's values as defaults.
 
+In a lower precision (``dtype=torch.bfloat16``) it computes as the original does with bf16 weights under
+autocast: weights and activations in that dtype, but the flow state in fp32 (the noise is drawn in fp32 and
+``x_t - v_t * dt`` promotes to fp32) and the decoder's latent affine in fp32, cast at its first convolution.
+A flow state kept in bf16 would lose most of each small step's update (a 50-step latent drifts 4x further
+from fp32 than the original's).
+
 API::
 
     ref = BagelReference(model_dir, dtype=torch.float32)
@@ -604,7 +610,7 @@ class BagelReference:
         generator = torch.Generator("cpu").manual_seed(seed)
         shape = (h * w, self.latent_patch**2 * self.latent_channels)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-        return noise.to(device=self.device, dtype=self.dtype)
+        return noise.to(device=self.device)  # the flow state stays fp32 whatever the model's dtype
 
     @staticmethod
     def timesteps(num_inference_steps: int, timestep_shift: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -619,7 +625,7 @@ class BagelReference:
         """One branch of ``_forward_flow``: the denoising block at ``ctx.rope`` attending to ``ctx``."""
         pos = self.w["latent_pos_embed.pos_embed"][pos_ids]
         embeds, gen = self._image_block(
-            self._linear(x, "vae2llm") + self._timestep_embedding(t.expand(x.shape[0])) + pos
+            self._linear(x.to(self.dtype), "vae2llm") + self._timestep_embedding(t.expand(x.shape[0])) + pos
         )
         positions = self._positions(ctx.rope, embeds.shape[0], shared=True)
         hidden, _, _ = self._llm(ctx, embeds, positions, gen, causal=False)
@@ -690,7 +696,7 @@ class BagelReference:
             )
         if num_inference_steps < 2:
             raise ValueError(f"num_inference_steps must be at least 2, got {num_inference_steps}")
-        x = self.initial_noise(height, width, seed) if noise is None else noise.to(self.device, self.dtype)
+        x = self.initial_noise(height, width, seed) if noise is None else noise.to(self.device, torch.float32)
         pos_ids = self.latent_position_ids(height, width)
         timesteps, dts = self.timesteps(num_inference_steps, timestep_shift)
         lo, hi = cfg_interval
@@ -818,8 +824,8 @@ class BagelReference:
     def vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         """Scaled latent ``[B, z, h, w]`` -> image ``[B, 3, 8h, 8w]`` (about [-1, 1])."""
         levels, blocks = len(self.vae_config["ch_mult"]), int(self.vae_config["num_res_blocks"])
-        z = z / self.vae_config["scale_factor"] + self.vae_config["shift_factor"]
-        h = self._mid(self._conv(z, "decoder.conv_in"), "decoder.mid")
+        z = z / self.vae_config["scale_factor"] + self.vae_config["shift_factor"]  # in z's dtype (fp32)
+        h = self._mid(self._conv(z.to(self.dtype), "decoder.conv_in"), "decoder.mid")
         for i in reversed(range(levels)):
             for j in range(blocks + 1):
                 h = self._resnet(h, f"decoder.up.{i}.block.{j}")

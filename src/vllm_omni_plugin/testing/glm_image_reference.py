@@ -70,7 +70,10 @@ def glm_image_reference_prior_tokens(
     Returns ``prior_token_ids`` (1-D int64, the upsampled large grid, ``(H/16)*(W/16)`` ids),
     ``generated`` (the AR's raw new tokens) and, for image-to-image (``images`` given, PIL images),
     ``prior_token_image_ids`` (one upsampled 1-D id tensor per source image) and
-    ``source_image_grid_thw`` (one ``[t, 2h, 2w]`` list per source image), else ``None`` for both.
+    ``source_image_grid_thw`` (one ``[t, 2h, 2w]`` list per source image), else ``None`` for both; and
+    ``top_logits`` (``[generated, 2]`` float32): at each generated token, its logit and the runner-up's, which
+    say how far another implementation's rounding may move the logits before greedy decoding picks another
+    token.
     """
     import torch
 
@@ -107,8 +110,15 @@ def glm_image_reference_prior_tokens(
 
         torch.manual_seed(seed)  # greedy needs no RNG; seeded anyway, as the pipeline seeds before generate
         max_new_tokens = th * tw + 1 if image_to_image else th * tw + ph * pw + 1
-        out = ar.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    generated = out[0, inputs["input_ids"].shape[1] :]
+        out = ar.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    generated = out.sequences[0, inputs["input_ids"].shape[1] :]
+    top_logits = torch.stack([scores[0].float().topk(2).values for scores in out.scores])
     offset = 0 if image_to_image else ph * pw
     large = generated[offset : offset + th * tw]
     if large.numel() != th * tw:
@@ -118,6 +128,7 @@ def glm_image_reference_prior_tokens(
         "prior_token_image_ids": prior_token_image_ids,
         "source_image_grid_thw": source_image_grid_thw,
         "generated": generated,
+        "top_logits": top_logits,
     }
 
 

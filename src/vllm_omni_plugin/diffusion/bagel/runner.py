@@ -374,7 +374,7 @@ class BagelGenerationRunner:
         per_call = 1 if self.device.type == "cpu" else max(1, DECODE_PIXELS_PER_CALL // (height * width))
         images = []
         for chunk in grid.split(per_call):
-            pixels = self.decoder.decode(chunk.to(self.dtype)).float()
+            pixels = self.decoder.decode(chunk).float()
             pixels = ((pixels * 0.5 + 0.5).clamp(0, 1) * 255).to(torch.uint8)  # truncation, as BAGEL
             images.extend(pixels.permute(0, 2, 3, 1).cpu().numpy())
         return images

@@ -183,8 +183,10 @@ class VaeDecoder(nn.Module):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """``latents``: ``[B, z, h, w]``; returns ``[B, out_ch, h * 8, w * 8]``."""
-        return self.decoder(latents / self.cfg.scale_factor + self.cfg.shift_factor)
+        """``latents``: ``[B, z, h, w]``; returns ``[B, out_ch, h * 8, w * 8]``. The scale and shift are
+        applied in float32, as BAGEL's authors do, before the latents meet the decoder's dtype."""
+        dtype = next(self.decoder.parameters()).dtype
+        return self.decoder((latents.float() / self.cfg.scale_factor + self.cfg.shift_factor).to(dtype))
 
 
 def _load_half(module: nn.Module, part: str, reader: CheckpointReader, dtype: Any, device: Any) -> None:
