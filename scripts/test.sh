@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what is needed (into .venv) and runs lint and the whole test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_cli.py -k help`.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_cli.py -k help`;
+# `bash scripts/test.sh --fast` runs the fast tier (no engine, no process, no tiny model: tests/fast_tier.py).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 

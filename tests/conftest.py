@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from fast_tier import forbid_processes
+from fast_tier import select as select_fast_tier
 from vllm_omni_plugin.testing.leaks import LeakWatch
 from vllm_omni_plugin.testing.server import CPU_TEST_ENV
 
@@ -36,17 +38,40 @@ def nothing_left_behind() -> Iterator[LeakWatch]:
         pytest.fail("the test run left this behind (now removed):\n" + left.describe(), pytrace=False)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast", action="store_true", dest="fast_tier", help="run only the fast tier (tests/fast_tier.py)"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in (
+        "fast: set by conftest on every test of the fast tier (no process, no tiny model); see --fast",
+        "processes: starts processes (a script, a child, Ray) but no vLLM server; not in the fast tier",
+        "slow: computes for seconds (builds pipelines, scans vLLM sources, Hypothesis); not in the fast tier",
+    ):
+        config.addinivalue_line("markers", line)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``cuda`` skip, saying so, where there is no CUDA device (scripts/gpu_check.sh runs
-    them on a GPU host)."""
+    them on a GPU host); the fast tier is chosen."""
     import torch
 
+    select_fast_tier(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_starts_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test of the fast tier that starts a process fails, in every run, so the tier stays what it is."""
+    if request.node.get_closest_marker("fast") is not None:
+        forbid_processes(monkeypatch, request.node.nodeid)
 
 
 def tiny_model_cache() -> Path:

@@ -31,6 +31,8 @@ from vllm_compat.remote_zip import NoRangeRequests, RemoteZipFile  # noqa: E402
 from vllm_compat.signatures import CallShape, Signature  # noqa: E402
 from vllm_compat.tree import SourceTree  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def write_tree(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():

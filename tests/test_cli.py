@@ -10,6 +10,8 @@ import pytest
 
 from vllm_omni_plugin.testing.server import bin_script, cpu_test_env
 
+pytestmark = pytest.mark.processes
+
 
 def vllm(*args: str, env: dict[str, str] | None = None, drop_plugins: bool = True):
     return subprocess.run(

@@ -16,6 +16,8 @@ from vllm_omni_plugin.config.loader import load_document
 from vllm_omni_plugin.config.resolve import reresolve
 from vllm_omni_plugin.config.yaml_source import parse_yaml
 
+pytestmark = pytest.mark.slow
+
 DATA = Path(__file__).parent / "data"
 SEEDS = [
     *(yaml.safe_load(p.read_text()) for p in packaged_deploy_configs()),

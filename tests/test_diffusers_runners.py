@@ -20,7 +20,7 @@ from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, Diffus
 from vllm_omni_plugin.diffusion import pipelines as registry
 from vllm_omni_plugin.testing.diffusers_reference import reference_image
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 
 STEPS = 4
 SIZE = 64

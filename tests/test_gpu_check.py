@@ -13,6 +13,8 @@ import torch
 
 from vllm_omni_plugin.testing.server import cpu_test_env
 
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -46,6 +46,8 @@ from vllm_omni_plugin.diffusion.memory import (
     vae_decode_bytes,
 )
 
+pytestmark = pytest.mark.slow
+
 GIB = 1 << 30
 GPU_MEMORY = {"80GB": int(79.0 * GIB), "H200": int(139.0 * GIB)}
 """What CUDA reports as each named GPU's memory, rounded down: A100 80GB and H100 80GB report 79.2-79.3

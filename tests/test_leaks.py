@@ -15,6 +15,8 @@ import pytest
 from vllm_omni_plugin.processes import SHM_DIR, ProcessTree, exit_with_parent, mapped_segments
 from vllm_omni_plugin.testing.leaks import LeakWatch
 
+pytestmark = pytest.mark.processes
+
 
 def hold_segment(name_queue: multiprocessing.Queue, ours: bool) -> None:
     """A child that makes a segment (vLLM's kind, or one of ours named after it), reports it and waits."""

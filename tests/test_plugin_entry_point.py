@@ -7,7 +7,11 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
+
 from vllm_omni_plugin.testing.server import cpu_test_env
+
+pytestmark = pytest.mark.processes
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:

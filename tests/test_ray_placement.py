@@ -95,6 +95,7 @@ def test_shared_memory_cannot_reach_another_node(tmp_path: Path) -> None:
             connector.close()
 
 
+@pytest.mark.processes
 def test_no_cluster_at_the_address_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """Ray itself would retry an address where nothing answers for minutes; the server says so at once."""
     import subprocess

@@ -26,6 +26,8 @@ from vllm_omni_plugin.config.pipeline import detect_pipeline
 from vllm_omni_plugin.models.bagel.config import BagelConfigError, load_bagel_config
 from vllm_omni_plugin.models.bagel.weights import DTYPE_BYTES, CheckpointReader, read_header
 
+pytestmark = pytest.mark.slow
+
 DATA = Path(__file__).parent / "data" / "real_models"
 BAGEL_LISTINGS = DATA / "bagel_weights"
 GLM_LISTINGS = DATA / "glm_image_weights"

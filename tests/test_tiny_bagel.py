@@ -6,7 +6,11 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from vllm_omni_plugin.testing import tiny_models
+
+pytestmark = pytest.mark.slow
 
 SPECIALS = (
     "<|endoftext|>",

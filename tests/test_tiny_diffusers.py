@@ -10,6 +10,8 @@ import pytest
 
 from vllm_omni_plugin.testing import tiny_models
 
+pytestmark = pytest.mark.slow
+
 KINDS = {
     "sd3": (
         "StableDiffusion3Pipeline",

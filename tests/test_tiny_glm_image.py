@@ -10,6 +10,8 @@ import pytest
 from vllm_omni_plugin.testing import tiny_models
 from vllm_omni_plugin.testing.tiny_models import glm_image_grid, glm_image_max_new_tokens
 
+pytestmark = pytest.mark.slow
+
 PROMPT = "A photo of a cat"
 SIZE = 64
 STEPS = 4

@@ -12,6 +12,8 @@ import pytest
 from vllm_omni_plugin.testing import tiny_models
 from vllm_omni_plugin.testing.server import cpu_test_env
 
+pytestmark = pytest.mark.slow
+
 
 def _files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}

@@ -55,6 +55,7 @@ def omni(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.Comp
     )
 
 
+@pytest.mark.processes
 def test_version_names_the_plugin_vllm_and_the_range() -> None:
     dist, version = installed_vllm()
     result = omni("--omni", "--version")
@@ -65,6 +66,7 @@ def test_version_names_the_plugin_vllm_and_the_range() -> None:
     assert "warning:" not in result.stderr  # the suite runs on a supported release
 
 
+@pytest.mark.processes
 def test_a_vllm_outside_the_range_gets_one_warning_line(tmp_path: Path) -> None:
     """The same installed vLLM against a plugin whose metadata declares a range that excludes it (a copy of
     the installed metadata, earlier on the path, with only the range changed)."""
