@@ -7,7 +7,7 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
-from vllm_omni_plugin.testing.server import cpu_test_env
+from vllm_omni_plugin.testing.harness.server import cpu_test_env
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
