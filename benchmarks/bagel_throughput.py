@@ -50,7 +50,7 @@ def work(i: int, size: int) -> tuple[str, Any]:
 
 
 def reference(model: str, n: int, size: int, steps: int) -> float:
-    from vllm_omni_plugin.testing.bagel_reference import BagelReference
+    from vllm_omni_plugin.testing.reference.bagel import BagelReference
 
     ref = BagelReference(model)
 
@@ -72,7 +72,7 @@ def ours(
 ) -> tuple[dict[int, float], dict]:
     from vllm_omni_plugin.entrypoints.omni import Omni
     from vllm_omni_plugin.stage.orchestrator import OmniRequest
-    from vllm_omni_plugin.testing.load import in_flight
+    from vllm_omni_plugin.testing.harness.load import in_flight
 
     def requests(total: int) -> list[OmniRequest]:
         out = []
@@ -173,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from vllm_omni_plugin.testing.tiny_models import build
+        from vllm_omni_plugin.testing.tiny import build
 
         model = str(build("bagel", os.path.join(".cache", "tiny_models", "bagel")))
 

@@ -43,8 +43,8 @@ def kill_plan(requests: int, every: int | None, kills: list[str]) -> dict[int, s
 
 
 def main() -> int:
-    from vllm_omni_plugin.testing.server import ServerProcess, bin_script, free_port
-    from vllm_omni_plugin.testing.soak import Deployment, SoakSettings, run_soak
+    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
+    from vllm_omni_plugin.testing.harness.soak import Deployment, SoakSettings, run_soak
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -83,7 +83,7 @@ def main() -> int:
     else:
         model = args.model
         if model is None:
-            from vllm_omni_plugin.testing.tiny_models import build
+            from vllm_omni_plugin.testing.tiny import build
 
             model = str(build("glm-image", ROOT / ".cache" / "tiny_models" / "glm-image"))
         port = free_port()

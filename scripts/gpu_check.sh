@@ -5,7 +5,7 @@
 #   2. runs the tests marked `cuda` (skipped everywhere else);
 #   3. serves the tiny GLM-Image and the tiny BAGEL with vLLM's defaults (CUDA graphs and async scheduling
 #      on), once with the model runner the plugin chooses and once with VLLM_USE_V2_MODEL_RUNNER=1, and
-#      compares every image with a reference computed on this host's CPU (vllm_omni_plugin.testing.gpu_check);
+#      compares every image with a reference computed on this host's CPU (vllm_omni_plugin.testing.harness.gpu_check);
 #   4. prints one summary table (also in gpu_check_out/summary.txt, with the servers' logs).
 # Exit status: 0 when everything passed, 1 when something failed, 2 on a host without a CUDA GPU.
 set -uo pipefail
@@ -49,7 +49,7 @@ tests_rc=${PIPESTATUS[0]}
 tests_line="$(tail -1 "$OUT/cuda_tests.log")"
 
 echo "== serving the tiny models (vLLM defaults: CUDA graphs on)"
-"$PY" -m vllm_omni_plugin.testing.gpu_check --device cuda --runners choice,v2 --out "$OUT"
+"$PY" -m vllm_omni_plugin.testing.harness.gpu_check --device cuda --runners choice,v2 --out "$OUT"
 serve_rc=$?
 
 echo

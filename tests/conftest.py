@@ -13,8 +13,8 @@ import pytest
 
 from fast_tier import forbid_processes
 from fast_tier import select as select_fast_tier
-from vllm_omni_plugin.testing.leaks import LeakWatch
-from vllm_omni_plugin.testing.server import CPU_TEST_ENV
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
+from vllm_omni_plugin.testing.harness.server import CPU_TEST_ENV
 
 for _key, _value in CPU_TEST_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -81,49 +81,49 @@ def tiny_model_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_text_model() -> Path:
-    from vllm_omni_plugin.testing.tiny_models import build
+    from vllm_omni_plugin.testing.tiny import build
 
     return build("text", tiny_model_cache() / "text")
 
 
 @pytest.fixture(scope="session")
 def tiny_glm_image() -> Path:
-    from vllm_omni_plugin.testing.tiny_models import build
+    from vllm_omni_plugin.testing.tiny import build
 
     return build("glm-image", tiny_model_cache() / "glm-image")
 
 
 @pytest.fixture(scope="session")
 def tiny_bagel() -> Path:
-    from vllm_omni_plugin.testing.tiny_models import build
+    from vllm_omni_plugin.testing.tiny import build
 
     return build("bagel", tiny_model_cache() / "bagel")
 
 
 @pytest.fixture(scope="session")
 def tiny_sd3() -> Path:
-    from vllm_omni_plugin.testing.tiny_models import build
+    from vllm_omni_plugin.testing.tiny import build
 
     return build("sd3", tiny_model_cache() / "sd3")
 
 
 @pytest.fixture(scope="session")
 def tiny_flux() -> Path:
-    from vllm_omni_plugin.testing.tiny_models import build
+    from vllm_omni_plugin.testing.tiny import build
 
     return build("flux", tiny_model_cache() / "flux")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_image() -> Path:
-    from vllm_omni_plugin.testing.tiny_models import build
+    from vllm_omni_plugin.testing.tiny import build
 
     return build("qwen-image", tiny_model_cache() / "qwen-image")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_image_edit() -> Path:
-    from vllm_omni_plugin.testing.tiny_models import build
+    from vllm_omni_plugin.testing.tiny import build
 
     return build("qwen-image-edit", tiny_model_cache() / "qwen-image-edit")
 

@@ -48,7 +48,7 @@ from vllm_omni_plugin.stage.core_types import (
 )
 from vllm_omni_plugin.stage.errors import StageDeadError
 from vllm_omni_plugin.stage.orchestrator import ProcessorContext
-from vllm_omni_plugin.testing.server import cpu_test_env
+from vllm_omni_plugin.testing.harness.server import cpu_test_env
 
 if TYPE_CHECKING:
     import httpx

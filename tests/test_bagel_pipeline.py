@@ -47,7 +47,7 @@ def omni(tiny_bagel: Path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_bagel: Path) -> Any:
-    from vllm_omni_plugin.testing.bagel_reference import BagelReference
+    from vllm_omni_plugin.testing.reference.bagel import BagelReference
 
     return BagelReference(str(tiny_bagel))
 

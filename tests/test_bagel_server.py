@@ -25,7 +25,13 @@ import pytest
 from PIL import Image
 
 from helpers import our_segments
-from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port, metric_value
+from vllm_omni_plugin.testing.harness.server import (
+    ServerProcess,
+    bin_script,
+    cpu_test_env,
+    free_port,
+    metric_value,
+)
 
 pytestmark = pytest.mark.server
 
@@ -107,7 +113,7 @@ def test_the_seed_request(server: ServerProcess) -> None:
 
 def test_served_images_equal_the_reference(client: openai.OpenAI, tiny_bagel: Path) -> None:
     """Text to image and an edit through HTTP (PNG is lossless) against BAGEL's interleave_inference."""
-    from vllm_omni_plugin.testing.bagel_reference import BagelReference
+    from vllm_omni_plugin.testing.reference.bagel import BagelReference
 
     reference = BagelReference(str(tiny_bagel))
     steps = {"num_inference_steps": 6}

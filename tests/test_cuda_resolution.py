@@ -14,7 +14,7 @@ import yaml
 from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment
 from vllm_omni_plugin.config.resolved import RUNNER_ENV
 from vllm_omni_plugin.stage.factory import adopt_model_runner
-from vllm_omni_plugin.testing.server import bin_script, cpu_test_env
+from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -140,7 +140,7 @@ def test_on_v2_glm_image_refuses_source_images_before_any_stage_runs(
     import asyncio
 
     from helpers import FakePlacement, app_client
-    from vllm_omni_plugin.testing.gpu_check import source_png
+    from vllm_omni_plugin.testing.harness.gpu_check import source_png
 
     monkeypatch.setenv(RUNNER_ENV, "1")
     deployment = resolve_deployment(

@@ -18,7 +18,7 @@ import pytest
 from helpers import source_image
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.diffusion import pipelines as registry
-from vllm_omni_plugin.testing.diffusers_reference import reference_image
+from vllm_omni_plugin.testing.reference.diffusers import reference_image
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 

@@ -17,7 +17,7 @@ from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, Diffus
 from vllm_omni_plugin.diffusion import pipelines as registry
 from vllm_omni_plugin.diffusion.worker import CPUDiffusionWorker, CUDADiffusionWorker
 from vllm_omni_plugin.dotted import import_object
-from vllm_omni_plugin.testing.glm_image_reference import (
+from vllm_omni_plugin.testing.reference.glm_image import (
     glm_image_reference_image,
     glm_image_reference_prior_tokens,
 )

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vllm_omni_plugin.testing.server import ServerProcess, bin_script, free_port
-from vllm_omni_plugin.testing.soak import Deployment, SoakSettings, run_soak
+from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
+from vllm_omni_plugin.testing.harness.soak import Deployment, SoakSettings, run_soak
 
 pytestmark = pytest.mark.server
 

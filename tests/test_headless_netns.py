@@ -21,9 +21,9 @@ import pytest
 from PIL import Image
 
 from vllm_omni_plugin.processes import SHM_DIR, unlink_segment
-from vllm_omni_plugin.testing.leaks import LeakWatch
-from vllm_omni_plugin.testing.netns import NamespaceHTTP, NamespacePair
-from vllm_omni_plugin.testing.server import (
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
+from vllm_omni_plugin.testing.harness.netns import NamespaceHTTP, NamespacePair
+from vllm_omni_plugin.testing.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,

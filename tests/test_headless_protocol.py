@@ -37,7 +37,7 @@ from vllm_omni_plugin.stage.headless import (
     stage_config_digest,
 )
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
-from vllm_omni_plugin.testing.server import free_port
+from vllm_omni_plugin.testing.harness.server import free_port
 
 
 @pytest.fixture

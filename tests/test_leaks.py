@@ -13,7 +13,7 @@ from multiprocessing import shared_memory
 import pytest
 
 from vllm_omni_plugin.processes import SHM_DIR, ProcessTree, exit_with_parent, mapped_segments
-from vllm_omni_plugin.testing.leaks import LeakWatch
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 
 pytestmark = pytest.mark.processes
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vllm_omni_plugin.testing.server import (
+from vllm_omni_plugin.testing.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from vllm_omni_plugin.processes import SHM_DIR
-from vllm_omni_plugin.testing.leaks import LeakWatch
-from vllm_omni_plugin.testing.server import ServerProcess, bin_script, free_port
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
+from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
 
 pytestmark = pytest.mark.server
 

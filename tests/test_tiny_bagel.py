@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.testing import tiny_models
+from vllm_omni_plugin.testing import tiny
 
 pytestmark = pytest.mark.slow
 
@@ -89,8 +89,8 @@ def _expected_ema_shapes(vocab: int) -> dict[str, tuple[int, ...]]:
 
 
 def test_bagel_build_is_deterministic_small_and_cached(tmp_path: Path) -> None:
-    a = tiny_models.build("bagel", tmp_path / "a")
-    b = tiny_models.build("bagel", tmp_path / "b")
+    a = tiny.build("bagel", tmp_path / "a")
+    b = tiny.build("bagel", tmp_path / "b")
     files = _files(a)
     assert files == _files(b)
     assert set(files) >= {
@@ -106,7 +106,7 @@ def test_bagel_build_is_deterministic_small_and_cached(tmp_path: Path) -> None:
     assert sum(len(data) for data in files.values()) < 8 * 2**20
     weights = a / "ema.safetensors"
     mtime = weights.stat().st_mtime_ns
-    assert tiny_models.build("bagel", a) == a  # cache hit: nothing rewritten
+    assert tiny.build("bagel", a) == a  # cache hit: nothing rewritten
     assert weights.stat().st_mtime_ns == mtime
 
 

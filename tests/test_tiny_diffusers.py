@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.testing import tiny_models
+from vllm_omni_plugin.testing import tiny
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def test_build_is_deterministic_small_and_of_the_real_classes(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     cached = request.getfixturevalue(f"tiny_{kind.replace('-', '_')}")
-    again = tiny_models.build(kind, tmp_path / kind)
+    again = tiny.build(kind, tmp_path / kind)
     assert _tree(again) == _tree(cached)  # byte for byte, weights included
     assert sum(len(blob) for blob in _tree(cached).values()) < 8 * 1024 * 1024
     pipeline, components = KINDS[kind]
@@ -86,7 +86,7 @@ def test_qwen_tokenizer_ends_the_system_prompt_where_the_real_one_does(tiny_qwen
     """The pipelines drop the template's first 34 (edit: 64) hidden states, the system prompt's tokens."""
     from transformers import AutoTokenizer
 
-    from vllm_omni_plugin.testing.tiny_qwen_image import _templates
+    from vllm_omni_plugin.testing.tiny.qwen_image import _templates
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen_image / "tokenizer")
     for template, drop in _templates():

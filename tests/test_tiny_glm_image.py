@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.testing import tiny_models
-from vllm_omni_plugin.testing.tiny_models import glm_image_grid, glm_image_max_new_tokens
+from vllm_omni_plugin.stage.processors.glm_image import glm_image_grid, glm_image_max_new_tokens
+from vllm_omni_plugin.testing import tiny
+from vllm_omni_plugin.testing.tiny.glm_image import GLM_IMAGE_CODEBOOK_SIZE
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +34,15 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 
 def test_glm_image_build_is_deterministic_and_cached(tmp_path: Path) -> None:
-    a = tiny_models.build("glm-image", tmp_path / "a")
-    b = tiny_models.build("glm-image", tmp_path / "b")
+    a = tiny.build("glm-image", tmp_path / "a")
+    b = tiny.build("glm-image", tmp_path / "b")
     files_a = _tree(a)
     assert files_a == _tree(b)
     assert {name.split("/")[0] for name in files_a} >= {*COMPONENTS, "model_index.json"}
     assert sum(len(data) for data in files_a.values()) < 64 * 2**20
     weights = a / "vision_language_encoder" / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    assert tiny_models.build("glm-image", a) == a  # cache hit: nothing rewritten
+    assert tiny.build("glm-image", a) == a  # cache hit: nothing rewritten
     assert weights.stat().st_mtime_ns == mtime
 
 
@@ -134,7 +135,7 @@ def test_glm_image_pipeline_end_to_end_equals_ar_plus_dit(tiny_glm_image: Path) 
     out = ar.generate(**inputs, max_new_tokens=glm_image_max_new_tokens(SIZE, SIZE), do_sample=True)
     generated = out[0, inputs["input_ids"].shape[1] :]
     assert generated.numel() == th * tw + ph * pw + 1
-    assert int(generated.max()) < tiny_models.GLM_IMAGE_CODEBOOK_SIZE
+    assert int(generated.max()) < GLM_IMAGE_CODEBOOK_SIZE
     assert len(set(generated.tolist())) > 16  # random, not stuck on one id
     del ar
 

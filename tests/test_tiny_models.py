@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.testing import tiny_models
-from vllm_omni_plugin.testing.server import cpu_test_env
+from vllm_omni_plugin.testing import tiny
+from vllm_omni_plugin.testing.harness.server import cpu_test_env
+from vllm_omni_plugin.testing.tiny.text import text_config
 
 pytestmark = pytest.mark.slow
 
@@ -20,22 +21,22 @@ def _files(path: Path) -> dict[str, bytes]:
 
 
 def test_text_build_is_deterministic_and_cached(tmp_path: Path) -> None:
-    a = tiny_models.build("text", tmp_path / "a")
-    b = tiny_models.build("text", tmp_path / "b")
+    a = tiny.build("text", tmp_path / "a")
+    b = tiny.build("text", tmp_path / "b")
     assert _files(a) == _files(b)
-    stamp = json.loads((a / tiny_models.STAMP_FILE).read_text())
-    assert stamp["hash"] == tiny_models.config_hash("text", tiny_models._text_config())
+    stamp = json.loads((a / tiny.STAMP_FILE).read_text())
+    assert stamp["hash"] == tiny.config_hash("text", text_config())
     weights = a / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    assert tiny_models.build("text", a) == a  # cache hit: nothing rewritten
+    assert tiny.build("text", a) == a  # cache hit: nothing rewritten
     assert weights.stat().st_mtime_ns == mtime
 
 
 def test_stale_stamp_triggers_rebuild(tmp_path: Path) -> None:
-    out = tiny_models.build("text", tmp_path / "m")
-    stamp = out / tiny_models.STAMP_FILE
+    out = tiny.build("text", tmp_path / "m")
+    stamp = out / tiny.STAMP_FILE
     stamp.write_text(json.dumps({"hash": "stale"}))
-    tiny_models.build("text", out)
+    tiny.build("text", out)
     assert json.loads(stamp.read_text())["hash"] != "stale"
 
 
@@ -43,7 +44,7 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "precious.txt").write_text("keep me")
     with pytest.raises(FileExistsError):
-        tiny_models.build("text", tmp_path / "x")
+        tiny.build("text", tmp_path / "x")
     assert (tmp_path / "x" / "precious.txt").read_text() == "keep me"
 
 

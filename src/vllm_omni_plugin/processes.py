@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 
 logger = get_logger(__name__)
 
@@ -155,7 +155,7 @@ def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
 
         tracker = getattr(resource_tracker, "_resource_tracker", None)
         if getattr(tracker, "_fd", None) is not None:  # only one that runs: never start a tracker for this
-            with contextlib.suppress(Exception):
+            with best_effort("unregistering removed segments from the resource tracker", logger):
                 resource_tracker.unregister(*known)
     return True
 

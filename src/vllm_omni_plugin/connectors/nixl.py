@@ -23,7 +23,6 @@ UCX itself is configured the usual way, through ``UCX_*`` environment variables 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import secrets
@@ -51,7 +50,7 @@ from vllm_omni_plugin.connectors.base import (
     dtype_from_name,
     dtype_name,
 )
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 
 logger = get_logger(__name__)
 
@@ -149,7 +148,7 @@ class _ReceivePool:
             if pooled:
                 self.total += capacity
         for registration in evicted:
-            with contextlib.suppress(Exception):
+            with best_effort("deregistering an evicted NIXL receive buffer", logger):
                 self.agent.deregister_memory(registration)
         buffer = torch.empty(capacity if pooled else nbytes, dtype=torch.uint8)
         registration = self.agent.register_memory(buffer)
@@ -166,7 +165,7 @@ class _ReceivePool:
         with self.lock:
             registration = self.one_off.pop(buffer.data_ptr(), None)
         if registration is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("deregistering a one-off NIXL receive buffer", logger):
                 self.agent.deregister_memory(registration)
 
     def lend(self, buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -181,7 +180,7 @@ class _ReceivePool:
             registrations, self.registrations = self.registrations, {}
             self.free.clear()
         for registration in registrations.values():
-            with contextlib.suppress(Exception):
+            with best_effort("deregistering NIXL receive buffers", logger):
                 self.agent.deregister_memory(registration)
 
 
@@ -319,7 +318,7 @@ class NixlConnector(OmniConnector):
         except Exception:  # may overlap an idle registration of memory since reused: drop those, retry
             start, end = region[0], region[0] + region[1]
             for other in [r for r in self._idle if r[0] < end and start < r[0] + r[1]]:
-                with contextlib.suppress(Exception):
+                with best_effort("deregistering an idle NIXL region that overlaps a new one", logger):
                     self.agent.deregister_memory(self._idle.pop(other)[0])
             return self.agent.register_memory([(*region, "")], mem_type)
 
@@ -334,7 +333,7 @@ class NixlConnector(OmniConnector):
                 if entry[1] <= 0:
                     self._idle[owned.region] = self._regions.pop(owned.region)
                     while len(self._idle) > IDLE_REGIONS:
-                        with contextlib.suppress(Exception):
+                        with best_effort("deregistering an idle NIXL region", logger):
                             self.agent.deregister_memory(self._idle.popitem(last=False)[1][0])
         if acked:
             self._stats.add(acks=1, bytes_acked=owned.nbytes)
@@ -495,7 +494,7 @@ class NixlConnector(OmniConnector):
             ) from exc
         finally:
             if transfer is not None:
-                with contextlib.suppress(Exception):
+                with best_effort("releasing a NIXL transfer handle", logger):
                     self.agent.release_xfer_handle(transfer)
 
     def _load_remote(self, metadata: bytes) -> str:
@@ -525,7 +524,7 @@ class NixlConnector(OmniConnector):
         if remote is None or self._release(handle.key):
             return
         self._remember(handle.key)
-        with contextlib.suppress(Exception), self._lock:  # best effort: the lease frees it otherwise
+        with best_effort("asking a NIXL sender to release a value (its lease frees it)", logger), self._lock:
             peer = self._load_remote(remote.metadata)
             self.agent.send_notif(peer, RELEASE + handle.key.encode())
 
@@ -544,7 +543,7 @@ class NixlConnector(OmniConnector):
             self._idle.clear()
             self._owned.clear()
         for registration, *_ in regions.values():
-            with contextlib.suppress(Exception):
+            with best_effort("deregistering NIXL regions at close", logger):
                 self.agent.deregister_memory(registration)
         self._pool.close()
         if keys:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import errno
 import os
 import signal
@@ -32,7 +31,7 @@ from vllm_omni_plugin.entrypoints.omni import AsyncOmni
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
 from vllm_omni_plugin.entrypoints.openai_images import OmniAPIError
 from vllm_omni_plugin.entrypoints.routes import api_error_handler, router
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.factory import Placement
 
 logger = get_logger(__name__)
@@ -197,7 +196,7 @@ def run_server(args: argparse.Namespace, deployment: ResolvedDeployment) -> None
             os.makedirs(media_dir, exist_ok=True)
         except OSError as exc:
             raise ServeError(f"--image-media-dir {media_dir}: {exc.strerror or exc}") from None
-    with contextlib.suppress(Exception):
+    with best_effort("configuring vLLM's logging from the arguments", logger):
         compat.configure_logging_from_args(args)
     listen_address, sock = bind_socket(args)
     try:

@@ -8,7 +8,6 @@ and add an "Omni" group. Every mistake a user can make here ends in one ``error:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from vllm_omni_plugin import PLUGIN_NAME, __version__
 from vllm_omni_plugin.compat import CompatImportError
 from vllm_omni_plugin.config.errors import ConfigError
 from vllm_omni_plugin.config.platform import PLATFORMS
+from vllm_omni_plugin.log import best_effort
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -447,7 +447,7 @@ def run_headless(args: argparse.Namespace, resolved: Any) -> None:
         )
     if not os.path.isdir(resolved.model):
         raise OmniCLIError(f"model directory {resolved.model!r} does not exist")
-    with contextlib.suppress(Exception):
+    with best_effort("configuring vLLM's logging for the headless worker"):
         from vllm_omni_plugin import compat
 
         compat.configure_logging_from_args(args)

@@ -20,7 +20,7 @@ from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
 from vllm_omni_plugin.entrypoints.omni import AsyncOmni
 from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, check_dimensions
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
 
@@ -278,7 +278,7 @@ class OmniServer:
                 await asyncio.sleep(interval)
                 for pool in self.omni.pools.values():
                     for client in pool.clients:
-                        with contextlib.suppress(Exception):
+                        with best_effort("logging a stage replica's stats", logger):
                             await client.log_stats()
 
         task = asyncio.create_task(loop(), name="omni stat logging")

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.processes import ProcessId, ProcessTree
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
@@ -217,7 +217,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             )
         except StageDeadError:
             if self.input_connector is not None:  # the dead process never read them: free them now
-                with contextlib.suppress(Exception):
+                with best_effort("freeing the inputs a dead diffusion process never read", logger, warn=True):
                     release(request.diffusion, self.input_connector)
             raise
         output.timings["transfer_put"] = put_seconds
@@ -258,7 +258,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._push is not None and self.manager.is_alive():
-            with contextlib.suppress(Exception):
+            with best_effort("sending StageShutdown to the diffusion process", logger):
                 await asyncio.wait_for(self._push.send(self._to_stage.encode(StageShutdown())), 1.0)
         await asyncio.to_thread(self._stop_process)
         for sock in (self._push, self._pull):

@@ -31,7 +31,7 @@ import msgspec
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedHead
 from vllm_omni_plugin.connectors.base import OmniConnector
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     StageAbort,
@@ -248,7 +248,7 @@ class RemoteStageClient(StageCoreClientBase):
     async def abort(self, request_ids: list[str]) -> None:
         self._pending.fail(request_ids)
         if self.identity is not None and self._send is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("sending an abort to a headless worker", logger):
                 await self._send(self.identity, StageAbort(request_ids=list(request_ids)))
 
     async def shutdown(self) -> None:
@@ -378,7 +378,7 @@ class HeadlessStageRegistry:
                 elif now - client.last_seen > self.head.heartbeat_timeout_s:
                     client.detach(f"sent nothing for {self.head.heartbeat_timeout_s:.0f} s")
                     continue
-                with contextlib.suppress(Exception):
+                with best_effort("sending a heartbeat to a headless worker", logger):
                     await self.send(client.identity, Heartbeat())
 
     async def shutdown(self) -> None:
@@ -389,7 +389,7 @@ class HeadlessStageRegistry:
                 await task
         for client in self.clients.values():
             if client.identity is not None:
-                with contextlib.suppress(Exception):
+                with best_effort("telling a headless worker the head shuts down", logger):
                     await asyncio.wait_for(self.send(client.identity, HeadShutdown()), 1.0)
         if self._router is not None:
             self._router.close(linger=500)

@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_types import (
     PROGRESS_REPORT_INTERVAL_S,
     StageAbort,
@@ -113,7 +113,7 @@ class HeadlessStageWorker:
                 await serve
             code, why = self._stopping.result()
             if self._leaving:
-                with contextlib.suppress(Exception):
+                with best_effort("telling the head this worker leaves", logger):
                     await asyncio.wait_for(self._send(WorkerLeaving(reason=why)), 1.0)
             return code
         finally:

@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm_omni_plugin.ar_channel import stage_outputs_of
 from vllm_omni_plugin.compat import engine_core_pids, resolve
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.processes import ProcessTree, spawning_without_main
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
@@ -248,7 +248,7 @@ class StageLLMCoreClient(StageCoreClientBase):
                 # Counted and sent before any await: a second cancellation (the request's other tasks
                 # being torn down) must not interrupt the abort, nor lose its count.
                 self.dropped["engine"] += 1
-                with contextlib.suppress(Exception):
+                with best_effort("aborting a cancelled request in the AR engine", logger):
                     await asyncio.shield(self.engine.abort(request.request_id))
             raise
         finally:
@@ -288,7 +288,7 @@ class StageLLMCoreClient(StageCoreClientBase):
         """Stop what is left of the dead engine (its workers exit with it), remove the shared memory its
         processes left, then start a new engine unless the replica stays down."""
         old, self.engine = self.engine, None
-        with contextlib.suppress(Exception):
+        with best_effort("shutting down the dead AR engine", logger):
             old.shutdown()
         try:
             await asyncio.to_thread(self.processes.stop, EXIT_GRACE_S)
@@ -305,7 +305,7 @@ class StageLLMCoreClient(StageCoreClientBase):
 
     async def abort(self, request_ids: list[str]) -> None:
         if self.engine is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("aborting requests in the AR engine", logger):
                 await self.engine.abort(list(request_ids))
 
     async def shutdown(self) -> None:
@@ -313,7 +313,7 @@ class StageLLMCoreClient(StageCoreClientBase):
         container runtime SIGKILLs whatever outlives the main process, and with it anything it held)."""
         self.state = StageState.STOPPED
         if self._restarting is not None:  # a restart under way finishes first; what it started stops below
-            with contextlib.suppress(Exception):
+            with best_effort("waiting for the AR engine restart under way", logger):
                 await self._restarting
         if self.engine is not None:
             engine, self.engine = self.engine, None

@@ -7,7 +7,6 @@ of the same class) fetches them back.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +15,7 @@ import msgspec
 import torch
 
 from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorHandle, OmniConnector
+from vllm_omni_plugin.log import best_effort
 from vllm_omni_plugin.stage.core_types import (
     StageCoreOutput,
     StageDiffusionCoreOutput,
@@ -106,5 +106,5 @@ def discard_output(output: StageCoreOutput | None, connector: OmniConnector | No
     """Free the image behind an output nobody waits for any more (its request was aborted)."""
     if connector is None or not isinstance(output, StageDiffusionCoreOutput) or output.image_handle is None:
         return
-    with contextlib.suppress(Exception):  # best effort: the owner's lease frees it otherwise
+    with best_effort("freeing the image of an output nobody waits for (its lease frees it otherwise)"):
         connector.cleanup(msgspec.convert(output.image_handle, ConnectorHandle))

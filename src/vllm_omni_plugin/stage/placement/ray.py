@@ -32,7 +32,7 @@ import msgspec
 
 from vllm_omni_plugin.config.resolved import ROUTER, ResolvedDeployment, ResolvedPlacement, ResolvedStage
 from vllm_omni_plugin.connectors.base import OmniConnector
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import PROGRESS_REPORT_INTERVAL_S, StageAbort, StageFailed, StageReady
 from vllm_omni_plugin.stage.errors import (
@@ -211,7 +211,7 @@ class RayPlacement:
             self.clients.remove(client)
         if not self.clients and self._connected:
             self._connected = False
-            with contextlib.suppress(Exception):
+            with best_effort("disconnecting from the Ray cluster", logger):
                 _ray().shutdown()
 
 
@@ -425,7 +425,7 @@ class RayStageClient(StageCoreClientBase):
         )
         self.state = StageState.RESTARTING
         if not self.restart_on_death:
-            with contextlib.suppress(Exception):
+            with best_effort("killing the Ray actor of a replica that stays down", logger, warn=True):
                 ray.kill(self.actor, no_restart=True)
             self.state = StageState.DEAD
             return
@@ -472,7 +472,7 @@ class RayStageClient(StageCoreClientBase):
             await asyncio.sleep(PROGRESS_REPORT_INTERVAL_S)
             if self.state != StageState.READY:
                 continue
-            with contextlib.suppress(Exception):
+            with best_effort("asking a Ray actor for its denoising steps", logger):
                 self.count_steps(await self.actor.denoise_steps.remote())
 
     # --- requests ---------------------------------------------------------------------------------
@@ -510,7 +510,7 @@ class RayStageClient(StageCoreClientBase):
         """A reply nobody waits for any more may still hold an image in the output connector: free it."""
 
         async def discard() -> None:
-            with contextlib.suppress(Exception):
+            with best_effort("freeing the output of a Ray reply nobody waits for", logger):
                 message: RemoteOutput = self._replies.decode(await asyncio.wait_for(ref, SHUTDOWN_WAIT_S))
                 discard_output(message.output, self.output_connector)
 
@@ -520,14 +520,14 @@ class RayStageClient(StageCoreClientBase):
 
     async def abort(self, request_ids: list[str]) -> None:
         if self.actor is not None and self.state == StageState.READY:
-            with contextlib.suppress(Exception):
+            with best_effort("aborting requests on a Ray actor", logger):
                 await self.actor.abort.remote(
                     msgspec.msgpack.encode(StageAbort(request_ids=list(request_ids)))
                 )
 
     async def log_stats(self) -> None:
         if self.actor is not None and self.healthy:
-            with contextlib.suppress(Exception):
+            with best_effort("asking a Ray actor to log its stats", logger):
                 await self.actor.log_stats.remote()
 
     async def shutdown(self) -> None:
@@ -538,7 +538,7 @@ class RayStageClient(StageCoreClientBase):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.actor is not None and self.where is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("stopping a Ray actor", logger):
                 await asyncio.wait_for(self.actor.shutdown.remote(), SHUTDOWN_WAIT_S)
         self.kill()
         self.owner.release(self)
@@ -548,9 +548,9 @@ class RayStageClient(StageCoreClientBase):
         ray = _ray()
         self.state = StageState.STOPPED
         if self.actor is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("killing a Ray actor", logger, warn=True):
                 ray.kill(self.actor, no_restart=True)
         if self.placement_group is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("removing a Ray placement group", logger, warn=True):
                 ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None

@@ -16,7 +16,6 @@ shares a node with the head (the other end of every hand-over it makes), else th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
@@ -26,7 +25,7 @@ import msgspec
 
 from vllm_omni_plugin.config.resolved import ResolvedEdge
 from vllm_omni_plugin.config.schema import ConnectorSpec
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_types import (
     StageAbort,
     StageDiffusionCoreOutput,
@@ -201,11 +200,11 @@ class StageReplicaActor:
         if self._loading is not None and not self._loading.done():
             self._loading.cancel()
         if self.replica is not None:
-            with contextlib.suppress(Exception):
+            with best_effort("shutting down the actor's stage replica", logger, warn=True):
                 await self.replica.shutdown()
         for connector in (self.input_connector, self.output_connector):
             if connector is not None:
-                with contextlib.suppress(Exception):
+                with best_effort("closing a connector of the actor", logger, warn=True):
                     connector.close()
         if self._stopped is None:
             self._stopped = asyncio.Event()

@@ -56,14 +56,14 @@ def build_sd3(outdir: Path, cfg: dict[str, Any]) -> None:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from vllm_omni_plugin.testing.tiny_components import (
+    from vllm_omni_plugin.testing.tiny.components import (
         autoencoder_kl,
         clip_text_encoder,
         clip_tokenizer,
+        seeded_init,
         t5_encoder,
         t5_tokenizer,
     )
-    from vllm_omni_plugin.testing.tiny_models import _seeded_init
 
     generator = torch.Generator().manual_seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])  # constructors draw from the global RNG; every weight is overwritten
@@ -80,7 +80,7 @@ def build_sd3(outdir: Path, cfg: dict[str, Any]) -> None:
     transformer = SD3Transformer2DModel(
         **cfg["transformer"], joint_attention_dim=cfg["t5"]["d_model"], pooled_projection_dim=pooled
     )
-    _seeded_init(transformer, generator)
+    seeded_init(transformer, generator)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer.eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=cfg["scheduler"]["shift"]),

@@ -54,14 +54,14 @@ def build_flux(outdir: Path, cfg: dict[str, Any]) -> None:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    from vllm_omni_plugin.testing.tiny_components import (
+    from vllm_omni_plugin.testing.tiny.components import (
         autoencoder_kl,
         clip_text_encoder,
         clip_tokenizer,
+        seeded_init,
         t5_encoder,
         t5_tokenizer,
     )
-    from vllm_omni_plugin.testing.tiny_models import _seeded_init
 
     generator = torch.Generator().manual_seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])  # constructors draw from the global RNG; every weight is overwritten
@@ -75,7 +75,7 @@ def build_flux(outdir: Path, cfg: dict[str, Any]) -> None:
         joint_attention_dim=cfg["t5"]["d_model"],
         pooled_projection_dim=cfg["clip"]["hidden_size"],
     )
-    _seeded_init(transformer, generator)
+    seeded_init(transformer, generator)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, **cfg["scheduler"]
     )

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from vllm_omni_plugin.log import best_effort
 from vllm_omni_plugin.processes import (
     OUR_SEGMENT_PREFIX,
     SHM_DIR,
@@ -96,7 +97,7 @@ class LeakWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            with contextlib.suppress(Exception):  # a process vanishing mid-read must not end the watch
+            with best_effort("polling the run's processes and segments (the watch goes on)"):
                 self.poll()
 
     def poll(self) -> None:

@@ -3,7 +3,7 @@ defaults (CUDA graphs on, async scheduling on) through the stock ``vllm`` script
 runner the plugin chooses and once with ``VLLM_USE_V2_MODEL_RUNNER=1``; every image compared with a
 reference computed on this host's CPU (fp32, greedy AR); one summary table.
 
-    python -m vllm_omni_plugin.testing.gpu_check [--device cuda|cpu] [--runners choice,v2] [--out DIR]
+    python -m vllm_omni_plugin.testing.harness.gpu_check [--device cuda|cpu] [--runners choice,v2] [--out DIR]
 
 ``--device cpu`` runs the same path on the CPU (V1 only: vLLM's CPU V2 runner needs Triton's CPU
 backend), which is how the test suite checks this driver. Exit status 0 when every row passes.
@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from vllm_omni_plugin.testing.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 PROMPT = "a red fox in the snow"
 EDIT_PROMPT = "make it blue"
@@ -114,7 +114,7 @@ def compare(row: Row, ours: np.ndarray, reference: np.ndarray) -> Row:
 def glm_image_references(model: Path, steps: int, guidance: float) -> dict[str, np.ndarray]:
     from PIL import Image
 
-    from vllm_omni_plugin.testing.glm_image_reference import glm_image_reference_image
+    from vllm_omni_plugin.testing.reference.glm_image import glm_image_reference_image
 
     source = Image.open(io.BytesIO(source_png())).convert("RGB")
     common = {"num_inference_steps": steps, "guidance_scale": guidance, "seed": SEED}
@@ -128,7 +128,7 @@ def bagel_references(model: Path, steps: int) -> dict[str, np.ndarray]:
     import torch
     from PIL import Image
 
-    from vllm_omni_plugin.testing.bagel_reference import BagelReference
+    from vllm_omni_plugin.testing.reference.bagel import BagelReference
 
     reference = BagelReference(str(model), dtype=torch.float32)
     source = Image.open(io.BytesIO(source_png())).convert("RGB")
@@ -240,7 +240,7 @@ def request_row(
 
 
 def run(device: str, runners: list[str], out: Path, models: list[str]) -> Report:
-    from vllm_omni_plugin.testing.tiny_models import build
+    from vllm_omni_plugin.testing.tiny import build
 
     report = Report()
     cache = Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", REPO / ".cache" / "tiny_models"))
@@ -262,7 +262,9 @@ def run(device: str, runners: list[str], out: Path, models: list[str]) -> Report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_omni_plugin.testing.gpu_check", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_omni_plugin.testing.harness.gpu_check", description=__doc__
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--runners", default="choice,v2", help="comma list of: choice (the plugin's), v2")
     parser.add_argument("--models", default="glm-image,bagel")

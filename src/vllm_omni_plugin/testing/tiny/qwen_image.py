@@ -93,7 +93,7 @@ def _templates() -> list[tuple[str, int]]:
 
 
 def _tokenizer() -> Any:
-    from vllm_omni_plugin.testing.tiny_components import qwen2_tokenizer
+    from vllm_omni_plugin.testing.tiny.components import qwen2_tokenizer
 
     templates = _templates()
     tokenizer = qwen2_tokenizer(extra_text=tuple(t.format("") for t, _ in templates) * 20)
@@ -109,7 +109,7 @@ def _tokenizer() -> Any:
 def _text_encoder(tokenizer: Any, cfg: dict[str, Any], generator: Any) -> Any:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from vllm_omni_plugin.testing.tiny_models import _seeded_init
+    from vllm_omni_plugin.testing.tiny.components import seeded_init
 
     t, v = cfg["text"], cfg["vision"]
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _VISION_TOKENS.items()}
@@ -136,7 +136,7 @@ def _text_encoder(tokenizer: Any, cfg: dict[str, Any], generator: Any) -> Any:
         **ids,
     )
     model = Qwen2_5_VLForConditionalGeneration(config)
-    _seeded_init(model, generator)
+    seeded_init(model, generator)
     return model.eval()
 
 
@@ -159,7 +159,7 @@ def build_qwen_image(outdir: Path, cfg: dict[str, Any]) -> None:
         QwenImageTransformer2DModel,
     )
 
-    from vllm_omni_plugin.testing.tiny_models import _seeded_init
+    from vllm_omni_plugin.testing.tiny.components import seeded_init
 
     generator = torch.Generator().manual_seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])  # constructors draw from the global RNG; every weight is overwritten
@@ -171,7 +171,7 @@ def build_qwen_image(outdir: Path, cfg: dict[str, Any]) -> None:
         joint_attention_dim=cfg["text"]["hidden_size"],
         guidance_embeds=False,
     )
-    _seeded_init(transformer, generator)
+    seeded_init(transformer, generator)
     z = cfg["vae"]["z_dim"]
     stats = torch.randn((2, z), generator=generator)
     vae = AutoencoderKLQwenImage(
@@ -181,7 +181,7 @@ def build_qwen_image(outdir: Path, cfg: dict[str, Any]) -> None:
         latents_mean=[round(float(x) * 0.5, 4) for x in stats[0]],
         latents_std=[round(1.0 + 0.5 * float(x.abs()), 4) for x in stats[1]],
     )
-    _seeded_init(vae, generator)
+    seeded_init(vae, generator)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=1.0,

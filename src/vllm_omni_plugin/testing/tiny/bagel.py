@@ -353,12 +353,12 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def build_bagel(outdir: Path, cfg: dict[str, Any]) -> None:
-    """Write the tiny BAGEL into ``outdir`` (called by ``tiny_models.build``)."""
+    """Write the tiny BAGEL into ``outdir`` (called by ``builders.build``)."""
     import torch
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
-    from vllm_omni_plugin.testing.tiny_models import build_chat_tokenizer
+    from vllm_omni_plugin.testing.tiny.components import build_chat_tokenizer
 
     vocab = build_chat_tokenizer(
         outdir,

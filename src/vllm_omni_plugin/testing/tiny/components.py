@@ -1,18 +1,109 @@
 """Tokenizers, text encoders and autoencoders of the real classes at toy size, for the tiny diffusers
 pipelines (SD3, FLUX, Qwen-Image).
 
-Every tokenizer is learned from the fixed corpus of ``tiny_models`` (so builds are deterministic and need
+Every tokenizer is learned from the fixed corpus below (so builds are deterministic and need
 no download) and saved in the class the real checkpoints use: ``CLIPTokenizer`` (BPE with ``</w>`` word
 ends, lower-cased), ``T5Tokenizer`` (unigram with ``▁`` word starts and 100 sentinels) and
 ``Qwen2Tokenizer`` (byte-level BPE with the ChatML and vision specials). Encoders take their weights from
-``tiny_models._seeded_init``.
+:func:`seeded_init`, which every family's builder uses.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A small fixed corpus: the tokenizer's merges are learned from it, deterministically.
+CORPUS_WORDS = (
+    "the quick brown fox jumps over the lazy dog a red fox in the snow a photo of a cat "
+    "hello world what is the capital of france paris is the capital of france one two three "
+    "four five six seven eight nine ten image picture painting drawing of a mountain lake at "
+    "sunset with trees and a small house on the shore generate an image please describe the "
+    "scene in detail the sky is blue and the grass is green numbers 0 1 2 3 4 5 6 7 8 9 10 16 "
+    "32 64 128 256 512 1024 system user assistant you are a helpful assistant"
+).split()
+
+
+def corpus() -> list[str]:
+    lines = []
+    n = len(CORPUS_WORDS)
+    for i in range(400):
+        lines.append(" ".join(CORPUS_WORDS[(i * 7 + j * 3) % n] for j in range(12)))
+    return lines
+
+
+CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_chat_tokenizer(
+    outdir: Path,
+    vocab_size: int = 1024,
+    specials: Sequence[str] = CHATML_SPECIAL_TOKENS,
+    model_max_length: int = 512,
+) -> int:
+    """A byte-level BPE tokenizer with ChatML specials (ids 0, 1, ... in ``specials`` order) and a chat
+    template; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        model_max_length=model_max_length,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(outdir)
+    return len(fast)
+
+
+def seeded_init(model: Any, generator: Any, gain: float = 1.0) -> None:
+    """Overwrite every parameter from ``generator``, in sorted-name order.
+
+    Matrices get N(0, gain^2 / fan_in); norm weights 1 + N(0, 0.1^2); biases (norms included)
+    N(0, 0.1^2), so a dropped bias or norm weight shows up as a numeric mismatch.
+    """
+    import torch
+
+    norm_params = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if "norm" in type(module).__name__.lower()
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            if param.ndim >= 2:
+                value = noise * (gain / param[0].numel() ** 0.5)
+            elif name in norm_params and name.endswith("weight"):
+                value = 1.0 + 0.1 * noise
+            else:
+                value = 0.1 * noise
+            param.copy_(value.to(param.dtype))
+
 
 CLIP_SPECIALS = ("<|startoftext|>", "<|endoftext|>")
 T5_SPECIALS = ("<pad>", "</s>", "<unk>")
@@ -31,13 +122,11 @@ QWEN_SPECIALS = (
 def _tokenizer_corpus(extra: tuple[str, ...] = ()) -> list[str]:
     import string
 
-    from vllm_omni_plugin.testing.tiny_models import _CORPUS_WORDS, _corpus
-
     # Every ASCII letter, digit and punctuation mark as a word of its own, and the words capitalised, so
     # prompts as people write them stay in vocabulary (no unknown token where a real tokenizer has none).
     characters = " ".join(string.ascii_letters + string.digits + string.punctuation)
-    capitalised = " ".join(word.capitalize() for word in _CORPUS_WORDS)
-    return _corpus() + [characters, capitalised] * 4 + list(extra)
+    capitalised = " ".join(word.capitalize() for word in CORPUS_WORDS)
+    return corpus() + [characters, capitalised] * 4 + list(extra)
 
 
 def _merges(model: dict[str, Any]) -> list[tuple[str, str]]:
@@ -166,8 +255,6 @@ def clip_text_encoder(tokenizer: Any, cfg: dict[str, Any], generator: Any, *, wi
     """``CLIPTextModel`` (FLUX's pooled text) or ``CLIPTextModelWithProjection`` (SD3's two encoders)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from vllm_omni_plugin.testing.tiny_models import _seeded_init
-
     config = CLIPTextConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg["hidden_size"],
@@ -182,15 +269,13 @@ def clip_text_encoder(tokenizer: Any, cfg: dict[str, Any], generator: Any, *, wi
         pad_token_id=tokenizer.pad_token_id,
     )
     model = (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
-    _seeded_init(model, generator)
+    seeded_init(model, generator)
     return model.eval()
 
 
 def t5_encoder(tokenizer: Any, cfg: dict[str, Any], generator: Any) -> Any:
     """``T5EncoderModel`` (v1.1 style: gated GELU, untied)."""
     from transformers import T5Config, T5EncoderModel
-
-    from vllm_omni_plugin.testing.tiny_models import _seeded_init
 
     model = T5EncoderModel(
         T5Config(
@@ -209,15 +294,13 @@ def t5_encoder(tokenizer: Any, cfg: dict[str, Any], generator: Any) -> Any:
             eos_token_id=tokenizer.eos_token_id,
         )
     )
-    _seeded_init(model, generator)
+    seeded_init(model, generator)
     return model.eval()
 
 
 def autoencoder_kl(cfg: dict[str, Any], generator: Any) -> Any:
     """SD3's and FLUX's ``AutoencoderKL``: 16 latent channels, no (post-)quant convs, scale and shift."""
     from diffusers import AutoencoderKL
-
-    from vllm_omni_plugin.testing.tiny_models import _seeded_init
 
     blocks = tuple(cfg["block_out_channels"])
     vae = AutoencoderKL(
@@ -235,5 +318,5 @@ def autoencoder_kl(cfg: dict[str, Any], generator: Any) -> Any:
         use_quant_conv=False,
         use_post_quant_conv=False,
     )
-    _seeded_init(vae, generator)
+    seeded_init(vae, generator)
     return vae.eval()

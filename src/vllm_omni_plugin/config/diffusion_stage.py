@@ -1,0 +1,59 @@
+"""A diffusion stage's worker arguments, with its request defaults merged once: the stage's field, else
+its ``default_sampling_params``, else the pipeline's diffusion defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_omni_plugin.config.merge import set_fields
+from vllm_omni_plugin.config.pipeline import Pipeline
+from vllm_omni_plugin.config.platform import PlatformInfo
+from vllm_omni_plugin.config.report import Reporter
+from vllm_omni_plugin.config.schema import StageDeployConfig
+
+DIFFUSION_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
+"""What a diffusion stage's ``default_sampling_params`` may set: defaults of the diffusion engine for
+requests that leave them unset (a stage field of the same name wins)."""
+DIFFUSION_ENGINE_FIELDS = ("dtype", "trust_remote_code", "enforce_eager", "gpu_memory_utilization")
+"""Further stage fields handed to the diffusion engine as they are."""
+
+
+def diffusion_args(
+    stage: StageDeployConfig,
+    sampling: dict[str, Any],
+    pipeline: Pipeline,
+    model: str,
+    platform: PlatformInfo,
+    report: Reporter,
+) -> dict[str, Any]:
+    """The diffusion worker's arguments, its request defaults merged in."""
+    if platform.diffusion_worker_cls is None:
+        raise report.error(
+            f"diffusion stages are not supported on platform {platform.name!r}", stage.stage_id
+        )
+    pipeline_defaults = set_fields(pipeline.diffusion_defaults)
+    args: dict[str, Any] = {
+        "model": model,
+        "max_batch_size": stage.max_batch_size or 1,
+        "worker_cls": platform.diffusion_worker_cls,
+    }
+    fixed = pipeline.stage(stage.stage_id)
+    if fixed is not None and fixed.diffusion_runner:
+        args["runner_cls"] = fixed.diffusion_runner
+    for name in DIFFUSION_ENGINE_FIELDS:
+        if getattr(stage, name) is not None:
+            args[name] = getattr(stage, name)
+    if stage.gpu_memory_utilization is not None and platform.device_env is None:
+        report.note_at(
+            stage.stage_id,
+            "gpu_memory_utilization",
+            f"on {platform.name} a share of the machine's memory (as vLLM's CPU backend reads it): "
+            "the stage admits requests by their estimated activation memory within it, but nothing "
+            "caps what it allocates",
+        )
+    for name in DIFFUSION_DEFAULT_KEYS:
+        for value in (getattr(stage, name), sampling.get(name), pipeline_defaults.get(name)):
+            if value is not None:
+                args[name] = value
+                break
+    return dict(sorted(args.items()))

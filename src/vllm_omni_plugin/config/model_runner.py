@@ -1,0 +1,113 @@
+"""What vLLM runs inside an AR stage's engine: which model runner (V1 or V2, through
+``VLLM_USE_V2_MODEL_RUNNER``) and, for a stage that exports contexts, the context export KV connector
+with its edge's connector."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_omni_plugin.ar_channel import context_export_kv_transfer_config
+from vllm_omni_plugin.compat import picks_v1_runner
+from vllm_omni_plugin.config.edges import Wiring
+from vllm_omni_plugin.config.pipeline import PipelineStage
+from vllm_omni_plugin.config.platform import PlatformInfo
+from vllm_omni_plugin.config.report import Reporter
+from vllm_omni_plugin.config.resolved import RUNNER_ENV
+from vllm_omni_plugin.config.schema import StageDeployConfig
+
+IMAGES_NEED_V1 = (
+    "image-to-image needs the V1 runner (what the stage hands the DiT about source images travels on its "
+    "step output) and is refused; text-to-image runs on V2"
+)
+
+
+def model_runner(
+    stage: StageDeployConfig, fixed: PipelineStage, platform: PlatformInfo, report: Reporter
+) -> tuple[str, str, dict[str, str]]:
+    """``(runner, why, environment to add)`` of an AR stage: the user's ``VLLM_USE_V2_MODEL_RUNNER``
+    (the stage's ``env:``, else this process's environment) wins; else, where vLLM would pick its V2
+    runner and the pipeline's stage prefers V1 (vLLM 0.31-0.33), V1."""
+    sid = stage.stage_id
+    stage_env = stage.env or {}
+    if RUNNER_ENV in stage_env:
+        chosen, where = stage_env[RUNNER_ENV], f"stage {sid} env"
+    else:
+        chosen, where = os.environ.get(RUNNER_ENV), "the environment"
+    if chosen is not None:
+        try:
+            v2 = bool(int(chosen))
+        except ValueError:
+            raise report.error(
+                f"{RUNNER_ENV}={chosen!r} ({where}): vLLM reads an integer; set 0 (V1 model runner) "
+                "or 1 (V2), or unset it",
+                sid,
+                "env",
+            ) from None
+        why = f"{RUNNER_ENV}={chosen} set in {where}"
+        if v2 and not platform.v2_runner_default:
+            check_v2_runner_possible(sid, why, platform, report)
+        if v2 and fixed.images_need_v1_runner:
+            why += f"; {IMAGES_NEED_V1}"
+        return ("v2" if v2 else "v1"), why, {}
+    if platform.v2_runner_default and fixed.v1_runner and picks_v1_runner():
+        return "v1", f"{RUNNER_ENV}=0 set for this stage: {fixed.v1_runner}", {RUNNER_ENV: "0"}
+    if platform.v2_runner_default:
+        return "v2", f"vLLM's default on {platform.name}", {}
+    return "v1", f"vLLM's runner on {platform.name}", {}
+
+
+def check_v2_runner_possible(sid: int, why: str, platform: PlatformInfo, report: Reporter) -> None:
+    """vLLM's V2 runner off CUDA/ROCm (the CPU build) needs Triton with a backend for this device."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        HAS_TRITON = False
+    if not HAS_TRITON:
+        raise report.error(
+            f"{why}, but vLLM's V2 model runner needs Triton with a {platform.name} backend, "
+            "which this installation lacks; unset it (vLLM's V1 runner serves this stage)",
+            sid,
+            "env",
+        )
+
+
+def context_export_config(
+    stage: StageDeployConfig, fixed: PipelineStage, args: dict[str, Any], wiring: Wiring, report: Reporter
+) -> dict[str, Any]:
+    """``kv_transfer_config`` for an AR stage that exports contexts: vLLM runs the context export KV
+    connector, which puts each context into the connector of the stage's output edge (the next
+    stage's processes read it back)."""
+    sid = stage.stage_id
+    if "kv_transfer_config" in args:
+        raise report.error(
+            "kv_transfer_config: this stage hands its KV cache to the next stage through the plugin's "
+            "context export KV connector, and vLLM runs one KV connector per engine; remove it",
+            sid,
+            "engine_extras.kv_transfer_config",
+        )
+    from vllm_omni_plugin.runners.paged_kv import kv_cache_dtype_refusal
+
+    refusal = kv_cache_dtype_refusal(args.get("kv_cache_dtype"))
+    if refusal is not None:
+        raise report.error(refusal, sid, "engine_extras.kv_cache_dtype")
+    if args.get("tensor_parallel_size", 1) != 1 or args.get("pipeline_parallel_size", 1) != 1:
+        raise report.error(
+            "a stage that hands its KV cache over runs with tensor_parallel_size 1 and "
+            "pipeline_parallel_size 1 (each worker would export a part of every context)",
+            sid,
+            "tensor_parallel_size",
+        )
+    edge = wiring.output_edge(sid)
+    if edge is None:
+        raise report.error("this stage hands its KV cache over but has no output edge", sid)
+    spec = wiring.connectors[edge.connector]
+    if spec.name == "InProcessConnector":
+        raise report.error(
+            f"connector {edge.connector!r} is an InProcessConnector; the AR stage's context export runs "
+            "in the vLLM worker process, so this edge needs SharedMemoryConnector or NixlConnector",
+            sid,
+            "output_connectors",
+        )
+    context_connector = {"name": edge.connector, "class": spec.name, "extra": dict(spec.extra)}
+    return context_export_kv_transfer_config(context_connector, fixed.context_position)
