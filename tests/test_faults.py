@@ -84,21 +84,29 @@ async def post_all(server: ServerProcess, bodies: list[dict[str, Any]]) -> list[
         return list(await asyncio.gather(*(client.post(GENERATIONS, json=b) for b in bodies)))
 
 
+HOLD_POINT = {"0": "ar.step", "1": "dit.step"}
+"""Where work is held in each stage (``vllm_omni_plugin.hold_points``)."""
+
+
 def run_with_kill(server: ServerProcess, stage: str, min_inflight: int) -> tuple[list[httpx.Response], int]:
-    """The 24 requests, with the stage's process (the DiT process, the AR engine core) SIGKILLed once it
-    has ``min_inflight`` of them in flight; (responses, killed pid)."""
+    """The 24 requests, with the stage's process (the DiT process, the AR engine core) SIGKILLed while
+    it holds work at its hold point and ``min_inflight`` of them are in flight there; (responses,
+    killed pid)."""
 
     async def main() -> tuple[list[httpx.Response], int]:
-        work = asyncio.ensure_future(post_all(server, [body(i) for i in range(24)]))
-        loop = asyncio.get_running_loop()
+        with server.hold(HOLD_POINT[stage]) as hold:
+            work = asyncio.ensure_future(post_all(server, [body(i) for i in range(24)]))
 
-        def kill() -> int:
-            wait_for(lambda: replica(server, stage)["inflight"] >= min_inflight, 120, f"stage {stage} load")
-            pid = replica(server, stage)["pid"]
-            os.kill(pid, signal.SIGKILL)
-            return pid
+            def kill() -> int:
+                hold.wait(alive=server.alive)  # nothing leaves the stage from here on
+                wait_for(
+                    lambda: replica(server, stage)["inflight"] >= min_inflight, 600, f"stage {stage} load"
+                )
+                pid = replica(server, stage)["pid"]
+                os.kill(pid, signal.SIGKILL)
+                return pid
 
-        pid = await loop.run_in_executor(None, kill)
+            pid = await asyncio.to_thread(kill)
         return await work, pid
 
     return asyncio.run(main())
@@ -196,12 +204,12 @@ def test_a_client_gone_during_the_ar_stage_aborts_its_request_in_every_stage(ser
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
-            work = asyncio.ensure_future(client.post(GENERATIONS, json={**body(3), "size": "768x768"}))
-            while (await client.get("/health")).json()["stages"]["0"]["replicas"][0]["inflight"] < 1:
-                assert not work.done(), f"done before it was seen in the AR stage: {work.result().text[:300]}"
-            work.cancel()  # the client closes its connection
-            with pytest.raises(asyncio.CancelledError):
-                await work
+            with server.hold("ar.step") as hold:  # the AR engine holds it after its first step
+                work = asyncio.ensure_future(client.post(GENERATIONS, json={**body(3), "size": "768x768"}))
+                await asyncio.to_thread(hold.wait, alive=server.alive)
+                work.cancel()  # the client closes its connection while the request is in the AR engine
+                with pytest.raises(asyncio.CancelledError):
+                    await work
 
     asyncio.run(main())
     wait_for(lambda: aborted(server, "0", "engine") == engine + 1, 30, "the AR engine's abort")

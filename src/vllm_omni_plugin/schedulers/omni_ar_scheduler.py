@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_omni_plugin.ar_channel import OMNI_KEY, RUNNER_DROPPED_MESSAGE, omni_extra_args, runner_extras
 from vllm_omni_plugin.compat import resolve
+from vllm_omni_plugin.hold_points import hold_point
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import exit_with_parent
 
@@ -112,6 +113,8 @@ class OmniARSchedulerMixin:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        if scheduler_output.num_scheduled_tokens:  # tests hold work here (off unless a test arms it)
+            hold_point("ar.step", " ".join(scheduler_output.num_scheduled_tokens))
         extras = runner_extras(model_runner_output)
         dropped = self._fail_dropped_requests(extras.dropped_req_ids if extras else [])
         hooks = self._hooks_active()

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from vllm_omni_plugin.testing.harness.holds import Hold, HoldPoints
+
 CPU_TEST_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
     "HF_HUB_OFFLINE": "1",
@@ -133,7 +135,9 @@ class ServerProcess:
         self.port = port
         self.host = host
         self.log_path = log_path
-        self.env = dict(env) if env is not None else cpu_test_env()
+        self.holds = HoldPoints()
+        """Test-only hold points of this deployment (``vllm_omni_plugin.hold_points``)."""
+        self.env = {**(dict(env) if env is not None else cpu_test_env()), **self.holds.env}
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -196,6 +200,20 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {timeout:.0f}s; log tail:\n" + self.log_text()[-4000:])
 
     def stop(self, grace: float = 30.0) -> int | None:
+        self.holds.release_all()  # held work would keep the graceful path waiting
+        try:
+            return self._stop(grace)
+        finally:
+            self.holds.remove()
+
+    def hold(self, point: str) -> Hold:
+        """Arm ``point`` (see ``harness.holds``); use as a context manager around the work it holds."""
+        return self.holds.arm(point)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _stop(self, grace: float) -> int | None:
         if self.proc is None:
             return None
         if self.proc.poll() is None:

@@ -1,0 +1,44 @@
+"""Test-only hold points: places inside a stage where work can be held until a test lets it go, so that
+a test acts (kills a stage, disconnects, stops the server) while a request is inside a stage, however
+fast or busy the machine is.
+
+Off unless ``VLLM_OMNI_HOLD_DIR`` names a directory (the test harness sets it on the servers it starts);
+then a point is one-shot. A test arms it by creating ``<dir>/<point>.armed``; the first process that
+reaches it claims that file (a rename, so there is one holder, and a replica restarted later does not
+hold again), writes ``<point>.reached`` with what it holds, and waits until ``<point>.release`` exists.
+
+Points: ``ar.step`` (in the AR engine core, after a step made output), ``dit.step`` (in the diffusion
+batch loop, after a denoising step).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from vllm_omni_plugin.log import get_logger
+
+logger = get_logger(__name__)
+
+HOLD_DIR_ENV = "VLLM_OMNI_HOLD_DIR"
+POLL_S = 0.01
+
+
+def hold_point(point: str, holding: str = "") -> None:
+    """Wait here while ``point`` is armed (see the module); ``holding`` says what is held, for the test."""
+    directory = os.environ.get(HOLD_DIR_ENV)
+    if not directory:
+        return
+    base = os.path.join(directory, point)
+    try:
+        os.rename(base + ".armed", base + ".taken")
+    except FileNotFoundError:
+        return
+    logger.warning("test hold point %s: holding %s until the test releases it", point, holding or "work")
+    with open(base + ".reached.tmp", "w", encoding="utf-8") as out:
+        out.write(holding)
+    os.replace(base + ".reached.tmp", base + ".reached")
+    os.unlink(base + ".taken")
+    while not os.path.exists(base + ".release"):
+        time.sleep(POLL_S)
+    logger.warning("test hold point %s: released", point)
