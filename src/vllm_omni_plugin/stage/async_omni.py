@@ -1,20 +1,15 @@
-"""The offline Python API: ``Omni`` (blocking) and ``AsyncOmni`` (asyncio).
+"""``AsyncOmni``: every stage of one deployment, started, run and stopped from an asyncio event loop.
 
-    from vllm_omni_plugin.entrypoints.omni import Omni
-    with Omni("./glm-image", deploy_config="deploy/tiny_glm_image_cpu.yaml") as omni:
-        results = omni.generate(["a red fox"], height=64, width=64, seed=0)
-
-Both resolve the deployment exactly as ``vllm serve --omni`` does, start every stage replica and run
-requests through the same ``Orchestrator``.
+The runtime under ``vllm serve --omni`` and the offline API (``entrypoints.omni.Omni`` is its blocking
+twin, as vLLM keeps ``AsyncLLM`` in its engine layer and ``LLM`` in its entry points). It resolves the
+deployment exactly as ``vllm serve --omni`` does, places every stage's replicas through one
+``StagePlacement`` (whatever kinds it holds) and runs requests through the ``Orchestrator``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import threading
-from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 from vllm_omni_plugin.config import ResolvedDeployment, resolve_deployment
@@ -22,9 +17,9 @@ from vllm_omni_plugin.config.errors import ConfigError
 from vllm_omni_plugin.config.schema import Backend
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.factory import Placement, build_connectors, build_stages
-from vllm_omni_plugin.stage.headless import HeadlessStageRegistry
+from vllm_omni_plugin.stage.factory import build_connectors, build_stages, placement_for
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
+from vllm_omni_plugin.stage.placement.base import StagePlacement
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 
 logger = get_logger(__name__)
@@ -33,18 +28,16 @@ logger = get_logger(__name__)
 class AsyncOmni:
     """All stages of one deployment, driven from the caller's event loop.
 
-    ``placement`` decides where each stage's replicas run (default: the deployment's backend, this
-    host or a Ray cluster).
+    ``placement`` decides where each stage's replicas run (default: ``factory.placement_for`` the
+    deployment: this host or a Ray cluster, headless stages on their workers).
     """
 
-    def __init__(self, deployment: ResolvedDeployment, *, placement: Placement | None = None) -> None:
+    def __init__(self, deployment: ResolvedDeployment, *, placement: StagePlacement | None = None) -> None:
         self.deployment = deployment
-        self.placement = placement
+        self.placement = placement or placement_for(deployment)
         self.connectors: dict[str, OmniConnector] = {}
         self.pools: dict[int, StageReplicaPool] = {}
         self.orchestrator: Orchestrator | None = None
-        self.registry: HeadlessStageRegistry | None = None
-        """Where headless stage workers register, when the deployment has headless stages."""
 
     @classmethod
     async def create(
@@ -75,18 +68,16 @@ class AsyncOmni:
 
     async def start(self) -> None:
         self.connectors = build_connectors(self.deployment)
-        stages = build_stages(self.deployment, self.connectors, placement=self.placement)
-        self.pools, remote = stages.pools, stages.remote
+        self.pools = build_stages(self.deployment, self.connectors, placement=self.placement)
         try:
             for pool in self.pools.values():
                 await pool.start()
-            if remote:  # only once the local stages run: starting them blocks this loop at times
-                self.registry = HeadlessStageRegistry(self.deployment, remote)
-                await self.registry.start()
+            await self.placement.start()  # only once the pools run: starting them blocks this loop at times
         except BaseException:  # including an interrupt half-way: every pool, also the one starting
+            self.placement.abandon()
             for pool in self.pools.values():
                 await pool.shutdown()
-            await self._stop_registry()
+            await self.placement.shutdown()
             self._close_connectors()
             raise
         self.orchestrator = Orchestrator(self.deployment, self.pools, self.connectors)
@@ -98,15 +89,9 @@ class AsyncOmni:
     async def shutdown(self) -> None:
         for pool in self.pools.values():  # a replica that dies from here on stays down
             pool.stop_restarting()
-        await self._stop_registry()
+        await self.placement.shutdown()  # e.g. headless workers hear that the head goes
         await asyncio.gather(*(pool.shutdown() for pool in self.pools.values()), return_exceptions=True)
         self._close_connectors()
-
-    async def _stop_registry(self) -> None:
-        """Tell headless workers that the head is going (they stop their replicas and exit)."""
-        if self.registry is not None:
-            registry, self.registry = self.registry, None
-            await registry.shutdown()
 
     def _close_connectors(self) -> None:
         for connector in self.connectors.values():
@@ -114,50 +99,3 @@ class AsyncOmni:
                 connector.close()
             except Exception:  # closing must release the rest
                 logger.exception("closing a connector failed")
-
-
-class Omni:
-    """Blocking twin of :class:`AsyncOmni`: runs it on an event loop in a background thread."""
-
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="omni-loop", daemon=True)
-        self._thread.start()
-        try:
-            self._async = self._call(AsyncOmni.create(model, **kwargs))
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    @property
-    def deployment(self) -> ResolvedDeployment:
-        return self._async.deployment
-
-    def submit(self, request: OmniRequest) -> Future[OmniResult]:
-        return asyncio.run_coroutine_threadsafe(self._async.generate(request), self._loop)
-
-    def generate(self, prompts: Sequence[str | OmniRequest], **params: Any) -> list[OmniResult]:
-        """Run every prompt concurrently (stages overlap and batch) and return results in order."""
-        requests = [p if isinstance(p, OmniRequest) else OmniRequest(prompt=p, **params) for p in prompts]
-        futures = [self.submit(r) for r in requests]
-        return [f.result() for f in futures]
-
-    def shutdown(self) -> None:
-        if self._loop.is_running():
-            try:
-                self._call(self._async.shutdown())
-            finally:
-                self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    def __enter__(self) -> Omni:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
