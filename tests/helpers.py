@@ -3,10 +3,11 @@
 Besides small helpers (a source image, a handle through the wire, our shared-memory segments), this is
 the stage runtime without engines: :class:`FakeStageClient` is a replica that answers in this process,
 a ``StageCoreClientBase`` like every real client, and :data:`FAKE_PIPELINE` a two-stage pipeline whose
-stage-input processors need no model. ``fake_placement`` puts every replica of a resolved deployment on
-fake clients, through the stage factory's placement seam; :func:`app_client` serves the API app over such
-a runtime. :func:`run_result_script` and :func:`run_output_script` run a script (an engine script, or a test
-module run as one) in a process of its own, so that a vLLM engine's global state stays out of pytest's.
+stage-input processors need no model. :class:`FakePlacement` puts every replica of a resolved deployment
+on fake clients, through the placement interface the runtime uses; :func:`app_client` serves the API app
+over such a runtime. :func:`run_result_script` and :func:`run_output_script` run a script (an engine
+script, or a test module run as one) in a process of its own, so that a vLLM engine's global state stays
+out of pytest's.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from vllm_omni_plugin.stage.core_types import (
 )
 from vllm_omni_plugin.stage.errors import StageDeadError
 from vllm_omni_plugin.stage.orchestrator import ProcessorContext
+from vllm_omni_plugin.stage.placement.base import StagePlacement
 from vllm_omni_plugin.testing.harness.server import cpu_test_env
 
 if TYPE_CHECKING:
@@ -218,7 +220,7 @@ def fake_deployment(tmp_path: Path, deploy: str = "") -> ResolvedDeployment:
     return resolve_deployment(str(model), deploy_config=str(path), platform=PLATFORMS["cpu"])
 
 
-class FakePlacement:
+class FakePlacement(StagePlacement):
     """A placement that puts every replica on a :class:`FakeStageClient` (answers by execution type)
     and remembers the clients it made."""
 
@@ -226,7 +228,7 @@ class FakePlacement:
         self.answers = answers or {}
         self.clients: dict[int, list[FakeStageClient]] = {}
 
-    def __call__(
+    def place(
         self, deployment: ResolvedDeployment, stage: ResolvedStage, connectors: dict[str, OmniConnector]
     ) -> list[StageCoreClientBase]:
         default = ar_answer if stage.execution_type == "llm_ar" else dit_answer
@@ -240,6 +242,18 @@ class FakePlacement:
         self.clients[stage.stage_id] = made
         return list(made)
 
+    async def start(self) -> None:
+        """Nothing beyond the fake clients."""
+
+    def abandon(self) -> None:
+        """Nothing outside this process."""
+
+    async def shutdown(self) -> None:
+        """Nothing beyond the fake clients."""
+
+    def health(self) -> dict[str, Any]:
+        return {}
+
 
 @contextlib.asynccontextmanager
 async def app_client(
@@ -252,8 +266,8 @@ async def app_client(
 
     from vllm_omni_plugin.entrypoints.api_server import build_api_app
     from vllm_omni_plugin.entrypoints.cli import build_parser
-    from vllm_omni_plugin.entrypoints.omni import AsyncOmni
     from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
+    from vllm_omni_plugin.stage.async_omni import AsyncOmni
 
     args = build_parser().parse_args(["serve", deployment.model, "--omni", *flags])
     omni = AsyncOmni(deployment, placement=placement)

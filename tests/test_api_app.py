@@ -22,8 +22,8 @@ from helpers import FakePlacement, app_client, fake_deployment, our_segments
 from vllm_omni_plugin import compat
 from vllm_omni_plugin.entrypoints.api_server import bind_socket, build_api_app, serve
 from vllm_omni_plugin.entrypoints.cli import build_parser
-from vllm_omni_plugin.entrypoints.omni import AsyncOmni
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
+from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.errors import StageDeadError, StageError, StageRequestError
 from vllm_omni_plugin.testing.harness.server import free_port

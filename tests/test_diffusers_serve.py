@@ -205,7 +205,7 @@ def test_offline_api_in_process_stage_edits_and_counts_steps(
     """``process: false``: the stage runs in the caller's process; its steps are counted as they run."""
     import asyncio
 
-    from vllm_omni_plugin.entrypoints.omni import AsyncOmni
+    from vllm_omni_plugin.stage.async_omni import AsyncOmni
     from vllm_omni_plugin.stage.orchestrator import OmniRequest
 
     deploy = tmp_path / "inline.yaml"

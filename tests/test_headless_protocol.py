@@ -20,14 +20,12 @@ from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.errors import StageDeadError, StageError
-from vllm_omni_plugin.stage.headless import (
-    HeadlessStageRegistry,
+from vllm_omni_plugin.stage.placement.headless.head import HeadlessStageRegistry, RemoteStageClient
+from vllm_omni_plugin.stage.placement.headless.protocol import (
     HeadMessage,
     HeadShutdown,
     Heartbeat,
-    RemoteOutput,
     RemoteRequest,
-    RemoteStageClient,
     WorkerAccepted,
     WorkerMessage,
     WorkerProgress,
@@ -36,6 +34,7 @@ from vllm_omni_plugin.stage.headless import (
     parse_head_address,
     stage_config_digest,
 )
+from vllm_omni_plugin.stage.placement.wire import RemoteOutput
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 from vllm_omni_plugin.testing.harness.server import free_port
 

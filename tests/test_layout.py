@@ -87,6 +87,58 @@ def test_no_import_cycle_between_subpackages() -> None:
     assert "entrypoints" not in graph["stage"]  # the stage layer never reaches up to the entry points
 
 
+PLACEMENT = PACKAGE / "stage" / "placement"
+PLACEMENT_FOLDERS = ("local", "headless", "ray")
+"""The placement implementations, each in a folder of its own below ``stage/placement/``."""
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The modules of ``vllm_omni_plugin`` that ``path`` imports (inside functions too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("vllm_omni_plugin.")}
+
+
+def test_placement_folders_do_not_import_each_other() -> None:
+    """Ray and headless share only ``placement/wire.py``; the local placement knows no remote one; the one
+    crossing is the headless worker, which runs its own stage on this host's ``LocalPlacement``."""
+    allowed = {("headless", "local"): {"worker.py"}}
+    assert {p.name for p in PLACEMENT.iterdir() if (p / "__init__.py").is_file()} == set(PLACEMENT_FOLDERS)
+    offenders = []
+    for folder in PLACEMENT_FOLDERS:
+        for path in (PLACEMENT / folder).rglob("*.py"):
+            for other in PLACEMENT_FOLDERS:
+                prefix = f"vllm_omni_plugin.stage.placement.{other}"
+                if other == folder or path.name in allowed.get((folder, other), set()):
+                    continue
+                hits = [m for m in imported_modules(path) if m == prefix or m.startswith(prefix + ".")]
+                offenders += [f"{path.relative_to(PACKAGE)} imports {m}" for m in hits]
+    assert offenders == []
+    ray_head = imported_modules(PLACEMENT / "ray" / "head.py") | imported_modules(
+        PLACEMENT / "ray" / "actor.py"
+    )
+    assert "vllm_omni_plugin.stage.placement.wire" in ray_head  # the shared replies, not the head's module
+
+
+def test_the_runtime_knows_only_the_placement_interface() -> None:
+    """``AsyncOmni`` places stages through ``StagePlacement`` (chosen by the factory), no kind of its own."""
+    imported = imported_modules(PACKAGE / "stage" / "async_omni.py")
+    assert "vllm_omni_plugin.stage.placement.base" in imported
+    kinds = [
+        m
+        for m in imported
+        for f in PLACEMENT_FOLDERS
+        if m.startswith(f"vllm_omni_plugin.stage.placement.{f}")
+    ]
+    assert kinds == []
+    assert not [m for m in imported if m.startswith("vllm_omni_plugin.entrypoints")]
+
+
 def test_architecture_document_names_every_subpackage() -> None:
     text = ARCHITECTURE.read_text(encoding="utf-8")
     assert subpackages(), "no subpackages found"

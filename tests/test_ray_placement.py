@@ -15,8 +15,8 @@ from vllm_omni_plugin.config import PLATFORMS, ResolvedDeployment, resolve_deplo
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.stage.errors import StageStartError
 from vllm_omni_plugin.stage.factory import build_connectors
-from vllm_omni_plugin.stage.placement.ray import RayPlacement, RayStageClient
-from vllm_omni_plugin.stage.placement.ray_actor import ActorPlaced
+from vllm_omni_plugin.stage.placement.ray.actor import ActorPlaced
+from vllm_omni_plugin.stage.placement.ray.head import RayPlacement, RayStageClient
 
 HEAD_NODE, OTHER_NODE = "a" * 56, "b" * 56
 

@@ -49,8 +49,8 @@ def deployment(tmp_path: Path):
 
 def runtime(deployment, answers: dict[int, Any] | None = None) -> tuple[Orchestrator, FakePlacement]:
     placement = FakePlacement(answers)
-    stages = build_stages(deployment, {}, placement=placement)
-    return Orchestrator(deployment, stages.pools), placement
+    pools = build_stages(deployment, {}, placement=placement)
+    return Orchestrator(deployment, pools), placement
 
 
 async def started(orchestrator: Orchestrator) -> Orchestrator:
@@ -193,8 +193,8 @@ def test_max_inflight_holds_requests_back_on_their_edge(tmp_path: Path) -> None:
 def test_a_stage_without_a_pool_fails_clearly(deployment) -> None:
     async def main() -> OmniResult:
         placement = FakePlacement()
-        stages = build_stages(deployment, {}, [0], placement=placement)
-        orchestrator = await started(Orchestrator(deployment, stages.pools))
+        pools = build_stages(deployment, {}, [0], placement=placement)
+        orchestrator = await started(Orchestrator(deployment, pools))
         return await orchestrator.generate(OmniRequest(prompt="abc"))
 
     result = run(main())

@@ -27,12 +27,12 @@ from fastapi import FastAPI
 from vllm_omni_plugin import compat
 from vllm_omni_plugin.config import ResolvedDeployment
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
-from vllm_omni_plugin.entrypoints.omni import AsyncOmni
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
 from vllm_omni_plugin.entrypoints.openai_images import OmniAPIError
 from vllm_omni_plugin.entrypoints.routes import api_error_handler, router
 from vllm_omni_plugin.log import best_effort, get_logger
-from vllm_omni_plugin.stage.factory import Placement
+from vllm_omni_plugin.stage.async_omni import AsyncOmni
+from vllm_omni_plugin.stage.placement.base import StagePlacement
 
 logger = get_logger(__name__)
 
@@ -135,7 +135,7 @@ async def serve(
     sock: Any,
     listen_address: str,
     *,
-    placement: Placement | None = None,
+    placement: StagePlacement | None = None,
 ) -> None:
     """Start every stage (its replicas where ``placement`` puts them, by default where the deployment's
     backend does), serve until SIGINT/SIGTERM, then stop every stage."""

@@ -424,7 +424,7 @@ def check_headless_args(args: argparse.Namespace) -> None:
             "--headless runs one stage for a head: give --stage-id N and --head ADDR:PORT "
             "(the head's host and the deploy config's head.port)"
         )
-    from vllm_omni_plugin.stage.headless import parse_head_address
+    from vllm_omni_plugin.stage.placement.headless.protocol import parse_head_address
 
     try:
         parse_head_address(args.head)
@@ -433,7 +433,7 @@ def check_headless_args(args: argparse.Namespace) -> None:
 
 
 def run_headless(args: argparse.Namespace, resolved: Any) -> None:
-    from vllm_omni_plugin.stage.headless_worker import run_headless_worker
+    from vllm_omni_plugin.stage.placement.headless.worker import run_headless_worker
 
     stage = next((s for s in resolved.stages if s.stage_id == args.stage_id), None)
     if stage is None:

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from vllm_omni_plugin.entrypoints.omni import AsyncOmni
+from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.orchestrator import OmniResult
 
 ABORT_PLACES = ("queue", "batch", "engine")

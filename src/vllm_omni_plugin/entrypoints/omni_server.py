@@ -18,9 +18,9 @@ from vllm_omni_plugin import compat
 from vllm_omni_plugin.config import ResolvedDeployment, get_pipeline
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
-from vllm_omni_plugin.entrypoints.omni import AsyncOmni
 from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, check_dimensions
 from vllm_omni_plugin.log import best_effort, get_logger
+from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
 
@@ -268,7 +268,7 @@ class OmniServer:
         waiting = [p for p in pools.values() if p.awaits_worker]
         ok = bool(pools) and all(p.healthy or p.awaits_worker for p in pools.values())
         status = "unavailable" if not ok else "waiting_for_workers" if waiting else "ok"
-        return ok, {"status": status, "stages": stages}
+        return ok, {"status": status, "stages": stages, "placement": self.omni.placement.health()}
 
     def start_stat_logging(self, interval: float) -> None:
         """Each replica's periodic stats (vLLM's throughput lines for the AR engines, as ``vllm serve``)."""

@@ -1,3 +1,4 @@
-"""Placements other than this host's: where a stage's replicas run when the deployment's ``backend``
-says so (``ray``: Ray actors, ``ray.RayPlacement``). The stage factory picks one
-(``factory.placement_for``); Ray is imported only then."""
+"""Where a stage's replicas run: the interface the runtime sees (``base.StagePlacement``), its
+implementations each in a folder of its own (``local/``: this host; ``headless/``: a worker on another
+host; ``ray/``: Ray actors) and what the remote ones share (``wire.py``). The stage factory picks one per
+stage (``factory.placement_for``); Ray is imported only then."""

@@ -1,11 +1,12 @@
-"""Stages on other hosts, the head's side: the protocol headless stage workers speak, and the registry
-and client through which the head serves their stages (the worker is ``headless_worker``).
+"""Stages on other hosts, the head's side: the placement, registry and client through which the head
+serves its headless stages (the worker is ``worker.py``, what both say ``protocol.py``).
 
 A stage marked ``headless: true`` in the deploy config is not started by the head. A worker started
 with ``vllm serve MODEL --omni --deploy-config F --stage-id N --headless --head ADDR:PORT`` runs that
 stage's replicas (a ``StageReplicaPool`` of its own) and registers with the head over ZMQ (TCP). The
-head's ``HeadlessStageRegistry`` answers on ``head.port`` and gives each headless stage one
-``RemoteStageClient`` in its replica pool, so the orchestrator treats the worker like any replica.
+head's ``HeadlessPlacement`` gives each headless stage one ``RemoteStageClient`` in its replica pool, so
+the orchestrator treats the worker like any replica, and once the head's other stages run, its
+``HeadlessStageRegistry`` answers on ``head.port``.
 
 * Registration: the worker sends its stage id and a digest of that stage's deploy config and
   connectors; the head refuses a worker whose digest differs from its own (both hosts must run the
@@ -23,148 +24,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedHead
+from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedHead, ResolvedStage
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
-from vllm_omni_plugin.stage.core_types import (
-    StageAbort,
-    StageDiffusionCoreOutput,
-    StageDiffusionCoreRequest,
-    StageLLMCoreOutput,
-    StageLLMCoreRequest,
-)
+from vllm_omni_plugin.stage.core_types import StageAbort
 from vllm_omni_plugin.stage.errors import (
     RequestAbortedError,
     StageDeadError,
-    StageError,
-    StageRequestError,
     StageStartError,
     WorkerLostError,
 )
-from vllm_omni_plugin.stage.payload import collect_output, discard_output, send_request_through
+from vllm_omni_plugin.stage.payload import discard_output, send_request_through
 from vllm_omni_plugin.stage.pending_replies import PendingReplies
+from vllm_omni_plugin.stage.placement.base import StageConnectors, StagePlacement
+from vllm_omni_plugin.stage.placement.headless.protocol import (
+    HeadMessage,
+    HeadShutdown,
+    Heartbeat,
+    RemoteRequest,
+    WorkerAccepted,
+    WorkerLeaving,
+    WorkerMessage,
+    WorkerProgress,
+    WorkerRegister,
+    WorkerRejected,
+    stage_config_digest,
+    tcp_address,
+)
+from vllm_omni_plugin.stage.placement.wire import RemoteOutput, remote_stage_output
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
-
-
-# --- the protocol ---------------------------------------------------------------------------------
-
-
-class WorkerRegister(msgspec.Struct, kw_only=True, tag="register"):
-    stage_id: int
-    worker_id: str
-    host: str
-    pid: int
-    config_digest: str
-
-
-class WorkerAccepted(msgspec.Struct, kw_only=True, tag="accepted"):
-    heartbeat_interval_s: float
-    heartbeat_timeout_s: float
-
-
-class WorkerRejected(msgspec.Struct, kw_only=True, tag="rejected"):
-    reason: str
-
-
-class Heartbeat(msgspec.Struct, kw_only=True, tag="heartbeat"):
-    pass
-
-
-class WorkerLeaving(msgspec.Struct, kw_only=True, tag="leaving"):
-    reason: str
-
-
-class WorkerProgress(msgspec.Struct, kw_only=True, tag="worker_progress"):
-    """The worker's running count of denoising steps (all its replicas), sent while it changes."""
-
-    denoise_steps: int
-
-
-class HeadShutdown(msgspec.Struct, kw_only=True, tag="head_shutdown"):
-    pass
-
-
-class RemoteRequest(msgspec.Struct, kw_only=True, tag="remote_request"):
-    request: StageLLMCoreRequest | StageDiffusionCoreRequest
-
-
-ErrorKind = Literal["stage", "request", "dead", "aborted"]
-
-
-class RemoteOutput(msgspec.Struct, kw_only=True, tag="remote_output"):
-    request_id: str
-    output: StageLLMCoreOutput | StageDiffusionCoreOutput | None = None
-    error: str | None = None
-    error_kind: ErrorKind | None = None
-    """Which ``StageError`` the worker's stage raised, so the head raises (and answers) the same."""
-
-
-ERROR_KINDS: dict[ErrorKind, type[StageError]] = {
-    "stage": StageError,
-    "request": StageRequestError,
-    "dead": StageDeadError,
-    "aborted": RequestAbortedError,
-}
-"""``RemoteOutput.error_kind`` -> the error the head raises."""
-
-
-def remote_stage_output(
-    message: RemoteOutput, label: str, stage_id: int, put_seconds: float, connector: OmniConnector | None
-) -> StageLLMCoreOutput | StageDiffusionCoreOutput:
-    """The stage output a remote replica answered with (its image collected), or the error its stage
-    raised, raised here as the same ``StageError`` class."""
-    if message.error is not None or message.output is None:
-        kind = ERROR_KINDS[message.error_kind] if message.error_kind else StageError
-        error = message.error or "the replica returned no output"
-        raise kind(f"{label}: {error}", stage_id=stage_id, request_id=message.request_id)
-    output = message.output
-    output.timings["transfer_put"] = put_seconds
-    collect_output(output, connector)
-    return output
-
-
-def error_kind(exc: StageError) -> ErrorKind:
-    """The most specific ``RemoteOutput.error_kind`` for ``exc``."""
-    return next(kind for kind, cls in reversed(ERROR_KINDS.items()) if isinstance(exc, cls))
-
-
-HeadMessage = WorkerAccepted | WorkerRejected | Heartbeat | HeadShutdown | RemoteRequest | StageAbort
-WorkerMessage = WorkerRegister | Heartbeat | WorkerLeaving | RemoteOutput | WorkerProgress
-
-
-def stage_config_digest(deployment: ResolvedDeployment, stage_id: int) -> str:
-    """What head and worker must agree on: the pipeline, the stage's deploy config and its connectors."""
-    stage = next(s for s in deployment.deploy.stages if s.stage_id == stage_id)
-    resolved = next(s for s in deployment.stages if s.stage_id == stage_id)
-    names = {*resolved.input_connectors.values(), *resolved.output_connectors.values()}
-    connectors = {name: deployment.connectors[name] for name in sorted(names)}
-    blob = msgspec.json.encode([deployment.pipeline, stage, connectors])
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def parse_head_address(text: str) -> tuple[str, int]:
-    """``ADDR:PORT`` (``[v6addr]:PORT`` for IPv6) -> (host, port); ValueError with the reason."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--head {text!r}: expected ADDR:PORT, e.g. 10.0.0.1:29600")
-    return host, int(port)
-
-
-def tcp_address(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-# --- the head -------------------------------------------------------------------------------------
 
 
 class RemoteStageClient(StageCoreClientBase):
@@ -395,3 +291,50 @@ class HeadlessStageRegistry:
             self._router.close(linger=500)
         if self._context is not None:
             self._context.term()
+
+
+class HeadlessPlacement(StagePlacement):
+    """Stages whose replicas a worker on another host runs: one ``RemoteStageClient`` each, served by
+    one ``HeadlessStageRegistry`` that starts once the head's other stages run (starting those blocks
+    the event loop at times, which a worker's heartbeats must not see)."""
+
+    def __init__(self, deployment: ResolvedDeployment) -> None:
+        self.deployment = deployment
+        self.remote: dict[int, RemoteStageClient] = {}
+        """The head's client of each headless stage, by stage id."""
+        self.registry: HeadlessStageRegistry | None = None
+        """Where the workers register, while the placement runs."""
+
+    def place(
+        self, deployment: ResolvedDeployment, stage: ResolvedStage, connectors: dict[str, OmniConnector]
+    ) -> list[StageCoreClientBase]:
+        ends = StageConnectors.of(deployment, stage)
+        remote = RemoteStageClient(
+            stage.stage_id,
+            stage.name,
+            input_connector=connectors.get(ends.input) if ends.input else None,
+            output_connector=connectors.get(ends.output) if ends.output else None,
+        )
+        self.remote[stage.stage_id] = remote
+        return [remote]
+
+    async def start(self) -> None:
+        if self.remote:
+            registry = HeadlessStageRegistry(self.deployment, self.remote)
+            await registry.start()
+            self.registry = registry
+
+    def abandon(self) -> None:
+        """Nothing: the workers are told in ``shutdown``, which follows."""
+
+    async def shutdown(self) -> None:
+        """Tell the workers that the head is going (they stop their replicas and exit)."""
+        if self.registry is not None:
+            registry, self.registry = self.registry, None
+            await registry.shutdown()
+
+    def health(self) -> dict[str, Any]:
+        """Where the workers register, and whether the head accepts them yet."""
+        head = self.deployment.head
+        address = tcp_address(head.host, head.port)
+        return {"headless": {"address": address, "accepting": self.registry is not None}}

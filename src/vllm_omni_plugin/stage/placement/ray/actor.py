@@ -213,7 +213,7 @@ class StageReplicaActor:
     # --- requests -------------------------------------------------------------------------------
 
     async def generate(self, data: bytes) -> bytes:
-        from vllm_omni_plugin.stage.headless import RemoteOutput, error_kind
+        from vllm_omni_plugin.stage.placement.wire import RemoteOutput, error_kind
         from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
         if self._codecs is None:

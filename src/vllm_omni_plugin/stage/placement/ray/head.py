@@ -2,7 +2,7 @@
 
 ``RayPlacement`` is the stage factory's placement for a deployment whose ``backend`` is ``ray``. It
 connects this process (the head: API server and orchestrator) to the running Ray cluster as a driver,
-and gives each replica a ``RayStageClient`` whose actor (``ray_actor.StageReplicaActor``) Ray places
+and gives each replica a ``RayStageClient`` whose actor (``actor.StageReplicaActor``) Ray places
 by the stage's ``num_cpus``, ``num_gpus``, custom ``resources`` and ``node_labels``; a replica with
 more than one device reserves them on one node in a placement group.
 
@@ -42,9 +42,10 @@ from vllm_omni_plugin.stage.errors import (
     StagePlacementError,
     StageStartError,
 )
-from vllm_omni_plugin.stage.headless import RemoteOutput, remote_stage_output
 from vllm_omni_plugin.stage.payload import discard_output, send_request_through
-from vllm_omni_plugin.stage.placement.ray_actor import ActorPlaced, ReplicaSpec, StageReplicaActor
+from vllm_omni_plugin.stage.placement.base import StagePlacement
+from vllm_omni_plugin.stage.placement.ray.actor import ActorPlaced, ReplicaSpec, StageReplicaActor
+from vllm_omni_plugin.stage.placement.wire import RemoteOutput, remote_stage_output
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
@@ -98,8 +99,8 @@ def nodes_lacking(placement: ResolvedPlacement) -> str | None:
     return f"no alive node of the Ray cluster has {placement.describe()} ({len(alive)} alive node(s))"
 
 
-class RayPlacement:
-    """The placement of a deployment on a Ray cluster (a ``Placement``: called once per stage)."""
+class RayPlacement(StagePlacement):
+    """The placement of a deployment on a Ray cluster."""
 
     def __init__(self, deployment: ResolvedDeployment) -> None:
         assert deployment.ray is not None, "backend ray only"
@@ -112,7 +113,7 @@ class RayPlacement:
         self._connected = False
         self._all_placed: asyncio.Task[None] | None = None
 
-    def __call__(
+    def place(
         self, deployment: ResolvedDeployment, stage: ResolvedStage, connectors: dict[str, OmniConnector]
     ) -> list[StageCoreClientBase]:
         self.connect()
@@ -199,11 +200,22 @@ class RayPlacement:
             stage_id=client.stage_id,
         )
 
+    async def start(self) -> None:
+        """Nothing beyond the clients: each one's start waited for every actor's place and loaded its own."""
+
     def abandon(self) -> None:
         """Start-up failed: kill every actor and placement group of the deployment and disconnect."""
         for client in list(self.clients):
             client.kill()
             self.release(client)
+
+    async def shutdown(self) -> None:
+        """Nothing before the pools: each client's shutdown ends its actor and releases it here, the last
+        one disconnecting from the cluster."""
+
+    def health(self) -> dict[str, Any]:
+        """The head's node and how many of the deployment's actors it holds."""
+        return {"ray": {"head_node": self.head_node_id or None, "actors": len(self.clients)}}
 
     def release(self, client: RayStageClient) -> None:
         """A client shut down; the last one disconnects from the cluster (if this placement connected)."""

@@ -1,7 +1,7 @@
 """A headless stage worker: runs one stage's replicas on this host and serves them to a head.
 
 Started with ``vllm serve MODEL --omni --deploy-config F --stage-id N --headless --head ADDR:PORT``. It
-loads the stage (a ``StageReplicaPool`` of its own, placed here by the stage factory), registers with the
+loads the stage (a ``StageReplicaPool`` of its own, on this host's ``LocalPlacement``), registers with the
 head's ``HeadlessStageRegistry``, answers its requests and heartbeats, and exits when the head goes away
 or a signal stops it (telling the head, which then fails the worker's requests at once).
 """
@@ -27,11 +27,10 @@ from vllm_omni_plugin.stage.core_types import (
 )
 from vllm_omni_plugin.stage.errors import StageError
 from vllm_omni_plugin.stage.factory import build_stages
-from vllm_omni_plugin.stage.headless import (
+from vllm_omni_plugin.stage.placement.headless.protocol import (
     HeadMessage,
     HeadShutdown,
     Heartbeat,
-    RemoteOutput,
     RemoteRequest,
     WorkerAccepted,
     WorkerLeaving,
@@ -39,11 +38,12 @@ from vllm_omni_plugin.stage.headless import (
     WorkerProgress,
     WorkerRegister,
     WorkerRejected,
-    error_kind,
     parse_head_address,
     stage_config_digest,
     tcp_address,
 )
+from vllm_omni_plugin.stage.placement.local.placement import LocalPlacement
+from vllm_omni_plugin.stage.placement.wire import RemoteOutput, error_kind
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
@@ -80,7 +80,8 @@ class HeadlessStageWorker:
             loop.add_signal_handler(sig, self._on_signal, sig)
         stage = next(s for s in self.deployment.stages if s.stage_id == self.stage_id)
         # No connectors in this process: the replica processes build them and messages pass through.
-        pool = build_stages(self.deployment, {}, [self.stage_id], headless_worker=True).pools[self.stage_id]
+        pools = build_stages(self.deployment, {}, [self.stage_id], placement=LocalPlacement())
+        pool = pools[self.stage_id]
         context = zmq.asyncio.Context()
         self._dealer = context.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.LINGER, 0)

@@ -1,0 +1,101 @@
+"""``AsyncOmni``: every stage of one deployment, started, run and stopped from an asyncio event loop.
+
+The runtime under ``vllm serve --omni`` and the offline API (``entrypoints.omni.Omni`` is its blocking
+twin, as vLLM keeps ``AsyncLLM`` in its engine layer and ``LLM`` in its entry points). It resolves the
+deployment exactly as ``vllm serve --omni`` does, places every stage's replicas through one
+``StagePlacement`` (whatever kinds it holds) and runs requests through the ``Orchestrator``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from vllm_omni_plugin.config import ResolvedDeployment, resolve_deployment
+from vllm_omni_plugin.config.errors import ConfigError
+from vllm_omni_plugin.config.schema import Backend
+from vllm_omni_plugin.connectors.base import OmniConnector
+from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.stage.factory import build_connectors, build_stages, placement_for
+from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
+from vllm_omni_plugin.stage.placement.base import StagePlacement
+from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
+
+logger = get_logger(__name__)
+
+
+class AsyncOmni:
+    """All stages of one deployment, driven from the caller's event loop.
+
+    ``placement`` decides where each stage's replicas run (default: ``factory.placement_for`` the
+    deployment: this host or a Ray cluster, headless stages on their workers).
+    """
+
+    def __init__(self, deployment: ResolvedDeployment, *, placement: StagePlacement | None = None) -> None:
+        self.deployment = deployment
+        self.placement = placement or placement_for(deployment)
+        self.connectors: dict[str, OmniConnector] = {}
+        self.pools: dict[int, StageReplicaPool] = {}
+        self.orchestrator: Orchestrator | None = None
+
+    @classmethod
+    async def create(
+        cls,
+        model: str,
+        *,
+        deploy_config: str | None = None,
+        stage_configs_path: str | None = None,
+        stage_overrides: dict[str, Any] | None = None,
+        engine_args: dict[str, Any] | None = None,
+        backend: Backend | None = None,
+    ) -> AsyncOmni:
+        if not os.path.isdir(model):
+            raise ConfigError(f"model directory {model!r} does not exist")
+        deployment = resolve_deployment(
+            model,
+            deploy_config=deploy_config,
+            stage_configs_path=stage_configs_path,
+            stage_overrides=stage_overrides,
+            cli_engine_args=engine_args,
+            backend=backend,
+        )
+        for note in deployment.notes:
+            logger.warning("%s", note)
+        omni = cls(deployment)
+        await omni.start()
+        return omni
+
+    async def start(self) -> None:
+        self.connectors = build_connectors(self.deployment)
+        self.pools = build_stages(self.deployment, self.connectors, placement=self.placement)
+        try:
+            for pool in self.pools.values():
+                await pool.start()
+            await self.placement.start()  # only once the pools run: starting them blocks this loop at times
+        except BaseException:  # including an interrupt half-way: every pool, also the one starting
+            self.placement.abandon()
+            for pool in self.pools.values():
+                await pool.shutdown()
+            await self.placement.shutdown()
+            self._close_connectors()
+            raise
+        self.orchestrator = Orchestrator(self.deployment, self.pools, self.connectors)
+
+    async def generate(self, request: OmniRequest) -> OmniResult:
+        assert self.orchestrator is not None, "start() first"
+        return await self.orchestrator.generate(request)
+
+    async def shutdown(self) -> None:
+        for pool in self.pools.values():  # a replica that dies from here on stays down
+            pool.stop_restarting()
+        await self.placement.shutdown()  # e.g. headless workers hear that the head goes
+        await asyncio.gather(*(pool.shutdown() for pool in self.pools.values()), return_exceptions=True)
+        self._close_connectors()
+
+    def _close_connectors(self) -> None:
+        for connector in self.connectors.values():
+            try:
+                connector.close()
+            except Exception:  # closing must release the rest
+                logger.exception("closing a connector failed")

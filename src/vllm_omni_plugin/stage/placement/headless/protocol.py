@@ -1,0 +1,79 @@
+"""What a head and its headless stage workers say to each other over ZMQ (msgspec, tagged), and what
+they must agree on (the stage's config digest, the head's address). Replies to requests are the
+remote placements' shared ``wire.RemoteOutput``."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from vllm_omni_plugin.config.resolved import ResolvedDeployment
+from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreRequest, StageLLMCoreRequest
+from vllm_omni_plugin.stage.placement.wire import RemoteOutput
+
+
+class WorkerRegister(msgspec.Struct, kw_only=True, tag="register"):
+    stage_id: int
+    worker_id: str
+    host: str
+    pid: int
+    config_digest: str
+
+
+class WorkerAccepted(msgspec.Struct, kw_only=True, tag="accepted"):
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+class WorkerRejected(msgspec.Struct, kw_only=True, tag="rejected"):
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, kw_only=True, tag="heartbeat"):
+    pass
+
+
+class WorkerLeaving(msgspec.Struct, kw_only=True, tag="leaving"):
+    reason: str
+
+
+class WorkerProgress(msgspec.Struct, kw_only=True, tag="worker_progress"):
+    """The worker's running count of denoising steps (all its replicas), sent while it changes."""
+
+    denoise_steps: int
+
+
+class HeadShutdown(msgspec.Struct, kw_only=True, tag="head_shutdown"):
+    pass
+
+
+class RemoteRequest(msgspec.Struct, kw_only=True, tag="remote_request"):
+    request: StageLLMCoreRequest | StageDiffusionCoreRequest
+
+
+HeadMessage = WorkerAccepted | WorkerRejected | Heartbeat | HeadShutdown | RemoteRequest | StageAbort
+WorkerMessage = WorkerRegister | Heartbeat | WorkerLeaving | RemoteOutput | WorkerProgress
+
+
+def stage_config_digest(deployment: ResolvedDeployment, stage_id: int) -> str:
+    """What head and worker must agree on: the pipeline, the stage's deploy config and its connectors."""
+    stage = next(s for s in deployment.deploy.stages if s.stage_id == stage_id)
+    resolved = next(s for s in deployment.stages if s.stage_id == stage_id)
+    names = {*resolved.input_connectors.values(), *resolved.output_connectors.values()}
+    connectors = {name: deployment.connectors[name] for name in sorted(names)}
+    blob = msgspec.json.encode([deployment.pipeline, stage, connectors])
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def parse_head_address(text: str) -> tuple[str, int]:
+    """``ADDR:PORT`` (``[v6addr]:PORT`` for IPv6) -> (host, port); ValueError with the reason."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--head {text!r}: expected ADDR:PORT, e.g. 10.0.0.1:29600")
+    return host, int(port)
+
+
+def tcp_address(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
