@@ -38,7 +38,7 @@ from vllm_omni_plugin.config import (
 )
 from vllm_omni_plugin.config.resolved import ResolvedStage
 from vllm_omni_plugin.connectors.base import ConnectorHandle, OmniConnector
-from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     StageCoreOutput,
@@ -154,7 +154,7 @@ def ar_answer(request: StageLLMCoreRequest) -> StageLLMCoreOutput:
 
 def dit_answer(request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
     """The fake DiT stage: a flat grey image of the requested size."""
-    diffusion: DiffusionRequest = request.diffusion
+    diffusion: GlmImageRequest = request.diffusion
     image = np.full((diffusion.height or 64, diffusion.width or 64, 3), 127, dtype=np.uint8)
     return StageDiffusionCoreOutput(
         request_id=request.request_id, stage_id=request.stage_id, image=image, timings={"denoise": 0.001}
@@ -177,7 +177,7 @@ def fake_prompt_ids(sources: dict[int, Any], context: ProcessorContext) -> Stage
 def fake_ids_to_image(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
     """Stage-input processor of the fake DiT stage: the AR ids as the prior, sized like the request."""
     request, dit = context.request, context.deployment.stage(context.stage_id)
-    diffusion = DiffusionRequest(
+    diffusion = GlmImageRequest(
         request_id=request.request_id,
         prompt=request.prompt,
         height=request.height or dit.diffusion_args["height"],

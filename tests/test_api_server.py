@@ -295,11 +295,12 @@ def test_client_disconnect_aborts_the_request_in_every_stage(server: ServerProce
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
             body = {"prompt": "a painting nobody waits for", "size": "64x64", "num_inference_steps": ENDLESS}
-            work = asyncio.ensure_future(client.post("/v1/images/generations", json=body))
-            await asyncio.to_thread(server.wait_denoising, steps, ENDLESS)
-            work.cancel()  # the client closes its connection
-            with pytest.raises(asyncio.CancelledError):
-                await work
+            with server.hold("dit.step") as hold:  # the DiT holds its batch after the first step
+                work = asyncio.ensure_future(client.post("/v1/images/generations", json=body))
+                await asyncio.to_thread(hold.wait, alive=server.alive)
+                work.cancel()  # the client closes its connection while its request is being denoised
+                with pytest.raises(asyncio.CancelledError):
+                    await work
 
     asyncio.run(main())
     wait_for_metric(
@@ -320,8 +321,7 @@ def test_killed_diffusion_proc_is_retried_on_the_restarted_replica(server: Serve
     base = server.base_url
     (old_pid,) = stage_pids(server)["1"]
     outcome: dict[str, httpx.Response] = {}
-    steps = 1000
-    before = server.metric("omni_diffusion_denoise_steps_total")
+    steps = 20  # the hold keeps it in the DiT until it is killed
 
     def slow_request() -> None:
         outcome["response"] = httpx.post(
@@ -331,9 +331,10 @@ def test_killed_diffusion_proc_is_retried_on_the_restarted_replica(server: Serve
         )
 
     thread = threading.Thread(target=slow_request)
-    thread.start()
-    server.wait_denoising(before, steps)
-    os.kill(old_pid, signal.SIGKILL)
+    with server.hold("dit.step") as hold:  # one-shot: the restarted replica does not hold the retry
+        thread.start()
+        hold.wait(alive=server.alive)
+        os.kill(old_pid, signal.SIGKILL)  # while it denoises the request
     thread.join(300)
     response = outcome["response"]
     assert response.status_code == 200, response.text  # ran again on the restarted replica
@@ -373,16 +374,15 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server: ServerProcess) ->
     def in_flight() -> None:
         outcome["response"] = httpx.post(
             base + "/v1/images/generations",
-            json={"prompt": "the last painting", "size": "64x64", "num_inference_steps": 1000},
+            json={"prompt": "the last painting", "size": "64x64", "num_inference_steps": 20},
             timeout=300,
         )
 
     thread = threading.Thread(target=in_flight)
-    thread.start()
-    while httpx.get(base + "/health", timeout=10).json()["stages"]["1"]["replicas"][0]["inflight"] < 1:
-        assert thread.is_alive()
-        time.sleep(0.01)
-    server.proc.send_signal(signal.SIGTERM)
+    with server.hold("dit.step") as hold:
+        thread.start()
+        hold.wait(alive=server.alive)
+        server.proc.send_signal(signal.SIGTERM)  # while the DiT holds the request; released on leaving
     thread.join(120)
     assert outcome["response"].status_code == 200  # finished, not dropped
     assert server.proc.wait(120) == 0

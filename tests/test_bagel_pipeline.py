@@ -187,7 +187,7 @@ def _received_contexts(omni: Omni, request: OmniRequest) -> Any:
     with make_connector("reader", spec.name, dict(spec.extra)) as reader:
         fields = internalize(msgspec.to_builtins(dit_request.diffusion), reader)
         received = msgspec.convert(fields, BagelGenerationRunner.request_type)
-        prepared = BagelGenerationRunner.prepare(received)
+        prepared = BagelGenerationRunner.shared_contexts(received)
         return {name: getattr(prepared, name) for name in ("cond", "cfg_text", "cfg_img")}
 
 

@@ -300,7 +300,7 @@ def test_nothing_held_after_fifty_mixed_requests(server: ServerProcess) -> None:
     statuses = asyncio.run(run())
     assert all(code in (0, 200) for code in statuses), statuses
     assert statuses.count(200) >= 40
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while True:
         thinker = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][0]
         metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
@@ -336,17 +336,17 @@ def test_a_dit_death_runs_the_request_again_from_the_thinker(server: ServerProce
         "modalities": ["image"],
         "height": 64,
         "width": 64,
-        "num_inference_steps": 600,
+        "num_inference_steps": 20,
         "seed": 1,
     }
     before = httpx.get(server.base_url + "/metrics", timeout=10).text
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
-            task = asyncio.create_task(http.post("/v1/chat/completions", json=body))
-            steps = metric_value(before, "omni_diffusion_denoise_steps_total")
-            await asyncio.to_thread(server.wait_denoising, steps, body["num_inference_steps"])
-            os.kill(dit_pid, signal.SIGKILL)  # while the DiT works on the request
+            with server.hold("dit.step") as hold:  # one-shot: the restarted DiT does not hold the retry
+                task = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+                await asyncio.to_thread(hold.wait, alive=server.alive)
+                os.kill(dit_pid, signal.SIGKILL)  # while the DiT works on the request
             return await task
 
     response = asyncio.run(run())
@@ -362,7 +362,7 @@ def test_a_dit_death_runs_the_request_again_from_the_thinker(server: ServerProce
     retries = [metric_value(text, "omni_stage_retries_total", stage="1") for text in (before, after)]
     assert retries[1] - retries[0] == 1
     assert metric_value(after, "omni_stage_replica_deaths_total", stage="1") >= 1
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while True:  # the thinker freed both runs' blocks; every context of both runs was released
         thinker = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][0]
         held = metric_value(

@@ -243,7 +243,8 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
     docstring), and then every later token and the image differ."""
     import torch
 
-    from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
+    from vllm_omni_plugin.diffusion import DiffusionEngine
+    from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
     from vllm_omni_plugin.testing.reference.glm_image import (
         glm_image_reference_image,
         glm_image_reference_prior_tokens,
@@ -263,7 +264,7 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
     assert engine.dtype == torch.bfloat16
     [ours] = engine.generate(
         [
-            DiffusionRequest(
+            GlmImageRequest(
                 request_id="t2i", prompt=PROMPT, height=SIZE, width=SIZE, seed=SEED,
                 guidance_scale=GLM_GUIDANCE, prior_token_ids=prior["prior_token_ids"],
             )

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import source_image
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult, qwen_image
 from vllm_omni_plugin.diffusion import pipelines as registry
 from vllm_omni_plugin.testing.reference.diffusers import reference_image
 
@@ -97,8 +97,8 @@ def ok(results: list[DiffusionResult]) -> list[DiffusionResult]:
     [
         ("sd3", registry.DiffusersPipelineRunner, 28, 7.0, 256),  # transformer sample_size 32 x VAE 8
         ("flux", registry.DiffusersPipelineRunner, 28, 3.5, 1024),
-        ("qwen_image", registry.QwenImageRunner, 50, 4.0, 1024),  # true_cfg_scale's default
-        ("qwen_image_edit", registry.QwenImageEditRunner, 50, 4.0, 1024),
+        ("qwen_image", qwen_image.QwenImageRunner, 50, 4.0, 1024),  # true_cfg_scale's default
+        ("qwen_image_edit", qwen_image.QwenImageEditRunner, 50, 4.0, 1024),
     ],
 )
 def test_runner_defaults_come_from_the_pipeline(
@@ -247,7 +247,7 @@ def test_qwen_image_edit_plus_takes_a_list_of_images(tiny_qwen_image_edit: Path,
     index = json.loads((tiny_qwen_image_edit / "model_index.json").read_text())
     (model / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
     engine = DiffusionEngine(model, max_batch_size=4)
-    assert type(engine.runner) is registry.QwenImageEditPlusRunner
+    assert type(engine.runner) is qwen_image.QwenImageEditPlusRunner
     images = [source_image(64, seed=1), source_image(64, seed=2)]
     request = ask("p0", "put them side by side", seed=3, guidance=1.0, steps=2, images=images)
     [result] = ok(engine.generate([request]))

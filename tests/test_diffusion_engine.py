@@ -13,8 +13,9 @@ import pytest
 
 import helpers
 from vllm_omni_plugin.config import PLATFORMS
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionResult
 from vllm_omni_plugin.diffusion import pipelines as registry
+from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest, GlmImageRunner
 from vllm_omni_plugin.diffusion.worker import CPUDiffusionWorker, CUDADiffusionWorker
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.testing.reference.glm_image import (
@@ -47,12 +48,12 @@ def random_prior(size: int, seed: int) -> Any:
     return torch.randint(0, CODEBOOK, (side * side,), generator=torch.Generator().manual_seed(seed))
 
 
-def t2i(request_id: str, prompt: str = PROMPT, size: int = 64, seed: int = 0, **kw: Any) -> DiffusionRequest:
+def t2i(request_id: str, prompt: str = PROMPT, size: int = 64, seed: int = 0, **kw: Any) -> GlmImageRequest:
     kw.setdefault("prior_token_ids", random_prior(size, seed))
-    return DiffusionRequest(request_id=request_id, prompt=prompt, height=size, width=size, seed=seed, **kw)
+    return GlmImageRequest(request_id=request_id, prompt=prompt, height=size, width=size, seed=seed, **kw)
 
 
-def alone(engine: DiffusionEngine, request: DiffusionRequest) -> DiffusionResult:
+def alone(engine: DiffusionEngine, request: GlmImageRequest) -> DiffusionResult:
     [result] = engine.generate([request])
     assert result.ok, result.error
     assert result.batch_size == 1
@@ -79,7 +80,7 @@ def test_t2i_equals_stock_dit_pipeline(
     expected = glm_image_reference_image(
         tiny_glm_image, PROMPT, size, size, seed=42, num_inference_steps=steps, prior=prior
     )
-    request = DiffusionRequest(
+    request = GlmImageRequest(
         request_id=f"t2i-{size}",
         prompt=PROMPT,
         height=size,
@@ -108,7 +109,7 @@ def test_i2i_equals_stock_dit_pipeline(
     expected = glm_image_reference_image(
         tiny_glm_image, "make it red", 64, 64, images=[pil], seed=3, prior=prior
     )
-    request = DiffusionRequest(
+    request = GlmImageRequest(
         request_id="i2i",
         prompt="make it red",
         height=64,
@@ -259,7 +260,7 @@ def test_bad_prior_tokens_fail_alone(engine: DiffusionEngine) -> None:
 def test_a_failure_inside_the_pipeline_call_only_fails_its_request(
     engine: DiffusionEngine, source_image: np.ndarray
 ) -> None:
-    def i2i(request_id: str, image: Any, seed: int) -> DiffusionRequest:
+    def i2i(request_id: str, image: Any, seed: int) -> GlmImageRequest:
         extras = {"prior_token_image_ids": [random_prior(64, seed)], "source_image_grid_thw": [[1, 4, 4]]}
         return t2i(request_id, seed=seed, images=[image], **extras)
 
@@ -303,7 +304,7 @@ def test_invalid_requests_name_the_problem(
 def test_list_prior_and_json_round_trip(engine: DiffusionEngine) -> None:
     request = t2i("tensor", seed=7)
     as_list = msgspec.structs.replace(request, prior_token_ids=request.prior_token_ids.tolist())
-    wire = msgspec.json.decode(msgspec.json.encode(as_list), type=DiffusionRequest)
+    wire = msgspec.json.decode(msgspec.json.encode(as_list), type=GlmImageRequest)
     assert wire == as_list
     np.testing.assert_array_equal(alone(engine, wire).image, alone(engine, request).image)
 
@@ -316,7 +317,7 @@ def test_unseeded_requests_report_their_seed(engine: DiffusionEngine) -> None:
 
 
 def test_engine_defaults_fill_unset_fields(engine: DiffusionEngine) -> None:
-    request = DiffusionRequest(request_id="d", prompt=PROMPT, seed=1, prior_token_ids=random_prior(64, 1))
+    request = GlmImageRequest(request_id="d", prompt=PROMPT, seed=1, prior_token_ids=random_prior(64, 1))
     [result] = engine.generate([request])
     assert "multiples of 32" in result.error  # GLM-Image has no default size
     # What a resolved deploy config's diffusion_args hold (tiny_glm_image_cpu.yaml's stage 1).
@@ -361,7 +362,7 @@ def test_register_diffusion_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     assert registry.runner_class("FluxPipeline") is registry.DiffusersPipelineRunner  # the generic runner
     registry.register_diffusion_pipeline("FluxPipeline", FluxRunner)
     assert registry.runner_class("FluxPipeline") is FluxRunner
-    assert registry.runner_class("GlmImagePipeline") is registry.GlmImageRunner
+    assert registry.runner_class("GlmImagePipeline") is GlmImageRunner
     with pytest.raises(TypeError):
         registry.register_diffusion_pipeline("X", object)
 

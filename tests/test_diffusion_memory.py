@@ -16,6 +16,7 @@ from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
 from vllm_omni_plugin.diffusion.bagel.request import BagelContext, BagelGenerationRequest, BagelSampling
 from vllm_omni_plugin.diffusion.bagel.runner import BagelGenerationRunner
+from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
 from vllm_omni_plugin.diffusion.memory import RESERVE_BYTES, MemoryBudget, tensor_bytes
 from vllm_omni_plugin.diffusion.pipelines import load_pipeline_runner
 from vllm_omni_plugin.entrypoints.omni_server import http_status
@@ -35,12 +36,12 @@ def fraction_leaving(weights: int, activations: int) -> float:
     return fraction
 
 
-def glm_request(request_id: str, size: int, seed: int = 0) -> DiffusionRequest:
+def glm_request(request_id: str, size: int, seed: int = 0) -> GlmImageRequest:
     import torch
 
     side = size // 16
     prior = torch.randint(0, CODEBOOK, (side * side,), generator=torch.Generator().manual_seed(seed))
-    return DiffusionRequest(request_id=request_id, prompt="a red fox", height=size, width=size, seed=seed,
+    return GlmImageRequest(request_id=request_id, prompt="a red fox", height=size, width=size, seed=seed,
                             num_inference_steps=STEPS, prior_token_ids=prior)  # fmt: skip
 
 

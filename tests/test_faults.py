@@ -156,16 +156,17 @@ def test_a_request_that_kills_its_stage_every_time_gets_503_after_its_budget(ser
 
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
-            work = asyncio.ensure_future(
-                client.post(GENERATIONS, json={**body(1), "num_inference_steps": 1000})
-            )
-            while not work.done():  # kill the DiT process whenever the request is in it
-                state = await asyncio.to_thread(replica, server, "1")
-                if state["inflight"] and state["pid"] and state["pid"] not in killed:
-                    os.kill(state["pid"], signal.SIGKILL)
-                    killed.append(state["pid"])
-                await asyncio.sleep(0.01)
-            return await work
+            with server.hold("dit.step") as hold:
+                work = asyncio.ensure_future(
+                    client.post(GENERATIONS, json={**body(1), "num_inference_steps": 20})
+                )
+                for _ in range(2):  # kill the DiT process whenever it holds the request
+                    await asyncio.to_thread(hold.wait, alive=server.alive)
+                    pid = (await asyncio.to_thread(replica, server, "1"))["pid"]
+                    hold.rearm()  # its restarted replica holds the retried request too
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                return await work
 
     response = asyncio.run(main())
     assert response.status_code == 503, response.text
@@ -235,14 +236,14 @@ def test_clients_gone_during_the_dit_stage_are_dropped_from_its_queue_and_its_ba
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
-            steps = server.metric("omni_diffusion_denoise_steps_total")
-            running = asyncio.ensure_future(
-                client.post(GENERATIONS, json={**body(5), "num_inference_steps": ENDLESS})
-            )
-            await asyncio.to_thread(server.wait_denoising, steps, ENDLESS)  # its batch has started
-            # another size: it cannot join the running batch and waits in the DiT process's queue
+            with server.hold("dit.step") as hold:
+                running = asyncio.ensure_future(
+                    client.post(GENERATIONS, json={**body(5), "num_inference_steps": ENDLESS})
+                )
+                await asyncio.to_thread(hold.wait, alive=server.alive)  # its batch has started
+            # another size: it cannot join the running (endless) batch and waits in the DiT process's queue
             queued = asyncio.ensure_future(client.post(GENERATIONS, json={**body(6), "size": "128x64"}))
-            await asyncio.to_thread(wait_for, lambda: replica(server, "1")["inflight"] >= 2, 120, "the queue")
+            await asyncio.to_thread(wait_for, lambda: replica(server, "1")["inflight"] >= 2, 600, "the queue")
             queued.cancel()
             await asyncio.to_thread(
                 wait_for, lambda: aborted(server, "1", "queue") == queue + 1, 30, "a queue drop"

@@ -138,7 +138,7 @@ def glm_image_models(models: Models) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline
     from transformers import ByT5Tokenizer
 
-    from vllm_omni_plugin.diffusion.pipelines import GlmImageRunner
+    from vllm_omni_plugin.diffusion.glm_image import GlmImageRunner
 
     encoder = DATA / "glm_image" / "vision_language_encoder"
     models.ar_weights["glm_image"] = our_ar_weights(
@@ -221,13 +221,13 @@ def test_the_real_models_weigh_what_their_checkpoints_hold(models: Models) -> No
 
 def glm_requests(stage: ResolvedStage) -> tuple[list[Any], list[list[Any]]]:
     """(the largest requests, each alone; a full batch of the stage's default request)."""
-    from vllm_omni_plugin.diffusion.params import DiffusionRequest
+    from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
 
     args = stage.diffusion_args
 
-    def request(size: int, *, source: int = 0) -> DiffusionRequest:
+    def request(size: int, *, source: int = 0) -> GlmImageRequest:
         grid = [[1, source // 16, source // 16]] if source else None
-        return DiffusionRequest(request_id="r", prompt=GLM_PROMPT, height=size, width=size,
+        return GlmImageRequest(request_id="r", prompt=GLM_PROMPT, height=size, width=size,
                                 guidance_scale=args.get("guidance_scale", 1.5), source_image_grid_thw=grid)  # fmt: skip
 
     default = request(args.get("height", 1024))

@@ -15,7 +15,7 @@ import torch
 
 from helpers import FakePlacement, FakeStageClient, ar_answer, dit_answer, fake_deployment
 from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorError, InProcessConnector
-from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.errors import (
@@ -504,7 +504,7 @@ def test_release_frees_what_will_never_be_read() -> None:
 
 def test_requests_and_outputs_through_a_connector() -> None:
     connector = InProcessConnector("edge")
-    diffusion = DiffusionRequest(request_id="r", prompt="p", prior_token_ids=torch.arange(16))
+    diffusion = GlmImageRequest(request_id="r", prompt="p", prior_token_ids=torch.arange(16))
     request = StageDiffusionCoreRequest(request_id="r", stage_id=1, diffusion=diffusion)
     assert send_request_through(request, None) == (request, 0.0)
     sent, seconds = send_request_through(request, connector)

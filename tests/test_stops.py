@@ -10,12 +10,14 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
 from vllm_omni_plugin.processes import SHM_DIR
+from vllm_omni_plugin.testing.harness.holds import Hold
 from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
 
@@ -24,9 +26,9 @@ pytestmark = pytest.mark.server
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = str(REPO / "deploy" / "tiny_glm_image_cpu.yaml")
 GENERATIONS = "/v1/images/generations"
-DIT_STEPS = 2000
-"""Long enough that the DiT-long requests are still denoising while the AR-long ones go through the AR
-stage; short enough that both drain well inside the 30 s drain timeout (they share one DiT batch)."""
+DIT_STEPS = 20
+"""The DiT-long requests are held in the DiT (its ``dit.step`` hold point) until the server is signalled,
+then drain well inside the 30 s drain timeout (they share one DiT batch)."""
 DIT_LONG = [
     {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": DIT_STEPS, "seed": 1},
     {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": DIT_STEPS, "seed": 2},
@@ -60,12 +62,14 @@ class Served:
             self.finish()
             raise
 
-    def send_in_flight(self) -> None:
+    def send_in_flight(self) -> Hold:
         """The requests of ``IN_FLIGHT``, returning once every one of them is in a stage and both stages
-        are working: the DiT-long ones first, until all of them are in the DiT, then, while the DiT
-        works on them, the AR-long ones. A request the server has not yet read does not count: the
-        model's processor of a big image runs in the API process and holds up its event loop, and a
-        connection whose request was not read when the server stops is closed unanswered."""
+        are working: the DiT-long ones first, held in the DiT from its first step until the test
+        releases the returned hold, then the AR-long ones. Nothing leaves the held DiT, so the counts
+        waited for are sure to come however slow the machine is. A request the server has not yet read
+        does not count: the model's processor of a big image runs in the API process and holds up its
+        event loop, and a connection whose request was not read when the server stops is closed
+        unanswered."""
 
         def send(body: dict) -> None:
             try:
@@ -75,22 +79,28 @@ class Served:
             except httpx.HTTPError as exc:
                 self.responses.append(type(exc).__name__)
 
-        phases = (
-            (DIT_LONG, lambda ar, dit: dit >= len(DIT_LONG)),
-            (AR_LONG, lambda ar, dit: ar + dit >= len(IN_FLIGHT)),
-        )
-        for bodies, busy in phases:
+        def start(bodies: list[dict]) -> None:
             threads = [threading.Thread(target=send, args=(b,), daemon=True) for b in bodies]
             self.threads += threads
             for thread in threads:
                 thread.start()
-            deadline = time.monotonic() + 120
+
+        def wait_until(busy: Callable[[int, int], bool]) -> None:
+            deadline = time.monotonic() + 600
             while True:
                 stages = httpx.get(self.server.base_url + "/health", timeout=30).json()["stages"]
                 if busy(*(stages[s]["replicas"][0]["inflight"] for s in ("0", "1"))):
-                    break
+                    return
                 assert time.monotonic() < deadline, stages
                 time.sleep(0.01)
+
+        hold = self.server.hold("dit.step")
+        start(DIT_LONG)
+        hold.wait(alive=self.server.alive)
+        wait_until(lambda ar, dit: dit >= len(DIT_LONG))
+        start(AR_LONG)
+        wait_until(lambda ar, dit: ar + dit >= len(IN_FLIGHT))
+        return hold
 
     def wait_main(self, timeout: float = 120) -> int:
         assert self.server.proc is not None
@@ -125,16 +135,18 @@ def served(tiny_glm_image: Path, tmp_path: Path):
 
 
 def test_ctrl_c_sigint_to_the_group(served: Served) -> None:
-    served.send_in_flight()
+    hold = served.send_in_flight()
     os.killpg(served.pid, signal.SIGINT)
+    hold.release()
     assert served.wait_main() == 0
     assert served.left() == ({}, [])
     assert served.ipc_files() == []
 
 
 def test_sigterm_to_the_main_process(served: Served) -> None:
-    served.send_in_flight()
+    hold = served.send_in_flight()
     os.kill(served.pid, signal.SIGTERM)
+    hold.release()  # the DiT-long requests finish while the server drains
     assert served.wait_main() == 0
     for thread in served.threads:
         thread.join(60)
@@ -145,8 +157,9 @@ def test_sigterm_to_the_main_process(served: Served) -> None:
 
 def test_sigterm_to_the_group_then_sigkill_of_the_group_once_main_is_gone(served: Served) -> None:
     """As container runtimes stop a container: nothing may rely on a process outliving the main one."""
-    served.send_in_flight()
+    hold = served.send_in_flight()
     os.killpg(served.pid, signal.SIGTERM)
+    hold.release()
     assert served.wait_main() == 0
     os.killpg(served.pid, signal.SIGKILL)  # the group, at once: resource tracker and stragglers included
     assert served.left() == ({}, [])
@@ -156,7 +169,7 @@ def test_sigterm_to_the_group_then_sigkill_of_the_group_once_main_is_gone(served
 def test_sigkill_of_the_main_process_alone_then_the_next_start_sweeps(
     served: Served, tiny_glm_image: Path, tmp_path: Path
 ) -> None:
-    served.send_in_flight()
+    served.send_in_flight()  # the hold dies with its holder
     os.kill(served.pid, signal.SIGKILL)
     assert served.wait_main() == -signal.SIGKILL
     processes, segments = served.left()

@@ -1,5 +1,6 @@
-"""The diffusion (DiT) stage: diffusers pipelines, driven by inputs an AR stage computed or, as a stage of
-its own, by the user's request.
+"""The diffusion (DiT) stage: runners (diffusers pipelines, or a family's own) behind one interface
+(:class:`DiffusionRunner`), driven by inputs an AR stage computed or, as a stage of its own, by the user's
+request. Model families' runners live in their own modules, named by dotted path.
 
 Imports stay lazy: ``import vllm_omni_plugin.diffusion`` pulls in neither torch nor diffusers.
 """
@@ -14,14 +15,12 @@ if TYPE_CHECKING:
     from vllm_omni_plugin.diffusion.engine import DiffusionEngine
     from vllm_omni_plugin.diffusion.pipelines import (
         DiffusersPipelineRunner,
-        GlmImageRunner,
-        QwenImageEditRunner,
-        QwenImageRunner,
         UnknownPipelineError,
         UnservablePipelineError,
         inspect_model,
         register_diffusion_pipeline,
     )
+    from vllm_omni_plugin.diffusion.runner import DiffusionRunner
     from vllm_omni_plugin.diffusion.worker import (
         CPUDiffusionWorker,
         CUDADiffusionWorker,
@@ -35,10 +34,8 @@ __all__ = [
     "DiffusionEngine",
     "DiffusionRequest",
     "DiffusionResult",
+    "DiffusionRunner",
     "DiffusionWorker",
-    "GlmImageRunner",
-    "QwenImageEditRunner",
-    "QwenImageRunner",
     "UnknownPipelineError",
     "UnservablePipelineError",
     "inspect_model",
@@ -48,9 +45,7 @@ __all__ = [
 _LAZY = {
     "DiffusionEngine": "engine",
     "DiffusersPipelineRunner": "pipelines",
-    "GlmImageRunner": "pipelines",
-    "QwenImageEditRunner": "pipelines",
-    "QwenImageRunner": "pipelines",
+    "DiffusionRunner": "runner",
     "UnknownPipelineError": "pipelines",
     "UnservablePipelineError": "pipelines",
     "inspect_model": "pipelines",

@@ -37,8 +37,9 @@ from vllm_omni_plugin.diffusion.memory import (
     gib,
     tensor_bytes,
 )
-from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
-from vllm_omni_plugin.diffusion.pipelines import BatchAborted, DiffusersPipelineRunner, load_pipeline_runner
+from vllm_omni_plugin.diffusion.params import DiffusionResult, RunnerRequest
+from vllm_omni_plugin.diffusion.pipelines import load_pipeline_runner
+from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, RequestDefaults
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
@@ -76,10 +77,11 @@ def torch_dtype(name: Any, device: Any = "cpu") -> Any:
 
 
 class DiffusionEngine:
-    """Runs a diffusers pipeline (chosen by ``model_index.json``) on batches of :class:`DiffusionRequest`.
+    """Runs a :class:`DiffusionRunner` (a diffusers pipeline's, chosen by ``model_index.json``, or the one
+    the pipeline names: ``runner_cls``) on batches of its requests.
 
     ``num_inference_steps``, ``guidance_scale``, ``height``, ``width`` are defaults for requests that leave
-    them unset (the pipeline runner's own defaults otherwise); ``seed`` seeds the draw of seeds for
+    them unset (the runner's own defaults otherwise); ``seed`` seeds the draw of seeds for
     unseeded requests. ``trust_remote_code`` and ``enforce_eager`` are accepted so a resolved deploy
     config's ``diffusion_args`` can be passed as is; registered runners need neither. A batch that runs
     longer than ``progress_interval_s`` logs its requests' step progress every that many seconds.
@@ -102,7 +104,7 @@ class DiffusionEngine:
         batch_invariant: bool = False,
         trust_remote_code: bool = False,
         enforce_eager: bool = True,
-        runner: DiffusersPipelineRunner | None = None,
+        runner: DiffusionRunner | None = None,
         runner_cls: str | None = None,
         progress_interval_s: float = PROGRESS_INTERVAL_S,
         gpu_memory_utilization: float | None = None,
@@ -118,24 +120,30 @@ class DiffusionEngine:
         self.batch_invariant = batch_invariant
         start = time.perf_counter()
         if runner is None and runner_cls:  # a runner the pipeline names (its model is no diffusers pipeline)
-            runner = import_object(runner_cls).load(self.model, dtype=self.dtype, device=self.device)
-        self.runner = runner or load_pipeline_runner(self.model, dtype=self.dtype, device=self.device)
+            runner = _runner_class(runner_cls).load(self.model, dtype=self.dtype, device=self.device)
+        self.runner: DiffusionRunner = runner or load_pipeline_runner(
+            self.model, dtype=self.dtype, device=self.device
+        )
         self.load_seconds = time.perf_counter() - start
         runner = self.runner
         self.memory: MemoryBudget | None = None
         """The stage's memory budget, its weights measured (None: no budget, batches by size only)."""
         if gpu_memory_utilization is not None:
             self.memory = self._measure_budget(gpu_memory_utilization)
-        self.request_type: type = getattr(runner, "request_type", DiffusionRequest)
-        """What this engine's runner takes (``DiffusionRequest`` for diffusers pipelines; BAGEL's runner
-        has its own request type and fills its defaults itself)."""
-        self.num_inference_steps = num_inference_steps or getattr(runner, "default_num_inference_steps", None)
-        self.guidance_scale = (
-            getattr(runner, "default_guidance_scale", None) if guidance_scale is None else guidance_scale
-        )
-        default_h, default_w = getattr(runner, "default_size", None) or (None, None)
+        self.request_type: type[RunnerRequest] = runner.request_type
+        """What this engine's runner takes."""
+        self.num_inference_steps = num_inference_steps or runner.default_num_inference_steps
+        self.guidance_scale = runner.default_guidance_scale if guidance_scale is None else guidance_scale
+        default_h, default_w = runner.default_size or (None, None)
         self.height = height or default_h
         self.width = width or default_w
+        self.defaults = RequestDefaults(
+            height=self.height,
+            width=self.width,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+        )
+        """What requests that leave a field unset get (the configuration's, else the runner's own)."""
         self._seeds = random.Random(seed)
         self.progress_interval_s = progress_interval_s
         self.denoise_steps = 0
@@ -143,14 +151,13 @@ class DiffusionEngine:
         self.on_progress: Callable[[int], None] | None = None
         """Called with ``denoise_steps`` after every step (a stage process reports it to ``/metrics``)."""
         self._progress: _BatchProgress | None = None
-        if hasattr(runner, "on_step"):
-            runner.on_step = self._step_done
+        runner.on_step = self._step_done
         if trust_remote_code:
             logger.debug("diffusion engine: trust_remote_code has no effect on registered pipeline runners")
         logger.info(
             "diffusion engine: %s (%s) on %s, %s, max_batch_size %d%s, load %.2f s",
             self.model,
-            getattr(runner, "pipeline_class", type(runner).__name__),
+            runner.label,
             self.device,
             self.dtype,
             max_batch_size,
@@ -164,8 +171,7 @@ class DiffusionEngine:
         every request."""
         weights = allocated_bytes(self.device)
         if weights is None:
-            holder = getattr(self.runner, "weight_tensors", None)
-            weights = tensor_bytes(holder()) if holder is not None else 0
+            weights = tensor_bytes(self.runner.weight_tensors())
         budget = MemoryBudget(
             fraction=fraction,
             device=str(self.device),
@@ -177,23 +183,16 @@ class DiffusionEngine:
                 "the diffusion stage's memory budget holds its weights and nothing more: "
                 f"{budget.describe()}; raise gpu_memory_utilization"
             )
-        if not hasattr(self.runner, "activation_bytes"):
-            logger.warning(
-                "diffusion engine: %s estimates no activation memory; batches are not bounded by the budget",
-                type(self.runner).__name__,
-            )
         logger.info("diffusion engine memory: %s", budget.describe())
         return budget
 
-    def activation_bytes(self, batch: Sequence[Any]) -> int | None:
-        """The runner's estimate of the activations of ``batch`` run as one call (None: it has none)."""
-        estimate = getattr(self.runner, "activation_bytes", None)
-        return None if estimate is None else int(estimate(list(batch)))
+    def activation_bytes(self, batch: Sequence[Any]) -> int:
+        """The runner's estimate of the activations of ``batch`` run as one call."""
+        return int(self.runner.activation_bytes(list(batch)))
 
     def _too_large(self, request: Any, need: int) -> ValueError:
         assert self.memory is not None
-        what = getattr(self.runner, "describe_request", None)
-        subject = what(request) if what is not None else f"a {request.height}x{request.width} image"
+        subject = self.runner.describe_request(request)
         return ValueError(
             f"{subject} needs about {gib(need)} of activations on its own, more than this stage's memory "
             f"budget leaves for a batch ({self.memory.describe()}); ask for a smaller image"
@@ -202,37 +201,15 @@ class DiffusionEngine:
     # --- requests ----------------------------------------------------------------------------------
 
     def _resolve(self, request: Any) -> Any:
-        """The request with every default filled in (and a seed drawn when it has none). A runner with
-        its own request type fills its defaults itself (``prepare``)."""
-        if not isinstance(request, DiffusionRequest):
-            if request.seed is None:
-                request = msgspec.structs.replace(request, seed=self._seeds.randint(0, MAX_SEED))
-            prepare = getattr(self.runner, "prepare", None)
-            return prepare(request) if prepare is not None else request
-        return msgspec.structs.replace(
-            request,
-            height=request.height or self.height,
-            width=request.width or self.width,
-            num_inference_steps=request.num_inference_steps or self.num_inference_steps,
-            guidance_scale=self.guidance_scale if request.guidance_scale is None else request.guidance_scale,
-            seed=self._seeds.randint(0, MAX_SEED) if request.seed is None else request.seed,
-        )
-
-    def _batch_key(self, request: Any) -> tuple[Any, ...]:
-        if not isinstance(request, DiffusionRequest):
-            return tuple(self.runner.batch_key(request))
-        common = (
-            request.height,
-            request.width,
-            request.num_inference_steps,
-            float(request.guidance_scale or 0.0),
-            request.image_to_image,
-        )
-        return common + tuple(self.runner.batch_key(request))
+        """The request with a seed (drawn when it has none) and every default filled in (the runner's
+        ``prepare``)."""
+        if request.seed is None:
+            request = msgspec.structs.replace(request, seed=self._seeds.randint(0, MAX_SEED))
+        return self.runner.prepare(request, self.defaults)
 
     @staticmethod
     def _failed(
-        request: DiffusionRequest, exc: BaseException, batch_size: int = 0, *, invalid: bool = False
+        request: RunnerRequest, exc: BaseException, batch_size: int = 0, *, invalid: bool = False
     ) -> DiffusionResult:
         message = str(exc) if invalid else f"{type(exc).__name__}: {exc}"
         logger.warning("diffusion request %s failed: %s", request.request_id, message)
@@ -245,7 +222,7 @@ class DiffusionEngine:
         )
 
     @staticmethod
-    def _aborted(request: DiffusionRequest, batch_size: int) -> DiffusionResult:
+    def _aborted(request: RunnerRequest, batch_size: int) -> DiffusionResult:
         return DiffusionResult(
             request_id=request.request_id,
             error=ABORTED,
@@ -254,9 +231,7 @@ class DiffusionEngine:
             batch_size=batch_size,
         )
 
-    def plan(
-        self, requests: Sequence[DiffusionRequest]
-    ) -> tuple[list[list[int]], dict[int, DiffusionResult]]:
+    def plan(self, requests: Sequence[RunnerRequest]) -> tuple[list[list[int]], dict[int, DiffusionResult]]:
         """Batches of request indices (compatible, at most ``max_batch_size``, within the memory budget)
         and the requests that failed validation or fit no batch, by index. Batches keep request order
         within a key; keys in order of first appearance."""
@@ -265,7 +240,7 @@ class DiffusionEngine:
         for index, request in enumerate(requests):
             try:
                 self.runner.validate(request)
-                key = self._batch_key(request)
+                key = tuple(self.runner.batch_key(request))
                 self._check_fits_alone(request)
             except Exception as exc:
                 failed[index] = self._failed(request, exc, invalid=isinstance(exc, ValueError | TypeError))
@@ -279,7 +254,7 @@ class DiffusionEngine:
         if self.memory is None:
             return
         need = self.activation_bytes([request])
-        if need is not None and need > self.memory.activation_bytes:
+        if need > self.memory.activation_bytes:
             raise self._too_large(request, need)
 
     def _admitted(self, requests: Sequence[Any], indices: list[int], size: int) -> Iterable[list[int]]:
@@ -292,7 +267,7 @@ class DiffusionEngine:
         batch: list[int] = []
         for index in indices:
             grown = [requests[i] for i in (*batch, index)]
-            if batch and (len(batch) == size or (self.activation_bytes(grown) or 0) > limit):
+            if batch and (len(batch) == size or self.activation_bytes(grown) > limit):
                 yield batch
                 batch = []
             batch.append(index)
@@ -300,7 +275,7 @@ class DiffusionEngine:
             yield batch
 
     def generate(
-        self, requests: Iterable[DiffusionRequest], is_aborted: IsAborted | None = None
+        self, requests: Iterable[RunnerRequest], is_aborted: IsAborted | None = None
     ) -> list[DiffusionResult]:
         """One result per request, in request order; failures carry ``error`` instead of an image, aborted
         requests (``is_aborted``) ``aborted``."""
@@ -322,7 +297,7 @@ class DiffusionEngine:
         now = time.perf_counter()
         if now - max(progress.start, progress.last_log) >= self.progress_interval_s:
             progress.logged, progress.last_log = True, now
-            total = progress.batch[0].num_inference_steps or progress.steps
+            total = self.runner.steps_of(progress.batch[0]) or progress.steps
             logger.info(
                 "diffusion: step %d/%d of %d request(s) (%s), %.2f steps/s",
                 progress.steps,
@@ -345,9 +320,7 @@ class DiffusionEngine:
                 time.perf_counter() - progress.start,
             )
 
-    def _run_batch(
-        self, batch: list[DiffusionRequest], is_aborted: IsAborted | None
-    ) -> list[DiffusionResult]:
+    def _run_batch(self, batch: list[RunnerRequest], is_aborted: IsAborted | None) -> list[DiffusionResult]:
         import torch
 
         skipped = {r.request_id for r in batch if is_aborted(r.request_id)} if is_aborted else set()
@@ -381,8 +354,7 @@ class DiffusionEngine:
         self._finish_progress()
         results = []
         for i, request in enumerate(batch):
-            wants_latents = getattr(request, "return_latents", False)
-            latents = out.latents[i] if wants_latents and out.latents is not None else None
+            latents = out.latents[i] if out.latents is not None else None
             results.append(
                 DiffusionResult(
                     request_id=request.request_id,
@@ -400,7 +372,7 @@ class DiffusionEngine:
 class _BatchProgress:
     """The batch the runner is working on, for the step callback (runs are one at a time)."""
 
-    batch: list[DiffusionRequest]
+    batch: list[RunnerRequest]
     start: float
     logged: bool = False
     last_log: float = 0.0
@@ -410,6 +382,14 @@ class _BatchProgress:
     def who(self) -> str:
         ids = ", ".join(r.request_id for r in self.batch[:4])
         return ids + (f" and {len(self.batch) - 4} more" if len(self.batch) > 4 else "")
+
+
+def _runner_class(path: str) -> type[DiffusionRunner]:
+    """The runner class a pipeline names by dotted path (a clear error when it is none)."""
+    runner = import_object(path)
+    if not (isinstance(runner, type) and issubclass(runner, DiffusionRunner)):
+        raise TypeError(f"{path} is not a DiffusionRunner subclass")
+    return runner
 
 
 def _chunks(items: list[int], size: int) -> Iterable[list[int]]:

@@ -12,41 +12,37 @@ from typing import Any
 import msgspec
 
 
-class DiffusionRequest(msgspec.Struct, kw_only=True):
-    """One image to generate. ``None`` sampling fields take the engine's defaults."""
+class RunnerRequest(msgspec.Struct, kw_only=True, tag_field="kind"):
+    """What the engine reads of every runner's request. Each runner's request type is a tagged subclass;
+    the stage's wire carries the union of the registered ones (``kind`` says which)."""
 
     request_id: str
+    seed: int | None = None
+    """Seeds this request's own ``torch.Generator``; ``None`` draws one (reported in the result)."""
+
+
+class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):
+    """One image from a prompt (and source images): what the diffusers runners take. ``None`` sampling
+    fields take the engine's defaults. A family that needs more subclasses it (GLM-Image's prior tokens)."""
+
     prompt: str
-    """The text prompt. GLM-Image only reads its quoted substrings here (the glyph encoder): the AR stage
-    already turned the prompt into ``prior_token_ids``."""
+    """The text prompt (GLM-Image only reads its quoted substrings: the AR stage already turned the
+    prompt into prior tokens)."""
     height: int | None = None
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
-    seed: int | None = None
-    """Seeds this request's own ``torch.Generator``; ``None`` draws one (reported in the result)."""
     negative_prompt: str | None = None
     """For pipelines that take one; GLM-Image has none (its unconditional pass uses an empty glyph text)."""
-    prior_token_ids: Any = None
-    """GLM-Image: the AR's large-grid VQ ids upsampled x2 to the DiT grid, ``(H/16) * (W/16)`` int ids
-    (a 1-D int64 tensor, a ``(1, N)`` tensor or a list)."""
-    prior_token_image_ids: list[Any] | None = None
-    """Image-to-image: one 1-D int64 tensor per source image, its VQ ids upsampled x2."""
-    source_image_grid_thw: list[Any] | None = None
-    """Image-to-image: one ``[t, h, w]`` per source image, the x2-upsampled grid of its ids."""
     images: list[Any] | None = None
-    """Image-to-image: the source images (PIL images or uint8 HxWx3 arrays), same order as the ids."""
+    """Image-to-image: the source images (PIL images or uint8 HxWx3 arrays)."""
     return_latents: bool = False
     """Also return the final (denoised, still normalized) latents."""
 
     @property
     def image_to_image(self) -> bool:
         """Any image-to-image field set (a runner rejects a request that sets only some of them)."""
-        return (
-            bool(self.images)
-            or self.prior_token_image_ids is not None
-            or self.source_image_grid_thw is not None
-        )
+        return bool(self.images)
 
 
 class DiffusionResult(msgspec.Struct, kw_only=True):

@@ -15,9 +15,8 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,6 +25,15 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.runner import (
+    BatchAborted,
+    BatchOutput,
+    DiffusionRunner,
+    RequestDefaults,
+    SizeLimits,
+    StopCheck,
+)
+from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
@@ -40,24 +48,6 @@ class UnknownPipelineError(ValueError):
 
 class UnservablePipelineError(ValueError):
     """A diffusers pipeline class whose ``__call__`` lacks what a runner needs."""
-
-
-class BatchAborted(Exception):
-    """Every request of the running batch was aborted: the pipeline call stopped at a step's end."""
-
-
-StopCheck = Callable[[], bool]
-"""Asked after each denoising step: True stops the batch (raises :class:`BatchAborted`)."""
-
-
-@dataclass(slots=True)
-class BatchOutput:
-    """What one pipeline call produced, in batch order."""
-
-    images: list[Any]
-    """uint8 HxWx3 arrays."""
-    latents: list[Any] | None
-    timings: dict[str, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,18 +149,20 @@ def _default(params: Mapping[str, inspect.Parameter], name: str, kind: type) -> 
     return None
 
 
-class DiffusersPipelineRunner:
+class DiffusersPipelineRunner(DiffusionRunner):
     """Loads one diffusers pipeline and runs batches of compatible requests through it.
 
     The engine hands :meth:`run` requests whose defaults are already applied and that share
-    :meth:`batch_key` (plus size, steps, guidance and image-to-image-ness), with one seeded
+    :meth:`batch_key` (size, steps, guidance, image-to-image-ness and :meth:`call_key`), with one seeded
     ``torch.Generator`` per request. Used as is, it is the generic runner of any pipeline whose ``__call__``
     takes :data:`CALL_ARGUMENTS`: the request's guidance goes to ``guidance_argument``, its negative
     prompt and its one source image (``image_argument``) where the signature takes them, and the
     defaults (steps, guidance, size) are the pipeline's own. Subclasses set ``pipeline_class`` and, as
-    needed, the class attributes below and :meth:`load_overrides`, :meth:`validate`, :meth:`batch_key`,
+    needed, the class attributes below and :meth:`load_overrides`, :meth:`validate`, :meth:`call_key`,
     :meth:`call_kwargs`. ``run`` asks ``should_stop`` after every step.
     """
+
+    request_type = DiffusionRequest
 
     pipeline_class: ClassVar[str] = ""
     """The diffusers class name, as in ``model_index.json`` ``_class_name`` ("": the model's own)."""
@@ -215,9 +207,9 @@ class DiffusersPipelineRunner:
         self.supports_negative_prompt, self.supports_image_to_image = cls.input_support(params)
         self.text_tokens = _default(params, "max_sequence_length", int) or DEFAULT_TEXT_TOKENS
         """Prompt tokens the transformer attends to (the pipeline's ``max_sequence_length`` default)."""
-        self.on_step: Callable[[int], None] | None = None
-        """Called after each denoising step of a :meth:`run` with the step's index (the engine's
-        progress); a runner whose pipeline has no step callback never calls it."""
+        self.limits = _pipeline_size_limits(pipe)
+        """The sizes the pipeline can make, read from it (a pipeline without a step callback never
+        calls ``on_step``)."""
 
     @classmethod
     def input_support(cls, params: Mapping[str, inspect.Parameter]) -> tuple[bool, bool]:
@@ -240,6 +232,14 @@ class DiffusersPipelineRunner:
         """``from_pretrained`` arguments for this model (``load_kwargs`` unless a family needs more)."""
         return dict(cls.load_kwargs)
 
+    @property
+    def label(self) -> str:
+        return self.pipeline_class
+
+    @property
+    def size_limits(self) -> SizeLimits:
+        return self.limits
+
     @classmethod
     def load(cls, model: str, *, dtype: Any, device: Any) -> DiffusersPipelineRunner:
         """``from_pretrained`` on the model directory (or hub id), moved to ``device``."""
@@ -261,6 +261,17 @@ class DiffusersPipelineRunner:
 
     # --- per-request hooks -------------------------------------------------------------------------
 
+    def prepare(self, request: DiffusionRequest, defaults: RequestDefaults) -> DiffusionRequest:
+        """Unset size, steps and guidance from ``defaults``."""
+        guidance = defaults.guidance_scale if request.guidance_scale is None else request.guidance_scale
+        return msgspec.structs.replace(
+            request,
+            height=request.height or defaults.height,
+            width=request.width or defaults.width,
+            num_inference_steps=request.num_inference_steps or defaults.num_inference_steps,
+            guidance_scale=guidance,
+        )
+
     def validate(self, request: DiffusionRequest) -> None:
         """Raise ``ValueError`` naming what is wrong; run before batching, so one bad request fails alone."""
         images = len(request.images or [])
@@ -279,10 +290,21 @@ class DiffusersPipelineRunner:
             raise ValueError(f"{self.pipeline_class} takes no {self.guidance_argument}; leave guidance unset")
 
     def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
+        """Size, steps, guidance and image-to-image-ness, then what the family adds (:meth:`call_key`)."""
+        common = (
+            request.height,
+            request.width,
+            request.num_inference_steps,
+            float(request.guidance_scale or 0.0),
+            request.image_to_image,
+        )
+        return common + tuple(self.call_key(request))
+
+    def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
         """What else (beyond size, steps, guidance, i2i) must match for requests to share a call: whether
         a negative prompt is given (``None`` and ``""`` differ for pipelines whose guidance needs one)
         and the source images' sizes (a pipeline resizes a batch's images to one size)."""
-        return (request.negative_prompt is not None, tuple(_image_size(i) for i in request.images or []))
+        return (request.negative_prompt is not None, tuple(image_size(i) for i in request.images or []))
 
     def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
         """Pipeline arguments beyond prompt, size, steps, guidance, generators and output type."""
@@ -290,10 +312,16 @@ class DiffusersPipelineRunner:
         if self.supports_negative_prompt and batch[0].negative_prompt is not None:
             kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch]
         if self.supports_image_to_image and batch[0].images:
-            kwargs[self.image_argument] = [_as_pil(r.images[0]) for r in batch if r.images]
+            kwargs[self.image_argument] = [as_pil(r.images[0]) for r in batch if r.images]
         return kwargs
 
     # --- memory ------------------------------------------------------------------------------------
+
+    def steps_of(self, request: DiffusionRequest) -> int | None:
+        return request.num_inference_steps
+
+    def describe_request(self, request: DiffusionRequest) -> str:
+        return f"a {request.height}x{request.width} image"
 
     def weight_tensors(self) -> list[Any]:
         """The pipeline's modules (what its weights are, counted where no allocator counts them)."""
@@ -307,7 +335,7 @@ class DiffusersPipelineRunner:
 
     def source_pixels(self, request: DiffusionRequest) -> list[int]:
         """Pixels of each source image as the pipeline encodes it (their own size unless resized)."""
-        return [h * w for h, w in (_image_size(i) for i in request.images or [])]
+        return [h * w for h, w in (image_size(i) for i in request.images or [])]
 
     def activation_bytes(self, batch: list[DiffusionRequest]) -> int:
         """Estimated peak activations of ``batch`` (one batch key, defaults applied) as one call: the
@@ -385,187 +413,47 @@ class DiffusersPipelineRunner:
         pixels = (np.asarray(out.images) * 255).round().astype(np.uint8)
         latents = None
         if any(r.return_latents for r in batch) and latents_box:
-            latents = [lat.detach().to("cpu").clone() for lat in latents_box[0]]
+            latents = [
+                lat.detach().to("cpu").clone() if r.return_latents else None
+                for r, lat in zip(batch, latents_box[0], strict=True)
+            ]
         timings = {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
         return BatchOutput(list(pixels), latents, timings)
 
 
 def _pipeline_default_size(pipe: Any) -> tuple[int, int] | None:
     """The size the pipeline draws when given none (``default_sample_size * vae_scale_factor``)."""
+    # Optional attributes of a diffusers pipeline: not every pipeline class defines them.
     sample, scale = getattr(pipe, "default_sample_size", None), getattr(pipe, "vae_scale_factor", None)
     if isinstance(sample, int) and isinstance(scale, int):
         return sample * scale, sample * scale
     return None
 
 
-class GlmImageRunner(DiffusersPipelineRunner):
-    """GLM-Image's DiT stage: ``GlmImagePipeline`` without its AR encoder, driven by prior tokens.
+def _pipeline_size_limits(pipe: Any) -> SizeLimits:
+    """The sizes a diffusers pipeline can make: multiples of its VAE scale times its transformer's patch
+    (packed latents: the packing too, as FLUX and Qwen-Image pack 2x2), and at most the side its
+    position embedding covers (SD3: ``pos_embed_max_size * patch_size * vae_scale_factor``)."""
+    import math
 
-    Batching is per-request exact in meaning: each request has its own generator, and requests only share
-    a call when their glyph-token counts match. diffusers left-pads shorter glyph embeddings with zeros and
-    the DiT attends to them unmasked, so mixing lengths would change the shorter prompts' images.
-    """
-
-    pipeline_class = "GlmImagePipeline"
-    load_kwargs = {"vision_language_encoder": None, "processor": None}
-    default_num_inference_steps = 50
-    default_guidance_scale = 1.5
-    supports_negative_prompt = False  # the pipeline's unconditional pass always uses an empty glyph text
-    supports_image_to_image = True
-    max_images = None
-    size_required = True  # the AR stage drew its tokens for one size
-    batched_guidance = False  # the unconditional pass is a second transformer call
-    glyph_max_length: ClassVar[int] = 2048  # the pipeline's max_sequence_length default
-    _GLYPH_PATTERNS = (r"'([^']*)'", r"\u201c([^\u201c\u201d]*)\u201d", r'"([^"]*)"', r"「([^「」]*)」")
-
-    @property
-    def codebook_size(self) -> int:
-        return int(self.pipe.transformer.config.prior_vq_quantizer_codebook_size)
-
-    @property
-    def token_pixels(self) -> int:
-        """Pixels per DiT token side: VAE scale x patch size (16)."""
-        return int(self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size)
-
-    def glyph_length(self, prompt: str) -> int:
-        """How many glyph embeddings the pipeline makes for ``prompt`` (mirrors ``_get_glyph_embeds``)."""
-        texts = [t for pattern in self._GLYPH_PATTERNS for t in re.findall(pattern, prompt)] or [""]
-        ids = self.pipe.tokenizer(texts, max_length=self.glyph_max_length, truncation=True).input_ids
-        pad = (len(ids) + 1) % 2  # diffusers pads by the number of texts, not each text's length
-        return sum(len(one) + pad for one in ids)
-
-    def validate(self, request: DiffusionRequest) -> None:
-        import torch
-
-        super().validate(request)
-        height, width = request.height, request.width
-        factor = 2 * self.token_pixels  # one AR token per 32x32 pixels
-        if height is None or width is None or height % factor or width % factor:
-            raise ValueError(
-                f"GLM-Image needs height and width that are multiples of {factor}, got {height}x{width}"
-            )
-        expected = (height // self.token_pixels) * (width // self.token_pixels)
-        prior = request.prior_token_ids
-        if prior is None:
-            raise ValueError("GLM-Image needs prior_token_ids (the AR stage's upsampled prior tokens)")
-        prior = torch.as_tensor(prior)
-        self._check_ids("prior_token_ids", prior, expected, f"{height}x{width}")
-        if not request.image_to_image:
-            return
-        images = request.images or []
-        ids = request.prior_token_image_ids
-        grids = request.source_image_grid_thw
-        if not images or ids is None or grids is None:
-            raise ValueError(
-                "image-to-image needs images, prior_token_image_ids and source_image_grid_thw together"
-            )
-        if not len(images) == len(ids) == len(grids):
-            raise ValueError(
-                f"image-to-image: {len(images)} images, {len(ids)} prior_token_image_ids and "
-                f"{len(grids)} source_image_grid_thw; one of each per source image"
-            )
-        for i, (image, image_ids, grid) in enumerate(zip(images, ids, grids, strict=True)):
-            t, h, w = (int(x) for x in torch.as_tensor(grid).reshape(-1).tolist())
-            img_h, img_w = _image_size(image)
-            if (img_h // self.token_pixels, img_w // self.token_pixels) != (h, w) or t != 1:
-                raise ValueError(
-                    f"source image {i} is {img_h}x{img_w} pixels, i.e. a {img_h // self.token_pixels}x"
-                    f"{img_w // self.token_pixels} DiT grid, but its source_image_grid_thw is {[t, h, w]}"
-                )
-            self._check_ids(f"prior_token_image_ids[{i}]", torch.as_tensor(image_ids), h * w, f"{[t, h, w]}")
-
-    def _check_ids(self, name: str, ids: Any, expected: int, what: str) -> None:
-        import torch
-
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
-        if ids.numel() != expected or (ids.dim() > 1 and ids.shape[0] != 1):
-            raise ValueError(
-                f"{name} has shape {tuple(ids.shape)}; {what} needs {expected} ids "
-                f"(the x2-upsampled grid, one id per 16x16 pixels)"
-            )
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.codebook_size:
-            raise ValueError(
-                f"{name} holds ids in [{low}, {high}]; the DiT embeds VQ codebook ids "
-                f"0..{self.codebook_size - 1} only (image start/end and text ids must not reach it)"
-            )
-
-    def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
-        return max(self.glyph_length(r.prompt) for r in batch)
-
-    def source_pixels(self, request: DiffusionRequest) -> list[int]:
-        """Each source's pixels as its grid says (the AR stage's grid of the resized image)."""
-        import torch
-
-        return [
-            int(torch.as_tensor(g).reshape(-1).prod()) * self.token_pixels**2
-            for g in request.source_image_grid_thw or []
-        ]
-
-    def activation_phases(self, batch: list[DiffusionRequest]) -> dict[str, int]:
-        """As the generic estimate, except that source images do not join the sequence: the pipeline runs
-        the transformer over each source once and keeps its K/V of every layer (per request) through the
-        denoising loop, where each layer's attention joins them to the batch's own K/V; the cache is
-        cleared before the decode."""
-        alone = [msgspec.structs.replace(r, images=None, source_image_grid_thw=None) for r in batch]
-        phases = super().activation_phases(alone)
-        shape = self.memory_shape
-        pixels = [self.source_pixels(r) for r in batch]
-        source_tokens = [sum(p) // shape.patch_pixels**2 for p in pixels]
-        if not any(source_tokens):
-            return phases
-        layers = int(self.pipe.transformer.config.num_layers)
-        kv_token = 2 * shape.hidden * shape.element  # one token's K and V in one layer
-        cache = layers * sum(source_tokens) * kv_token
-        joined = 2 * sum(source_tokens) * kv_token  # one layer's cache expanded to the batch, and joined
-        writing = transformer_block_bytes(1, max(source_tokens), shape.hidden, shape.ff_inner, shape.element)
-        largest = max(max(p, default=0) for p in pixels)
-        encoding = vae_decode_bytes(1, largest, shape.decoder_channels, shape.vae_element)
-        return {
-            "encode": cache + max(writing, encoding),
-            "denoise": cache + joined + phases["denoise"],
-            "decode": phases["decode"],
-        }
-
-    def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
-        import torch
-
-        grids: tuple[tuple[int, ...], ...] = ()
-        if request.image_to_image:  # the cached condition K/V of a batch are concatenated: same shapes
-            grids = tuple(
-                tuple(int(x) for x in torch.as_tensor(g).reshape(-1).tolist())
-                for g in request.source_image_grid_thw or []
-            )
-        return (self.glyph_length(request.prompt), grids)
-
-    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
-        import torch
-
-        device = self.device
-        kwargs: dict[str, Any] = {
-            "prior_token_ids": torch.stack(
-                [torch.as_tensor(r.prior_token_ids, dtype=torch.long).reshape(-1) for r in batch]
-            ).to(device)
-        }
-        if batch[0].image_to_image:
-            kwargs["image"] = [[_as_pil(img) for img in r.images or []] for r in batch]
-            kwargs["prior_token_image_ids"] = [
-                torch.cat(
-                    [torch.as_tensor(i, dtype=torch.long).reshape(-1) for i in r.prior_token_image_ids or []]
-                ).to(device)
-                for r in batch
-            ]
-            kwargs["source_image_grid_thw"] = [
-                torch.stack(
-                    [torch.as_tensor(g, dtype=torch.long).reshape(3) for g in r.source_image_grid_thw or []]
-                )
-                for r in batch
-            ]
-        return kwargs
+    scale = getattr(pipe, "vae_scale_factor", None)  # optional pipeline attributes, as above
+    model = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    if not isinstance(scale, int) or model is None:
+        return SizeLimits()
+    cfg = dict(model.config)
+    patch = cfg.get("patch_size") if isinstance(cfg.get("patch_size"), int) else 1
+    vae = getattr(pipe, "vae", None)
+    latent = dict(vae.config).get("latent_channels") if vae is not None else None
+    in_channels = cfg.get("in_channels")
+    if isinstance(latent, int) and isinstance(in_channels, int) and in_channels != latent:
+        if in_channels % latent == 0:  # latents packed into tokens
+            patch = max(patch, math.isqrt(in_channels // latent))
+    pos_embed = cfg.get("pos_embed_max_size")
+    max_side = pos_embed * patch * scale if isinstance(pos_embed, int) else None
+    return SizeLimits(multiple=scale * patch, max_side=max_side)
 
 
-def _image_size(image: Any) -> tuple[int, int]:
+def image_size(image: Any) -> tuple[int, int]:
     """``(height, width)`` of a PIL image or an HxWxC array."""
     if hasattr(image, "size") and not hasattr(image, "shape"):
         width, height = image.size
@@ -573,7 +461,7 @@ def _image_size(image: Any) -> tuple[int, int]:
     return int(image.shape[0]), int(image.shape[1])
 
 
-def _as_pil(image: Any) -> Any:
+def as_pil(image: Any) -> Any:
     """Source images reach diffusers as PIL, as in its own pipeline (uint8 arrays are converted)."""
     import numpy as np
     import PIL.Image
@@ -588,115 +476,56 @@ def _as_pil(image: Any) -> Any:
     return PIL.Image.fromarray(array)
 
 
-class QwenImageRunner(DiffusersPipelineRunner):
-    """Qwen-Image: classifier-free guidance is ``true_cfg_scale``, and diffusers applies it only when a
-    negative prompt is given. A request's ``guidance_scale`` goes there, and above 1 a request without a
-    negative prompt gets ``" "`` (the model card's), so guidance always does what it says; at 1 or
-    below no negative prompt is passed (no unconditional pass)."""
-
-    pipeline_class = "QwenImagePipeline"
-    guidance_argument = "true_cfg_scale"
-    batched_guidance = False  # true CFG: the negative prompt's pass is a second transformer call
-    default_negative_prompt: ClassVar[str] = " "
-
-    def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
-        # Every negative prompt of a guided batch is a string, so requests with and without one mix.
-        return tuple(_image_size(i) for i in request.images or [])
-
-    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
-        kwargs = super().call_kwargs(batch)
-        kwargs.pop("negative_prompt", None)
-        if (batch[0].guidance_scale or 0.0) > 1.0:
-            kwargs["negative_prompt"] = [r.negative_prompt or self.default_negative_prompt for r in batch]
-        return kwargs
-
-
-class QwenImageEditRunner(QwenImageRunner):
-    """Qwen-Image-Edit: one source image per request, ``image=[one per prompt]``.
-
-    The pipeline resizes a single image to about a megapixel (its aspect kept) for both the VAE and the
-    vision-language encoder, but passes a *list* of images to the encoder as they are, so a batch would
-    see other pixels than the same request alone. The runner resizes each image the way the pipeline
-    does for a single one first; a batch also shares the source size (``batch_key``), since the pipeline
-    sizes everything from the first image.
-    """
-
-    pipeline_class = "QwenImageEditPipeline"
-    needs_images = True
-
-    def source_pixels(self, request: DiffusionRequest) -> list[int]:
-        return [1024 * 1024 for _ in request.images or []]  # resized to about a megapixel (call_kwargs)
-
-    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
-        kwargs = super().call_kwargs(batch)
-        images = kwargs[self.image_argument]
-        width, height, _ = calculate_dimensions(1024 * 1024, images[0].size[0] / images[0].size[1])
-        kwargs[self.image_argument] = [self.pipe.image_processor.resize(i, height, width) for i in images]
-        return kwargs
-
-    @classmethod
-    def load_overrides(cls, model: str) -> dict[str, Any]:
-        return _with_qwen2vl_processor(super().load_overrides(model), model)
-
-
-class QwenImageEditPlusRunner(QwenImageRunner):
-    """Qwen-Image-Edit-2509 and later: ``image`` is the list of a request's source images, and every
-    prompt of a call sees all of them. Requests with their own images cannot share a call, so each runs
-    alone."""
-
-    pipeline_class = "QwenImageEditPlusPipeline"
-    needs_images = True
-    max_images = 3
-
-    def source_pixels(self, request: DiffusionRequest) -> list[int]:
-        return [1024 * 1024 for _ in request.images or []]  # the pipeline resizes each to about 1 MP
-
-    @classmethod
-    def load_overrides(cls, model: str) -> dict[str, Any]:
-        return _with_qwen2vl_processor(super().load_overrides(model), model)
-
-    def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
-        return (request.request_id,)
-
-    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
-        kwargs = super().call_kwargs(batch)
-        kwargs[self.image_argument] = [_as_pil(image) for image in batch[0].images or []]
-        return kwargs
-
-
-def _with_qwen2vl_processor(overrides: dict[str, Any], model: str) -> dict[str, Any]:
-    """The edit pipelines' processor, loadable without torchvision (see ``qwen2vl_processor``)."""
-    from vllm_omni_plugin.diffusion.qwen2vl_processor import load_qwen2vl_processor
-
-    if (Path(model) / "processor").is_dir():
-        overrides["processor"] = load_qwen2vl_processor(Path(model) / "processor")
-    return overrides
-
-
-PIPELINE_RUNNERS: dict[str, type[DiffusersPipelineRunner]] = {
-    runner.pipeline_class: runner
-    for runner in (GlmImageRunner, QwenImageRunner, QwenImageEditRunner, QwenImageEditPlusRunner)
+PIPELINE_RUNNERS: dict[str, str | type[DiffusersPipelineRunner]] = {
+    "GlmImagePipeline": "vllm_omni_plugin.diffusion.glm_image:GlmImageRunner",
+    "QwenImagePipeline": "vllm_omni_plugin.diffusion.qwen_image:QwenImageRunner",
+    "QwenImageEditPipeline": "vllm_omni_plugin.diffusion.qwen_image:QwenImageEditRunner",
+    "QwenImageEditPlusPipeline": "vllm_omni_plugin.diffusion.qwen_image:QwenImageEditPlusRunner",
 }
-"""Runners of the families the generic runner cannot drive as they are, by diffusers class name."""
+"""Runners of the families the generic runner cannot drive as they are, by diffusers class name: a
+dotted path (imported when a model of that class is served) or the class."""
 
 
-def register_diffusion_pipeline(class_name: str, cls: type[DiffusersPipelineRunner]) -> None:
-    """Run models whose ``model_index.json`` says ``class_name`` with runner ``cls``."""
-    if not (isinstance(cls, type) and issubclass(cls, DiffusersPipelineRunner)):
+def register_diffusion_pipeline(class_name: str, cls: str | type[DiffusersPipelineRunner]) -> None:
+    """Run models whose ``model_index.json`` says ``class_name`` with runner ``cls`` (a
+    ``DiffusersPipelineRunner`` subclass, or its dotted path)."""
+    if not isinstance(cls, str) and not (isinstance(cls, type) and issubclass(cls, DiffusersPipelineRunner)):
         raise TypeError(f"{cls!r} is not a DiffusersPipelineRunner subclass")
     previous = PIPELINE_RUNNERS.get(class_name)
     if previous is not None and previous is not cls:
         logger.warning(
-            "diffusion pipeline %s: runner %s replaces %s", class_name, cls.__name__, previous.__name__
+            "diffusion pipeline %s: runner %s replaces %s", class_name, _name(cls), _name(previous)
         )
     PIPELINE_RUNNERS[class_name] = cls
 
 
+def _name(runner: str | type) -> str:
+    return runner if isinstance(runner, str) else runner.__name__
+
+
+def registered_runner(class_name: str) -> type[DiffusersPipelineRunner] | None:
+    """The runner registered for ``class_name`` (imported), or None."""
+    runner = PIPELINE_RUNNERS.get(class_name)
+    if isinstance(runner, str):
+        runner = import_object(runner)
+        if not (isinstance(runner, type) and issubclass(runner, DiffusersPipelineRunner)):
+            raise TypeError(f"{PIPELINE_RUNNERS[class_name]} is not a DiffusersPipelineRunner subclass")
+    return runner
+
+
+def diffusers_runner_classes() -> list[type[DiffusersPipelineRunner]]:
+    """The generic runner and every registered one (imported): what a diffusion stage may run."""
+    runners: list[type[DiffusersPipelineRunner]] = [DiffusersPipelineRunner]
+    for class_name in PIPELINE_RUNNERS:
+        runner = registered_runner(class_name)
+        if runner is not None and runner not in runners:
+            runners.append(runner)
+    return runners
+
+
 def runner_class(class_name: str) -> type[DiffusersPipelineRunner]:
     """The registered runner of ``class_name``, else the generic runner (for a class diffusers has)."""
-    runner = PIPELINE_RUNNERS.get(class_name)
+    runner = registered_runner(class_name)
     if runner is not None:
         return runner
     checked_pipeline_class(class_name, DiffusersPipelineRunner)

@@ -9,9 +9,16 @@ payloads as connector handles), never pickled.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Generic, TypeVar, Union
 
 import msgspec
+
+from vllm_omni_plugin.log import get_logger
+
+logger = get_logger(__name__)
+
+DiffusionT = TypeVar("DiffusionT")
 
 
 class StageCoreRequest(msgspec.Struct, kw_only=True, tag=True):
@@ -33,9 +40,11 @@ class StageLLMCoreRequest(StageCoreRequest, kw_only=True, tag="llm_request"):
     the names of those missing."""
 
 
-class StageDiffusionCoreRequest(StageCoreRequest, kw_only=True, tag="diffusion_request"):
-    diffusion: Any
-    """A ``DiffusionRequest`` (tensors inside travel as msgpack extensions)."""
+class StageDiffusionCoreRequest(StageCoreRequest, Generic[DiffusionT], kw_only=True, tag="diffusion_request"):
+    diffusion: DiffusionT
+    """The runner's request, one of the registered runners' request types (tagged by ``kind``; tensors
+    inside travel as msgpack extensions or connector handles). Decoders parametrize it with their union
+    (:func:`diffusion_request_union`); unparametrized it decodes as plain data."""
 
 
 class StageAbort(msgspec.Struct, kw_only=True, tag="abort"):
@@ -116,4 +125,50 @@ class StageCoreOutputs(msgspec.Struct, kw_only=True, tag="outputs"):
 
 # What each direction of a stage process's sockets carries.
 ToStageMessage = StageDiffusionCoreRequest | StageLLMCoreRequest | StageAbort | StageShutdown
+"""Untyped diffusion part: for encoding, and for naming a request whose part no runner takes."""
+
+
+def diffusion_request_types() -> tuple[type, ...]:
+    """The request types of every registered runner: the diffusers runners (``register_diffusion_pipeline``)
+    and those pipelines name (``Pipeline.diffusion_runner``), imported by dotted path. A runner that
+    cannot be imported is left out (its requests are then refused by kind), with a warning."""
+    from vllm_omni_plugin.config.pipeline import registered_pipelines
+    from vllm_omni_plugin.diffusion.pipelines import diffusers_runner_classes
+    from vllm_omni_plugin.dotted import import_object
+
+    runners: list[Any] = list(diffusers_runner_classes())
+    for pipeline in registered_pipelines().values():
+        for stage in pipeline.stages:
+            if stage.diffusion_runner:
+                try:
+                    runners.append(import_object(stage.diffusion_runner))
+                except Exception as exc:
+                    _warn_unimportable(stage.diffusion_runner, f"{type(exc).__name__}: {exc}")
+    types: list[type] = []
+    for runner in runners:
+        if runner.request_type not in types:
+            types.append(runner.request_type)
+    return tuple(types)
+
+
+@functools.cache
+def _warn_unimportable(path: str, reason: str) -> None:
+    logger.warning("diffusion runner %s cannot be imported (%s); its requests will be refused", path, reason)
+
+
+def diffusion_request_union() -> Any:
+    """The union of the registered runners' request types, built now (the registry may have grown)."""
+    return Union[diffusion_request_types()]  # noqa: UP007 (a union built at run time)
+
+
+def to_stage_message_type() -> Any:
+    """What a stage process decodes: ``ToStageMessage`` with the diffusion part typed by the registry."""
+    return (
+        StageDiffusionCoreRequest[diffusion_request_union()]
+        | StageLLMCoreRequest
+        | StageAbort
+        | StageShutdown
+    )
+
+
 FromStageMessage = StageCoreOutputs | StageDropped | StageReady | StageFailed | StageProgress

@@ -1,12 +1,11 @@
 """Diffusion stage clients: ``StageDiffusionCoreClient`` (a ``StageDiffusionCoreProc`` over ZMQ) and
-``InlineStageDiffusionClient`` (the diffusion engine in this process, on a worker thread)."""
+``InlineStageDiffusionClient`` (the diffusion engine in this process: the batch loop on a worker thread)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-import queue
 import re
 import tempfile
 import threading
@@ -32,6 +31,7 @@ from vllm_omni_plugin.stage.core_types import (
     ToStageMessage,
 )
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionCoreProcManager, StageDiffusionProcConfig
+from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
 from vllm_omni_plugin.stage.errors import (
     RequestAbortedError,
     StageDeadError,
@@ -273,116 +273,68 @@ class StageDiffusionCoreClient(StageCoreClientBase):
 
 
 class InlineStageDiffusionClient(StageCoreClientBase):
-    """The diffusion engine in this process on one worker thread, batching what is queued."""
+    """The diffusion engine in this process: the replica's batch loop on one worker thread, its results
+    handed to asyncio futures. With connectors (a Ray actor's) payloads arrive and images leave through
+    them."""
 
     def __init__(
-        self, stage_id: int, replica_id: int, diffusion_args: dict[str, Any], *, name: str = "dit"
+        self,
+        stage_id: int,
+        replica_id: int,
+        diffusion_args: dict[str, Any],
+        *,
+        name: str = "dit",
+        input_connector: Any = None,
+        output_connector: Any = None,
     ) -> None:
         super().__init__(stage_id, replica_id, name)
         self.diffusion_args = dict(diffusion_args)
-        self._queue: queue.Queue[tuple[Any, asyncio.Future[Any], asyncio.AbstractEventLoop] | None] = (
-            queue.Queue()
-        )
+        self.input_connector = input_connector
+        self.output_connector = output_connector
         self._thread: threading.Thread | None = None
-        self._engine: Any = None
-        self._aborted: set[str] = set()
+        self._loop: DiffusionBatchLoop | None = None
+        self._waiting: dict[str, tuple[asyncio.Future[Any], asyncio.AbstractEventLoop]] = {}
+        """Each request's future and the event loop it waits on, until its output or drop."""
 
     async def start(self) -> None:
         from vllm_omni_plugin.stage.diffusion_core_proc import load_diffusion_engine
 
         loop = asyncio.get_running_loop()
         try:
-            self._engine, _device = await loop.run_in_executor(
-                None, load_diffusion_engine, self.diffusion_args
-            )
+            engine, _device = await loop.run_in_executor(None, load_diffusion_engine, self.diffusion_args)
         except Exception as exc:
             raise StageStartError(f"{self.label} failed to start: {type(exc).__name__}: {exc}") from exc
-        if hasattr(self._engine, "on_progress"):
-            self._engine.on_progress = self._count_steps
-        self._thread = threading.Thread(target=self._run, name=f"{self.label}", daemon=True)
+        self._loop = DiffusionBatchLoop(
+            engine,
+            self.stage_id,
+            _FutureReport(self),
+            max_batch=int(self.diffusion_args.get("max_batch_size", 1)),
+            input_connector=self.input_connector,
+            output_connector=self.output_connector,
+        )
+        self._thread = threading.Thread(target=self._loop.serve, name=f"{self.label}", daemon=True)
         self._thread.start()
         self.state = StageState.READY
 
-    def _run(self) -> None:
-        max_batch = max(1, int(self.diffusion_args.get("max_batch_size", 1)))
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch = [item]
-            while len(batch) < max_batch:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                batch.append(nxt)
-            waiting = [b for b in batch if b[0].request_id not in self._aborted]
-            self._dropped(batch, waiting, "queue")
-            batch = waiting
-            if not batch:
-                continue
-            try:
-                requests = [msgspec.convert(b[0].diffusion, self._engine.request_type) for b in batch]
-                results = {
-                    r.request_id: r for r in self._engine.generate(requests, self._aborted.__contains__)
-                }
-            except Exception as exc:  # a batch that cannot even be converted fails its requests only
-                for _message, future, loop in batch:
-                    loop.call_soon_threadsafe(
-                        _set_exception, future, StageError(str(exc), stage_id=self.stage_id)
-                    )
-                continue
-            made = [b for b in batch if not (r := results.get(b[0].request_id)) or not r.aborted]
-            self._dropped(batch, made, "batch")
-            for message, future, loop in made:
-                result = results.get(message.request_id)
-                output = StageDiffusionCoreOutput(
-                    request_id=message.request_id,
-                    stage_id=self.stage_id,
-                    error=None if result is not None else "no result",
-                )
-                if result is not None:
-                    output.error = result.error
-                    output.invalid = result.invalid
-                    output.image = result.image
-                    output.latents = result.latents
-                    output.timings = dict(result.timings or {})
-                loop.call_soon_threadsafe(_set_result, future, output)
-
-    def _count_steps(self, denoise_steps: int) -> None:
-        self.denoise_steps = denoise_steps  # from the engine's thread: one int assignment
-
-    def _dropped(self, batch: list[Any], kept: list[Any], where: str) -> None:
-        """Count and forget the aborted requests of ``batch`` not in ``kept`` (on their loop's thread)."""
-        for message, future, loop in batch:
-            if not any(message is k[0] for k in kept):
-                self._aborted.discard(message.request_id)
-                loop.call_soon_threadsafe(self.dropped.update, [where])
-                loop.call_soon_threadsafe(
-                    _set_exception,
-                    future,
-                    RequestAbortedError("aborted", stage_id=self.stage_id, request_id=message.request_id),
-                )
+    # --- requests ----------------------------------------------------------------------------------
 
     @property
     def pid(self) -> int | None:
         return os.getpid() if self.healthy else None
 
     async def generate(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
-        if self.state != StageState.READY:
+        if self.state != StageState.READY or self._loop is None:
             raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[StageDiffusionCoreOutput] = loop.create_future()
         self.inflight.add(request.request_id)
-        self._queue.put((request, future, loop))
+        self._waiting[request.request_id] = (future, loop)
+        self._loop.inbox.add(request)
         try:
             output = await future
         except asyncio.CancelledError:
-            if not future.done():  # still queued or in its batch: the worker drops it
-                self._aborted.add(request.request_id)
+            if not future.done():  # still queued or in its batch: the loop drops it
+                self._abort([request.request_id])
             raise
         finally:
             self.inflight.discard(request.request_id)
@@ -391,14 +343,48 @@ class InlineStageDiffusionClient(StageCoreClientBase):
             raise error(output.error, stage_id=self.stage_id, request_id=request.request_id)
         return output
 
+    def _abort(self, request_ids: list[str]) -> None:
+        if self._loop is not None:
+            _FutureReport(self).dropped(self._loop.abort(request_ids), "queue")
+
     async def abort(self, request_ids: list[str]) -> None:
-        self._aborted.update(set(request_ids) & self.inflight)  # only what it has: others never come
+        self._abort([i for i in request_ids if i in self.inflight])  # only what it has: others never come
 
     async def shutdown(self) -> None:
         self.state = StageState.STOPPED
-        self._queue.put(None)
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        if self._loop is None or self._thread is None:
+            return
+        self._loop.inbox.drain()  # what is queued still runs, as before a stop
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+
+
+class _FutureReport:
+    """The loop's reports as the in-process client's futures and counts (called on the loop's thread,
+    applied on each request's event loop)."""
+
+    def __init__(self, client: InlineStageDiffusionClient) -> None:
+        self.client = client
+
+    def outputs(self, outputs: list[StageDiffusionCoreOutput]) -> None:
+        for output in outputs:
+            waiting = self.client._waiting.pop(output.request_id, None)
+            if waiting is not None:
+                future, loop = waiting
+                loop.call_soon_threadsafe(_set_result, future, output)
+
+    def dropped(self, request_ids: list[str], where: str) -> None:
+        client = self.client
+        for request_id in request_ids:
+            waiting = client._waiting.pop(request_id, None)
+            if waiting is None:
+                continue
+            future, loop = waiting
+            loop.call_soon_threadsafe(client.dropped.update, [where])
+            error = RequestAbortedError("aborted", stage_id=client.stage_id, request_id=request_id)
+            loop.call_soon_threadsafe(_set_exception, future, error)
+
+    def progress(self, denoise_steps: int, *, force: bool) -> None:
+        self.client.denoise_steps = denoise_steps  # from the engine's thread: one int assignment
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -1,11 +1,9 @@
 """``StageDiffusionCoreProc``: a diffusion stage replica in its own process, and its manager.
 
-The process loads the diffusion engine, then loops: take what is queued (up to ``max_batch_size``
-requests), run it as one engine call (which batches compatible requests), push each result back. A
-reader thread receives requests and aborts while a batch runs: an aborted request still queued is
-dropped with its payload; one in the running batch gets no image (a batch whose every request is aborted
-stops at the end of the current step). Both are reported back (``StageDropped``). Images go through the
-stage's output connector when one is configured (the message carries the handle). The process exits on
+The process loads the diffusion engine and hosts the replica's batch loop
+(:mod:`~vllm_omni_plugin.stage.diffusion_loop`), which reports over ZMQ. A reader thread receives requests
+and aborts while a batch runs; drops are reported back (``StageDropped``). Images go through the stage's
+output connector when one is configured (the message carries the handle). The process exits on
 SIGTERM once its running batch is done (in-flight requests drain), and at once, dropping that batch, on
 ``StageShutdown`` and when its parent dies.
 """
@@ -23,7 +21,6 @@ from typing import Any
 
 import msgspec
 
-from vllm_omni_plugin.connectors.base import ConnectorHandle
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import exit_with_parent, spawning_without_main
@@ -40,8 +37,9 @@ from vllm_omni_plugin.stage.core_types import (
     StageReady,
     StageShutdown,
     ToStageMessage,
+    to_stage_message_type,
 )
-from vllm_omni_plugin.stage.payload import internalize, release
+from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop, DiffusionInbox
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
@@ -77,64 +75,8 @@ def load_diffusion_engine(diffusion_args: dict[str, Any]) -> tuple[Any, str]:
     return engine, str(worker.device)
 
 
-class _Inbox:
-    """What the reader thread received, for the batch loop: queued requests, aborts, the stop order."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Condition()
-        self.queued: list[StageDiffusionCoreRequest] = []
-        self.running: set[str] = set()
-        """Ids of the batch being run."""
-        self.aborted: set[str] = set()
-        """Ids of the running batch aborted while it runs."""
-        self.stopping = False
-        """No further batch (SIGTERM: the running one finishes). Set without the lock, as a signal
-        handler sets it: readers look again at least every poll."""
-        self.interrupted = False
-        """Not even the running batch finishes (``StageShutdown``, a dead parent): nobody will read it."""
-        self.closed = False
-        """The batch loop has ended: the reader thread ends too."""
-
-    def is_aborted(self, request_id: str) -> bool:
-        return self.interrupted or request_id in self.aborted
-
-    def interrupt(self) -> None:
-        self.interrupted = self.stopping = True
-
-    def add(self, request: StageDiffusionCoreRequest) -> None:
-        with self.lock:
-            self.queued.append(request)
-            self.lock.notify()
-
-    def abort(self, request_ids: list[str]) -> list[StageDiffusionCoreRequest]:
-        """Drop the queued requests among ``request_ids`` (returned) and mark running ones aborted."""
-        ids = set(request_ids)
-        with self.lock:
-            dropped = [r for r in self.queued if r.request_id in ids]
-            self.queued = [r for r in self.queued if r.request_id not in ids]
-            self.aborted |= ids & self.running
-        return dropped
-
-    def take(self, max_batch: int) -> list[StageDiffusionCoreRequest]:
-        """The next batch (empty after a poll interval with nothing queued, or when stopping)."""
-        with self.lock:
-            if not self.queued and not self.stopping:
-                self.lock.wait(POLL_MS / 1000)
-            if self.stopping:
-                return []
-            batch, self.queued = self.queued[:max_batch], self.queued[max_batch:]
-            self.running = {r.request_id for r in batch}
-            return batch
-
-    def finish(self) -> set[str]:
-        """The running batch is done: the ids aborted while it ran."""
-        with self.lock:
-            aborted, self.aborted, self.running = self.aborted, set(), set()
-        return aborted
-
-
 def _read_requests(
-    context: Any, pull: Any, config: StageDiffusionProcConfig, inbox: _Inbox, input_connector: Any
+    context: Any, pull: Any, config: StageDiffusionProcConfig, loop: DiffusionBatchLoop
 ) -> None:
     """The reader thread: requests into the inbox, aborts applied at once (acknowledged on a socket of its
     own, as ZMQ sockets are used by one thread each; ``pull`` is handed over from the main thread)."""
@@ -142,26 +84,29 @@ def _read_requests(
 
     acks = context.socket(zmq.PUSH)
     acks.connect(config.output_address)
-    to_stage = StageMessageCodec(ToStageMessage)
+    to_stage = StageMessageCodec(to_stage_message_type())
+    untyped = StageMessageCodec(ToStageMessage)
     from_stage = StageMessageCodec(FromStageMessage)
+    inbox = loop.inbox
     try:
         while not inbox.closed:
             if not pull.poll(POLL_MS):
                 continue
+            frame = pull.recv()
             try:
-                message = to_stage.decode(pull.recv())
-            except msgspec.DecodeError:
-                logger.error("stage %d: an undecodable message; dropped", config.stage_id)
+                message = to_stage.decode(frame)
+            except msgspec.DecodeError as exc:
+                refusal = _refusal(untyped, frame, exc, config.stage_id)
+                if refusal is None:
+                    logger.error("stage %d: an undecodable message; dropped", config.stage_id)
+                else:
+                    acks.send(from_stage.encode(StageCoreOutputs(outputs=[refusal], pid=os.getpid())))
                 continue
             if isinstance(message, StageShutdown):
                 inbox.interrupt()
             elif isinstance(message, StageAbort):
-                dropped = inbox.abort(message.request_ids)
-                for request in dropped:
-                    if input_connector is not None:
-                        release(request.diffusion, input_connector)
-                if dropped:
-                    ids = [r.request_id for r in dropped]
+                ids = loop.abort(message.request_ids)
+                if ids:
                     acks.send(
                         from_stage.encode(StageDropped(request_ids=ids, where="queue", pid=os.getpid()))
                     )
@@ -172,12 +117,48 @@ def _read_requests(
         acks.close(linger=1000)
 
 
+def _refusal(
+    untyped: StageMessageCodec, frame: bytes, exc: Exception, stage_id: int
+) -> StageDiffusionCoreOutput | None:
+    """The answer to a request whose diffusion part is of no registered kind (None: not a request)."""
+    try:
+        message = untyped.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(message, StageDiffusionCoreRequest):
+        return None
+    return StageDiffusionCoreOutput(
+        request_id=message.request_id, stage_id=stage_id, error=f"bad diffusion request: {exc}", invalid=True
+    )
+
+
+class _ZmqReport:
+    """The loop's reports as stage messages on the process's output socket (the loop's thread only)."""
+
+    def __init__(self, push: Any) -> None:
+        self.push = push
+        self.codec = StageMessageCodec(FromStageMessage)
+        self.last_progress = 0.0
+
+    def outputs(self, outputs: list[StageDiffusionCoreOutput]) -> None:
+        self.push.send(self.codec.encode(StageCoreOutputs(outputs=outputs, pid=os.getpid())))
+
+    def dropped(self, request_ids: list[str], where: str) -> None:
+        self.push.send(self.codec.encode(StageDropped(request_ids=request_ids, where=where, pid=os.getpid())))
+
+    def progress(self, denoise_steps: int, *, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self.last_progress >= PROGRESS_REPORT_INTERVAL_S:
+            self.last_progress = now
+            self.push.send(self.codec.encode(StageProgress(denoise_steps=denoise_steps, pid=os.getpid())))
+
+
 def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
     """Process entry point (spawned)."""
     import zmq
 
     os.environ.update(config.env)
-    inbox = _Inbox()
+    inbox = DiffusionInbox()
 
     def on_signal(signum: int, frame: Any) -> None:
         inbox.stopping = True
@@ -217,45 +198,21 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
         context.term()
         return
 
-    last_report = [0.0]
-
-    def report_progress(denoise_steps: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - last_report[0] >= PROGRESS_REPORT_INTERVAL_S:
-            last_report[0] = now
-            push.send(from_stage.encode(StageProgress(denoise_steps=denoise_steps, pid=os.getpid())))
-
-    if hasattr(engine, "on_progress"):
-        engine.on_progress = report_progress
-    max_batch = max(1, int(config.diffusion_args.get("max_batch_size", 1)))
+    loop = DiffusionBatchLoop(
+        engine,
+        config.stage_id,
+        _ZmqReport(push),
+        max_batch=int(config.diffusion_args.get("max_batch_size", 1)),
+        inbox=inbox,
+        input_connector=input_connector,
+        output_connector=connector,
+    )
     reader = threading.Thread(
-        target=_read_requests,
-        args=(context, pull, config, inbox, input_connector),
-        name="stage-reader",
-        daemon=True,
+        target=_read_requests, args=(context, pull, config, loop), name="stage-reader", daemon=True
     )
     reader.start()
     try:
-        while not inbox.stopping:
-            batch = inbox.take(max_batch)
-            if not batch:
-                continue
-            outputs, aborted = _run_batch(
-                engine, batch, config.stage_id, connector, input_connector, inbox.is_aborted
-            )
-            aborted |= inbox.finish()
-            if hasattr(engine, "denoise_steps"):
-                report_progress(engine.denoise_steps, force=True)
-            for output in outputs:
-                if output.request_id in aborted and output.image_handle is not None and connector is not None:
-                    # aborted after its image was put: nobody will read it
-                    connector.cleanup(msgspec.convert(output.image_handle, ConnectorHandle))
-            outputs = [o for o in outputs if o.request_id not in aborted]
-            if outputs:
-                push.send(from_stage.encode(StageCoreOutputs(outputs=outputs, pid=os.getpid())))
-            if aborted and not inbox.interrupted:
-                dropped = StageDropped(request_ids=sorted(aborted), where="batch", pid=os.getpid())
-                push.send(from_stage.encode(dropped))
+        loop.serve()
     finally:
         inbox.stopping = inbox.closed = True
         reader.join(5)
@@ -264,67 +221,6 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
                 conn.close()
         push.close(linger=1000)
         context.term()
-
-
-def _run_batch(
-    engine: Any,
-    batch: list[StageDiffusionCoreRequest],
-    stage_id: int,
-    connector: Any,
-    input_connector: Any,
-    is_aborted: Any,
-) -> tuple[list[StageDiffusionCoreOutput], set[str]]:
-    """Outputs of the batch's requests (images put through ``connector``), and the ids of those aborted
-    before their image was made."""
-
-    requests = []
-    transfer: dict[str, float] = {}
-    outputs: dict[str, StageDiffusionCoreOutput] = {}
-    for message in batch:
-        try:
-            fields = message.diffusion
-            if input_connector is not None:
-                t0 = time.perf_counter()
-                fields = internalize(fields, input_connector)
-                transfer[message.request_id] = time.perf_counter() - t0
-            requests.append(msgspec.convert(fields, engine.request_type))
-        except Exception as exc:  # a bad or lost payload fails this request only
-            outputs[message.request_id] = StageDiffusionCoreOutput(
-                request_id=message.request_id,
-                stage_id=stage_id,
-                error=f"bad diffusion request: {exc}",
-                invalid=isinstance(exc, msgspec.ValidationError),
-            )
-    results = engine.generate(requests, is_aborted) if requests else []
-    aborted: set[str] = set()
-    for result in results:
-        if result.aborted or is_aborted(result.request_id):
-            aborted.add(result.request_id)
-            continue
-        out = StageDiffusionCoreOutput(
-            request_id=result.request_id,
-            stage_id=stage_id,
-            error=result.error,
-            invalid=result.invalid,
-            timings={**(result.timings or {}), "transfer_in": transfer.get(result.request_id, 0.0)},
-            latents=result.latents,
-        )
-        if result.error is None:
-            image = result.image
-            if connector is not None:
-                out.image_handle = msgspec.to_builtins(connector.put(image_tensor(image)))
-            else:
-                out.image = image
-        outputs[result.request_id] = out
-    return [outputs[m.request_id] for m in batch if m.request_id in outputs], aborted
-
-
-def image_tensor(image: Any) -> Any:
-    """An image array as the uint8 tensor a connector takes."""
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(image, dtype=np.uint8)))
 
 
 class StageDiffusionCoreProcManager:

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.params import RunnerRequest
+
 RenormType = Literal["global", "channel", "text_channel"]
 RENORM_TYPES: tuple[str, ...] = ("global", "channel", "text_channel")
 
@@ -77,10 +79,10 @@ EDIT_DEFAULTS = BagelSampling(
 """Image editing, as BAGEL's authors recommend it (they suggest ``global`` renorm if results look blurry)."""
 
 
-class BagelGenerationRequest(msgspec.Struct, kw_only=True):
-    """One image for BAGEL's generation stage."""
+class BagelGenerationRequest(RunnerRequest, kw_only=True, tag="bagel"):
+    """One image for BAGEL's generation stage (``seed``, for the record: the noise comes from the
+    generator handed to ``run`` with the request)."""
 
-    request_id: str
     cond: BagelContext
     """The full context (text, and for an edit the input image's VAE and ViT blocks)."""
     cfg_text: BagelContext | None = None
@@ -92,5 +94,3 @@ class BagelGenerationRequest(msgspec.Struct, kw_only=True):
     height: int
     width: int
     sampling: BagelSampling
-    seed: int | None = None
-    """For the record; the noise comes from the generator handed to ``run`` with the request."""

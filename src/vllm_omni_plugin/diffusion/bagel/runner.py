@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -29,7 +28,14 @@ from vllm_omni_plugin.diffusion.bagel.request import (
 )
 from vllm_omni_plugin.diffusion.bagel.transformer import ContextBank, GenerationTransformer
 from vllm_omni_plugin.diffusion.memory import element_bytes, vae_decode_bytes
-from vllm_omni_plugin.diffusion.pipelines import BatchAborted, BatchOutput, StopCheck
+from vllm_omni_plugin.diffusion.runner import (
+    BatchAborted,
+    BatchOutput,
+    DiffusionRunner,
+    RequestDefaults,
+    SizeLimits,
+    StopCheck,
+)
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.models.bagel.autoencoder import VaeDecoder, load_vae_decoder
 from vllm_omni_plugin.models.bagel.config import BagelConfig, load_bagel_config
@@ -61,17 +67,17 @@ def guidance_active(t: torch.Tensor, interval: tuple[float, float]) -> bool:
     return bool(t > interval[0]) and bool(t <= interval[1])
 
 
-class BagelGenerationRunner:
+class BagelGenerationRunner(DiffusionRunner):
     """Loads BAGEL's generation weights and the autoencoder's decoder; runs batches of requests.
 
     Use: ``runner = BagelGenerationRunner.load(model_dir, dtype=..., device=...)``; for each request
     ``runner.validate(r)`` (``ValueError`` naming the problem); batch requests with equal
     ``runner.batch_key(r)``; ``runner.run(batch, generators)`` with one CPU ``torch.Generator`` per request.
-    A request that arrived from the thinker stage first goes through ``prepare`` (shared contexts).
+    A request that arrived from the thinker stage first goes through ``prepare`` (shared contexts); its
+    sampling settings were resolved by the thinker's processor, so the engine's defaults do not apply.
     """
 
     request_type = BagelGenerationRequest
-    """What the diffusion engine converts incoming requests to."""
 
     def __init__(
         self,
@@ -87,8 +93,6 @@ class BagelGenerationRunner:
         self.dtype = transformer.dtype
         self.device = transformer.device
         self.tensors_read = tensors_read
-        self.on_step: Callable[[int], None] | None = None
-        """Called after each denoising step of a batch (the diffusion engine counts and logs progress)."""
         """Per weights file, the names of the tensors loading read (nothing else was read)."""
 
     @classmethod
@@ -190,8 +194,14 @@ class BagelGenerationRunner:
         active = {guidance_active(t, (s.cfg_interval[0], s.cfg_interval[1])) for t in timesteps}
         return len(active) > 1
 
-    @staticmethod
-    def describe_request(request: BagelGenerationRequest) -> str:
+    @property
+    def size_limits(self) -> SizeLimits:
+        return SizeLimits(multiple=self.cfg.latent_downsample, max_side=self.cfg.max_image_side)
+
+    def steps_of(self, request: BagelGenerationRequest) -> int:
+        return request.sampling.num_inference_steps - 1  # the flow runs between the schedule's points
+
+    def describe_request(self, request: BagelGenerationRequest) -> str:
         lengths = [c.kv_len for c in (request.cond, request.cfg_text, request.cfg_img) if c is not None]
         return (
             f"a {request.height}x{request.width} image over contexts of {', '.join(map(str, lengths))} tokens"
@@ -199,8 +209,12 @@ class BagelGenerationRunner:
 
     # --- per-request hooks -------------------------------------------------------------------------
 
+    def prepare(self, request: BagelGenerationRequest, defaults: RequestDefaults) -> BagelGenerationRequest:
+        """Shared contexts joined (:meth:`shared_contexts`); the request's settings are complete already."""
+        return self.shared_contexts(request)
+
     @staticmethod
-    def prepare(request: BagelGenerationRequest) -> BagelGenerationRequest:
+    def shared_contexts(request: BagelGenerationRequest) -> BagelGenerationRequest:
         """Contexts sent as a prefix of ``cond`` (``prefix_of``) become views of its tensor."""
         shared = {
             name: ctx

@@ -212,7 +212,7 @@ def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCo
 
 def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
     """AR output -> the DiT's request: the large grid upsampled x2, plus the i2i source tokens."""
-    from vllm_omni_plugin.diffusion.params import DiffusionRequest
+    from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
 
     request = context.request
     ar: StageLLMCoreOutput = sources[min(sources)]
@@ -231,7 +231,7 @@ def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDif
         raise StageError("the AR stage returned ids outside the VQ codebook", stage_id=context.stage_id)
     import torch
 
-    diffusion = DiffusionRequest(
+    diffusion = GlmImageRequest(
         request_id=request.request_id,
         prompt=request.prompt,
         height=height,

@@ -19,9 +19,14 @@ class Hold:
     def __init__(self, directory: Path, point: str) -> None:
         self.base = directory / point
         self.point = point
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Arm the point again (e.g. before killing the holder, so that its restarted replica holds the
+        retried request too); what the last holder reached is forgotten."""
         for suffix in (".reached", ".release"):
-            self.base.with_name(point + suffix).unlink(missing_ok=True)
-        self.base.with_name(point + ".armed").touch()
+            self._path(suffix).unlink(missing_ok=True)
+        self._path(".armed").touch()
 
     def _path(self, suffix: str) -> Path:
         return self.base.with_name(self.point + suffix)

@@ -1,8 +1,9 @@
 """``StageReplicaActor``: one stage replica as a Ray actor (backend ``ray``), the process Ray places,
 watches and restarts.
 
-The actor is the stage's process: a diffusion replica runs its engine in the actor itself (batching
-what is queued, as a ``StageDiffusionCoreProc`` does), an AR replica runs vLLM's ``AsyncLLM`` whose
+The actor is the stage's process: a diffusion replica runs its engine in the actor itself (the replica's
+batch loop, as a ``StageDiffusionCoreProc`` hosts it, reading and putting payloads through the edges'
+connectors), an AR replica runs vLLM's ``AsyncLLM`` whose
 ``EngineCore`` is the actor's child. Anything fatal ends the actor's process, so that Ray restarts it
 (``max_restarts``); the head learns of it from Ray, never from a heartbeat of ours.
 
@@ -28,11 +29,11 @@ from vllm_omni_plugin.config.schema import ConnectorSpec
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_types import (
     StageAbort,
-    StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
     StageFailed,
     StageLLMCoreRequest,
     StageReady,
+    diffusion_request_union,
 )
 from vllm_omni_plugin.stage.errors import StageDeadError, StageError
 
@@ -139,11 +140,10 @@ class StageReplicaActor:
             if spec.execution_type == "llm_ar":
                 replica, device = self._ar_replica(), "vLLM engine"
             else:
-                replica, device = self._diffusion_replica(), "diffusion engine"
-            await replica.start()
-            if spec.execution_type != "llm_ar":
                 self.input_connector = self._connector(self.input_name)
                 self.output_connector = self._connector(self.output_name)
+                replica, device = self._diffusion_replica(), "diffusion engine"
+            await replica.start()
         except Exception as exc:  # reported to the head as one line; the detail goes to the log
             logger.exception("%s failed to load on %s", self.label, self.where.host)
             return StageFailed(error=f"{type(exc).__name__}: {exc}".splitlines()[0])
@@ -176,7 +176,14 @@ class StageReplicaActor:
         model = spec.diffusion_args.get("model")
         if model and not os.path.isdir(model):
             raise FileNotFoundError(f"model directory {model} does not exist on {self.where.host}")
-        return InlineStageDiffusionClient(spec.stage_id, spec.replica_id, spec.diffusion_args, name=spec.name)
+        return InlineStageDiffusionClient(
+            spec.stage_id,
+            spec.replica_id,
+            spec.diffusion_args,
+            name=spec.name,
+            input_connector=self.input_connector,
+            output_connector=self.output_connector,
+        )
 
     def _connector(self, name: str | None) -> OmniConnector | None:
         from vllm_omni_plugin.connectors.base import make_connector
@@ -218,7 +225,7 @@ class StageReplicaActor:
 
         if self._codecs is None:
             self._codecs = (
-                StageMessageCodec(StageLLMCoreRequest | StageDiffusionCoreRequest),
+                StageMessageCodec(StageLLMCoreRequest | StageDiffusionCoreRequest[diffusion_request_union()]),
                 StageMessageCodec(RemoteOutput),
             )
         requests, codec = self._codecs
@@ -231,10 +238,7 @@ class StageReplicaActor:
         assert task is not None
         self._requests[request.request_id] = task
         try:
-            if isinstance(request, StageDiffusionCoreRequest):
-                reply.output = await self._generate_diffusion(request)
-            else:
-                reply.output = await self.replica.generate(request)
+            reply.output = await self.replica.generate(request)
             self.served += 1
         except StageDeadError:
             # The stage's engine died in this process: end the process, Ray restarts the actor and
@@ -249,25 +253,6 @@ class StageReplicaActor:
         finally:
             self._requests.pop(request.request_id, None)
         return codec.encode(reply)
-
-    async def _generate_diffusion(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
-        from vllm_omni_plugin.stage.diffusion_core_proc import image_tensor
-        from vllm_omni_plugin.stage.payload import internalize
-
-        assert self.replica is not None
-        loop = asyncio.get_running_loop()
-        transfer_in = 0.0
-        if self.input_connector is not None:
-            t0 = time.perf_counter()
-            fields = await loop.run_in_executor(None, internalize, request.diffusion, self.input_connector)
-            request = msgspec.structs.replace(request, diffusion=fields)
-            transfer_in = time.perf_counter() - t0
-        output: StageDiffusionCoreOutput = await self.replica.generate(request)
-        output.timings["transfer_in"] = transfer_in
-        if self.output_connector is not None and output.image is not None:
-            handle = await loop.run_in_executor(None, self.output_connector.put, image_tensor(output.image))
-            output.image_handle, output.image = msgspec.to_builtins(handle), None
-        return output
 
     async def abort(self, data: bytes) -> None:
         message = msgspec.msgpack.decode(data, type=StageAbort)

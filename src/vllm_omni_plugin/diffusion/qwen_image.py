@@ -1,0 +1,99 @@
+"""The Qwen-Image family's runners (text-to-image, edit, edit-plus): their guidance is ``true_cfg_scale``
+and their edit pipelines take images their own way. Generic code names them by dotted path only
+(``PIPELINE_RUNNERS``), so the family can move as a whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.pipelines import DiffusersPipelineRunner, as_pil, image_size
+
+
+class QwenImageRunner(DiffusersPipelineRunner):
+    """Qwen-Image: classifier-free guidance is ``true_cfg_scale``, and diffusers applies it only when a
+    negative prompt is given. A request's ``guidance_scale`` goes there, and above 1 a request without a
+    negative prompt gets ``" "`` (the model card's), so guidance always does what it says; at 1 or
+    below no negative prompt is passed (no unconditional pass)."""
+
+    pipeline_class = "QwenImagePipeline"
+    guidance_argument = "true_cfg_scale"
+    batched_guidance = False  # true CFG: the negative prompt's pass is a second transformer call
+    default_negative_prompt: ClassVar[str] = " "
+
+    def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
+        # Every negative prompt of a guided batch is a string, so requests with and without one mix.
+        return tuple(image_size(i) for i in request.images or [])
+
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        kwargs = super().call_kwargs(batch)
+        kwargs.pop("negative_prompt", None)
+        if (batch[0].guidance_scale or 0.0) > 1.0:
+            kwargs["negative_prompt"] = [r.negative_prompt or self.default_negative_prompt for r in batch]
+        return kwargs
+
+
+class QwenImageEditRunner(QwenImageRunner):
+    """Qwen-Image-Edit: one source image per request, ``image=[one per prompt]``.
+
+    The pipeline resizes a single image to about a megapixel (its aspect kept) for both the VAE and the
+    vision-language encoder, but passes a *list* of images to the encoder as they are, so a batch would
+    see other pixels than the same request alone. The runner resizes each image the way the pipeline
+    does for a single one first; a batch also shares the source size (``batch_key``), since the pipeline
+    sizes everything from the first image.
+    """
+
+    pipeline_class = "QwenImageEditPipeline"
+    needs_images = True
+
+    def source_pixels(self, request: DiffusionRequest) -> list[int]:
+        return [1024 * 1024 for _ in request.images or []]  # resized to about a megapixel (call_kwargs)
+
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        kwargs = super().call_kwargs(batch)
+        images = kwargs[self.image_argument]
+        width, height, _ = calculate_dimensions(1024 * 1024, images[0].size[0] / images[0].size[1])
+        kwargs[self.image_argument] = [self.pipe.image_processor.resize(i, height, width) for i in images]
+        return kwargs
+
+    @classmethod
+    def load_overrides(cls, model: str) -> dict[str, Any]:
+        return _with_qwen2vl_processor(super().load_overrides(model), model)
+
+
+class QwenImageEditPlusRunner(QwenImageRunner):
+    """Qwen-Image-Edit-2509 and later: ``image`` is the list of a request's source images, and every
+    prompt of a call sees all of them. Requests with their own images cannot share a call, so each runs
+    alone."""
+
+    pipeline_class = "QwenImageEditPlusPipeline"
+    needs_images = True
+    max_images = 3
+
+    def source_pixels(self, request: DiffusionRequest) -> list[int]:
+        return [1024 * 1024 for _ in request.images or []]  # the pipeline resizes each to about 1 MP
+
+    @classmethod
+    def load_overrides(cls, model: str) -> dict[str, Any]:
+        return _with_qwen2vl_processor(super().load_overrides(model), model)
+
+    def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
+        return (request.request_id,)
+
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        kwargs = super().call_kwargs(batch)
+        kwargs[self.image_argument] = [as_pil(image) for image in batch[0].images or []]
+        return kwargs
+
+
+def _with_qwen2vl_processor(overrides: dict[str, Any], model: str) -> dict[str, Any]:
+    """The edit pipelines' processor, loadable without torchvision (see ``qwen2vl_processor``)."""
+    from vllm_omni_plugin.diffusion.qwen2vl_processor import load_qwen2vl_processor
+
+    if (Path(model) / "processor").is_dir():
+        overrides["processor"] = load_qwen2vl_processor(Path(model) / "processor")
+    return overrides

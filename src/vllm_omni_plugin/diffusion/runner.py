@@ -1,0 +1,126 @@
+"""The interface every diffusion runner implements, and the only one the diffusion engine uses.
+
+A runner loads one model and runs batches of its own request type. The engine fills a request's
+defaults through the runner (:meth:`DiffusionRunner.prepare`), validates it, groups requests by
+:meth:`DiffusionRunner.batch_key`, bounds batches by :meth:`DiffusionRunner.activation_bytes` and runs
+them with :meth:`DiffusionRunner.run`; nothing else of a runner is read, so a runner declares here what
+it can do instead of the engine asking whether it has an attribute.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+
+from vllm_omni_plugin.diffusion.params import RunnerRequest
+
+
+class BatchAborted(Exception):
+    """Every request of the running batch was aborted: the call stopped at a step's end."""
+
+
+StopCheck = Callable[[], bool]
+"""Asked after each denoising step: True stops the batch (raises :class:`BatchAborted`)."""
+
+StepCallback = Callable[[int], None]
+"""Called after each denoising step of a batch with the step's index (the engine's progress)."""
+
+
+@dataclass(slots=True)
+class BatchOutput:
+    """What one call produced, in batch order."""
+
+    images: list[Any]
+    """uint8 HxWx3 arrays."""
+    latents: list[Any] | None
+    """Per row, its final latents where its request asked for them (``None`` elsewhere, or for all)."""
+    timings: dict[str, float]
+
+
+class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    """What the stage's configuration gives requests that leave a field unset (the runner's own
+    defaults where the configuration gives none: :meth:`DiffusionEngine.__init__`)."""
+
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+
+
+class SizeLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """The image sizes a runner's model can make."""
+
+    multiple: int = 1
+    """Height and width must be multiples of this (pixels)."""
+    max_side: int | None = None
+    """The largest height or width (``None``: no limit the model states)."""
+
+
+class DiffusionRunner(abc.ABC):
+    """One loaded model and how to run batches of its requests (subclasses: the diffusers runners in
+    :mod:`~vllm_omni_plugin.diffusion.pipelines` and the model families' own, e.g. BAGEL's)."""
+
+    request_type: ClassVar[type[RunnerRequest]]
+    """What this runner takes; the wire's union of request types is built from the registered runners'."""
+    default_num_inference_steps: int | None = None
+    default_guidance_scale: float | None = None
+    default_size: tuple[int, int] | None = None
+    """``(height, width)`` the model makes when neither the request nor the stage gives one."""
+    on_step: StepCallback | None = None
+    """Set by the engine: called after each denoising step of :meth:`run`."""
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, model: str, *, dtype: Any, device: Any) -> DiffusionRunner:
+        """The runner with its model loaded from ``model`` (a directory or hub id)."""
+
+    @property
+    def label(self) -> str:
+        """What it runs, for logs."""
+        return type(self).__name__
+
+    @property
+    def size_limits(self) -> SizeLimits:
+        """The sizes its model can make (any, unless the runner knows better)."""
+        return SizeLimits()
+
+    def prepare(self, request: Any, defaults: RequestDefaults) -> Any:
+        """The request as :meth:`run` takes it: unset fields from ``defaults``, received parts joined. The
+        engine has already drawn its seed. As is unless the runner's request has defaults to fill."""
+        return request
+
+    @abc.abstractmethod
+    def validate(self, request: Any) -> None:
+        """Raise ``ValueError`` naming what is wrong; run before batching, so one bad request fails alone."""
+
+    @abc.abstractmethod
+    def batch_key(self, request: Any) -> tuple[Any, ...]:
+        """Requests with equal keys can share one :meth:`run`."""
+
+    @abc.abstractmethod
+    def run(
+        self, batch: list[Any], generators: list[Any], should_stop: StopCheck | None = None
+    ) -> BatchOutput:
+        """One call for ``batch`` (one key, defaults applied; one CPU ``torch.Generator`` per request),
+        calling :attr:`on_step` after each step; raises :class:`BatchAborted` at the end of the first
+        step after which ``should_stop()`` is true."""
+
+    @abc.abstractmethod
+    def weight_tensors(self) -> list[Any]:
+        """The tensors (or modules) its weights are, counted where no allocator counts them."""
+
+    @abc.abstractmethod
+    def activation_bytes(self, batch: list[Any]) -> int:
+        """Estimated peak activations of ``batch`` (one key, defaults applied) run as one call."""
+
+    def steps_of(self, request: Any) -> int | None:
+        """How many denoising steps the request runs (for progress logs; None: not known before)."""
+        return None
+
+    def describe_request(self, request: Any) -> str:
+        """The request in a few words, for a message that it does not fit the memory budget."""
+        return f"request {request.request_id}"
