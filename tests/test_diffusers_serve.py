@@ -130,6 +130,45 @@ def test_generations_equal_direct_diffusers_calls(served: Served) -> None:
     assert served.server.metric("omni_diffusion_denoise_steps_total") - before == 3 * STEPS
 
 
+def test_a_request_without_size_gets_the_pipelines_own_default(served: Served) -> None:
+    """Not 1024x1024 (the OpenAI default): the size diffusers itself gives a call without one, the same
+    image. The tiny SD3's is 256x256 (its transformer's sample size times the VAE's scale); FLUX's and
+    Qwen-Image's pipelines default to 1024x1024, which tells nothing here."""
+    if served.family != "sd3":
+        pytest.skip("only the tiny SD3's own default size differs from 1024x1024")
+    result = served.client.images.generate(
+        model=served.name, prompt="a red fox", extra_body={**served.sampling, "seed": 5}
+    )
+    image = decode(result.data[0].b64_json)
+    direct = reference_image(
+        served.model,
+        prompt="a red fox",
+        seed=5,
+        height=None,
+        width=None,
+        steps=STEPS,
+        guidance=served.guidance,
+    )
+    assert image.shape == direct.shape == (256, 256, 3)
+    assert int(np.abs(image.astype(np.int16) - direct.astype(np.int16)).max()) <= 1
+
+
+def test_a_size_the_pipeline_cannot_make_is_400_before_any_stage_runs(served: Served) -> None:
+    """SD3's position embedding covers at most 1024x1024 for the tiny model (2048 is the server's own
+    bound): 400 naming the model's limit, not the pipeline's ValueError as a 500."""
+    if served.family != "sd3":
+        pytest.skip("only SD3 states a largest side (its position embedding table)")
+    steps = served.server.metric("omni_diffusion_denoise_steps_total")
+    with pytest.raises(openai.BadRequestError) as caught:
+        served.client.images.generate(model=served.name, prompt="a red fox", size="2048x2048")
+    assert caught.value.status_code == 400
+    message = str(caught.value)
+    assert "at most 1024 pixels for" in message and "StableDiffusion3Pipeline" in message, message
+    assert served.server.metric("omni_diffusion_denoise_steps_total") == steps
+    health = httpx.get(served.server.base_url + "/health", timeout=30).json()
+    assert all(r["inflight"] == 0 for s in health["stages"].values() for r in s["replicas"])
+
+
 def test_chat_with_image_modality_equals_a_direct_call(served: Served) -> None:
     content: str | list[dict] = "a small house on the shore"
     images = [source_image(64, seed=5)] if served.edits else None
@@ -191,12 +230,26 @@ def test_offline_api_serves_a_diffusers_model_without_a_config(tiny_sd3: Path) -
                 for i, p in enumerate(prompts)
             ]
         )
+        (unsized, too_big) = omni.generate(
+            [
+                OmniRequest(prompt="a red fox", seed=7, num_inference_steps=STEPS, guidance_scale=2.0),
+                OmniRequest(prompt="a red fox", height=2048, width=2048, num_inference_steps=STEPS),
+            ]
+        )
     for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         assert result.ok, result.error
         direct = reference_image(
             tiny_sd3, prompt=prompt, seed=i, height=64, width=64, steps=STEPS, guidance=2.0
         )
         assert_within_one_level(result.output.image, direct)
+    # the pipeline's own default size, applied before the first stage; a size it cannot make refused there
+    direct = reference_image(
+        tiny_sd3, prompt="a red fox", seed=7, height=None, width=None, steps=STEPS, guidance=2.0
+    )
+    assert unsized.ok, unsized.error
+    assert unsized.output.image.shape == direct.shape
+    assert not too_big.ok and "at most 1024 pixels" in (too_big.error or ""), too_big.error
+    assert too_big.error_stage == 0 and too_big.exception is not None
 
 
 def test_offline_api_in_process_stage_edits_and_counts_steps(

@@ -39,7 +39,7 @@ from vllm_omni_plugin.diffusion.memory import (
 )
 from vllm_omni_plugin.diffusion.params import DiffusionResult, RunnerRequest
 from vllm_omni_plugin.diffusion.pipelines import load_pipeline_runner
-from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, RequestDefaults
+from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, RequestDefaults, ServedDefaults
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
@@ -144,6 +144,10 @@ class DiffusionEngine:
             guidance_scale=self.guidance_scale,
         )
         """What requests that leave a field unset get (the configuration's, else the runner's own)."""
+        self.runner_defaults = ServedDefaults(
+            defaults=self.defaults, limits=runner.size_limits, label=runner.label
+        )
+        """What the stage reports once ready (``StageReady.runner_defaults``)."""
         self._seeds = random.Random(seed)
         self.progress_interval_s = progress_interval_s
         self.denoise_steps = 0

@@ -60,6 +60,17 @@ class SizeLimits(msgspec.Struct, frozen=True, kw_only=True):
     """The largest height or width (``None``: no limit the model states)."""
 
 
+class ServedDefaults(msgspec.Struct, frozen=True, kw_only=True):
+    """What a loaded diffusion replica tells its client once ready: the defaults its requests get (the
+    configuration's, else its model's own) and the sizes its model can make. The runtime resolves the
+    deployment's request defaults from it once, before any request runs."""
+
+    defaults: RequestDefaults
+    limits: SizeLimits
+    label: str = ""
+    """What made them (the runner and its pipeline class), for messages."""
+
+
 class DiffusionRunner(abc.ABC):
     """One loaded model and how to run batches of its requests (subclasses: the diffusers runners in
     :mod:`~vllm_omni_plugin.diffusion.pipelines` and the model families' own, e.g. BAGEL's)."""

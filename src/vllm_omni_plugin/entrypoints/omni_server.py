@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,7 @@ from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
+from vllm_omni_plugin.stage.request_defaults import SizeDefaults
 
 logger = get_logger(__name__)
 
@@ -92,6 +95,23 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
     )
 
 
+@functools.lru_cache(maxsize=8)
+def limits_for(limits: ImageLimits, sizes: SizeDefaults) -> ImageLimits:
+    """What HTTP requests are checked against and given: the defaults and limits the runtime resolved
+    (one source for routes and stages), within the operator's bounds."""
+    max_side, by = limits.max_side, limits.max_side_by
+    if sizes.limits.max_side is not None and sizes.limits.max_side < max_side:
+        max_side, by = sizes.limits.max_side, f"for {sizes.made_by}"
+    return dataclasses.replace(
+        limits,
+        multiple=math.lcm(limits.multiple, sizes.limits.multiple),
+        max_side=max_side,
+        max_side_by=by,
+        default_width=sizes.width or limits.default_width,
+        default_height=sizes.height or limits.default_height,
+    )
+
+
 def _image_size(image: Any) -> tuple[int, int]:
     """(width, height) of a decoded image (uint8 HxWx3 array) or a PIL image."""
     shape = getattr(image, "shape", None)
@@ -134,7 +154,12 @@ class OmniServer:
 
     @property
     def limits(self) -> ImageLimits:
-        return self.settings.limits
+        """The operator's bounds and the pipeline's grid, with the deployment's size defaults and its
+        model's limits once the runtime has resolved them (``stage/request_defaults.py``)."""
+        orchestrator = self.omni.orchestrator
+        if orchestrator is None:
+            return self.settings.limits
+        return limits_for(self.settings.limits, orchestrator.request_defaults.sizes)
 
     def check_model(self, model: str | None) -> str:
         names = self.settings.served_model_names

@@ -187,7 +187,12 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
             input_connector = make_connector(*config.input_connector)
         push.send(
             from_stage.encode(
-                StageReady(pid=os.getpid(), load_seconds=time.perf_counter() - start, device=device)
+                StageReady(
+                    pid=os.getpid(),
+                    load_seconds=time.perf_counter() - start,
+                    device=device,
+                    runner_defaults=engine.runner_defaults,
+                )
             )
         )
     except Exception as exc:  # reported to the parent as one line; the details go to the log

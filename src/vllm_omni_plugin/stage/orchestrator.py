@@ -39,9 +39,11 @@ from vllm_omni_plugin.stage.errors import (
     RetriesExhaustedError,
     StageDeadError,
     StageError,
+    StageRequestError,
 )
 from vllm_omni_plugin.stage.payload import carries_handles, release
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
+from vllm_omni_plugin.stage.request_defaults import RequestDefaults
 
 logger = get_logger(__name__)
 
@@ -154,6 +156,8 @@ class Orchestrator:
     ) -> None:
         self.deployment = deployment
         self.pools = pools
+        self.request_defaults = RequestDefaults(deployment, pools)
+        """The size a request that gives none gets, applied before its first stage (one place)."""
         self.connectors = connectors or {}
         """The deployment's connectors (this process's objects), to free payloads nobody will read."""
         self.stages = {s.stage_id: s for s in deployment.stages}
@@ -185,6 +189,12 @@ class Orchestrator:
         done: dict[int, asyncio.Future[Any]] = {
             sid: asyncio.get_running_loop().create_future() for sid in self.stages
         }
+        refusal = self.request_defaults.apply(request)
+        if refusal is not None:  # before any stage runs
+            first = min(self.stages)
+            result.exception = StageRequestError(refusal, stage_id=first, request_id=request.request_id)
+            result.error, result.error_stage = refusal, first
+            return result
         budget = RetryBudget(request.request_id, self.deployment.max_retries, result.deaths)
         tasks = [
             asyncio.create_task(

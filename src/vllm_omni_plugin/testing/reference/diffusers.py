@@ -50,14 +50,15 @@ def reference_image(
     *,
     prompt: str,
     seed: int,
-    height: int,
-    width: int,
+    height: int | None,
+    width: int | None,
     steps: int,
     guidance: float,
     negative_prompt: str | None = None,
     images: list[Any] | None = None,
 ) -> Any:
-    """One stock diffusers call for one request; the image as a uint8 HxWx3 array."""
+    """One stock diffusers call for one request; the image as a uint8 HxWx3 array (``None`` sizes: the
+    pipeline's own default)."""
     import numpy as np
     import torch
     from PIL import Image

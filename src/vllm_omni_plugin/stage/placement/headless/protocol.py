@@ -9,6 +9,7 @@ import hashlib
 import msgspec
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
+from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreRequest, StageLLMCoreRequest
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
 
@@ -19,6 +20,8 @@ class WorkerRegister(msgspec.Struct, kw_only=True, tag="register"):
     host: str
     pid: int
     config_digest: str
+    runner_defaults: ServedDefaults | None = None
+    """Its diffusion replicas' request defaults and sizes (``StageReady.runner_defaults``)."""
 
 
 class WorkerAccepted(msgspec.Struct, kw_only=True, tag="accepted"):

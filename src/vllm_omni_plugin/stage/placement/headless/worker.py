@@ -102,7 +102,7 @@ class HeadlessStageWorker:
                 self.head_url,
             )
             self._dealer.connect(self.head_url)
-            accepted = await self._register()
+            accepted = await self._register(pool)
             if accepted is None:
                 code, why = self._stopping.result()
                 return code
@@ -138,7 +138,7 @@ class HeadlessStageWorker:
     async def _send(self, message: Any) -> None:
         await self._dealer.send(self._codec_out.encode(message))
 
-    async def _register(self) -> WorkerAccepted | None:
+    async def _register(self, pool: StageReplicaPool) -> WorkerAccepted | None:
         assert self._stopping is not None
         register = WorkerRegister(
             stage_id=self.stage_id,
@@ -146,6 +146,7 @@ class HeadlessStageWorker:
             host=socket.gethostname(),
             pid=os.getpid(),
             config_digest=stage_config_digest(self.deployment, self.stage_id),
+            runner_defaults=pool.runner_defaults,
         )
         waited = 0.0
         while not self._stopping.done():

@@ -150,7 +150,12 @@ class StageReplicaActor:
         self.replica = replica
         seconds = time.perf_counter() - start
         logger.info("%s loaded on %s (pid %d) in %.1fs", self.label, self.where.host, self.where.pid, seconds)
-        return StageReady(pid=self.where.pid, load_seconds=seconds, device=f"{device} on {self.where.host}")
+        return StageReady(
+            pid=self.where.pid,
+            load_seconds=seconds,
+            device=f"{device} on {self.where.host}",
+            runner_defaults=replica.runner_defaults,
+        )
 
     def _ar_replica(self) -> StageCoreClientBase:
         from vllm_omni_plugin.stage.llm_core_client import StageLLMCoreClient
