@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from vllm_omni_plugin.log import get_logger
 
@@ -24,8 +25,10 @@ HOLD_DIR_ENV = "VLLM_OMNI_HOLD_DIR"
 POLL_S = 0.01
 
 
-def hold_point(point: str, holding: str = "") -> None:
-    """Wait here while ``point`` is armed (see the module); ``holding`` says what is held, for the test."""
+def hold_point(point: str, holding: str = "", give_up: Callable[[], bool] | None = None) -> None:
+    """Wait here while ``point`` is armed (see the module); ``holding`` says what is held, for the test.
+    ``give_up`` (asked while waiting) lets a holder that is being stopped (its parent died, a shutdown)
+    go on without a release, so a test never keeps a process from stopping."""
     directory = os.environ.get(HOLD_DIR_ENV)
     if not directory:
         return
@@ -40,5 +43,8 @@ def hold_point(point: str, holding: str = "") -> None:
     os.replace(base + ".reached.tmp", base + ".reached")
     os.unlink(base + ".taken")
     while not os.path.exists(base + ".release"):
+        if give_up is not None and give_up():
+            logger.warning("test hold point %s: stopping, no longer held", point)
+            return
         time.sleep(POLL_S)
     logger.warning("test hold point %s: released", point)

@@ -102,6 +102,9 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     """Packaged deploy config (file name under ``deploy/``) used when none is given."""
     image_size_multiple: int = 16
     """Height and width of the images this pipeline makes must be multiples of this."""
+    edits_keep_source_size: bool = False
+    """An edit makes an image of its source's size, whatever size the request names (BAGEL), so the
+    model's size limits bind text-to-image requests only."""
     ar_token_budget: str | None = None
     """Dotted path of ``f(model, prompt, image_sizes, width, height, limit) -> ARTokenCount``: every token
     one request holds in the AR stage (prompt, source images, generated image), so the API server refuses a
@@ -297,6 +300,7 @@ BAGEL = Pipeline(
     default_deploy_config="bagel.yaml",
     answers_in_text=True,
     image_size_multiple=16,  # one latent token per 16x16 pixels
+    edits_keep_source_size=True,
     diffusion_defaults=DiffusionDefaults(height=1024, width=1024),
     generation_params=(
         "cfg_text_scale",

@@ -97,16 +97,13 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
 
 @functools.lru_cache(maxsize=8)
 def limits_for(limits: ImageLimits, sizes: SizeDefaults) -> ImageLimits:
-    """What HTTP requests are checked against and given: the defaults and limits the runtime resolved
-    (one source for routes and stages), within the operator's bounds."""
-    max_side, by = limits.max_side, limits.max_side_by
-    if sizes.limits.max_side is not None and sizes.limits.max_side < max_side:
-        max_side, by = sizes.limits.max_side, f"for {sizes.made_by}"
+    """What HTTP requests are given and checked against: the default size the runtime resolved (one
+    source for routes and stages) and the model's size grid, within the operator's bounds. The model's
+    largest side is the runtime's to check (whether it binds depends on the request: an edit of a
+    pipeline that keeps its source's size is not bound by it)."""
     return dataclasses.replace(
         limits,
         multiple=math.lcm(limits.multiple, sizes.limits.multiple),
-        max_side=max_side,
-        max_side_by=by,
         default_width=sizes.width or limits.default_width,
         default_height=sizes.height or limits.default_height,
     )

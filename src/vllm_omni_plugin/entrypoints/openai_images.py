@@ -82,8 +82,6 @@ class ImageLimits:
     max_inference_steps: int = 1000
     default_width: int = 1024
     default_height: int = 1024
-    max_side_by: str = "on this server"
-    """Whose bound ``max_side`` is, for the message (the operator's, or the model's)."""
 
     @property
     def min_side(self) -> int:
@@ -115,8 +113,7 @@ def check_dimensions(width: int, height: int, limits: ImageLimits, param: str = 
         )
     if width > limits.max_side or height > limits.max_side:
         raise OmniAPIError(
-            f"width and height must be at most {limits.max_side} pixels {limits.max_side_by}, "
-            f"got {width}x{height}",
+            f"width and height must be at most {limits.max_side} pixels on this server, got {width}x{height}",
             param=param,
         )
 

@@ -135,7 +135,8 @@ class DiffusionBatchLoop:
     def _step_done(self, denoise_steps: int) -> None:
         self.report.progress(denoise_steps, force=False)
         # tests hold the batch here (off unless a test arms the point)
-        hold_point("dit.step", " ".join(sorted(self.inbox.running)))
+        inbox = self.inbox
+        hold_point("dit.step", " ".join(sorted(inbox.running)), give_up=lambda: inbox.stopping)
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort requests: those still queued are dropped with their payloads (their ids returned, for

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_omni_plugin.config.pipeline import get_pipeline
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.diffusion.runner import ServedDefaults, SizeLimits
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
@@ -56,6 +57,7 @@ class RequestDefaults:
             made_by=deployment.pipeline,
         )
         self._resolved: SizeDefaults | None = None if self._pool is not None else self._configured
+        self._edits_keep_source_size = get_pipeline(deployment.pipeline).edits_keep_source_size
 
     @property
     def sizes(self) -> SizeDefaults:
@@ -77,7 +79,9 @@ class RequestDefaults:
         if request.width is None:
             request.width = sizes.width
         if request.height is None or request.width is None:
-            return None  # the model decides (e.g. an edit keeping its source's size)
+            return None  # the model decides (e.g. a Qwen-Image edit, from its source's size)
+        if request.images and self._edits_keep_source_size:
+            return None  # the size asked for is not the size made
         return sizes.check(request.width, request.height)
 
 
