@@ -50,6 +50,7 @@ from vllm_omni_plugin.stage.core_types import (
 from vllm_omni_plugin.stage.errors import StageDeadError
 from vllm_omni_plugin.stage.orchestrator import ProcessorContext
 from vllm_omni_plugin.stage.placement.base import StagePlacement
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import cpu_test_env
 
 if TYPE_CHECKING:
@@ -78,6 +79,13 @@ def wire(handle: ConnectorHandle) -> bytes:
 def unwire(data: bytes) -> ConnectorHandle:
     """A handle as the receiving stage reads it from a control message."""
     return msgspec.convert(msgspec.msgpack.decode(data), ConnectorHandle)
+
+
+def our_segments_left(watch: LeakWatch, grace: float = 30.0) -> list[str]:
+    """The ``vllm_omni_*`` segments the watched processes made or mapped and left behind (after up to
+    ``grace`` s); another test run's on the same machine are not theirs."""
+    watch.stop()
+    return [name for name in watch.leftovers(grace).segments if name.startswith("vllm_omni_")]
 
 
 def our_segments(pids: set[int] | None = None) -> list[str]:

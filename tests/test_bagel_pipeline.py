@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from helpers import our_segments
+from helpers import our_segments_left
 from vllm_omni_plugin.entrypoints.omni import Omni
 from vllm_omni_plugin.stage.orchestrator import OmniRequest
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = str(REPO / "deploy" / "tiny_bagel_cpu.yaml")
@@ -40,9 +41,10 @@ def source_image(seed: int = 0, height: int = 64, width: int = 48) -> Any:
 
 @pytest.fixture(scope="module")
 def omni(tiny_bagel: Path):
+    watch = LeakWatch().start()  # this process and its children
     with Omni(str(tiny_bagel), deploy_config=DEPLOY) as o:
         yield o
-    assert our_segments() == []  # shutdown released every shared-memory segment
+    assert our_segments_left(watch) == []  # shutdown released every shared-memory segment
 
 
 @pytest.fixture(scope="module")

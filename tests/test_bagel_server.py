@@ -24,7 +24,8 @@ import openai
 import pytest
 from PIL import Image
 
-from helpers import our_segments
+from helpers import our_segments_left
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import (
     ServerProcess,
     bin_script,
@@ -53,9 +54,11 @@ def server(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory):
         env=cpu_test_env({"VLLM_LOG_STATS_INTERVAL": "1"}),  # /metrics sees the thinker's export counters
     )  # fmt: skip
     with proc:
+        assert proc.proc is not None
+        watch = LeakWatch(root=proc.proc.pid).start()
         proc.wait_ready(timeout=300)
         yield proc
-    assert our_segments() == []
+    assert our_segments_left(watch) == []
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,8 @@ import openai
 import pytest
 from PIL import Image
 
-from helpers import our_segments, source_image
+from helpers import our_segments_left, source_image
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
 
 pytestmark = pytest.mark.server
@@ -128,18 +129,26 @@ def servers(
     """Both models' servers, started together so that their start-ups overlap (a model this machine cannot
     serve in bf16 maps to why); stopped at the end of the module, leaving nothing in /dev/shm."""
     started: dict[str, ServerProcess | str] = {}
+    watches: list[LeakWatch] = []
+
+    def watched(server: ServerProcess) -> ServerProcess:
+        server.start()
+        assert server.proc is not None
+        watches.append(LeakWatch(root=server.proc.pid).start())
+        return server
+
     try:
-        started["glm"] = serve(
-            tiny_glm_image, GLM_DEPLOY, GLM_MODEL, tmp_path_factory.mktemp("glm_bf16")
-        ).start()
+        started["glm"] = watched(
+            serve(tiny_glm_image, GLM_DEPLOY, GLM_MODEL, tmp_path_factory.mktemp("glm_bf16"))
+        )
         refusal, logs = bf16_kv_handoff_refusal(), tmp_path_factory.mktemp("bagel_bf16")
-        started["bagel"] = refusal or serve(tiny_bagel, BAGEL_DEPLOY, BAGEL_MODEL, logs).start()
+        started["bagel"] = refusal or watched(serve(tiny_bagel, BAGEL_DEPLOY, BAGEL_MODEL, logs))
         yield started
     finally:
         for server in started.values():
             if isinstance(server, ServerProcess):
                 server.stop()
-    assert our_segments() == []
+    assert [name for watch in watches for name in our_segments_left(watch)] == []
 
 
 def client(servers: dict[str, ServerProcess | str], name: str) -> openai.OpenAI:
