@@ -281,7 +281,7 @@ def _context_of(output: StageLLMCoreOutput, name: str) -> dict[str, Any]:
 
 def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequest | None:
     """The thinker's contexts -> the DiT's generation request; None for a text request (no DiT)."""
-    from vllm_omni_plugin.diffusion.bagel.request import BagelContext, BagelGenerationRequest
+    from vllm_omni_plugin.families.bagel.request import BagelContext, BagelGenerationRequest
 
     request = context.request
     if getattr(request, "modality", "image") == "text":
@@ -331,7 +331,7 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
 def dit_sampling(context: Any, edit: bool) -> Any:
     """BAGEL's generation settings: the request's, else the deploy config's, else the authors' defaults
     for the mode (text-to-image or edit)."""
-    from vllm_omni_plugin.diffusion.bagel.request import EDIT_DEFAULTS, T2I_DEFAULTS, BagelSampling
+    from vllm_omni_plugin.families.bagel.request import EDIT_DEFAULTS, T2I_DEFAULTS, BagelSampling
 
     params = msgspec.structs.asdict(EDIT_DEFAULTS if edit else T2I_DEFAULTS)
     steps = _dit_stage(context.deployment).diffusion_args.get("num_inference_steps")

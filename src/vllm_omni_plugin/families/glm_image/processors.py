@@ -212,7 +212,7 @@ def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCo
 
 def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
     """AR output -> the DiT's request: the large grid upsampled x2, plus the i2i source tokens."""
-    from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
+    from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 
     request = context.request
     ar: StageLLMCoreOutput = sources[min(sources)]
