@@ -19,7 +19,7 @@ def requests(count: int, size: int, steps: int, layers: int, kv_heads: int, head
     import msgspec
     import torch
 
-    from vllm_omni_plugin.diffusion.bagel import EDIT_DEFAULTS, BagelContext, BagelGenerationRequest
+    from vllm_omni_plugin.families.bagel import EDIT_DEFAULTS, BagelContext, BagelGenerationRequest
 
     def ctx(gen: torch.Generator, length: int, rope: int) -> BagelContext:
         kv = torch.randn((layers, 2, length, kv_heads, head_dim), generator=gen)
@@ -69,7 +69,7 @@ def main() -> None:
 
     import torch
 
-    from vllm_omni_plugin.diffusion.bagel import BagelGenerationRunner
+    from vllm_omni_plugin.families.bagel import BagelGenerationRunner
 
     model = args.model
     if model is None:

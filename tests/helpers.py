@@ -38,7 +38,7 @@ from vllm_omni_plugin.config import (
 )
 from vllm_omni_plugin.config.resolved import ResolvedStage
 from vllm_omni_plugin.connectors.base import ConnectorHandle, OmniConnector
-from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
+from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     StageCoreOutput,

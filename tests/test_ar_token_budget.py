@@ -27,9 +27,9 @@ from PIL import Image
 
 from helpers import FakePlacement, app_client
 from vllm_omni_plugin.config import PLATFORMS, ResolvedDeployment, resolve_deployment
+from vllm_omni_plugin.families.glm_image.processors import glm_image_ar_tokens, request2ar
 from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, ProcessorContext
-from vllm_omni_plugin.stage.processors.glm_image import glm_image_ar_tokens, request2ar
 
 REPO = Path(__file__).resolve().parent.parent
 REAL_IMAGE_PROCESSOR = Path(__file__).parent / "data" / "glm_image_real_image_processor.yaml"

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_plugin.diffusion.bagel import (
+from vllm_omni_plugin.families.bagel import (
     EDIT_DEFAULTS,
     T2I_DEFAULTS,
     BagelContext,
     BagelGenerationRequest,
     BagelGenerationRunner,
 )
-from vllm_omni_plugin.diffusion.bagel.transformer import GenerationTransformer
+from vllm_omni_plugin.families.bagel.transformer import GenerationTransformer
 from vllm_omni_plugin.models.bagel import transforms, weights
 from vllm_omni_plugin.models.bagel.autoencoder import load_vae_encoder
 from vllm_omni_plugin.models.bagel.config import (

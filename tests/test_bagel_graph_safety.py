@@ -158,8 +158,8 @@ def _engine_main(model: str, out_path: str) -> None:
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
 
+    from vllm_omni_plugin.families.bagel.processors import bagel_tokens
     from vllm_omni_plugin.models.bagel.engine_args import thinker_engine_args
-    from vllm_omni_plugin.stage.processors.bagel import bagel_tokens
 
     llm = LLM(
         model=model,

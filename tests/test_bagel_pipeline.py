@@ -168,10 +168,10 @@ def _received_contexts(omni: Omni, request: OmniRequest) -> Any:
     import msgspec
 
     from vllm_omni_plugin.connectors.base import make_connector
-    from vllm_omni_plugin.diffusion.bagel.runner import BagelGenerationRunner
+    from vllm_omni_plugin.families.bagel.processors import continue_thinker, request2thinker, thinker2dit
+    from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
     from vllm_omni_plugin.stage.orchestrator import ProcessorContext
     from vllm_omni_plugin.stage.payload import internalize
-    from vllm_omni_plugin.stage.processors.bagel import continue_thinker, request2thinker, thinker2dit
 
     deployment = omni.deployment
     inner = omni._async  # the running AsyncOmni

@@ -253,7 +253,7 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
     import torch
 
     from vllm_omni_plugin.diffusion import DiffusionEngine
-    from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
+    from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
     from vllm_omni_plugin.testing.reference.glm_image import (
         glm_image_reference_image,
         glm_image_reference_prior_tokens,

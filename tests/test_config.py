@@ -63,7 +63,9 @@ def test_glm_image_pipeline_topology() -> None:
         True,
         "image",
     )
-    assert dit.input_processor is not None and dit.input_processor.endswith("glm_image.ar2diffusion")
+    assert dit.input_processor is not None and dit.input_processor.endswith(
+        "glm_image.processors.ar2diffusion"
+    )
 
 
 def test_pipeline_detection(tmp_path: Path, model_dir: str) -> None:
@@ -103,7 +105,7 @@ def test_a_diffusers_model_resolves_to_one_diffusion_stage_without_a_config(tmp_
         True,
         [],
     )
-    assert stage.input_processor.endswith("processors.diffusion.request2diffusion")
+    assert stage.input_processor.endswith("families.diffusers.processors.request2diffusion")
     assert stage.diffusion_args == {
         "max_batch_size": 8,
         "model": model,
@@ -266,7 +268,7 @@ def test_every_packaged_bagel_config_resolves(path: Path, platform, tiny_bagel: 
     )
     assert omni["next_position"] == "vllm_omni_plugin.models.bagel_thinker.context_next_position"
     dit = resolved.stage(1).diffusion_args
-    assert dit["runner_cls"] == "vllm_omni_plugin.diffusion.bagel.runner.BagelGenerationRunner"
+    assert dit["runner_cls"] == "vllm_omni_plugin.families.bagel.runner.BagelGenerationRunner"
     assert resolved.stage(0).continuation and resolved.stage(0).companion_timeout_s == 30.0
 
 

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from helpers import source_image
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult, qwen_image
-from vllm_omni_plugin.diffusion import pipelines as registry
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
+from vllm_omni_plugin.diffusion import diffusers_registry as registry
+from vllm_omni_plugin.families.diffusers import qwen_image
+from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner
 from vllm_omni_plugin.testing.reference.diffusers import reference_image
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
@@ -95,8 +97,8 @@ def ok(results: list[DiffusionResult]) -> list[DiffusionResult]:
 @pytest.mark.parametrize(
     ("family", "runner", "steps", "guidance", "side"),
     [
-        ("sd3", registry.DiffusersPipelineRunner, 28, 7.0, 256),  # transformer sample_size 32 x VAE 8
-        ("flux", registry.DiffusersPipelineRunner, 28, 3.5, 1024),
+        ("sd3", DiffusersPipelineRunner, 28, 7.0, 256),  # transformer sample_size 32 x VAE 8
+        ("flux", DiffusersPipelineRunner, 28, 3.5, 1024),
         ("qwen_image", qwen_image.QwenImageRunner, 50, 4.0, 1024),  # true_cfg_scale's default
         ("qwen_image_edit", qwen_image.QwenImageEditRunner, 50, 4.0, 1024),
     ],

@@ -14,10 +14,11 @@ import pytest
 import helpers
 from vllm_omni_plugin.config import PLATFORMS
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionResult
-from vllm_omni_plugin.diffusion import pipelines as registry
-from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest, GlmImageRunner
+from vllm_omni_plugin.diffusion import diffusers_registry as registry
 from vllm_omni_plugin.diffusion.worker import CPUDiffusionWorker, CUDADiffusionWorker
 from vllm_omni_plugin.dotted import import_object
+from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner
+from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest, GlmImageRunner
 from vllm_omni_plugin.testing.reference.glm_image import (
     glm_image_reference_image,
     glm_image_reference_prior_tokens,
@@ -356,10 +357,10 @@ def test_unknown_pipeline_class_lists_registered_ones(tmp_path: Path) -> None:
 def test_register_diffusion_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "PIPELINE_RUNNERS", dict(registry.PIPELINE_RUNNERS))
 
-    class FluxRunner(registry.DiffusersPipelineRunner):
+    class FluxRunner(DiffusersPipelineRunner):
         pipeline_class = "FluxPipeline"
 
-    assert registry.runner_class("FluxPipeline") is registry.DiffusersPipelineRunner  # the generic runner
+    assert registry.runner_class("FluxPipeline") is DiffusersPipelineRunner  # the generic runner
     registry.register_diffusion_pipeline("FluxPipeline", FluxRunner)
     assert registry.runner_class("FluxPipeline") is FluxRunner
     assert registry.runner_class("GlmImagePipeline") is GlmImageRunner

@@ -14,12 +14,12 @@ import pytest
 
 from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
-from vllm_omni_plugin.diffusion.bagel.request import BagelContext, BagelGenerationRequest, BagelSampling
-from vllm_omni_plugin.diffusion.bagel.runner import BagelGenerationRunner
-from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
+from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.memory import RESERVE_BYTES, MemoryBudget, tensor_bytes
-from vllm_omni_plugin.diffusion.pipelines import load_pipeline_runner
 from vllm_omni_plugin.entrypoints.omni_server import http_status
+from vllm_omni_plugin.families.bagel.request import BagelContext, BagelGenerationRequest, BagelSampling
+from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
+from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

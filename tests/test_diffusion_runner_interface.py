@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from vllm_omni_plugin.config.pipeline import registered_pipelines
-from vllm_omni_plugin.diffusion.bagel.request import T2I_DEFAULTS, BagelContext, BagelGenerationRequest
-from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
+from vllm_omni_plugin.diffusion.diffusers_registry import diffusers_runner_classes, load_pipeline_runner
 from vllm_omni_plugin.diffusion.params import DiffusionRequest, RunnerRequest
-from vllm_omni_plugin.diffusion.pipelines import diffusers_runner_classes, load_pipeline_runner
 from vllm_omni_plugin.diffusion.runner import DiffusionRunner, SizeLimits
 from vllm_omni_plugin.dotted import import_object
+from vllm_omni_plugin.families.bagel.request import T2I_DEFAULTS, BagelContext, BagelGenerationRequest
+from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
@@ -221,7 +221,7 @@ def test_the_generic_runner_reads_its_pipelines_sizes(tiny_sd3: Path, tiny_flux:
 
 
 def test_bagels_runner_declares_its_sizes(tiny_bagel: Path) -> None:
-    from vllm_omni_plugin.diffusion.bagel.runner import BagelGenerationRunner
+    from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
 
     runner = BagelGenerationRunner.load(str(tiny_bagel), dtype=torch.float32, device="cpu")
     assert runner.size_limits == SizeLimits(

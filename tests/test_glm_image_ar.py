@@ -106,7 +106,7 @@ def hf_positions(hf: SimpleNamespace, inputs: Any) -> tuple[np.ndarray, np.ndarr
 def hf_greedy(hf: SimpleNamespace) -> dict[str, dict[str, Any]]:
     import torch
 
-    from vllm_omni_plugin.stage.processors.glm_image import glm_image_max_new_tokens
+    from vllm_omni_plugin.families.glm_image.processors import glm_image_max_new_tokens
 
     out = {}
     for name, case in CASES.items():
@@ -207,8 +207,8 @@ def _expected(hf: SimpleNamespace, case: tuple[int | None, int, int]) -> np.ndar
 
 @pytest.mark.parametrize("name", list(POSITION_CASES))
 def test_position_plan_equals_transformers(name: str, hf: SimpleNamespace) -> None:
+    from vllm_omni_plugin.families.glm_image.processors import glm_image_max_new_tokens
     from vllm_omni_plugin.models.glm_image_ar import glm_image_mrope_positions
-    from vllm_omni_plugin.stage.processors.glm_image import glm_image_max_new_tokens
 
     case = POSITION_CASES[name]
     inputs = hf_inputs(hf, case)

@@ -138,7 +138,7 @@ def glm_image_models(models: Models) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline
     from transformers import ByT5Tokenizer
 
-    from vllm_omni_plugin.diffusion.glm_image import GlmImageRunner
+    from vllm_omni_plugin.families.glm_image.runner import GlmImageRunner
 
     encoder = DATA / "glm_image" / "vision_language_encoder"
     models.ar_weights["glm_image"] = our_ar_weights(
@@ -173,8 +173,8 @@ def glm_image_models(models: Models) -> None:
 
 
 def bagel_models(models: Models, folder: Path) -> None:
-    from vllm_omni_plugin.diffusion.bagel.runner import BagelGenerationRunner
-    from vllm_omni_plugin.diffusion.bagel.transformer import GenerationTransformer
+    from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
+    from vllm_omni_plugin.families.bagel.transformer import GenerationTransformer
     from vllm_omni_plugin.models.bagel.autoencoder import load_vae_decoder
     from vllm_omni_plugin.models.bagel.config import load_bagel_config
     from vllm_omni_plugin.models.bagel.weights import CheckpointReader
@@ -221,7 +221,7 @@ def test_the_real_models_weigh_what_their_checkpoints_hold(models: Models) -> No
 
 def glm_requests(stage: ResolvedStage) -> tuple[list[Any], list[list[Any]]]:
     """(the largest requests, each alone; a full batch of the stage's default request)."""
-    from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
+    from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 
     args = stage.diffusion_args
 
@@ -237,7 +237,7 @@ def glm_requests(stage: ResolvedStage) -> tuple[list[Any], list[list[Any]]]:
 def bagel_requests(
     stage: ResolvedStage, thinker: ResolvedStage, runner: Any
 ) -> tuple[list[Any], list[list[Any]]]:
-    from vllm_omni_plugin.diffusion.bagel.request import (
+    from vllm_omni_plugin.families.bagel.request import (
         EDIT_DEFAULTS,
         T2I_DEFAULTS,
         BagelContext,

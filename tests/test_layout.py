@@ -1,6 +1,6 @@
 """The shape of the repository: self-contained (nothing points outside it), layered (no import cycle
-between the subpackages of ``vllm_omni_plugin``), and described (``docs/architecture.md`` names every
-subpackage)."""
+between the subpackages of ``vllm_omni_plugin``, each model family a unit of its own; no generic module
+imports a family), and described (``docs/architecture.md`` names every subpackage)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def project_files() -> list[Path]:
 
 
 def subpackages() -> list[str]:
-    """Every package below ``vllm_omni_plugin``, as a path (``stage/processors``)."""
+    """Every package below ``vllm_omni_plugin``, as a path (``stage/placement``)."""
     return sorted(
         str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE
     )
@@ -46,12 +46,28 @@ def test_nothing_points_outside_the_repository() -> None:
     assert offenders == []
 
 
+FAMILIES = PACKAGE / "families"
+FAMILY_FILES = ("pipeline.py", "processors.py", "runner.py", "settings.py")
+"""What every model family folder holds (its ``Pipeline``, stage-input processors, DiT runner and request
+type, request settings type)."""
+ABOVE_FAMILIES = ("testing",)
+"""The one layer that may import families: test support (each family's tiny model and reference)."""
+
+
+def unit_of(parts: tuple[str, ...] | list[str]) -> str:
+    """The unit a module of ``vllm_omni_plugin`` belongs to (its parts below the package): its top-level
+    subpackage or module, except that each model family is a unit of its own (``families.bagel``)."""
+    if parts[0] == "families" and len(parts) > 1 and parts[1] != "__init__":
+        return f"families.{parts[1]}"
+    return parts[0]
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Top-level unit of ``vllm_omni_plugin`` (a subpackage or a module) -> the units it imports,
-    counting imports inside functions too (a deferred import is still a dependency)."""
+    """Unit of ``vllm_omni_plugin`` (:func:`unit_of`) -> the units it imports, counting imports inside
+    functions too (a deferred import is still a dependency)."""
     graph: dict[str, set[str]] = defaultdict(set)
     for path in PACKAGE.rglob("*.py"):
-        unit = path.relative_to(PACKAGE).with_suffix("").parts[0]
+        unit = unit_of(path.relative_to(PACKAGE).with_suffix("").parts)
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             targets: list[str] = []
             if isinstance(node, ast.Import):
@@ -60,10 +76,14 @@ def import_graph() -> dict[str, set[str]]:
                 targets = [f"vllm_omni_plugin.{alias.name}" for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module]
+                if node.module == "vllm_omni_plugin.families":
+                    targets = [f"{node.module}.{alias.name}" for alias in node.names]
             for name in targets:
                 parts = name.split(".")
-                if parts[0] == "vllm_omni_plugin" and len(parts) > 1 and parts[1] != unit:
-                    graph[unit].add(parts[1])
+                if parts[0] == "vllm_omni_plugin" and len(parts) > 1:
+                    target = unit_of(parts[1:])
+                    if target != unit:
+                        graph[unit].add(target)
     return graph
 
 
@@ -85,6 +105,30 @@ def test_no_import_cycle_between_subpackages() -> None:
     cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if reaches(b, a))
     assert cycles == []
     assert "entrypoints" not in graph["stage"]  # the stage layer never reaches up to the entry points
+    assert {"families.glm_image", "families.bagel", "families.diffusers"} <= set(graph)
+
+
+def test_no_generic_module_imports_a_family() -> None:
+    """Families sit above config, diffusion and stage: generic code names them by dotted path (strings)
+    only, never by an import (inside functions neither); only test support imports them."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).parts
+        if parts[0] == "families" or parts[0] in ABOVE_FAMILIES:
+            continue
+        hits = [m for m in imported_modules(path) if m.startswith("vllm_omni_plugin.families")]
+        offenders += [f"{path.relative_to(PACKAGE)} imports {m}" for m in sorted(hits)]
+    assert offenders == []
+    graph = import_graph()
+    assert [u for u in graph if not u.startswith("families") and u not in ABOVE_FAMILIES
+            and any(t.startswith("families") for t in graph[u])] == []  # fmt: skip
+
+
+def test_every_family_folder_holds_its_files() -> None:
+    folders = [p for p in FAMILIES.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert {p.name for p in folders} >= {"glm_image", "bagel", "diffusers"}
+    missing = [f"{p.name}/{name}" for p in folders for name in FAMILY_FILES if not (p / name).is_file()]
+    assert missing == []
 
 
 PLACEMENT = PACKAGE / "stage" / "placement"
@@ -140,9 +184,12 @@ def test_the_runtime_knows_only_the_placement_interface() -> None:
 
 
 def test_architecture_document_names_every_subpackage() -> None:
+    """Every folder of the package (each family's too) is named, as ``name/`` or ``parent/name/``."""
     text = ARCHITECTURE.read_text(encoding="utf-8")
     assert subpackages(), "no subpackages found"
-    missing = [name for name in subpackages() if f"{name}/" not in text]
+    folders = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*") if p.is_dir() and any(p.glob("*.py"))}
+    assert set(subpackages()) <= folders
+    missing = [name for name in sorted(folders) if f"{name}/" not in text]
     assert missing == []
     for readme in ("README.md", "CONTRIBUTING.md"):
         assert "docs/architecture.md" in (REPO / readme).read_text(encoding="utf-8")

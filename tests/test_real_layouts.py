@@ -171,7 +171,7 @@ def test_reads_match_safetensors_byte_for_byte(tmp_path: Path) -> None:
 def test_bagel_dit_reads_the_real_layout(bagel_dir: Path) -> None:
     """The generation stage's loader on the real names and shapes (meta tensors): both experts of every
     layer, two embedding rows, the generation heads, the latent table and the FLUX decoder; nothing else."""
-    from vllm_omni_plugin.diffusion.bagel.transformer import GenerationTransformer
+    from vllm_omni_plugin.families.bagel.transformer import GenerationTransformer
     from vllm_omni_plugin.models.bagel.autoencoder import load_vae_decoder, load_vae_encoder
 
     cfg = load_bagel_config(bagel_dir)

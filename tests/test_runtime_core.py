@@ -15,7 +15,7 @@ import torch
 
 from helpers import FakePlacement, FakeStageClient, ar_answer, dit_answer, fake_deployment
 from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorError, InProcessConnector
-from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
+from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.errors import (

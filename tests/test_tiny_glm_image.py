@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.stage.processors.glm_image import glm_image_grid, glm_image_max_new_tokens
+from vllm_omni_plugin.families.glm_image.processors import glm_image_grid, glm_image_max_new_tokens
 from vllm_omni_plugin.testing import tiny
 from vllm_omni_plugin.testing.tiny.glm_image import GLM_IMAGE_CODEBOOK_SIZE
 

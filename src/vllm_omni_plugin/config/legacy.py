@@ -22,7 +22,7 @@ OMNI_WORKER_TYPES = frozenset({"ar", "generation", "diffusion", "llm"})
 # vllm-omni stage-input processors -> ours.
 LEGACY_PROCESSORS: dict[str, str] = {
     "vllm_omni.model_executor.stage_input_processors.glm_image.ar2diffusion": (
-        "vllm_omni_plugin.stage.processors.glm_image.ar2diffusion"
+        "vllm_omni_plugin.families.glm_image.processors.ar2diffusion"
     ),
 }
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from vllm_omni_plugin.config.errors import ConfigError
+from vllm_omni_plugin.dotted import import_object
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.config.settings import RequestSettings
 
 ExecutionType = Literal["llm_ar", "diffusion"]
 OutputType = Literal["token_ids", "text", "image", "latents"]
@@ -111,9 +115,10 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     request the AR stage's ``max_model_len`` (``limit``) cannot hold before any stage runs. None: no AR
     stage bounds it."""
     diffusion_defaults: DiffusionDefaults = DiffusionDefaults()
-    generation_params: tuple[str, ...] = ()
-    """Pipeline-specific generation settings a request (and the diffusion stage's
-    ``default_sampling_params``) may set, e.g. BAGEL's ``cfg_text_scale``."""
+    settings: str | None = None
+    """Dotted path of the family's request settings type (a ``config.settings.RequestSettings``): the
+    fields a request (and the diffusion stage's ``default_sampling_params``) may set beyond OpenAI's, e.g.
+    BAGEL's ``cfg_text_scale``. None: none."""
     answers_in_text: bool = False
     """Its AR stage can answer in text (chat completions without ``"modalities": ["image"]``): the
     later stages are skipped (BAGEL's understanding and chat)."""
@@ -138,8 +143,37 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     def final_stage(self) -> PipelineStage:
         return next(s for s in self.stages if s.final_output)
 
+    @property
+    def settings_type(self) -> type[RequestSettings] | None:
+        """The family's request settings type (imported), or None."""
+        return import_object(self.settings) if self.settings else None
+
+    @property
+    def setting_names(self) -> tuple[str, ...]:
+        """The fields of :attr:`settings_type`."""
+        settings = self.settings_type
+        return tuple(settings.__struct_fields__) if settings is not None else ()
+
+
+FAMILY_PIPELINES: dict[str, str] = {
+    "glm_image": "vllm_omni_plugin.families.glm_image.pipeline:GLM_IMAGE",
+    "bagel": "vllm_omni_plugin.families.bagel.pipeline:BAGEL",
+    "diffusion": "vllm_omni_plugin.families.diffusers.pipeline:DIFFUSION",
+}
+"""The pipelines of the model families in ``families/``, by name -> dotted path of their declaration.
+Imported (and registered) when a pipeline is first looked up, in this order (which model detection
+follows); generic code names a family by these strings only."""
+
 
 _PIPELINES: dict[str, Pipeline] = {}
+
+
+def _load_families() -> None:
+    """Register the declared family pipelines not registered yet (an out-of-tree pipeline of the same
+    name, registered first, wins)."""
+    for name, path in FAMILY_PIPELINES.items():
+        if name not in _PIPELINES:
+            register_pipeline(import_object(path))
 
 
 def register_pipeline(pipeline: Pipeline, *, replace: bool = False) -> None:
@@ -161,6 +195,7 @@ def register_pipeline(pipeline: Pipeline, *, replace: bool = False) -> None:
 
 
 def get_pipeline(name: str) -> Pipeline:
+    _load_families()
     try:
         return _PIPELINES[name]
     except KeyError:
@@ -169,6 +204,7 @@ def get_pipeline(name: str) -> Pipeline:
 
 
 def registered_pipelines() -> dict[str, Pipeline]:
+    _load_families()
     return dict(_PIPELINES)
 
 
@@ -183,6 +219,7 @@ def _read_json(path: Path) -> dict | None:
 def detect_pipeline(model: str) -> Pipeline | None:
     """The pipeline of a model directory (``model_index.json`` / ``config.json``) or hub repo id: the one
     that names its class or architecture, else for a diffusers directory the one that serves any."""
+    _load_families()
     root = Path(model)
     if root.is_dir():
         index = _read_json(root / "model_index.json")
@@ -201,119 +238,3 @@ def detect_pipeline(model: str) -> Pipeline | None:
         if model.rstrip("/") in pipeline.repo_ids:
             return pipeline
     return None
-
-
-GLM_IMAGE = Pipeline(
-    name="glm_image",
-    stages=(
-        PipelineStage(
-            stage_id=0,
-            name="ar",
-            execution_type="llm_ar",
-            model_subdir="vision_language_encoder",
-            tokenizer_subdir="processor",
-            input_processor="vllm_omni_plugin.stage.processors.glm_image.request2ar",
-            engine_args_provider="vllm_omni_plugin.models.glm_image_config.sampling_vocab_overrides",
-            model_arch="GlmImageForConditionalGeneration",
-            output_type="token_ids",
-            v1_runner=(
-                "image-to-image hands the source images' prior tokens to the DiT through the V1 runner's "
-                "step output, and the V1 runner is the one the CPU test suite runs"
-            ),
-            images_need_v1_runner=True,
-        ),
-        PipelineStage(
-            stage_id=1,
-            name="dit",
-            execution_type="diffusion",
-            input_sources=(0,),
-            input_processor="vllm_omni_plugin.stage.processors.glm_image.ar2diffusion",
-            model_arch="GlmImagePipeline",
-            output_type="image",
-            final_output=True,
-        ),
-    ),
-    model_class_names=("GlmImagePipeline",),
-    architectures=("GlmImageForConditionalGeneration",),
-    repo_ids=("zai-org/GLM-Image",),
-    default_deploy_config="glm_image.yaml",
-    image_size_multiple=32,  # one AR token per 32x32 pixels
-    ar_token_budget="vllm_omni_plugin.stage.processors.glm_image.glm_image_ar_tokens",
-    diffusion_defaults=DiffusionDefaults(height=1024, width=1024),
-)
-
-DIFFUSION = Pipeline(
-    name="diffusion",
-    stages=(
-        PipelineStage(
-            stage_id=0,
-            name="diffusion",
-            execution_type="diffusion",
-            input_processor="vllm_omni_plugin.stage.processors.diffusion.request2diffusion",
-            output_type="image",
-            final_output=True,
-        ),
-    ),
-    default_deploy_config="diffusion.yaml",
-    image_size_multiple=16,  # VAE x8 and 2x2 latent patches (SD3, FLUX, Qwen-Image); SD 1.x/XL need 8
-    any_diffusers_model=True,
-    model_inspector="vllm_omni_plugin.diffusion.pipelines.inspect_model",
-)
-"""One diffusion stage running a diffusers pipeline, its runner chosen by the model's class."""
-
-register_pipeline(GLM_IMAGE)
-
-BAGEL_PROCESSORS = "vllm_omni_plugin.stage.processors.bagel"
-BAGEL = Pipeline(
-    name="bagel",
-    stages=(
-        PipelineStage(
-            stage_id=0,
-            name="thinker",
-            execution_type="llm_ar",
-            input_processor=f"{BAGEL_PROCESSORS}.request2thinker",
-            continuation=f"{BAGEL_PROCESSORS}.continue_thinker",
-            engine_args_provider="vllm_omni_plugin.models.bagel.engine_args.thinker_engine_args",
-            model_arch="OmniBagelForConditionalGeneration",
-            output_type="token_ids",
-            exports_context=True,
-            context_position="vllm_omni_plugin.models.bagel_thinker.context_next_position",
-            v1_runner=(
-                "the V1 runner is the one the CPU test suite runs end to end (vLLM's CPU V2 runner needs "
-                "Triton's CPU backend); the thinker's hooks (KV connector, stock M-RoPE positions) also "
-                "work on V2"
-            ),
-        ),
-        PipelineStage(
-            stage_id=1,
-            name="dit",
-            execution_type="diffusion",
-            input_sources=(0,),
-            input_processor=f"{BAGEL_PROCESSORS}.thinker2dit",
-            diffusion_runner="vllm_omni_plugin.diffusion.bagel.runner.BagelGenerationRunner",
-            output_type="image",
-            final_output=True,
-        ),
-    ),
-    architectures=("BagelForConditionalGeneration",),
-    repo_ids=("ByteDance-Seed/BAGEL-7B-MoT",),
-    default_deploy_config="bagel.yaml",
-    answers_in_text=True,
-    image_size_multiple=16,  # one latent token per 16x16 pixels
-    edits_keep_source_size=True,
-    diffusion_defaults=DiffusionDefaults(height=1024, width=1024),
-    generation_params=(
-        "cfg_text_scale",
-        "cfg_img_scale",
-        "cfg_interval",
-        "cfg_renorm_type",
-        "cfg_renorm_min",
-        "timestep_shift",
-        "think",
-        "max_think_tokens",
-    ),
-)
-
-register_pipeline(BAGEL)
-
-register_pipeline(DIFFUSION)

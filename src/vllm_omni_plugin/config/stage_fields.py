@@ -59,7 +59,7 @@ def sampling_params(
     params = dict(stage.default_sampling_params or {})
     sid = stage.stage_id
     if fixed.execution_type == "diffusion":
-        known = {*DIFFUSION_DEFAULT_KEYS, *pipeline.generation_params}
+        known = {*DIFFUSION_DEFAULT_KEYS, *pipeline.setting_names}
         unknown = sorted(set(params) - known)
         if unknown:
             raise report.error(

@@ -1,6 +1,7 @@
 """The diffusion (DiT) stage: runners (diffusers pipelines, or a family's own) behind one interface
 (:class:`DiffusionRunner`), driven by inputs an AR stage computed or, as a stage of its own, by the user's
-request. Model families' runners live in their own modules, named by dotted path.
+request. The runners live in their families (``families/``), named by dotted path; the registry of
+diffusers classes -> runners is ``diffusers_registry``.
 
 Imports stay lazy: ``import vllm_omni_plugin.diffusion`` pulls in neither torch nor diffusers.
 """
@@ -12,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.engine import DiffusionEngine
-    from vllm_omni_plugin.diffusion.pipelines import (
-        DiffusersPipelineRunner,
+    from vllm_omni_plugin.diffusion.diffusers_registry import (
         UnknownPipelineError,
         UnservablePipelineError,
         inspect_model,
         register_diffusion_pipeline,
     )
+    from vllm_omni_plugin.diffusion.engine import DiffusionEngine
     from vllm_omni_plugin.diffusion.runner import DiffusionRunner
     from vllm_omni_plugin.diffusion.worker import (
         CPUDiffusionWorker,
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = [
     "CPUDiffusionWorker",
     "CUDADiffusionWorker",
-    "DiffusersPipelineRunner",
     "DiffusionEngine",
     "DiffusionRequest",
     "DiffusionResult",
@@ -44,12 +43,11 @@ __all__ = [
 
 _LAZY = {
     "DiffusionEngine": "engine",
-    "DiffusersPipelineRunner": "pipelines",
     "DiffusionRunner": "runner",
-    "UnknownPipelineError": "pipelines",
-    "UnservablePipelineError": "pipelines",
-    "inspect_model": "pipelines",
-    "register_diffusion_pipeline": "pipelines",
+    "UnknownPipelineError": "diffusers_registry",
+    "UnservablePipelineError": "diffusers_registry",
+    "inspect_model": "diffusers_registry",
+    "register_diffusion_pipeline": "diffusers_registry",
     "CPUDiffusionWorker": "worker",
     "CUDADiffusionWorker": "worker",
     "DiffusionWorker": "worker",

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.memory import (
     MemoryBudget,
     allocated_bytes,
@@ -38,7 +39,6 @@ from vllm_omni_plugin.diffusion.memory import (
     tensor_bytes,
 )
 from vllm_omni_plugin.diffusion.params import DiffusionResult, RunnerRequest
-from vllm_omni_plugin.diffusion.pipelines import load_pipeline_runner
 from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, RequestDefaults, ServedDefaults
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger

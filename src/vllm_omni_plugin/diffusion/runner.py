@@ -73,7 +73,7 @@ class ServedDefaults(msgspec.Struct, frozen=True, kw_only=True):
 
 class DiffusionRunner(abc.ABC):
     """One loaded model and how to run batches of its requests (subclasses: the diffusers runners in
-    :mod:`~vllm_omni_plugin.diffusion.pipelines` and the model families' own, e.g. BAGEL's)."""
+    ``families/diffusers/`` and the model families' own, e.g. BAGEL's)."""
 
     request_type: ClassVar[type[RunnerRequest]]
     """What this runner takes; the wire's union of request types is built from the registered runners'."""

@@ -18,6 +18,8 @@ from fastapi import FastAPI, Request
 
 from vllm_omni_plugin import compat
 from vllm_omni_plugin.config import ResolvedDeployment, get_pipeline
+from vllm_omni_plugin.config.pipeline import registered_pipelines
+from vllm_omni_plugin.config.settings import SettingError, read_settings
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
 from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, check_dimensions
@@ -40,8 +42,11 @@ class ServerSettings:
     """``f(prompt, image_sizes, width, height, limit) -> ARTokenCount``: the pipeline's
     ``ar_token_budget`` on this model, when an AR stage's ``max_model_len`` bounds its requests."""
     pipeline: str = ""
-    generation_params: frozenset[str] = frozenset()
-    """The pipeline-specific request settings this deployment takes."""
+    settings_type: Any = None
+    """The pipeline's request settings type (``Pipeline.settings``): the fields a request may carry
+    beyond the generic ones; None: none."""
+    other_settings: frozenset[str] = frozenset()
+    """Settings other registered pipelines take and this one does not (refused as such, not as unknown)."""
     answers_in_text: bool = False
     takes_images: bool = True
     """The model turns source images into its output (``/v1/images/edits``, chat with ``image_url``)."""
@@ -86,7 +91,9 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
         ar_max_model_len=(ar.engine_args.get("max_model_len") if ar is not None else None),
         token_budget=budget,
         pipeline=pipeline.name,
-        generation_params=frozenset(pipeline.generation_params),
+        settings_type=pipeline.settings_type,
+        other_settings=frozenset(name for p in registered_pipelines().values() for name in p.setting_names)
+        - set(pipeline.setting_names),
         answers_in_text=pipeline.answers_in_text,
         takes_images=facts.takes_images if facts is not None else True,
         needs_images=facts.needs_images if facts is not None else False,
@@ -211,16 +218,28 @@ class OmniServer:
             param=param,
         )
 
-    def check_settings(self, req: Any) -> None:
-        """Pipeline-specific settings (e.g. BAGEL's ``cfg_text_scale``) only where the pipeline has them."""
-        from vllm_omni_plugin.entrypoints.openai_images import PIPELINE_SETTINGS
-
-        for name in sorted(PIPELINE_SETTINGS):
-            if getattr(req, name, None) is not None and name not in self.settings.generation_params:
+    def check_settings(self, req: Any) -> dict[str, Any]:
+        """The request's fields beyond the generic ones, read by the pipeline's settings type (e.g.
+        BAGEL's ``cfg_text_scale``): the settings it gave. Another pipeline's setting, an unknown field or
+        a bad value is the client's mistake."""
+        fields = req.family_fields
+        settings_type = self.settings.settings_type
+        known = set(settings_type.__struct_fields__) if settings_type is not None else set()
+        for name in sorted(set(fields) - known):
+            if name in self.settings.other_settings:
+                if fields[name] is None:
+                    continue
                 raise OmniAPIError(
                     f"{name} is not a setting of this deployment's pipeline ({self.settings.pipeline})",
                     param=name,
                 )
+            raise OmniAPIError(f"unknown field {name!r}", param=name)
+        if settings_type is None:
+            return {}
+        try:
+            return read_settings(settings_type, fields).given()
+        except SettingError as exc:
+            raise OmniAPIError(exc.message, param=exc.param) from None
 
     def check_image_input(self, images: int, endpoint: str, param: str) -> None:
         """Source images where the model takes them, and only there."""

@@ -146,46 +146,21 @@ def _drop_ignored(data: Any, ignored: frozenset[str]) -> Any:
 
 
 class ImageParams(BaseModel):
-    """The generation knobs shared by every endpoint (OpenAI's plus the diffusion ones, plus the
-    pipeline-specific ones a pipeline lists in ``generation_params``, e.g. BAGEL's guidance)."""
+    """The generation knobs shared by every endpoint: OpenAI's plus the diffusion ones. Other fields are
+    kept aside (``family_fields``) for the deployment's model family to read (its settings type, e.g.
+    BAGEL's guidance), or to refuse as unknown."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     negative_prompt: str | None = None
-    # pipeline-specific (BAGEL): checked against the deployment's pipeline by the route
-    cfg_text_scale: float | None = Field(default=None, ge=0.0, le=100.0)
-    cfg_img_scale: float | None = Field(default=None, ge=0.0, le=100.0)
-    cfg_interval: tuple[float, float] | None = None
-    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
-    cfg_renorm_min: float | None = Field(default=None, ge=0.0, le=1.0)
-    timestep_shift: float | None = Field(default=None, gt=0.0, le=100.0)
-    think: bool | None = None
-    max_think_tokens: int | None = Field(default=None, ge=2, le=32768)
 
-    @model_validator(mode="after")
-    def _interval_in_order(self) -> ImageParams:
-        if self.cfg_interval is not None and not 0.0 <= self.cfg_interval[0] <= self.cfg_interval[1] <= 1.0:
-            raise ValueError(
-                f"cfg_interval must be [lo, hi] with 0 <= lo <= hi <= 1, got {list(self.cfg_interval)}"
-            )
-        return self
-
-    def generation_params(self) -> dict[str, Any]:
-        """The pipeline-specific settings the client gave (``think`` travels on its own)."""
-        names = PIPELINE_SETTINGS - {"think"}
-        return {name: getattr(self, name) for name in sorted(names) if getattr(self, name) is not None}
-
-
-PIPELINE_SETTINGS = frozenset(ImageParams.model_fields) - {
-    "seed",
-    "num_inference_steps",
-    "guidance_scale",
-    "negative_prompt",
-}
-"""Request fields that only some pipelines take (``Pipeline.generation_params``)."""
+    @property
+    def family_fields(self) -> dict[str, Any]:
+        """The fields this type does not know, as the client sent them."""
+        return dict(self.model_extra or {})
 
 
 class ImageGenerationRequest(ImageParams):

@@ -56,7 +56,7 @@ async def create_images(raw: Request) -> Response:
     server = _server(raw)
     req = parse_request(ImageGenerationRequest, await _read_json(raw, _json_limit(server.limits)))
     server.check_model(req.model)
-    server.check_settings(req)
+    settings = server.check_settings(req)
     server.check_image_input(0, "images/generations", "prompt")
     response_format = _check_response_format(server, req.response_format)
     size = parse_size(req.size, server.limits)
@@ -64,7 +64,7 @@ async def create_images(raw: Request) -> Response:
     server.check_size(width, height)
     server.check_ar_tokens(req.prompt, [], width, height)
     server.check_steps(req.num_inference_steps)
-    requests = _image_requests(req, req.prompt, width, height)
+    requests = _image_requests(req, req.prompt, width, height, settings)
     results = await server.run("images/generations", requests, raw)
     return await _images_response(
         server, raw, results, response_format=response_format, output_format=req.output_format or "png",
@@ -109,7 +109,7 @@ async def edit_images(raw: Request) -> Response:
             raise OmniAPIError(f"at most {limits.max_input_images} images per request", param="image")
         req = parse_request(ImageEditRequest, fields)
         server.check_model(req.model)
-        server.check_settings(req)
+        settings = server.check_settings(req)
         response_format = _check_response_format(server, req.response_format)
         size = parse_size(req.size, limits)
         images = []
@@ -128,7 +128,7 @@ async def edit_images(raw: Request) -> Response:
     server.check_size(width, height)
     server.check_ar_tokens(req.prompt, images, width, height, source_param="image")
     server.check_steps(req.num_inference_steps)
-    requests = _image_requests(req, req.prompt, width, height, images)
+    requests = _image_requests(req, req.prompt, width, height, settings, images)
     results = await server.run("images/edits", requests, raw)
     height, width = results[0].output.image.shape[:2]  # a pipeline may keep the input's own size (BAGEL)
     return await _images_response(
@@ -151,11 +151,11 @@ async def chat_completions(raw: Request) -> Response:
     if req.stream:
         raise OmniAPIError("stream is not supported by this server", param="stream")
     model = server.check_model(req.model)
-    server.check_settings(req)
+    settings = server.check_settings(req)
     server.check_steps(req.num_inference_steps)
     prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, limits)
     if not req.wants_image:
-        return await _chat_text(server, raw, req, model, prompt, images)
+        return await _chat_text(server, raw, req, model, prompt, images, settings)
     server.check_image_input(len(images), "chat/completions", "messages")
     size = parse_size(req.size, limits)
     if size is None and (req.height is not None or req.width is not None):
@@ -167,7 +167,7 @@ async def chat_completions(raw: Request) -> Response:
     server.check_size(width, height, param=size_param)
     server.check_ar_tokens(prompt, images, width, height, size_param=size_param, source_param="messages")
     output_format = req.output_format or "png"
-    requests = _image_requests(req, prompt, width, height, images, req.sampling_params())
+    requests = _image_requests(req, prompt, width, height, settings, images, req.sampling_params())
     results = await server.run("chat/completions", requests, raw)
     encoded = await _encode_all(results, output_format, None)
     choices = [
@@ -188,7 +188,13 @@ async def chat_completions(raw: Request) -> Response:
 
 
 async def _chat_text(
-    server: OmniServer, raw: Request, req: ChatCompletionRequest, model: str, prompt: str, images: list[Any]
+    server: OmniServer,
+    raw: Request,
+    req: ChatCompletionRequest,
+    model: str,
+    prompt: str,
+    images: list[Any],
+    settings: dict[str, Any],
 ) -> Response:
     """A text answer from the pipeline's AR stage (BAGEL: understanding of the images, or chat)."""
     requests = [
@@ -197,9 +203,8 @@ async def _chat_text(
             images=list(images),
             seed=seed,
             modality="text",
-            think=req.think,
             sampling_params=req.sampling_params(),
-            generation_params=req.generation_params(),
+            generation_params=dict(settings),
         )
         for seed in _seeds(req.seed, req.n)
     ]
@@ -364,10 +369,12 @@ def _image_requests(
     prompt: str,
     width: int,
     height: int,
+    settings: dict[str, Any],
     images: list[Any] | tuple[Any, ...] = (),
     sampling_params: dict[str, Any] | None = None,
 ) -> list[OmniRequest]:
-    """The ``n`` requests of one API call (every image route): one per seed, the rest shared."""
+    """The ``n`` requests of one API call (every image route): one per seed, the rest shared; the
+    family's settings (``OmniServer.check_settings``) travel as its generation parameters."""
     return [
         OmniRequest(
             prompt=prompt,
@@ -379,8 +386,7 @@ def _image_requests(
             negative_prompt=req.negative_prompt,
             images=list(images),
             sampling_params=dict(sampling_params or {}),
-            think=req.think,
-            generation_params=req.generation_params(),
+            generation_params=dict(settings),
         )
         for seed in _seeds(req.seed, req.n)
     ]

@@ -136,7 +136,7 @@ def diffusion_request_types() -> tuple[type, ...]:
     and those pipelines name (``Pipeline.diffusion_runner``), imported by dotted path. A runner that
     cannot be imported is left out (its requests are then refused by kind), with a warning."""
     from vllm_omni_plugin.config.pipeline import registered_pipelines
-    from vllm_omni_plugin.diffusion.pipelines import diffusers_runner_classes
+    from vllm_omni_plugin.diffusion.diffusers_registry import diffusers_runner_classes
     from vllm_omni_plugin.dotted import import_object
 
     runners: list[Any] = list(diffusers_runner_classes())

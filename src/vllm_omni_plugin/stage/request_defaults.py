@@ -98,3 +98,17 @@ def from_served(configured: SizeDefaults, served: ServedDefaults) -> SizeDefault
 
 def _int_or_none(value: object) -> int | None:
     return int(value) if isinstance(value, int | float | str) and str(value) else None
+
+
+def request_size(request: OmniRequest, stage_id: int) -> tuple[int, int]:
+    """(height, width) of a request the runtime has given its size (:meth:`RequestDefaults.apply`):
+    stage-input processors read it here and fill nothing."""
+    from vllm_omni_plugin.stage.errors import StageRequestError
+
+    if request.height is None or request.width is None:
+        raise StageRequestError(
+            "the request has no size and the deployment states no default: give height and width",
+            stage_id=stage_id,
+            request_id=request.request_id,
+        )
+    return int(request.height), int(request.width)

@@ -11,7 +11,7 @@ documented request -> pipeline mapping:
   images).
 
 The only thing taken from this project is the Qwen-Image-Edit processor loader, which transformers needs
-torchvision for (see ``vllm_omni_plugin.diffusion.qwen2vl_processor``).
+torchvision for (see ``vllm_omni_plugin.families.diffusers.qwen2vl_processor``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def load_reference_pipeline(model_dir: str) -> Any:
     name = pipeline_class(model_dir)
     extra: dict[str, Any] = {}
     if (Path(model_dir) / "processor").is_dir() and name.startswith("QwenImageEdit"):
-        from vllm_omni_plugin.diffusion.qwen2vl_processor import load_qwen2vl_processor
+        from vllm_omni_plugin.families.diffusers.qwen2vl_processor import load_qwen2vl_processor
 
         extra["processor"] = load_qwen2vl_processor(Path(model_dir) / "processor")
     pipe = getattr(diffusers, name).from_pretrained(model_dir, dtype=torch.float32, **extra)

@@ -77,7 +77,7 @@ def glm_image_reference_prior_tokens(
     """
     import torch
 
-    from vllm_omni_plugin.stage.processors.glm_image import glm_image_grid
+    from vllm_omni_plugin.families.glm_image.processors import glm_image_grid
 
     processor, ar = _load_ar(str(model_dir), dtype)
     image_to_image = bool(images)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_plugin.stage.processors import glm_image as glm_image_processors
+from vllm_omni_plugin.families.glm_image import processors as glm_image_processors
 from vllm_omni_plugin.testing.tiny.components import corpus, seeded_init
 
 # --- GLM-Image ----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The Qwen-Image family's runners (text-to-image, edit, edit-plus): their guidance is ``true_cfg_scale``
 and their edit pipelines take images their own way. Generic code names them by dotted path only
-(``PIPELINE_RUNNERS``), so the family can move as a whole.
+(``diffusion/diffusers_registry.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.pipelines import DiffusersPipelineRunner, as_pil, image_size
+from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner, as_pil, image_size
 
 
 class QwenImageRunner(DiffusersPipelineRunner):
@@ -92,7 +92,7 @@ class QwenImageEditPlusRunner(QwenImageRunner):
 
 def _with_qwen2vl_processor(overrides: dict[str, Any], model: str) -> dict[str, Any]:
     """The edit pipelines' processor, loadable without torchvision (see ``qwen2vl_processor``)."""
-    from vllm_omni_plugin.diffusion.qwen2vl_processor import load_qwen2vl_processor
+    from vllm_omni_plugin.families.diffusers.qwen2vl_processor import load_qwen2vl_processor
 
     if (Path(model) / "processor").is_dir():
         overrides["processor"] = load_qwen2vl_processor(Path(model) / "processor")

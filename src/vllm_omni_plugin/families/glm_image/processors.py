@@ -25,10 +25,10 @@ from vllm_omni_plugin.stage.core_types import (
     StageLLMCoreRequest,
 )
 from vllm_omni_plugin.stage.errors import StageError, StageRequestError
+from vllm_omni_plugin.stage.request_defaults import request_size
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.config.resolved import ResolvedDeployment
-    from vllm_omni_plugin.stage.orchestrator import OmniRequest, ProcessorContext
+    from vllm_omni_plugin.stage.orchestrator import ProcessorContext
 
 FACTOR = 32
 """Pixels per large-grid AR token (the VQ grid is at 1/32 of the image)."""
@@ -156,14 +156,6 @@ def _largest_fit(room: int, width: int, height: int, image_to_image: bool) -> tu
     return None
 
 
-def _size(request: OmniRequest, deployment: ResolvedDeployment) -> tuple[int, int]:
-    """The request's size, else the DiT stage's resolved default (the pipeline's, unless configured)."""
-    dit = next(s for s in deployment.stages if s.execution_type == "diffusion")
-    return int(request.height or dit.diffusion_args["height"]), int(
-        request.width or dit.diffusion_args["width"]
-    )
-
-
 def _as_pil(image: Any) -> Any:
     from PIL import Image
 
@@ -175,7 +167,7 @@ def _as_pil(image: Any) -> Any:
 def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCoreRequest:
     """The user's request -> the AR stage's prompt ids (with the size scaffold) and sampling."""
     request = context.request
-    height, width = _size(request, context.deployment)
+    height, width = request_size(request, context.stage_id)
     try:
         glm_image_grid(height, width)
     except ValueError as exc:
@@ -212,11 +204,11 @@ def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCo
 
 def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
     """AR output -> the DiT's request: the large grid upsampled x2, plus the i2i source tokens."""
-    from vllm_omni_plugin.diffusion.glm_image import GlmImageRequest
+    from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 
     request = context.request
     ar: StageLLMCoreOutput = sources[min(sources)]
-    height, width = _size(request, context.deployment)
+    height, width = request_size(request, context.stage_id)
     th, tw, ph, pw = glm_image_grid(height, width)
     image_to_image = bool(request.images)
     offset = 0 if image_to_image else ph * pw

@@ -38,6 +38,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageLLMCoreRequest,
 )
 from vllm_omni_plugin.stage.errors import StageError, StageRequestError
+from vllm_omni_plugin.stage.request_defaults import request_size
 
 VLM_THINK_SYSTEM_PROMPT = (
     "You should first think about the reasoning process in the mind and then provide the user with the "
@@ -281,7 +282,7 @@ def _context_of(output: StageLLMCoreOutput, name: str) -> dict[str, Any]:
 
 def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequest | None:
     """The thinker's contexts -> the DiT's generation request; None for a text request (no DiT)."""
-    from vllm_omni_plugin.diffusion.bagel.request import BagelContext, BagelGenerationRequest
+    from vllm_omni_plugin.families.bagel.request import BagelContext, BagelGenerationRequest
 
     request = context.request
     if getattr(request, "modality", "image") == "text":
@@ -331,7 +332,7 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
 def dit_sampling(context: Any, edit: bool) -> Any:
     """BAGEL's generation settings: the request's, else the deploy config's, else the authors' defaults
     for the mode (text-to-image or edit)."""
-    from vllm_omni_plugin.diffusion.bagel.request import EDIT_DEFAULTS, T2I_DEFAULTS, BagelSampling
+    from vllm_omni_plugin.families.bagel.request import EDIT_DEFAULTS, T2I_DEFAULTS, BagelSampling
 
     params = msgspec.structs.asdict(EDIT_DEFAULTS if edit else T2I_DEFAULTS)
     steps = _dit_stage(context.deployment).diffusion_args.get("num_inference_steps")
@@ -349,7 +350,7 @@ def dit_sampling(context: Any, edit: bool) -> Any:
 
 def generation_size(context: Any) -> tuple[int, int]:
     """The output size: an edit keeps its input's size after BAGEL's VAE resize; text-to-image takes the
-    request's size, else the DiT stage's (the pipeline's default: 1024x1024)."""
+    request's (which the runtime gave it, the deployment's default where it named none)."""
     from vllm_omni_plugin.models.bagel.transforms import ImageTransform, as_pil
 
     request = context.request
@@ -357,7 +358,4 @@ def generation_size(context: Any) -> tuple[int, int]:
         spec = _config(context.model).vae_transform
         width, height = ImageTransform(spec).size(*as_pil(request.images[0]).size)
         return int(height), int(width)
-    defaults = _dit_stage(context.deployment).diffusion_args
-    return int(request.height or defaults.get("height") or 1024), int(
-        request.width or defaults.get("width") or 1024
-    )
+    return request_size(request, context.stage_id)

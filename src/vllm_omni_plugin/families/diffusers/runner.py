@@ -1,28 +1,27 @@
-"""Which diffusers pipelines the diffusion stage runs, and how.
-
-A model directory names its pipeline in ``model_index.json`` (``_class_name``). The registry maps that name
-to a runner class that loads the pipeline and runs a batch of compatible requests through one pipeline
-call. A class nobody registered runs on :class:`DiffusersPipelineRunner` itself, the generic runner: it
-reads what the pipeline's ``__call__`` takes from its signature (prompt, size, steps, generators, output
-type; guidance, negative prompt and a source image where the signature has them). A family that differs
-from that (Qwen-Image's ``true_cfg_scale``, GLM-Image's prior tokens) is one small subclass plus one
-``register_diffusion_pipeline`` line (or an entry in ``PIPELINE_RUNNERS``). A class the generic runner
-cannot drive is refused before anything loads (:func:`inspect_model`), naming what its ``__call__`` lacks.
+"""The generic diffusers runner: loads a diffusers pipeline and runs a batch of compatible requests through
+one pipeline call. It reads what the pipeline's ``__call__`` takes from its signature (prompt, size, steps,
+generators, output type; guidance, negative prompt and a source image where the signature has them). A
+family that differs (Qwen-Image's ``true_cfg_scale``, GLM-Image's prior tokens) is one small subclass
+registered by dotted path in ``diffusion/diffusers_registry.py``, which also chooses the runner of a model.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.diffusers_registry import (
+    CALL_ARGUMENTS,
+    call_parameters,
+    checked_pipeline_class,
+    pipeline_class_name,
+)
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.runner import (
@@ -33,33 +32,9 @@ from vllm_omni_plugin.diffusion.runner import (
     SizeLimits,
     StopCheck,
 )
-from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
-
-CALL_ARGUMENTS = ("prompt", "height", "width", "num_inference_steps", "generator", "output_type")
-"""What a pipeline's ``__call__`` must take for a runner to drive it."""
-
-
-class UnknownPipelineError(ValueError):
-    """The model names a pipeline class that neither diffusers nor the registry has."""
-
-
-class UnservablePipelineError(ValueError):
-    """A diffusers pipeline class whose ``__call__`` lacks what a runner needs."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFacts:
-    """What a model's pipeline takes, known from its class without loading any weights."""
-
-    pipeline_class: str
-    takes_images: bool
-    """It turns source images into the output (edits, image-to-image)."""
-    needs_images: bool
-    """It cannot run without a source image (an edit pipeline)."""
-
 
 DEFAULT_TEXT_TOKENS = 512
 """Prompt tokens a pipeline's transformer attends to when its ``__call__`` names no
@@ -128,16 +103,6 @@ def _decoder_channels(vae_cfg: dict[str, Any]) -> int:
     if base and mult:
         return int(base * mult[min(1, len(mult) - 1)])
     return 512
-
-
-def call_parameters(pipeline_cls: type) -> Mapping[str, inspect.Parameter]:
-    """The named parameters of the class's own ``__call__`` (none when it has no ``__call__``)."""
-    call = next((vars(k)["__call__"] for k in pipeline_cls.__mro__[:-1] if "__call__" in vars(k)), None)
-    if call is None:
-        return {}
-    params = inspect.signature(call).parameters
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {name: p for name, p in params.items() if p.kind in kinds and name != "self"}
 
 
 def _default(params: Mapping[str, inspect.Parameter], name: str, kind: type) -> Any:
@@ -474,126 +439,3 @@ def as_pil(image: Any) -> Any:
             f"source images must be PIL images or uint8 HxWx3 arrays, got {array.dtype} {array.shape}"
         )
     return PIL.Image.fromarray(array)
-
-
-PIPELINE_RUNNERS: dict[str, str | type[DiffusersPipelineRunner]] = {
-    "GlmImagePipeline": "vllm_omni_plugin.diffusion.glm_image:GlmImageRunner",
-    "QwenImagePipeline": "vllm_omni_plugin.diffusion.qwen_image:QwenImageRunner",
-    "QwenImageEditPipeline": "vllm_omni_plugin.diffusion.qwen_image:QwenImageEditRunner",
-    "QwenImageEditPlusPipeline": "vllm_omni_plugin.diffusion.qwen_image:QwenImageEditPlusRunner",
-}
-"""Runners of the families the generic runner cannot drive as they are, by diffusers class name: a
-dotted path (imported when a model of that class is served) or the class."""
-
-
-def register_diffusion_pipeline(class_name: str, cls: str | type[DiffusersPipelineRunner]) -> None:
-    """Run models whose ``model_index.json`` says ``class_name`` with runner ``cls`` (a
-    ``DiffusersPipelineRunner`` subclass, or its dotted path)."""
-    if not isinstance(cls, str) and not (isinstance(cls, type) and issubclass(cls, DiffusersPipelineRunner)):
-        raise TypeError(f"{cls!r} is not a DiffusersPipelineRunner subclass")
-    previous = PIPELINE_RUNNERS.get(class_name)
-    if previous is not None and previous is not cls:
-        logger.warning(
-            "diffusion pipeline %s: runner %s replaces %s", class_name, _name(cls), _name(previous)
-        )
-    PIPELINE_RUNNERS[class_name] = cls
-
-
-def _name(runner: str | type) -> str:
-    return runner if isinstance(runner, str) else runner.__name__
-
-
-def registered_runner(class_name: str) -> type[DiffusersPipelineRunner] | None:
-    """The runner registered for ``class_name`` (imported), or None."""
-    runner = PIPELINE_RUNNERS.get(class_name)
-    if isinstance(runner, str):
-        runner = import_object(runner)
-        if not (isinstance(runner, type) and issubclass(runner, DiffusersPipelineRunner)):
-            raise TypeError(f"{PIPELINE_RUNNERS[class_name]} is not a DiffusersPipelineRunner subclass")
-    return runner
-
-
-def diffusers_runner_classes() -> list[type[DiffusersPipelineRunner]]:
-    """The generic runner and every registered one (imported): what a diffusion stage may run."""
-    runners: list[type[DiffusersPipelineRunner]] = [DiffusersPipelineRunner]
-    for class_name in PIPELINE_RUNNERS:
-        runner = registered_runner(class_name)
-        if runner is not None and runner not in runners:
-            runners.append(runner)
-    return runners
-
-
-def runner_class(class_name: str) -> type[DiffusersPipelineRunner]:
-    """The registered runner of ``class_name``, else the generic runner (for a class diffusers has)."""
-    runner = registered_runner(class_name)
-    if runner is not None:
-        return runner
-    checked_pipeline_class(class_name, DiffusersPipelineRunner)
-    return DiffusersPipelineRunner
-
-
-def checked_pipeline_class(class_name: str, runner: type[DiffusersPipelineRunner]) -> type:
-    """The diffusers class ``class_name``, once it is known that ``runner`` can drive it."""
-    import diffusers
-
-    try:
-        pipeline_cls = getattr(diffusers, class_name, None) if class_name.isidentifier() else None
-    except (ImportError, RuntimeError) as exc:  # diffusers' lazy import of a class whose extras are missing
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UnservablePipelineError(f"{class_name} cannot be imported: {reason}") from None
-    if not isinstance(pipeline_cls, type) or not hasattr(pipeline_cls, "from_pretrained"):
-        registered = ", ".join(sorted(PIPELINE_RUNNERS))
-        raise UnknownPipelineError(
-            f"diffusers {diffusers.__version__} has no pipeline class {class_name!r}, and no runner is "
-            f"registered for it (registered: {registered}); add one with "
-            "vllm_omni_plugin.diffusion.pipelines.register_diffusion_pipeline"
-        )
-    missing = runner.missing_call_arguments(pipeline_cls)
-    if missing:
-        raise UnservablePipelineError(
-            f"{class_name} cannot be served: its __call__ takes no {', '.join(missing)} (a text-to-image "
-            f"stage passes {', '.join(CALL_ARGUMENTS)}); register a runner for it with "
-            "vllm_omni_plugin.diffusion.pipelines.register_diffusion_pipeline"
-        )
-    return pipeline_cls
-
-
-@functools.lru_cache(maxsize=16)
-def inspect_model(model: str) -> ModelFacts:
-    """What the model's pipeline takes, from ``model_index.json`` and the class alone (no weights):
-    raises ``ValueError`` with one line when no runner can drive it (or it is no diffusers model)."""
-    name = pipeline_class_name(model)
-    runner = runner_class(name)
-    pipeline_cls = checked_pipeline_class(runner.pipeline_class or name, runner)
-    _negative, takes_images = runner.input_support(call_parameters(pipeline_cls))
-    return ModelFacts(pipeline_class=name, takes_images=takes_images, needs_images=runner.needs_images)
-
-
-def pipeline_class_name(model: str | Path) -> str:
-    """``_class_name`` from the model's ``model_index.json`` (a local directory or a cached hub id)."""
-    path = Path(model)
-    if path.is_dir():
-        index_file = path / "model_index.json"
-        if not index_file.is_file():
-            raise FileNotFoundError(f"{path} has no model_index.json: not a diffusers pipeline directory")
-    elif path.is_absolute() or str(model).startswith(".") or str(model).count("/") != 1:
-        raise FileNotFoundError(f"{model}: no such model directory (with a model_index.json)")
-    else:  # a hub id: its model_index.json from the hub cache (or the hub, when online)
-        from huggingface_hub import hf_hub_download
-
-        try:
-            index_file = Path(hf_hub_download(str(model), "model_index.json"))
-        except Exception as exc:
-            raise FileNotFoundError(
-                f"{model} is neither a local directory nor a reachable hub model with a "
-                f"model_index.json: {exc}"
-            ) from exc
-    name = json.loads(index_file.read_text()).get("_class_name")
-    if not isinstance(name, str):
-        raise ValueError(f"{index_file} names no pipeline (_class_name)")
-    return name
-
-
-def load_pipeline_runner(model: str | Path, *, dtype: Any, device: Any) -> DiffusersPipelineRunner:
-    """The registered runner for the model's pipeline class, loaded."""
-    return runner_class(pipeline_class_name(model)).load(str(model), dtype=dtype, device=device)

@@ -1,7 +1,7 @@
 """GLM-Image's DiT stage: its request (the AR stage's prior tokens beside the prompt) and its runner.
 
-GLM-Image's own code, kept in this one module (and its AR model and processors elsewhere) so the family
-can move as a whole; generic code names the runner by dotted path only (``PIPELINE_RUNNERS``).
+Generic code names the runner by dotted path only (``diffusion/diffusers_registry.py``, the family's
+``pipeline.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.pipelines import DiffusersPipelineRunner, as_pil, image_size
+from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner, as_pil, image_size
 
 
 class GlmImageRequest(DiffusionRequest, kw_only=True, tag="glm_image"):

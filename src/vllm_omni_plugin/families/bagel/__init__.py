@@ -1,6 +1,7 @@
-"""BAGEL's generation stage (stage 1): our runner, since diffusers has no BAGEL pipeline."""
+"""BAGEL: the thinker (``models/bagel_thinker.py``) hands its context caches to our generation runner
+(diffusers has no BAGEL pipeline). The package exports the DiT request types; the runner loads torch."""
 
-from vllm_omni_plugin.diffusion.bagel.request import (
+from vllm_omni_plugin.families.bagel.request import (
     EDIT_DEFAULTS,
     RENORM_TYPES,
     T2I_DEFAULTS,
@@ -22,7 +23,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     if name == "BagelGenerationRunner":  # torch only when the runner is wanted
-        from vllm_omni_plugin.diffusion.bagel.runner import BagelGenerationRunner
+        from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
 
         return BagelGenerationRunner
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,13 +20,6 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm_omni_plugin.diffusion.bagel.request import (
-    RENORM_TYPES,
-    BagelContext,
-    BagelGenerationRequest,
-    BagelSampling,
-)
-from vllm_omni_plugin.diffusion.bagel.transformer import ContextBank, GenerationTransformer
 from vllm_omni_plugin.diffusion.memory import element_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
@@ -36,6 +29,13 @@ from vllm_omni_plugin.diffusion.runner import (
     SizeLimits,
     StopCheck,
 )
+from vllm_omni_plugin.families.bagel.request import (
+    RENORM_TYPES,
+    BagelContext,
+    BagelGenerationRequest,
+    BagelSampling,
+)
+from vllm_omni_plugin.families.bagel.transformer import ContextBank, GenerationTransformer
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.models.bagel.autoencoder import VaeDecoder, load_vae_decoder
 from vllm_omni_plugin.models.bagel.config import BagelConfig, load_bagel_config
