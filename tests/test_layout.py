@@ -204,3 +204,68 @@ def test_no_type_ignore_comments() -> None:
         if path.suffix == ".py" and marker in path.read_text()
     ]
     assert offenders == []
+
+
+def module_import_graph() -> dict[str, set[str]]:
+    """Module of ``vllm_omni_plugin`` -> the modules of ours it imports when it is imported: top-level
+    statements only (not inside functions, not under ``if TYPE_CHECKING``), which is what an import
+    circle breaks on."""
+    modules = {
+        ".".join(("vllm_omni_plugin", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        ): path
+        for path in PACKAGE.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(
+                        [*package.split(".")[: len(package.split(".")) - node.level + 1], base]
+                    ).rstrip(".")
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def circles_in(graph: dict[str, set[str]]) -> list[str]:
+    """Every import circle a depth-first walk of ``graph`` meets, as ``a -> b -> a``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[str] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                circles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return circles
+
+
+def test_no_import_circle_between_modules() -> None:
+    """Not between subpackages (above), and not between any two modules either."""
+    graph = module_import_graph()
+    assert (
+        len(graph) > 100
+        and "vllm_omni_plugin.stage.core_types" in graph["vllm_omni_plugin.stage.orchestrator"]
+    )
+    assert circles_in(graph) == []
+    assert circles_in({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
