@@ -160,8 +160,8 @@ def test_negative_prompt_is_a_companion_context(omni: Omni) -> None:
 
 
 def _received_contexts(omni: Omni, request: OmniRequest) -> Any:
-    """Run the thinker stage for ``request`` the way the orchestrator does (its processors, its replica
-    pool), then read the DiT request's contexts through a connector of the edge's spec, as the DiT
+    """Run the thinker stage for ``request`` the way the orchestrator does (its size defaults, its
+    processors, its replica pool), then read the DiT request's contexts through a connector of the edge's spec, as the DiT
     process does, and let the generation runner resolve the shared ones."""
     import asyncio
 
@@ -175,6 +175,8 @@ def _received_contexts(omni: Omni, request: OmniRequest) -> Any:
 
     deployment = omni.deployment
     inner = omni._async  # the running AsyncOmni
+    assert inner.orchestrator is not None
+    assert inner.orchestrator.request_defaults.apply(request) is None  # its size, as before stage 0
     context = ProcessorContext(deployment.model, deployment, 0, request)
 
     async def thinker() -> Any:
