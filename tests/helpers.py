@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+import zmq
+import zmq.asyncio
 
 from vllm_omni_plugin.config import (
     PLATFORMS,
@@ -50,6 +52,14 @@ from vllm_omni_plugin.stage.core_types import (
 from vllm_omni_plugin.stage.errors import StageDeadError
 from vllm_omni_plugin.stage.orchestrator import ProcessorContext
 from vllm_omni_plugin.stage.placement.base import StagePlacement
+from vllm_omni_plugin.stage.placement.headless.protocol import (
+    HeadMessage,
+    Heartbeat,
+    WorkerMessage,
+    WorkerRegister,
+    stage_config_digest,
+)
+from vllm_omni_plugin.stage.serialization import StageMessageCodec
 from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import cpu_test_env
 
@@ -331,3 +341,32 @@ def run_output_script(
     result = _run_script(path, (*args, str(out)), timeout)
     assert result.returncode == 0, _ends(result)
     return json.loads(Path(f"{out}.json").read_text()), load_file(f"{out}.safetensors")
+
+
+class HeadlessPeer:
+    """A headless worker's socket, speaking the protocol to a head by hand."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.out = StageMessageCodec(WorkerMessage)
+        self.into = StageMessageCodec(HeadMessage)
+
+    async def send(self, message: object) -> None:
+        await self.socket.send(self.out.encode(message))
+
+    async def receive(self, skip_heartbeats: bool = True, timeout: float = 5.0) -> object:
+        while True:
+            message = self.into.decode(await asyncio.wait_for(self.socket.recv(), timeout))
+            if not (skip_heartbeats and isinstance(message, Heartbeat)):
+                return message
+
+    def register(self, deployment: Any, digest: str | None = None, pid: int = 4242) -> WorkerRegister:
+        return WorkerRegister(
+            stage_id=1,
+            worker_id=f"w{pid}",
+            host="worker-host",
+            pid=pid,
+            config_digest=digest or stage_config_digest(deployment, 1),
+        )

@@ -40,8 +40,8 @@ def _engine_main(model: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_omni_plugin.ar_channel import context_export_kv_transfer_config
-    from vllm_omni_plugin.families.bagel.pipeline import BAGEL
     from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorHandle, make_connector
+    from vllm_omni_plugin.families.bagel.pipeline import BAGEL
     from vllm_omni_plugin.families.bagel.processors import bagel_tokens
     from vllm_omni_plugin.models.bagel.engine_args import thinker_engine_args
 

@@ -16,6 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from helpers import HeadlessPeer
 from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreOutput, StageDiffusionCoreRequest
@@ -24,15 +25,11 @@ from vllm_omni_plugin.stage.placement.headless.head import HeadlessStageRegistry
 from vllm_omni_plugin.stage.placement.headless.protocol import (
     HeadMessage,
     HeadShutdown,
-    Heartbeat,
     RemoteRequest,
     WorkerAccepted,
-    WorkerMessage,
     WorkerProgress,
-    WorkerRegister,
     WorkerRejected,
     parse_head_address,
-    stage_config_digest,
 )
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
@@ -53,35 +50,6 @@ def deployment(tmp_path: Path):
         """)
     )
     return resolve_deployment(str(model), deploy_config=str(deploy), platform=PLATFORMS["cpu"])
-
-
-class Peer:
-    """A worker's socket, speaking the protocol by hand."""
-
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
-        self.out = StageMessageCodec(WorkerMessage)
-        self.into = StageMessageCodec(HeadMessage)
-
-    async def send(self, message: object) -> None:
-        await self.socket.send(self.out.encode(message))
-
-    async def receive(self, skip_heartbeats: bool = True, timeout: float = 5.0) -> object:
-        while True:
-            message = self.into.decode(await asyncio.wait_for(self.socket.recv(), timeout))
-            if not (skip_heartbeats and isinstance(message, Heartbeat)):
-                return message
-
-    def register(self, deployment, digest: str | None = None, pid: int = 4242) -> WorkerRegister:
-        return WorkerRegister(
-            stage_id=1,
-            worker_id=f"w{pid}",
-            host="worker-host",
-            pid=pid,
-            config_digest=digest or stage_config_digest(deployment, 1),
-        )
 
 
 async def start(deployment) -> tuple[HeadlessStageRegistry, RemoteStageClient, zmq.asyncio.Context]:
@@ -108,12 +76,12 @@ def test_registration_refusals_and_a_round_trip(deployment) -> None:
         registry, client, context = await start(deployment)
         try:
             assert client.awaits_worker and client.state == StageState.STARTING
-            stranger = Peer(context, registry.address)
+            stranger = HeadlessPeer(context, registry.address)
             await stranger.send(stranger.register(deployment, digest="0" * 16))
             refused = await stranger.receive()
             assert isinstance(refused, WorkerRejected) and "same file" in refused.reason
 
-            worker = Peer(context, registry.address)
+            worker = HeadlessPeer(context, registry.address)
             await worker.send(worker.register(deployment))
             accepted = await worker.receive()
             assert isinstance(accepted, WorkerAccepted) and accepted.heartbeat_timeout_s == 0.6
@@ -121,7 +89,7 @@ def test_registration_refusals_and_a_round_trip(deployment) -> None:
             assert isinstance(await worker.receive(), WorkerAccepted)
             assert client.healthy and client.joins == 1 and client.pid == 4242
 
-            second = Peer(context, registry.address)
+            second = HeadlessPeer(context, registry.address)
             await second.send(second.register(deployment, pid=99))
             busy = await second.receive()
             assert isinstance(busy, WorkerRejected) and "already served by" in busy.reason
@@ -163,7 +131,7 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
     async def main() -> None:
         registry, client, context = await start(deployment)
         try:
-            worker = Peer(context, registry.address)
+            worker = HeadlessPeer(context, registry.address)
             await worker.send(worker.register(deployment))
             assert isinstance(await worker.receive(), WorkerAccepted)
             await worker.send(WorkerProgress(denoise_steps=7))
@@ -181,7 +149,7 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
             await worker.send(WorkerProgress(denoise_steps=9))
             assert isinstance(await worker.receive(), WorkerRejected)
             assert client.denoise_steps == 7
-            again = Peer(context, registry.address)
+            again = HeadlessPeer(context, registry.address)
             await again.send(again.register(deployment, pid=5151))
             assert isinstance(await again.receive(), WorkerAccepted)
             assert client.healthy and client.restarts == 1 and client.pid == 5151

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 import vllm_omni_plugin.stage.placement as placement_package
-from helpers import FakePlacement, fake_deployment
+from helpers import FakePlacement, HeadlessPeer, fake_deployment
 from vllm_omni_plugin.config import ResolvedDeployment
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput
@@ -26,19 +26,15 @@ from vllm_omni_plugin.stage.orchestrator import OmniRequest
 from vllm_omni_plugin.stage.placement.base import PerStagePlacement, StagePlacement
 from vllm_omni_plugin.stage.placement.headless.head import HeadlessPlacement, RemoteStageClient
 from vllm_omni_plugin.stage.placement.headless.protocol import (
-    HeadMessage,
     HeadShutdown,
-    Heartbeat,
     RemoteRequest,
     WorkerAccepted,
-    WorkerMessage,
     WorkerRegister,
     stage_config_digest,
 )
 from vllm_omni_plugin.stage.placement.local.placement import LocalPlacement
 from vllm_omni_plugin.stage.placement.ray.head import RayPlacement
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
-from vllm_omni_plugin.stage.serialization import StageMessageCodec
 from vllm_omni_plugin.testing.harness.server import free_port
 
 
@@ -103,26 +99,6 @@ def test_the_factory_picks_each_stages_placement(tmp_path: Path) -> None:
     assert set(mixed.by_stage) == {1} and type(mixed.by_stage[1]) is HeadlessPlacement
 
 
-class Worker:
-    """A headless worker's socket, speaking the protocol by hand."""
-
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
-        self.out = StageMessageCodec(WorkerMessage)
-        self.into = StageMessageCodec(HeadMessage)
-
-    async def send(self, message: object) -> None:
-        await self.socket.send(self.out.encode(message))
-
-    async def receive(self, timeout: float = 5.0) -> object:
-        while True:
-            message = self.into.decode(await asyncio.wait_for(self.socket.recv(), timeout))
-            if not isinstance(message, Heartbeat):
-                return message
-
-
 def test_a_mixed_deployment_runs_through_the_placement_interface(tmp_path: Path) -> None:
     deployment = headless_deployment(tmp_path)
     local = FakePlacement()
@@ -138,7 +114,7 @@ def test_a_mixed_deployment_runs_through_the_placement_interface(tmp_path: Path)
             assert isinstance(remote, RemoteStageClient) and list(local.clients) == [0]
             assert omni.placement.health() == {"headless": {"address": address, "accepting": True}}
 
-            worker = Worker(context, address)
+            worker = HeadlessPeer(context, address)
             await worker.send(
                 WorkerRegister(
                     stage_id=1,
