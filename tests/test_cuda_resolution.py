@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment
-from vllm_omni_plugin.config.resolved import RUNNER_ENV
+from vllm_omni_plugin.config.resolved import CPU_RESERVED_CORES_ENV, RUNNER_ENV
 from vllm_omni_plugin.stage.factory import adopt_model_runner
 from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env
 
@@ -78,6 +78,54 @@ def test_cpu_runs_v1_without_setting_anything(glm_dir: str) -> None:
     resolved = resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CPU)
     ar = resolved.stage(0)
     assert ar.model_runner == "v1" and all(RUNNER_ENV not in r.env for r in ar.replicas)
+
+
+def thinker_omp_binding(config: object, env: dict[str, str]) -> tuple[int, list[list[int]]]:
+    """``(cores reserved, cores each worker binds)``: what vLLM's CPU executor gives the thinker's worker
+    under ``env`` (vLLM's own ``OMPProcessManager``, as the EngineCore process builds it)."""
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    saved = {key: os.environ.get(key) for key in (*env, CPU_RESERVED_CORES_ENV)}
+    os.environ.pop(CPU_RESERVED_CORES_ENV, None)
+    os.environ.update(env)
+    try:
+        manager = OMPProcessManager(config)
+        return manager.reserve_cpu_num, manager.cpu_lists
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_the_exporting_thinker_binds_the_cores_an_engine_without_a_connector_binds(
+    tiny_bagel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any kv_transfer_config makes vLLM's CPU build reserve a core for NIXL's transfer thread; on two
+    cores it then reserves none and the worker's OpenMP threads spin on both, against the DiT (BAGEL's
+    images/s fell by a fifth). The context export needs no such core."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.delenv(CPU_RESERVED_CORES_ENV, raising=False)
+    deploy = str(DEPLOY / "tiny_bagel_cpu.yaml")
+    thinker = resolve_deployment(str(tiny_bagel), deploy_config=deploy, platform=CPU).stage(0)
+    env = thinker.replicas[0].env
+    assert env[CPU_RESERVED_CORES_ENV] == "1"
+    config = EngineArgs(**thinker.engine_args).create_engine_config()
+    assert config.kv_transfer_config is not None  # the context export KV connector
+    ours = thinker_omp_binding(config, env)
+    config.kv_transfer_config = None
+    assert ours == thinker_omp_binding(config, {})  # what the same engine binds without a connector
+
+    # only there: the DiT, CUDA and a user's own value are left alone
+    dit = resolve_deployment(str(tiny_bagel), deploy_config=deploy, platform=CPU).stage(1)
+    assert all(CPU_RESERVED_CORES_ENV not in r.env for r in dit.replicas)
+    on_cuda = resolve_deployment(str(tiny_bagel), deploy_config=str(DEPLOY / "bagel.yaml"), platform=CUDA)
+    assert all(CPU_RESERVED_CORES_ENV not in r.env for s in on_cuda.stages for r in s.replicas)
+    monkeypatch.setenv(CPU_RESERVED_CORES_ENV, "0")
+    theirs = resolve_deployment(str(tiny_bagel), deploy_config=deploy, platform=CPU).stage(0)
+    assert all(CPU_RESERVED_CORES_ENV not in r.env for r in theirs.replicas)
 
 
 def test_a_user_who_sets_the_variable_wins(glm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """What vLLM runs inside an AR stage's engine: which model runner (V1 or V2, through
 ``VLLM_USE_V2_MODEL_RUNNER``) and, for a stage that exports contexts, the context export KV connector
-with its edge's connector."""
+with its edge's connector (and, on CPU, the cores its worker's threads take)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from vllm_omni_plugin.config.edges import Wiring
 from vllm_omni_plugin.config.pipeline import PipelineStage
 from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.report import Reporter
-from vllm_omni_plugin.config.resolved import RUNNER_ENV
+from vllm_omni_plugin.config.resolved import CPU_RESERVED_CORES_ENV, RUNNER_ENV
 from vllm_omni_plugin.config.schema import StageDeployConfig
 
 IMAGES_NEED_V1 = (
@@ -55,6 +55,26 @@ def model_runner(
     if platform.v2_runner_default:
         return "v2", f"vLLM's default on {platform.name}", {}
     return "v1", f"vLLM's runner on {platform.name}", {}
+
+
+def context_export_cpu_env(
+    stage: StageDeployConfig, fixed: PipelineStage, platform: PlatformInfo
+) -> dict[str, str]:
+    """On vLLM's CPU build, keep the cores a context-exporting stage's worker binds what they would be
+    without a KV connector.
+
+    Any ``kv_transfer_config`` makes vLLM's CPU OpenMP binding reserve one more core per worker, meant
+    for NIXL's transfer thread in disaggregated prefill. The context export copies inside the worker's
+    step and needs no such core, and where the machine has no core to spare (two cores: one for the
+    engine core process, one for the worker) vLLM drops every reservation instead and the worker's
+    threads spin on both cores, against the next stage's processes: BAGEL's images/s fell by about a
+    fifth on two cores. A user's own value (the stage's ``env:`` or this process's environment) wins.
+    """
+    if platform.name != "cpu" or not fixed.exports_context:
+        return {}
+    if CPU_RESERVED_CORES_ENV in (stage.env or {}) or CPU_RESERVED_CORES_ENV in os.environ:
+        return {}
+    return {CPU_RESERVED_CORES_ENV: "1"}  # vLLM's own count for one worker (TP and PP are 1 here)
 
 
 def check_v2_runner_possible(sid: int, why: str, platform: PlatformInfo, report: Reporter) -> None:

@@ -27,7 +27,7 @@ from vllm_omni_plugin.config.errors import ConfigError
 from vllm_omni_plugin.config.layers import layered_stages
 from vllm_omni_plugin.config.loader import LoadedConfig
 from vllm_omni_plugin.config.merge import set_fields
-from vllm_omni_plugin.config.model_runner import model_runner
+from vllm_omni_plugin.config.model_runner import context_export_cpu_env, model_runner
 from vllm_omni_plugin.config.pipeline import Pipeline, PipelineStage
 from vllm_omni_plugin.config.placement import check_shared_devices, ray_placement, ray_settings, replicas
 from vllm_omni_plugin.config.platform import PlatformInfo, current_platform
@@ -144,6 +144,7 @@ def resolve_stage(
     runner_env: dict[str, str] = {}
     if is_ar:
         runner, why, runner_env = model_runner(stage, fixed, platform, report)
+        runner_env.update(context_export_cpu_env(stage, fixed, platform))
     stage_replicas = replicas(
         stage, engine_args.get("tensor_parallel_size", 1), runner_env, platform, backend, report
     )

@@ -17,6 +17,8 @@ ROUTER = "router"
 """The destination of the final stage's output: the API server (or offline API) that asked."""
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 """vLLM's switch between its V1 (``0``) and V2 (``1``) model runners."""
+CPU_RESERVED_CORES_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+"""How many cores vLLM's CPU build keeps free of a worker's OpenMP threads (for its engine core process)."""
 
 
 class ResolvedReplica(msgspec.Struct, kw_only=True):
