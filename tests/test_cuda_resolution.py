@@ -14,6 +14,7 @@ import yaml
 from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment
 from vllm_omni_plugin.config.resolved import CPU_RESERVED_CORES_ENV, RUNNER_ENV
 from vllm_omni_plugin.stage.factory import adopt_model_runner
+from vllm_omni_plugin.stage.llm_core_client import replica_environment
 from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,21 +83,13 @@ def test_cpu_runs_v1_without_setting_anything(glm_dir: str) -> None:
 
 def thinker_omp_binding(config: object, env: dict[str, str]) -> tuple[int, list[list[int]]]:
     """``(cores reserved, cores each worker binds)``: what vLLM's CPU executor gives the thinker's worker
-    under ``env`` (vLLM's own ``OMPProcessManager``, as the EngineCore process builds it)."""
+    when its replica is started with ``env`` (vLLM's own ``OMPProcessManager``, as the EngineCore
+    process builds it)."""
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-    saved = {key: os.environ.get(key) for key in (*env, CPU_RESERVED_CORES_ENV)}
-    os.environ.pop(CPU_RESERVED_CORES_ENV, None)
-    os.environ.update(env)
-    try:
+    with replica_environment(env):
         manager = OMPProcessManager(config)
-        return manager.reserve_cpu_num, manager.cpu_lists
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return manager.reserve_cpu_num, manager.cpu_lists
 
 
 def test_the_exporting_thinker_binds_the_cores_an_engine_without_a_connector_binds(
