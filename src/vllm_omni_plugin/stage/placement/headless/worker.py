@@ -27,21 +27,7 @@ from vllm_omni_plugin.stage.core_types import (
 )
 from vllm_omni_plugin.stage.errors import StageError
 from vllm_omni_plugin.stage.factory import build_stages
-from vllm_omni_plugin.stage.placement.headless.protocol import (
-    HeadMessage,
-    HeadShutdown,
-    Heartbeat,
-    RemoteRequest,
-    WorkerAccepted,
-    WorkerLeaving,
-    WorkerMessage,
-    WorkerProgress,
-    WorkerRegister,
-    WorkerRejected,
-    parse_head_address,
-    stage_config_digest,
-    tcp_address,
-)
+from vllm_omni_plugin.stage.placement.headless import protocol
 from vllm_omni_plugin.stage.placement.local.placement import LocalPlacement
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput, error_kind
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
@@ -59,11 +45,11 @@ class HeadlessStageWorker:
     def __init__(self, deployment: ResolvedDeployment, stage_id: int, head_address: str) -> None:
         self.deployment = deployment
         self.stage_id = stage_id
-        self.head_host, self.head_port = parse_head_address(head_address)
-        self.head_url = tcp_address(self.head_host, self.head_port)
+        self.head_host, self.head_port = protocol.parse_head_address(head_address)
+        self.head_url = protocol.tcp_address(self.head_host, self.head_port)
         self.worker_id = uuid.uuid4().hex[:12]
-        self._codec_out = StageMessageCodec(WorkerMessage)
-        self._codec_in = StageMessageCodec(HeadMessage)
+        self._codec_out = StageMessageCodec(protocol.WorkerMessage)
+        self._codec_in = StageMessageCodec(protocol.HeadMessage)
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._dealer: Any = None
         self._stopping: asyncio.Future[tuple[int, str]] | None = None
@@ -115,7 +101,7 @@ class HeadlessStageWorker:
             code, why = self._stopping.result()
             if self._leaving:
                 with best_effort("telling the head this worker leaves", logger):
-                    await asyncio.wait_for(self._send(WorkerLeaving(reason=why)), 1.0)
+                    await asyncio.wait_for(self._send(protocol.WorkerLeaving(reason=why)), 1.0)
             return code
         finally:
             for task in list(self._tasks.values()):
@@ -138,14 +124,14 @@ class HeadlessStageWorker:
     async def _send(self, message: Any) -> None:
         await self._dealer.send(self._codec_out.encode(message))
 
-    async def _register(self, pool: StageReplicaPool) -> WorkerAccepted | None:
+    async def _register(self, pool: StageReplicaPool) -> protocol.WorkerAccepted | None:
         assert self._stopping is not None
-        register = WorkerRegister(
+        register = protocol.WorkerRegister(
             stage_id=self.stage_id,
             worker_id=self.worker_id,
             host=socket.gethostname(),
             pid=os.getpid(),
-            config_digest=stage_config_digest(self.deployment, self.stage_id),
+            config_digest=protocol.stage_config_digest(self.deployment, self.stage_id),
             runner_defaults=pool.runner_defaults,
         )
         waited = 0.0
@@ -153,9 +139,9 @@ class HeadlessStageWorker:
             await self._send(register)
             if await self._dealer.poll(REGISTER_RETRY_S * 1000):
                 message = self._codec_in.decode(await self._dealer.recv())
-                if isinstance(message, WorkerAccepted):
+                if isinstance(message, protocol.WorkerAccepted):
                     return message
-                if isinstance(message, WorkerRejected):
+                if isinstance(message, protocol.WorkerRejected):
                     self._stop(1, f"the head at {self.head_url} refused this worker: {message.reason}")
                     return None
                 continue
@@ -164,7 +150,7 @@ class HeadlessStageWorker:
                 logger.info("still waiting for the head at %s (%.0f s)", self.head_url, waited)
         return None
 
-    async def _serve(self, pool: StageReplicaPool, accepted: WorkerAccepted) -> None:
+    async def _serve(self, pool: StageReplicaPool, accepted: protocol.WorkerAccepted) -> None:
         last_heard = time.monotonic()
 
         async def heartbeat() -> None:
@@ -181,7 +167,7 @@ class HeadlessStageWorker:
                         f"the head at {self.head_url} sent nothing for {accepted.heartbeat_timeout_s:.0f} s",
                     )
                     return
-                await self._send(Heartbeat())
+                await self._send(protocol.Heartbeat())
 
         async def progress() -> None:
             """The replicas' denoising steps, for the head's /metrics, whenever they changed."""
@@ -190,7 +176,7 @@ class HeadlessStageWorker:
                 await asyncio.sleep(PROGRESS_REPORT_INTERVAL_S)
                 steps = sum(replica.denoise_steps for replica in pool.clients)
                 if steps != sent:
-                    await self._send(WorkerProgress(denoise_steps=steps))
+                    await self._send(protocol.WorkerProgress(denoise_steps=steps))
                     sent = steps
 
         beat = asyncio.create_task(heartbeat(), name="heartbeat to head")
@@ -199,7 +185,7 @@ class HeadlessStageWorker:
             while True:
                 message = self._codec_in.decode(await self._dealer.recv())
                 last_heard = time.monotonic()
-                if isinstance(message, RemoteRequest):
+                if isinstance(message, protocol.RemoteRequest):
                     request = message.request
                     self._tasks[request.request_id] = asyncio.create_task(self._generate(pool, request))
                 elif isinstance(message, StageAbort):
@@ -208,10 +194,10 @@ class HeadlessStageWorker:
                         if task is not None:
                             task.cancel()
                     await pool.abort(list(message.request_ids))
-                elif isinstance(message, HeadShutdown):
+                elif isinstance(message, protocol.HeadShutdown):
                     self._stop(0, "the head shut down")
                     return
-                elif isinstance(message, WorkerRejected):  # the head restarted and forgot us
+                elif isinstance(message, protocol.WorkerRejected):  # the head restarted and forgot us
                     self._stop(
                         1, f"the head at {self.head_url} no longer knows this worker ({message.reason})"
                     )

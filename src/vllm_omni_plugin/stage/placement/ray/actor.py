@@ -135,14 +135,8 @@ class StageReplicaActor:
 
     async def _load(self) -> StageReady | StageFailed:
         start = time.perf_counter()
-        spec = self.spec
         try:
-            if spec.execution_type == "llm_ar":
-                replica, device = self._ar_replica(), "vLLM engine"
-            else:
-                self.input_connector = self._connector(self.input_name)
-                self.output_connector = self._connector(self.output_name)
-                replica, device = self._diffusion_replica(), "diffusion engine"
+            replica, device = self._replica()
             await replica.start()
         except Exception as exc:  # reported to the head as one line; the detail goes to the log
             logger.exception("%s failed to load on %s", self.label, self.where.host)
@@ -157,38 +151,41 @@ class StageReplicaActor:
             runner_defaults=replica.runner_defaults,
         )
 
-    def _ar_replica(self) -> StageCoreClientBase:
-        from vllm_omni_plugin.stage.llm_core_client import StageLLMCoreClient
-
+    def _replica(self) -> tuple[StageCoreClientBase, str]:
+        """The stage's client in this actor, and what it runs (a model directory this host lacks is named
+        with the host)."""
         spec = self.spec
-        model = spec.engine_args.get("model")
+        ar = spec.execution_type == "llm_ar"
+        args = spec.engine_args if ar else spec.diffusion_args
+        model = args.get("model")
         if model and not os.path.isdir(model):
             raise FileNotFoundError(f"model directory {model} does not exist on {self.where.host}")
-        # Ray restarts the actor instead: a dead engine core ends this process (see generate).
-        return StageLLMCoreClient(
-            spec.stage_id,
-            spec.replica_id,
-            spec.engine_args,
-            name=spec.name,
-            default_sampling_params=spec.default_sampling_params,
-            restart=False,
-        )
+        if ar:
+            from vllm_omni_plugin.stage.llm_core_client import StageLLMCoreClient
 
-    def _diffusion_replica(self) -> StageCoreClientBase:
+            # Ray restarts the actor instead: a dead engine core ends this process (see generate).
+            engine = StageLLMCoreClient(
+                spec.stage_id,
+                spec.replica_id,
+                args,
+                name=spec.name,
+                restart=False,
+                default_sampling_params=spec.default_sampling_params,
+            )
+            return engine, "vLLM engine"
         from vllm_omni_plugin.stage.diffusion_core_client import InlineStageDiffusionClient
 
-        spec = self.spec
-        model = spec.diffusion_args.get("model")
-        if model and not os.path.isdir(model):
-            raise FileNotFoundError(f"model directory {model} does not exist on {self.where.host}")
-        return InlineStageDiffusionClient(
+        self.input_connector = self._connector(self.input_name)
+        self.output_connector = self._connector(self.output_name)
+        client = InlineStageDiffusionClient(
             spec.stage_id,
             spec.replica_id,
-            spec.diffusion_args,
+            args,
             name=spec.name,
             input_connector=self.input_connector,
             output_connector=self.output_connector,
         )
+        return client, "diffusion engine"
 
     def _connector(self, name: str | None) -> OmniConnector | None:
         from vllm_omni_plugin.connectors.base import make_connector
