@@ -170,14 +170,14 @@ def test_sigkill_of_the_main_process_alone_then_the_next_start_sweeps(
     served: Served, tiny_glm_image: Path, tmp_path: Path
 ) -> None:
     served.send_in_flight()  # the hold dies with its holder
+    assert served.ipc_files(), "expected the main process's socket files"
     os.kill(served.pid, signal.SIGKILL)
     assert served.wait_main() == -signal.SIGKILL
     processes, segments = served.left()
     assert processes == {}  # the stage processes noticed their parent's death and exited
     # what the main process itself owned stays for the next start's sweep: its pool and socket files
+    # (the socket files are not checked here: any start on this machine sweeps them, another test run's too)
     assert all(name.startswith(f"vllm_omni_{served.pid}_") for name in segments), segments
-    ipc = served.ipc_files()
-    assert ipc, "expected the killed main process's socket files"
     following = Served(tiny_glm_image, tmp_path / "next")
     try:
         assert [n for n in segments if os.path.exists(os.path.join(SHM_DIR, n))] == []
