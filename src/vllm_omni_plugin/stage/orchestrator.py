@@ -43,7 +43,7 @@ from vllm_omni_plugin.stage.errors import (
 )
 from vllm_omni_plugin.stage.payload import carries_handles, release
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
-from vllm_omni_plugin.stage.request_defaults import RequestDefaults
+from vllm_omni_plugin.stage.request_defaults import DeploymentSizes
 
 logger = get_logger(__name__)
 
@@ -156,7 +156,7 @@ class Orchestrator:
     ) -> None:
         self.deployment = deployment
         self.pools = pools
-        self.request_defaults = RequestDefaults(deployment, pools)
+        self.request_defaults = DeploymentSizes(deployment, pools)
         """The size a request that gives none gets, applied before its first stage (one place)."""
         self.connectors = connectors or {}
         """The deployment's connectors (this process's objects), to free payloads nobody will read."""

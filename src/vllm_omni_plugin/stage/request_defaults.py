@@ -39,7 +39,7 @@ class SizeDefaults:
         return None
 
 
-class RequestDefaults:
+class DeploymentSizes:
     """The deployment's size defaults: from its configuration at once, final (with the model's own
     pipeline) from the first ready replica of the diffusion stage that makes the image."""
 
@@ -101,7 +101,7 @@ def _int_or_none(value: object) -> int | None:
 
 
 def request_size(request: OmniRequest, stage_id: int) -> tuple[int, int]:
-    """(height, width) of a request the runtime has given its size (:meth:`RequestDefaults.apply`):
+    """(height, width) of a request the runtime has given its size (:meth:`DeploymentSizes.apply`):
     stage-input processors read it here and fill nothing."""
     from vllm_omni_plugin.stage.errors import StageRequestError
 
