@@ -252,3 +252,39 @@ def test_stages_overlap(omni: Omni) -> None:
     denoise = next(i for i in first.intervals if i.stage_id == 1)
     thinking = [i for r in results if r is not first for i in r.intervals if i.stage_id == 0]
     assert any(denoise.start < t.start and t.end < denoise.end for t in thinking), (denoise, thinking)
+
+
+def test_the_deploy_configs_settings_and_steps_reach_the_request_before_stage_0(
+    tiny_bagel: Path, tmp_path: Path
+) -> None:
+    """The runtime gives a request the deploy config's BAGEL settings and step count where it set none
+    (``DeploymentDefaults.apply``, before stage 0); the processors read the request alone."""
+    from types import SimpleNamespace
+
+    from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
+    from vllm_omni_plugin.families.bagel.processors import dit_sampling, thinks
+    from vllm_omni_plugin.stage.request_defaults import DeploymentDefaults
+
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        f"base_config: {DEPLOY}\nstages:\n  - stage_id: 1\n    num_inference_steps: 6\n"
+        "    default_sampling_params: {think: true, cfg_text_scale: 3.0}\n"
+    )
+    deployment = resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=PLATFORMS["cpu"])
+    defaults = DeploymentDefaults(deployment, {})
+
+    plain = OmniRequest(prompt="a fox")
+    assert defaults.apply(plain) is None
+    assert plain.num_inference_steps == 6
+    assert plain.generation_params == {"think": True, "cfg_text_scale": 3.0}
+    context = SimpleNamespace(request=plain, stage_id=1)
+    assert thinks(context)
+    sampling = dit_sampling(context, edit=False)
+    assert (sampling.num_inference_steps, sampling.cfg_text_scale) == (6, 3.0)
+    assert sampling.cfg_img_scale == 1.0  # the authors' text-to-image default, which nobody set
+
+    own = OmniRequest(prompt="a fox", num_inference_steps=4, generation_params={"think": False})
+    defaults.apply(own)
+    assert own.num_inference_steps == 4
+    assert own.generation_params == {"think": False, "cfg_text_scale": 3.0}
+    assert not thinks(SimpleNamespace(request=own, stage_id=1))

@@ -43,7 +43,7 @@ from vllm_omni_plugin.stage.errors import (
 )
 from vllm_omni_plugin.stage.payload import carries_handles, release
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
-from vllm_omni_plugin.stage.request_defaults import DeploymentSizes
+from vllm_omni_plugin.stage.request_defaults import DeploymentDefaults
 
 logger = get_logger(__name__)
 
@@ -156,8 +156,9 @@ class Orchestrator:
     ) -> None:
         self.deployment = deployment
         self.pools = pools
-        self.request_defaults = DeploymentSizes(deployment, pools)
-        """The size a request that gives none gets, applied before its first stage (one place)."""
+        self.request_defaults = DeploymentDefaults(deployment, pools)
+        """What a request gets for what it leaves unset (size, steps, the pipeline's settings), applied
+        before its first stage (one place)."""
         self.connectors = connectors or {}
         """The deployment's connectors (this process's objects), to free payloads nobody will read."""
         self.stages = {s.stage_id: s for s in deployment.stages}

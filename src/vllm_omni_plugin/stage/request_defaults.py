@@ -1,7 +1,12 @@
-"""The size a request gets when it gives none, and the sizes the deployment can make: resolved once, from
-the deploy config (which carries the pipeline family's defaults) and, where it sets none, the model's own
-pipeline as its diffusion stage loaded it (``StageReady.runner_defaults``); applied to every request
-before its first stage runs, so routes, processors and the engine never fill a size themselves.
+"""What a request gets for what it leaves unset, and the sizes the deployment can make: resolved once and
+applied to every request before its first stage runs, so routes and processors never fill a default.
+
+- The size: the deploy config's (which carries the pipeline family's defaults), else the model's own
+  pipeline's as its diffusion stage loaded it (``StageReady.runner_defaults``).
+- The step count: the deploy config's; where it sets none, the diffusion runner's own default applies
+  in the stage (for BAGEL, the authors' default for the request's mode).
+- The pipeline's own generation settings (``Pipeline.setting_names``, e.g. BAGEL's ``cfg_*`` and
+  ``think``): the diffusion stage's ``default_sampling_params`` under the request's.
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ class SizeDefaults:
         return None
 
 
-class DeploymentSizes:
-    """The deployment's size defaults: from its configuration at once, final (with the model's own
-    pipeline) from the first ready replica of the diffusion stage that makes the image."""
+class DeploymentDefaults:
+    """The deployment's request defaults: from its configuration at once; the sizes final (with the model's
+    own pipeline) from the first ready replica of the diffusion stage that makes the image."""
 
     def __init__(self, deployment: ResolvedDeployment, pools: dict[int, StageReplicaPool]) -> None:
         dit = next(
@@ -57,7 +62,14 @@ class DeploymentSizes:
             made_by=deployment.pipeline,
         )
         self._resolved: SizeDefaults | None = None if self._pool is not None else self._configured
-        self._edits_keep_source_size = get_pipeline(deployment.pipeline).edits_keep_source_size
+        pipeline = get_pipeline(deployment.pipeline)
+        self._edits_keep_source_size = pipeline.edits_keep_source_size
+        self.num_inference_steps = _int_or_none(args.get("num_inference_steps"))
+        """The deploy config's step count (None: the runner's own default, applied in the stage)."""
+        configured = dit.default_sampling_params if dit is not None else {}
+        self.settings = {k: v for k, v in configured.items() if k in pipeline.setting_names}
+        """The pipeline's own settings the deploy config gives (the diffusion stage's
+        ``default_sampling_params``)."""
 
     @property
     def sizes(self) -> SizeDefaults:
@@ -71,8 +83,11 @@ class DeploymentSizes:
         return self._resolved
 
     def apply(self, request: OmniRequest) -> str | None:
-        """Give ``request`` the default height and width it leaves unset; why its model cannot make its
-        size (None: it can)."""
+        """Give ``request`` the defaults it leaves unset; why its model cannot make its size (None: it
+        can)."""
+        if request.num_inference_steps is None:
+            request.num_inference_steps = self.num_inference_steps
+        request.generation_params = {**self.settings, **request.generation_params}
         sizes = self.sizes
         if request.height is None:
             request.height = sizes.height
@@ -101,7 +116,7 @@ def _int_or_none(value: object) -> int | None:
 
 
 def request_size(request: OmniRequest, stage_id: int) -> tuple[int, int]:
-    """(height, width) of a request the runtime has given its size (:meth:`DeploymentSizes.apply`):
+    """(height, width) of a request the runtime has given its size (:meth:`DeploymentDefaults.apply`):
     stage-input processors read it here and fill nothing."""
     from vllm_omni_plugin.stage.errors import StageRequestError
 

@@ -156,15 +156,10 @@ def _config(model_dir: str) -> Any:
     return cached_bagel_config(model_dir)
 
 
-def _dit_stage(deployment: Any) -> Any:
-    return next(s for s in deployment.stages if s.execution_type == "diffusion")
-
-
 def settings(context: Any) -> dict[str, Any]:
-    """The request's BAGEL generation settings over the deploy config's (the DiT stage's
-    ``default_sampling_params``, where the pipeline's own settings live)."""
-    defaults = dict(_dit_stage(context.deployment).default_sampling_params)
-    return {**defaults, **dict(getattr(context.request, "generation_params", None) or {})}
+    """The request's BAGEL generation settings (the runtime put the deploy config's under them before
+    stage 0: ``stage/request_defaults.py``)."""
+    return dict(context.request.generation_params)
 
 
 def thinks(context: Any) -> bool:
@@ -330,14 +325,11 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
 
 
 def dit_sampling(context: Any, edit: bool) -> Any:
-    """BAGEL's generation settings: the request's, else the deploy config's, else the authors' defaults
-    for the mode (text-to-image or edit)."""
+    """BAGEL's generation settings: the request's (with the deploy config's where it set none, given before
+    stage 0), else the authors' defaults for the mode (text-to-image or edit)."""
     from vllm_omni_plugin.families.bagel.request import EDIT_DEFAULTS, T2I_DEFAULTS, BagelSampling
 
     params = msgspec.structs.asdict(EDIT_DEFAULTS if edit else T2I_DEFAULTS)
-    steps = _dit_stage(context.deployment).diffusion_args.get("num_inference_steps")
-    if steps is not None:
-        params["num_inference_steps"] = steps
     params.update({k: v for k, v in settings(context).items() if k in params})
     if context.request.num_inference_steps is not None:
         params["num_inference_steps"] = context.request.num_inference_steps
