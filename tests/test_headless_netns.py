@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vllm_omni_plugin.processes import SHM_DIR, unlink_segment
+from vllm_omni_plugin.processes import SHM_DIR, unlink_segment, unmapped
 from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.netns import NamespaceHTTP, NamespacePair
 from vllm_omni_plugin.testing.harness.server import (
@@ -166,7 +166,8 @@ def hosts(
     hosts = TwoHosts(head, None, http, namespaces, worker_argv, worker_env, log_dir)
     # The tests kill a "host" as a whole (its process group, resource tracker included), and a real
     # host's /dev/shm goes with it: what these hosts leave there is removed at the end, not reported.
-    # Their semaphores count by time: sem_open maps one under a temporary name, no mapping names it.
+    # Their semaphores count by time (sem_open maps one under a temporary name, no mapping names it),
+    # and only those no live process maps go: another test run's engine may be starting with its own.
     shm_watch = LeakWatch().start()
     semaphores_before = {n for n in os.listdir(SHM_DIR) if n.startswith("sem.")}
     head.start()
@@ -182,7 +183,10 @@ def hosts(
         http.close()
         shm_watch.stop()
         left = shm_watch.leftovers(grace=10).segments
-        left += [n for n in os.listdir(SHM_DIR) if n.startswith("sem.") and n not in semaphores_before]
+        new_semaphores = [
+            n for n in os.listdir(SHM_DIR) if n.startswith("sem.") and n not in semaphores_before
+        ]
+        left += unmapped(new_semaphores)
         for name in left:
             unlink_segment(name)
 

@@ -12,7 +12,14 @@ from multiprocessing import shared_memory
 
 import pytest
 
-from vllm_omni_plugin.processes import SHM_DIR, ProcessTree, exit_with_parent, mapped_segments
+from vllm_omni_plugin.processes import (
+    SHM_DIR,
+    ProcessTree,
+    exit_with_parent,
+    mapped_segments,
+    unlink_segment,
+    unmapped,
+)
 from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 
 pytestmark = pytest.mark.processes
@@ -69,6 +76,33 @@ def test_the_watch_finds_what_a_killed_child_left_and_cleans_it(spawn) -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
+
+
+def hold_semaphore(name_queue: multiprocessing.Queue) -> None:
+    """A child that makes a named semaphore (as vLLM's engines do for their workers) and waits."""
+    lock = multiprocessing.get_context("spawn").Lock()
+    name_queue.put("sem." + lock._semlock.name.lstrip("/"))
+    time.sleep(600)
+
+
+def test_a_semaphore_in_use_counts_as_mapped_though_no_mapping_names_it(spawn) -> None:
+    """``sem_open`` maps a new semaphore under a temporary name: only its inode tells that it is in use
+    (a test that removed every new ``sem.*`` once removed another run's starting engine's)."""
+    queue = spawn.Queue()
+    child = spawn.Process(target=hold_semaphore, args=(queue,), daemon=True)
+    child.start()
+    name = queue.get(timeout=60)
+    try:
+        assert os.path.exists(os.path.join(SHM_DIR, name))
+        assert name not in mapped_segments(child.pid)  # no mapping names it ...
+        assert unmapped([name]) == []  # ... yet it is in use
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        assert unmapped([name]) == [name]  # its only user is gone
+    finally:
+        if child.is_alive():
+            child.kill()
+        unlink_segment(name)
 
 
 def test_a_replica_tree_removes_what_its_dead_processes_left(spawn) -> None:

@@ -160,6 +160,29 @@ def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
     return True
 
 
+def unmapped(names: list[str], shm_dir: str = SHM_DIR) -> list[str]:
+    """Which of the ``shm_dir`` files ``names`` no live process maps, told by inode: a semaphore's
+    creator maps it under the temporary name ``sem_open`` made it with (shown as deleted), so its final
+    name appears in no mapping while it is in use."""
+    inodes: dict[int, str] = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            inodes[os.stat(os.path.join(shm_dir, name)).st_ino] = name
+    held: set[int] = set()
+    prefix = shm_dir.rstrip("/") + "/"
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(prefix) and fields[4].isdigit():
+                held.add(int(fields[4]))
+    return sorted(name for inode, name in inodes.items() if inode not in held)
+
+
 def _held_elsewhere(names: set[str], exclude: set[int]) -> set[str]:
     """Which of ``names`` a live process outside ``exclude`` maps."""
     held: set[str] = set()
