@@ -125,6 +125,8 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
           - stage_id: 0
             num_replicas: 2
             max_batch_size: 16
+            batching: step
+            batch_wait_ms: 2.5
             process: false
             num_inference_steps: 20
             guidance_scale: 3.5
@@ -136,6 +138,8 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
     stage = resolve_deployment(model, deploy_config=str(path), platform=GPU).stage(0)
     assert (stage.num_replicas, stage.process) == (2, False)
     assert {k: v for k, v in stage.diffusion_args.items() if k not in ("model", "worker_cls")} == {
+        "batch_wait_ms": 2.5,
+        "batching": "step",
         "dtype": "bfloat16",
         "guidance_scale": 3.5,
         "height": 512,
@@ -144,6 +148,32 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
         "seed": 7,
         "width": 768,
     }
+
+
+@pytest.mark.parametrize(
+    ("stage", "message"),
+    [
+        ("batching: rows", "deploy.yaml:4: stages[0].batching: Invalid enum value 'rows'"),
+        ("batch_wait_ms: -1", "deploy.yaml:4: stages[0].batch_wait_ms: expected float >= 0.0, got -1"),
+    ],
+)
+def test_a_bad_batching_setting_is_one_config_error(tmp_path: Path, stage: str, message: str) -> None:
+    path = write(tmp_path, f"pipeline: diffusion\nstages:\n  - stage_id: 0\n    {stage}\n")
+    with pytest.raises(ConfigError) as caught:
+        resolve_deployment(diffusers_dir(tmp_path, "FluxPipeline"), deploy_config=str(path), platform=CPU)
+    assert message in str(caught.value)
+
+
+def test_step_batching_of_a_runner_without_it_is_refused_by_resolution(
+    tmp_path: Path, tiny_bagel: Path
+) -> None:
+    path = write(tmp_path, "pipeline: bagel\nstages:\n  - stage_id: 1\n    batching: step\n")
+    with pytest.raises(ConfigError) as caught:
+        resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=CPU)
+    assert "deploy.yaml:4" in str(caught.value)
+    assert "step batching is not available for bagel's diffusion runner (BagelGenerationRunner)" in str(
+        caught.value
+    )
 
 
 @pytest.mark.parametrize(

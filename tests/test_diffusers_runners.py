@@ -319,11 +319,15 @@ def engine_log() -> Iterator[list[str]]:
 def test_long_batches_log_progress_and_count_denoise_steps(tiny_sd3: Path) -> None:
     engine = DiffusionEngine(tiny_sd3, max_batch_size=4, num_inference_steps=STEPS, progress_interval_s=0)
     reported: list[int] = []
-    engine.on_progress = reported.append
+    engine.on_progress = lambda: reported.append(engine.denoise_steps)
     with engine_log() as lines:
         ok(engine.generate([ask(f"r{i}", "a cat", seed=i, guidance=2.0) for i in range(3)]))
     assert engine.denoise_steps == 3 * STEPS  # per request: a step of a batch of 3 counts 3
     assert reported == [3 * (i + 1) for i in range(STEPS)]
+    counters = engine.counters()
+    # steps are timed from the previous one's end: all but the first, each with the batch's 3 requests
+    assert (counters.steps, counters.step_requests) == (STEPS - 1, 3 * (STEPS - 1))
+    assert counters.step_seconds > 0 and counters.decodes == 1 and counters.decode_seconds > 0
     assert [line.split(" of ")[0] for line in lines if "steps/s" in line] == [
         f"diffusion: step {i}/{STEPS}" for i in range(1, STEPS + 1)
     ]

@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from helpers import HeadlessPeer
 from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.errors import StageDeadError, StageError
@@ -134,7 +135,7 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
             worker = HeadlessPeer(context, registry.address)
             await worker.send(worker.register(deployment))
             assert isinstance(await worker.receive(), WorkerAccepted)
-            await worker.send(WorkerProgress(denoise_steps=7))
+            await worker.send(WorkerProgress(counters=DiffusionCounters(denoise_steps=7)))
             await until(lambda: client.denoise_steps == 7)
             pending = asyncio.ensure_future(client.generate(request("lost")))
             assert isinstance(await worker.receive(), RemoteRequest)
@@ -146,7 +147,7 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
                 await client.generate(request("meanwhile"))
 
             # The lost worker's late messages are refused; a restarted worker (new socket) rejoins.
-            await worker.send(WorkerProgress(denoise_steps=9))
+            await worker.send(WorkerProgress(counters=DiffusionCounters(denoise_steps=9)))
             assert isinstance(await worker.receive(), WorkerRejected)
             assert client.denoise_steps == 7
             again = HeadlessPeer(context, registry.address)
@@ -154,7 +155,7 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
             assert isinstance(await again.receive(), WorkerAccepted)
             assert client.healthy and client.restarts == 1 and client.pid == 5151
             # the new worker counts its steps from 0: the head's count goes on from the lost one's
-            await again.send(WorkerProgress(denoise_steps=3))
+            await again.send(WorkerProgress(counters=DiffusionCounters(denoise_steps=3)))
             await until(lambda: client.denoise_steps == 10)
 
             await registry.shutdown()

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.testing.harness.server import (
     ServerProcess,
     bin_script,
@@ -205,7 +206,8 @@ def actor_stats(name: str) -> dict[str, Any]:
 
 def actor_steps(name: str) -> int:
     """The denoising steps a stage actor itself counted (this incarnation's)."""
-    return ray.get(ray.get_actor(name, namespace=NAMESPACE).denoise_steps.remote(), timeout=30)
+    reported = ray.get(ray.get_actor(name, namespace=NAMESPACE).diffusion_counters.remote(), timeout=30)
+    return msgspec.msgpack.decode(reported, type=DiffusionCounters).denoise_steps
 
 
 def test_each_stage_runs_on_the_nodes_its_resources_name(served: Served) -> None:

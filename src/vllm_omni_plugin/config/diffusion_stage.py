@@ -10,11 +10,19 @@ from vllm_omni_plugin.config.pipeline import Pipeline
 from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.schema import StageDeployConfig
+from vllm_omni_plugin.dotted import import_object
 
 DIFFUSION_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
 """What a diffusion stage's ``default_sampling_params`` may set: defaults of the diffusion engine for
 requests that leave them unset (a stage field of the same name wins)."""
-DIFFUSION_ENGINE_FIELDS = ("dtype", "trust_remote_code", "enforce_eager", "gpu_memory_utilization")
+DIFFUSION_ENGINE_FIELDS = (
+    "dtype",
+    "trust_remote_code",
+    "enforce_eager",
+    "gpu_memory_utilization",
+    "batching",
+    "batch_wait_ms",
+)
 """Further stage fields handed to the diffusion engine as they are."""
 
 
@@ -40,6 +48,13 @@ def diffusion_args(
     fixed = pipeline.stage(stage.stage_id)
     if fixed is not None and fixed.diffusion_runner:
         args["runner_cls"] = fixed.diffusion_runner
+        if stage.batching == "step" and not import_object(fixed.diffusion_runner).step_batching:
+            raise report.error(
+                f"step batching is not available for {pipeline.name}'s diffusion runner "
+                f"({fixed.diffusion_runner.rsplit('.', 1)[-1]}); use batching: request",
+                stage.stage_id,
+                "batching",
+            )
     for name in DIFFUSION_ENGINE_FIELDS:
         if getattr(stage, name) is not None:
             args[name] = getattr(stage, name)

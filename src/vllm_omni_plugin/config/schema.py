@@ -95,6 +95,12 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     width: PositiveInt | None = None
     max_batch_size: PositiveInt | None = None
     """Diffusion stages: requests denoised together in one batch."""
+    batching: Literal["request", "step"] | None = None
+    """Diffusion stages: ``request`` (default) batches whole requests; ``step`` lets requests join and
+    leave the running batch at each denoising step (up to ``max_batch_size`` in flight)."""
+    batch_wait_ms: NonNegativeFloat | None = None
+    """Diffusion stages with ``batching: step``: while requests run, how long a new request waits for
+    others to start with it (default 10)."""
     # placement on a Ray cluster (backend: ray), per replica
     num_cpus: NonNegativeFloat | None = None
     """CPUs Ray reserves for each replica (default 1)."""
@@ -195,7 +201,15 @@ AR_ONLY_FIELDS: frozenset[str] = frozenset(
     }
 )
 DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
-    {"num_inference_steps", "guidance_scale", "height", "width", "max_batch_size"}
+    {
+        "num_inference_steps",
+        "guidance_scale",
+        "height",
+        "width",
+        "max_batch_size",
+        "batching",
+        "batch_wait_ms",
+    }
 )
 RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")
 """Stage fields that place replicas on a Ray cluster (backend ``ray`` only)."""

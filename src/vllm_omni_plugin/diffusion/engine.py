@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -38,14 +39,20 @@ from vllm_omni_plugin.diffusion.memory import (
     gib,
     tensor_bytes,
 )
-from vllm_omni_plugin.diffusion.params import DiffusionResult, RunnerRequest
+from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
 from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, RequestDefaults, ServedDefaults
+from vllm_omni_plugin.diffusion.step_batching import StepBatcher
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
 
 MAX_SEED = 2**63 - 1
+BATCHING_MODES = ("request", "step")
+BATCH_WAIT_MS = 10.0
+"""The default ``batch_wait_ms``."""
+"""``request``: a batch of whole requests runs all its steps and decodes before the next forms;
+``step``: requests join and leave the running batch at step boundaries (:mod:`.step_batching`)."""
 PROGRESS_INTERVAL_S = 10.0
 """How often a long batch logs its progress: short batches stay quiet, a minute-long one says so."""
 ABORTED = "aborted"
@@ -108,6 +115,8 @@ class DiffusionEngine:
         runner_cls: str | None = None,
         progress_interval_s: float = PROGRESS_INTERVAL_S,
         gpu_memory_utilization: float | None = None,
+        batching: str = "request",
+        batch_wait_ms: float = BATCH_WAIT_MS,
     ) -> None:
         import torch
 
@@ -150,21 +159,45 @@ class DiffusionEngine:
         """What the stage reports once ready (``StageReady.runner_defaults``)."""
         self._seeds = random.Random(seed)
         self.progress_interval_s = progress_interval_s
-        self.denoise_steps = 0
-        """Denoising steps run since load, counted per request (a step of a batch of B counts B)."""
-        self.on_progress: Callable[[int], None] | None = None
-        """Called with ``denoise_steps`` after every step (a stage process reports it to ``/metrics``)."""
+        self._counters = DiffusionCounters()
+        """What ran since load (:meth:`counters`); written under ``_count_lock`` (groups count from their
+        own threads)."""
+        self._count_lock = threading.Lock()
+        self.on_progress: Callable[[], None] | None = None
+        """Called after every step of whole-request batching (a stage process then reports
+        :meth:`counters` to ``/metrics``)."""
         self._progress: _BatchProgress | None = None
         runner.on_step = self._step_done
+        self.step_batcher: StepBatcher | None = None
+        """``batching: step``: groups of requests in flight share denoiser forwards step by step
+        (:meth:`run_group`); ``None``: whole requests batch (:meth:`generate`)."""
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
+        if batching == "step":
+            if not runner.step_batching or batch_invariant:
+                why = "batch_invariant runs requests alone" if batch_invariant else f"{runner.label} cannot"
+                raise ValueError(f"batching: step is not available: {why}; use batching: request")
+            self.step_batcher = StepBatcher(
+                runner.denoiser(),
+                max_rows=2 * max_batch_size,
+                joins=runner.step_joins(),
+                on_boundary=self._boundary_done,
+            )
+        if batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
+        self.batch_wait_ms = batch_wait_ms
+        """``batching: step``: while requests run, how long a new request waits for others to start with
+        it as one group (one pipeline call: its prompt encoding and decode batched)."""
         if trust_remote_code:
             logger.debug("diffusion engine: trust_remote_code has no effect on registered pipeline runners")
         logger.info(
-            "diffusion engine: %s (%s) on %s, %s, max_batch_size %d%s, load %.2f s",
+            "diffusion engine: %s (%s) on %s, %s, max_batch_size %d, %s batching%s, load %.2f s",
             self.model,
             runner.label,
             self.device,
             self.dtype,
             max_batch_size,
+            batching,
             ", batch-invariant" if batch_invariant else "",
             self.load_seconds,
         )
@@ -291,14 +324,85 @@ class DiffusionEngine:
                 results[index] = result
         return [results[i] for i in range(len(resolved))]
 
+    # --- step batching -----------------------------------------------------------------------------
+
+    def admit(
+        self, requests: Iterable[RunnerRequest]
+    ) -> tuple[list[list[RunnerRequest]], list[DiffusionResult]]:
+        """The requests in the groups :meth:`run_group` takes (seeded, defaults filled, validated; one batch
+        key, at most ``max_batch_size``, within the memory budget each), and the failures."""
+        resolved = [self._resolve(r) for r in requests]
+        batches, failed = self.plan(resolved)
+        return [[resolved[i] for i in batch] for batch in batches], list(failed.values())
+
+    def run_group(
+        self,
+        group: list[RunnerRequest],
+        is_aborted: IsAborted | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> list[DiffusionResult]:
+        """One admitted group (``batching: step``) as one pipeline call on the calling thread, its denoiser
+        forwards shared with the other groups in flight; ``on_step`` after each of its steps. Results in
+        group order, as :meth:`generate`'s."""
+        if self.step_batcher is None:
+            raise RuntimeError("run_group needs batching: step")
+        return self._run_batch(group, is_aborted, on_step)
+
+    def _group_steps(self, rows: int, on_step: Callable[[int], None] | None) -> Callable[[int], None]:
+        """A group's step callback: its requests count a step further, then ``on_step``."""
+
+        def step_done(step: int) -> None:
+            with self._count_lock:
+                self._counters.denoise_steps += rows
+            if on_step is not None:
+                on_step(step)
+
+        return step_done
+
+    def _boundary_done(self, requests: int, seconds: float) -> None:
+        """The step batcher ran a step boundary: ``requests`` in its forwards, which took ``seconds``."""
+        with self._count_lock:
+            counters = self._counters
+            counters.steps += 1
+            counters.step_requests += requests
+            counters.step_seconds += seconds
+
+    @property
+    def denoise_steps(self) -> int:
+        """Denoising steps run since load, counted per request (a step of a batch of B counts B)."""
+        return self._counters.denoise_steps
+
+    def counters(self) -> DiffusionCounters:
+        """A copy of what ran since load (``/metrics``)."""
+        with self._count_lock:
+            return msgspec.structs.replace(self._counters)
+
+    def count_started(self, waits: list[float]) -> None:
+        """Requests taken from the queue after waiting these many seconds each."""
+        with self._count_lock:
+            self._counters.started += len(waits)
+            self._counters.queue_wait_seconds += sum(waits)
+
+    def close(self) -> None:
+        """Stop the step thread (``batching: step``)."""
+        if self.step_batcher is not None:
+            self.step_batcher.close()
+
     def _step_done(self, step: int) -> None:
         """The runner's step callback: count the batch's requests a step further; log when it is time."""
         progress = self._progress
         if progress is None:
             return
         progress.steps = step + 1
-        self.denoise_steps += len(progress.batch)
         now = time.perf_counter()
+        with self._count_lock:
+            counters = self._counters
+            counters.denoise_steps += len(progress.batch)
+            if step > 0:  # timed from the previous step's end (the first follows prompt encoding)
+                counters.steps += 1
+                counters.step_requests += len(progress.batch)
+                counters.step_seconds += now - progress.last_step
+        progress.last_step = now
         if now - max(progress.start, progress.last_log) >= self.progress_interval_s:
             progress.logged, progress.last_log = True, now
             total = self.runner.steps_of(progress.batch[0]) or progress.steps
@@ -311,7 +415,7 @@ class DiffusionEngine:
                 progress.steps / (now - progress.start),
             )
         if self.on_progress is not None:
-            self.on_progress(self.denoise_steps)
+            self.on_progress()
 
     def _finish_progress(self) -> None:
         progress, self._progress = self._progress, None
@@ -324,22 +428,32 @@ class DiffusionEngine:
                 time.perf_counter() - progress.start,
             )
 
-    def _run_batch(self, batch: list[RunnerRequest], is_aborted: IsAborted | None) -> list[DiffusionResult]:
+    def _run_batch(
+        self,
+        batch: list[RunnerRequest],
+        is_aborted: IsAborted | None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> list[DiffusionResult]:
         import torch
 
         skipped = {r.request_id for r in batch if is_aborted(r.request_id)} if is_aborted else set()
         if skipped:  # aborted before their batch started: the others run without them
             live = [r for r in batch if r.request_id not in skipped]
-            ran = {result.request_id: result for result in self._run_batch(live, is_aborted)} if live else {}
+            ran = {r.request_id: r for r in self._run_batch(live, is_aborted, on_step)} if live else {}
             return [ran.get(r.request_id) or self._aborted(r, 0) for r in batch]
         # CPU generators whatever the device: diffusers then draws the noise on the CPU and moves it, so a
         # seed gives the same image on every platform (up to kernel numerics).
         generators = [torch.Generator("cpu").manual_seed(int(r.seed or 0)) for r in batch]
-        self._progress = _BatchProgress(batch, time.perf_counter())
         ids = [r.request_id for r in batch]
         stop = None if is_aborted is None else (lambda: all(is_aborted(i) for i in ids))
+        batcher = self.step_batcher
         try:
-            out = self.runner.run(batch, generators, should_stop=stop)
+            if batcher is None:
+                self._progress = _BatchProgress(batch, time.perf_counter())
+                out = self.runner.run(batch, generators, should_stop=stop)
+            else:
+                count = self._group_steps(len(batch), on_step)
+                out = self.runner.run_rows(batch, generators, stop, batcher, " ".join(ids), count)
         except BatchAborted as exc:
             self._progress = None
             logger.info("diffusion batch of %d: every request aborted, %s", len(batch), exc)
@@ -353,9 +467,12 @@ class DiffusionEngine:
                     type(exc).__name__,
                     exc,
                 )
-                return [result for request in batch for result in self._run_batch([request], is_aborted)]
+                return [r for request in batch for r in self._run_batch([request], is_aborted, on_step)]
             return [self._failed(batch[0], exc, batch_size=1)]
         self._finish_progress()
+        with self._count_lock:
+            self._counters.decodes += 1
+            self._counters.decode_seconds += out.timings.get("decode", 0.0)
         results = []
         for i, request in enumerate(batch):
             latents = out.latents[i] if out.latents is not None else None
@@ -380,6 +497,7 @@ class _BatchProgress:
     start: float
     logged: bool = False
     last_log: float = 0.0
+    last_step: float = 0.0
     steps: int = 0
 
     @property

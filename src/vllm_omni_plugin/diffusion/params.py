@@ -45,6 +45,30 @@ class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):
         return bool(self.images)
 
 
+class DiffusionCounters(msgspec.Struct, kw_only=True):
+    """A diffusion replica's running counts since it started (``/metrics``), whatever its batching."""
+
+    denoise_steps: int = 0
+    """Denoising steps, counted per request (a step of B requests counts B)."""
+    steps: int = 0
+    """Timed steps of the running batch (whole-request batching: each step after a batch's first) or
+    step boundaries (step batching: the forwards of every group in flight)."""
+    step_requests: int = 0
+    """Requests in flight, summed over the timed steps (per step: ``step_requests / steps``)."""
+    step_seconds: float = 0.0
+    started: int = 0
+    """Requests taken from the queue."""
+    queue_wait_seconds: float = 0.0
+    """Time requests waited in the queue, summed (per request: ``queue_wait_seconds / started``)."""
+    decodes: int = 0
+    """Pipeline calls (a batch, or a group) that decoded their images."""
+    decode_seconds: float = 0.0
+
+    def plus(self, other: DiffusionCounters) -> DiffusionCounters:
+        """Field by field sum (the counts of several replicas, or of a replica's earlier processes)."""
+        return DiffusionCounters(**{f: getattr(self, f) + getattr(other, f) for f in self.__struct_fields__})
+
+
 class DiffusionResult(msgspec.Struct, kw_only=True):
     """The outcome of one request: an image, or an error that names what was wrong."""
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
 from vllm_omni_plugin.diffusion.params import RunnerRequest
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 
 class BatchAborted(Exception):
@@ -83,6 +86,9 @@ class DiffusionRunner(abc.ABC):
     """``(height, width)`` the model makes when neither the request nor the stage gives one."""
     on_step: StepCallback | None = None
     """Set by the engine: called after each denoising step of :meth:`run`."""
+    step_batching: ClassVar[bool] = False
+    """It implements :meth:`run_rows` and :meth:`denoiser`: its requests can share forwards step by step
+    (``batching: step``)."""
 
     @classmethod
     @abc.abstractmethod
@@ -127,6 +133,28 @@ class DiffusionRunner(abc.ABC):
     @abc.abstractmethod
     def activation_bytes(self, batch: list[Any]) -> int:
         """Estimated peak activations of ``batch`` (one key, defaults applied) run as one call."""
+
+    def denoiser(self) -> Any:
+        """The module whose calls a :class:`StepBatcher` joins (runners with ``step_batching``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch step by step")
+
+    def step_joins(self) -> dict[str, ArgumentJoin]:
+        """How denoiser arguments that are neither shared nor plain per-row values join (none)."""
+        return {}
+
+    def run_rows(
+        self,
+        batch: list[Any],
+        generators: list[Any],
+        should_stop: StopCheck | None,
+        batcher: StepBatcher,
+        group: str,
+        on_step: StepCallback,
+    ) -> BatchOutput:
+        """:meth:`run`, but with the denoiser calls going through ``batcher`` as group ``group`` (which
+        leaves it after its last step), so they share forwards with other groups running at once, and
+        ``on_step`` called after each step instead of :attr:`on_step` (runners with ``step_batching``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch step by step")
 
     def steps_of(self, request: Any) -> int | None:
         """How many denoising steps the request runs (for progress logs; None: not known before)."""

@@ -8,13 +8,32 @@ recorded as requests finish (:class:`OmniMetrics`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.orchestrator import OmniResult
 
 ABORT_PLACES = ("queue", "batch", "engine")
+DIFFUSION_TIMING = (
+    (
+        "omni_diffusion_steps",
+        "steps",
+        "Timed denoising steps of each diffusion stage: with whole-request batching each step of a batch "
+        "after its first, with step batching each step boundary (one round of forwards over every group)",
+    ),
+    ("omni_diffusion_step_requests", "step_requests", "Requests in flight summed over the timed steps"),
+    ("omni_diffusion_step_seconds", "step_seconds", "Seconds of the timed steps"),
+    ("omni_diffusion_started_requests", "started", "Requests a diffusion stage took from its queue"),
+    ("omni_diffusion_queue_wait_seconds", "queue_wait_seconds", "Seconds requests waited in the queue"),
+    ("omni_diffusion_decodes", "decodes", "Pipeline calls (a batch, or a group) that decoded their images"),
+    ("omni_diffusion_decode_seconds", "decode_seconds", "Seconds of VAE decode and post-processing"),
+)
+"""The diffusion stages' step, queue and decode counters: (Prometheus name, ``DiffusionCounters`` field,
+help). Means are ratios: requests per step ``step_requests / steps``, step time ``step_seconds / steps``,
+queue wait ``queue_wait_seconds / started_requests``, decode time ``decode_seconds / decodes``."""
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -46,6 +65,10 @@ class OmniCollector:
             "requests counts B); rises while long images are still in progress",
             labels=["stage", "name"],
         )
+        timing = {
+            field: CounterMetricFamily(name, text, labels=["stage", "name"])
+            for name, field, text in DIFFUSION_TIMING
+        }
         diffusion = {s.stage_id for s in self.omni.deployment.stages if s.execution_type == "diffusion"}
         deaths = CounterMetricFamily(
             "omni_stage_replica_deaths",
@@ -80,7 +103,10 @@ class OmniCollector:
             healthy.add_metric(labels, sum(1 for c in pool.clients if c.healthy))
             restarts.add_metric(labels, sum(c.restarts for c in pool.clients))
             if sid in diffusion:
-                steps.add_metric(labels, sum(c.denoise_steps for c in pool.clients))
+                counted = functools.reduce(DiffusionCounters.plus, (c.diffusion for c in pool.clients))
+                steps.add_metric(labels, counted.denoise_steps)
+                for field, family in timing.items():
+                    family.add_metric(labels, getattr(counted, field))
             deaths.add_metric(labels, sum(c.deaths for c in pool.clients))
             retries.add_metric(labels, orchestrator.retries[sid] if orchestrator else 0)
             exhausted.add_metric(labels, orchestrator.exhausted[sid] if orchestrator else 0)
@@ -88,6 +114,7 @@ class OmniCollector:
                 aborted.add_metric([*labels, where], sum(c.dropped[where] for c in pool.clients))
             discarded.add_metric(labels, sum(c.discarded_outputs for c in pool.clients))
         yield from (depth, healthy, restarts, steps, deaths, retries, exhausted, aborted, discarded)
+        yield from timing.values()
 
         moved = CounterMetricFamily(
             "omni_connector_bytes",

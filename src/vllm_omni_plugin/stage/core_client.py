@@ -7,6 +7,7 @@ import collections
 import enum
 from typing import Any
 
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_types import StageCoreOutput
@@ -50,11 +51,11 @@ class StageCoreClientBase(abc.ABC):
         """Whether a replica whose process died is started again (servers turn this off on shutdown)."""
         self.last_connector_stats: list[dict[str, Any]] = []
         """What :meth:`connector_stats` said at the last stats interval (``/metrics`` reads it)."""
-        self.denoise_steps = 0
-        """Denoising steps this replica ran, counted per request, kept across restarts (diffusion
-        replicas report it as they go; 0 for the others)."""
-        self._steps_of_earlier = 0
-        """The steps of the processes (workers, actors) this replica ran before its current one."""
+        self.diffusion = DiffusionCounters()
+        """What this replica's diffusion engine counted (denoising steps, step and queue times), kept
+        across restarts (diffusion replicas report it as they go; zeros for the others)."""
+        self._counted_earlier = DiffusionCounters()
+        """The counts of the processes (workers, actors) this replica ran before its current one."""
         self.deaths = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         """Aborted requests the replica dropped, by where they were: ``queue`` (not started), ``batch``
@@ -69,14 +70,19 @@ class StageCoreClientBase(abc.ABC):
     def label(self) -> str:
         return f"stage {self.stage_id} ({self.name}) replica {self.replica_id}"
 
-    def count_steps(self, reported: int) -> None:
-        """``reported``: the running count of denoising steps of the replica's current process."""
-        self.denoise_steps = self._steps_of_earlier + reported
+    @property
+    def denoise_steps(self) -> int:
+        """Denoising steps this replica ran, counted per request."""
+        return self.diffusion.denoise_steps
+
+    def count_steps(self, reported: DiffusionCounters) -> None:
+        """``reported``: the running counts of the replica's current process."""
+        self.diffusion = self._counted_earlier.plus(reported)
 
     def count_steps_anew(self) -> None:
         """The replica's process was replaced (a restart, a worker that joined again): the new one counts
-        from 0, and ``denoise_steps`` keeps what the old ones ran."""
-        self._steps_of_earlier = self.denoise_steps
+        from 0, and ``diffusion`` keeps what the old ones counted."""
+        self._counted_earlier = self.diffusion
 
     @property
     def healthy(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar, Union
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.log import get_logger
 
@@ -74,9 +75,9 @@ process, a headless worker, a Ray actor asked by the head)."""
 
 
 class StageProgress(msgspec.Struct, kw_only=True, tag="progress"):
-    """A diffusion replica's running count of denoising steps (per request), sent while it works."""
+    """A diffusion replica's running counts (denoising steps, step and queue times), sent while it works."""
 
-    denoise_steps: int
+    counters: DiffusionCounters
     pid: int = 0
     """The stage process that sent it (its client ignores what a process it replaced sent)."""
 

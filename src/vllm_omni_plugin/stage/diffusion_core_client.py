@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.processes import ProcessId, ProcessTree
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
@@ -182,7 +183,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 self.dropped[message.where] += len(message.request_ids)
                 continue
             if isinstance(message, StageProgress):
-                self.count_steps(message.denoise_steps)
+                self.count_steps(message.counters)
                 continue
             for output in message.outputs:
                 if not self._pending.resolve(output.request_id, output):
@@ -385,8 +386,8 @@ class _FutureReport:
             error = RequestAbortedError("aborted", stage_id=client.stage_id, request_id=request_id)
             loop.call_soon_threadsafe(_set_exception, future, error)
 
-    def progress(self, denoise_steps: int, *, force: bool) -> None:
-        self.client.denoise_steps = denoise_steps  # from the engine's thread: one int assignment
+    def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
+        self.client.count_steps(counters)  # from the engine's thread: one attribute assignment
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import exit_with_parent, spawning_without_main
@@ -146,11 +147,11 @@ class _ZmqReport:
     def dropped(self, request_ids: list[str], where: str) -> None:
         self.push.send(self.codec.encode(StageDropped(request_ids=request_ids, where=where, pid=os.getpid())))
 
-    def progress(self, denoise_steps: int, *, force: bool) -> None:
+    def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
         now = time.monotonic()
         if force or now - self.last_progress >= PROGRESS_REPORT_INTERVAL_S:
             self.last_progress = now
-            self.push.send(self.codec.encode(StageProgress(denoise_steps=denoise_steps, pid=os.getpid())))
+            self.push.send(self.codec.encode(StageProgress(counters=counters, pid=os.getpid())))
 
 
 def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:

@@ -7,6 +7,11 @@ requests), puts the images through the output connector and hands the outputs to
 :class:`BatchReport`. An aborted request still queued is dropped with its payload (``where="queue"``); one
 in the running batch gets no image, and an image already put for it is freed (``where="batch"``; a batch
 whose every request is aborted stops at the end of the current step).
+
+With ``batching: step`` the loop does not wait for a batch to finish: what is queued starts as soon as
+fewer than ``max_batch_size`` requests run, as groups (one pipeline call each, on a thread of its own)
+whose denoiser calls share forwards step by step (:mod:`vllm_omni_plugin.diffusion.step_batching`); each
+group's outputs are reported as soon as it is done.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from vllm_omni_plugin.connectors.base import ConnectorHandle
+from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult
 from vllm_omni_plugin.hold_points import hold_point
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.payload import internalize, release
@@ -50,6 +56,12 @@ class DiffusionInbox:
         """Not even the running batch finishes (``StageShutdown``, a dead parent): nobody will read it."""
         self.closed = False
         """The batch loop has ended: a receiving thread ends too."""
+        self.arrived: dict[str, float] = {}
+        """When each queued request arrived (``time.monotonic``)."""
+        self.waited: list[float] = []
+        """Queue waits of the requests started since :meth:`started_waits` was last called."""
+        self.finished: list[tuple[str, list[Any]]] = []
+        """Groups done (``batching: step``): their keys and engine results, for the loop's thread."""
 
     def is_aborted(self, request_id: str) -> bool:
         return self.interrupted or request_id in self.aborted
@@ -65,6 +77,7 @@ class DiffusionInbox:
     def add(self, request: StageDiffusionCoreRequest) -> None:
         with self.lock:
             self.queued.append(request)
+            self.arrived[request.request_id] = time.monotonic()
             self.lock.notify()
 
     def abort(self, request_ids: list[str]) -> list[StageDiffusionCoreRequest]:
@@ -73,6 +86,8 @@ class DiffusionInbox:
         with self.lock:
             dropped = [r for r in self.queued if r.request_id in ids]
             self.queued = [r for r in self.queued if r.request_id not in ids]
+            for request in dropped:
+                self.arrived.pop(request.request_id, None)
             self.aborted |= ids & self.running
         return dropped
 
@@ -87,7 +102,61 @@ class DiffusionInbox:
                 return []
             batch, self.queued = self.queued[:max_batch], self.queued[max_batch:]
             self.running = {r.request_id for r in batch}
+            self._started(batch)
             return batch
+
+    def take_rows(self, free: int, wait_s: float = 0.0) -> list[StageDiffusionCoreRequest]:
+        """Up to ``free`` queued requests to start (``batching: step``). While others run, fewer than
+        ``free`` wait until the first of them has waited ``wait_s``, so that requests arriving close
+        together start as one group; an idle stage starts what it has at once. Returns nothing (after at
+        most a poll interval) while there is nothing to start yet."""
+        with self.lock:
+            if self.draining and not self.queued:
+                self.stopping = True
+            if self.stopping or self.finished:
+                return []
+            timeout = POLL_S
+            if self.queued and free > 0:
+                waited = time.monotonic() - self.arrived.get(self.queued[0].request_id, 0.0)
+                if not self.running or len(self.queued) >= free or waited >= wait_s:
+                    rows, self.queued = self.queued[:free], self.queued[free:]
+                    self.running |= {r.request_id for r in rows}
+                    self._started(rows)
+                    return rows
+                timeout = wait_s - waited
+            self.lock.wait(timeout)
+            return []
+
+    def _started(self, requests: list[StageDiffusionCoreRequest]) -> None:
+        now = time.monotonic()
+        self.waited += [now - self.arrived.pop(r.request_id, now) for r in requests]
+
+    def started_waits(self) -> list[float]:
+        """How long each request started since the last call had waited in the queue (seconds)."""
+        with self.lock:
+            waited, self.waited = self.waited, []
+        return waited
+
+    def group_done(self, key: str, results: list[Any]) -> None:
+        """A group's thread hands its results to the loop (``batching: step``)."""
+        with self.lock:
+            self.finished.append((key, results))
+            self.lock.notify()
+
+    def pop_finished(self) -> list[tuple[str, list[Any]]]:
+        """Groups done since the last call: their keys and results."""
+        with self.lock:
+            finished, self.finished = self.finished, []
+        return finished
+
+    def done(self, request_ids: list[str]) -> set[str]:
+        """These requests no longer run: those of them aborted while they ran."""
+        with self.lock:
+            ids = set(request_ids)
+            aborted = self.aborted & ids
+            self.running -= ids
+            self.aborted -= ids
+        return aborted
 
     def finish(self) -> set[str]:
         """The running batch is done: the ids aborted while it ran."""
@@ -105,7 +174,7 @@ class BatchReport(Protocol):
     def dropped(self, request_ids: list[str], where: str) -> None:
         """Requests aborted while their batch ran: nothing more comes for them (``where="batch"``)."""
 
-    def progress(self, denoise_steps: int, *, force: bool) -> None:
+    def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
         """The engine's running count of denoising steps: after each step, and ``force`` after a batch."""
 
 
@@ -132,8 +201,8 @@ class DiffusionBatchLoop:
         self.output_connector = output_connector
         engine.on_progress = self._step_done
 
-    def _step_done(self, denoise_steps: int) -> None:
-        self.report.progress(denoise_steps, force=False)
+    def _step_done(self) -> None:
+        self.report.progress(self.engine.counters(), force=False)
         # tests hold the batch here (off unless a test arms the point)
         inbox = self.inbox
         hold_point("dit.step", " ".join(sorted(inbox.running)), give_up=lambda: inbox.stopping)
@@ -148,20 +217,91 @@ class DiffusionBatchLoop:
         return [r.request_id for r in dropped]
 
     def serve(self) -> None:
-        """Run batches until the inbox stops."""
+        """Run batches (or groups, with ``batching: step``) until the inbox stops."""
         try:
+            if self.engine.step_batcher is not None:
+                self._serve_groups()
+                return
             while not self.inbox.stopping:
                 batch = self.inbox.take(self.max_batch)
+                self.engine.count_started(self.inbox.started_waits())
                 if batch:
                     self.run_batch(batch)
         finally:
             self.inbox.closed = True
+            self.engine.close()
+
+    def _serve_groups(self) -> None:
+        """``batching: step``: what is queued starts at once while fewer than ``max_batch`` requests run,
+        as groups of compatible requests, each a pipeline call on a thread of its own whose denoiser calls
+        share forwards with the other groups'; a group's outputs are reported as soon as it is done.
+        Stopping starts nothing new and lets the running groups finish (interrupted: aborts them)."""
+        inbox, engine = self.inbox, self.engine
+        groups: dict[str, tuple[threading.Thread, int]] = {}
+        transfer: dict[str, float] = {}
+        reported = engine.counters()
+        while not inbox.stopping or groups:
+            running = sum(size for _, size in groups.values())
+            taken = inbox.take_rows(self.max_batch - running, engine.batch_wait_ms / 1000)
+            engine.count_started(inbox.started_waits())
+            requests, failed = [], []
+            for message in taken:
+                request, transfer[message.request_id], bad = self._request_of(message)
+                if bad is None:
+                    requests.append(request)
+                else:
+                    failed.append(bad)
+            admitted, refused = engine.admit(requests) if requests else ([], [])
+            failed += [self._output_of(result, 0.0) for result in refused]
+            if failed:
+                inbox.done([o.request_id for o in failed])
+                self.report.outputs(failed)
+            for group in admitted:
+                key = " ".join(r.request_id for r in group)
+                thread = threading.Thread(
+                    target=self._run_group, args=(key, group), name="dit-group", daemon=True
+                )
+                groups[key] = (thread, len(group))
+                thread.start()
+            finished = inbox.pop_finished()
+            counters = engine.counters()
+            if counters != reported or finished:  # forced before outputs: /metrics counts what they ran
+                reported = counters
+                self.report.progress(counters, force=bool(finished))
+            for key, results in finished:
+                groups.pop(key)[0].join()
+                aborted = inbox.done([r.request_id for r in results])
+                outputs = []
+                for result in results:
+                    seconds = transfer.pop(result.request_id, 0.0)
+                    if result.aborted or result.request_id in aborted or inbox.interrupted:
+                        if not inbox.interrupted:
+                            self.report.dropped([result.request_id], "batch")
+                        continue
+                    outputs.append(self._output_of(result, seconds))
+                if outputs:
+                    self.report.outputs(outputs)
+
+    def _run_group(self, key: str, group: list[Any]) -> None:
+        results: list[Any] = []
+        try:
+            results = self.engine.run_group(group, self.inbox.is_aborted, self._group_step_done)
+        finally:  # the engine turns its errors into failed results; anything else still ends the group
+            if len(results) != len(group):
+                error = "the diffusion stage's group thread ended without results"
+                results = [DiffusionResult(request_id=r.request_id, error=error) for r in group]
+            self.inbox.group_done(key, results)
+
+    def _group_step_done(self, step: int) -> None:
+        # tests hold the group here (off unless a test arms the point)
+        inbox = self.inbox
+        hold_point("dit.step", " ".join(sorted(inbox.running)), give_up=lambda: inbox.stopping)
 
     def run_batch(self, batch: list[StageDiffusionCoreRequest]) -> None:
         inbox = self.inbox
         outputs, aborted = self._run(batch)
         aborted |= inbox.finish()
-        self.report.progress(self.engine.denoise_steps, force=True)
+        self.report.progress(self.engine.counters(), force=True)
         connector = self.output_connector
         for output in outputs:
             if output.request_id in aborted and output.image_handle is not None and connector is not None:
@@ -176,47 +316,64 @@ class DiffusionBatchLoop:
     def _run(self, batch: list[StageDiffusionCoreRequest]) -> tuple[list[StageDiffusionCoreOutput], set[str]]:
         """Outputs of the batch's requests (images put through the output connector), and the ids of
         those aborted before their image was made."""
-        engine, stage_id, is_aborted = self.engine, self.stage_id, self.inbox.is_aborted
+        engine, is_aborted = self.engine, self.inbox.is_aborted
         requests = []
         transfer: dict[str, float] = {}
         outputs: dict[str, StageDiffusionCoreOutput] = {}
         for message in batch:
-            try:
-                fields = message.diffusion
-                if self.input_connector is not None:
-                    t0 = time.perf_counter()
-                    fields = internalize(fields, self.input_connector)
-                    transfer[message.request_id] = time.perf_counter() - t0
-                requests.append(msgspec.convert(fields, engine.request_type))
-            except Exception as exc:  # a bad or lost payload fails this request only
-                outputs[message.request_id] = StageDiffusionCoreOutput(
-                    request_id=message.request_id,
-                    stage_id=stage_id,
-                    error=f"bad diffusion request: {exc}",
-                    invalid=isinstance(exc, msgspec.ValidationError),
-                )
+            request, transfer[message.request_id], failed = self._request_of(message)
+            if failed is not None:
+                outputs[message.request_id] = failed
+            else:
+                requests.append(request)
         results = engine.generate(requests, is_aborted) if requests else []
         aborted: set[str] = set()
         for result in results:
             if result.aborted or is_aborted(result.request_id):
                 aborted.add(result.request_id)
                 continue
-            out = StageDiffusionCoreOutput(
-                request_id=result.request_id,
-                stage_id=stage_id,
-                error=result.error,
-                invalid=result.invalid,
-                timings={**(result.timings or {}), "transfer_in": transfer.get(result.request_id, 0.0)},
-                latents=result.latents,
-            )
-            if result.error is None:
-                if self.output_connector is not None:
-                    handle = self.output_connector.put(image_tensor(result.image))
-                    out.image_handle = msgspec.to_builtins(handle)
-                else:
-                    out.image = result.image
-            outputs[result.request_id] = out
+            outputs[result.request_id] = self._output_of(result, transfer[result.request_id])
         return [outputs[m.request_id] for m in batch if m.request_id in outputs], aborted
+
+    def _request_of(
+        self, message: StageDiffusionCoreRequest
+    ) -> tuple[Any, float, StageDiffusionCoreOutput | None]:
+        """The engine's request of a message (its payload read through the input connector), the
+        seconds that read took, and the failed output instead when the payload is bad or lost."""
+        transfer = 0.0
+        try:
+            fields = message.diffusion
+            if self.input_connector is not None:
+                t0 = time.perf_counter()
+                fields = internalize(fields, self.input_connector)
+                transfer = time.perf_counter() - t0
+            return msgspec.convert(fields, self.engine.request_type), transfer, None
+        except Exception as exc:  # a bad or lost payload fails this request only
+            failed = StageDiffusionCoreOutput(
+                request_id=message.request_id,
+                stage_id=self.stage_id,
+                error=f"bad diffusion request: {exc}",
+                invalid=isinstance(exc, msgspec.ValidationError),
+            )
+            return None, transfer, failed
+
+    def _output_of(self, result: DiffusionResult, transfer: float) -> StageDiffusionCoreOutput:
+        """A result as the stage's output, its image put through the output connector."""
+        out = StageDiffusionCoreOutput(
+            request_id=result.request_id,
+            stage_id=self.stage_id,
+            error=result.error,
+            invalid=result.invalid,
+            timings={**(result.timings or {}), "transfer_in": transfer},
+            latents=result.latents,
+        )
+        if result.error is None:
+            if self.output_connector is not None:
+                handle = self.output_connector.put(image_tensor(result.image))
+                out.image_handle = msgspec.to_builtins(handle)
+            else:
+                out.image = result.image
+        return out
 
 
 def image_tensor(image: Any) -> Any:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
@@ -30,9 +31,13 @@ from vllm_omni_plugin.diffusion.runner import (
     DiffusionRunner,
     RequestDefaults,
     SizeLimits,
+    StepCallback,
     StopCheck,
 )
 from vllm_omni_plugin.log import get_logger
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.step_batching import StepBatcher
 
 logger = get_logger(__name__)
 
@@ -336,11 +341,73 @@ class DiffusersPipelineRunner(DiffusionRunner):
 
     # --- the call ----------------------------------------------------------------------------------
 
+    step_batching = True
+
     def run(
         self, batch: list[DiffusionRequest], generators: list[Any], should_stop: StopCheck | None = None
     ) -> BatchOutput:
         """One pipeline call for the whole batch; images as uint8 HxWx3 arrays, in batch order. Raises
         :class:`BatchAborted` at the end of the first step after which ``should_stop()`` is true."""
+        return self._call(self.pipe, batch, generators, should_stop, self.on_step, None)
+
+    def denoiser(self) -> Any:
+        return self.pipe.transformer if self.denoiser_name == "transformer" else self.pipe.unet
+
+    @functools.cached_property
+    def denoiser_name(self) -> str:
+        """The pipeline attribute its denoiser is (``transformer``, or ``unet`` for UNet pipelines)."""
+        return "transformer" if getattr(self.pipe, "transformer", None) is not None else "unet"
+
+    def run_rows(
+        self,
+        batch: list[DiffusionRequest],
+        generators: list[Any],
+        should_stop: StopCheck | None,
+        batcher: StepBatcher,
+        group: str,
+        on_step: StepCallback,
+    ) -> BatchOutput:
+        """The batch's own pipeline call: a shallow copy of the pipeline (the same modules) with its own
+        scheduler, whose denoiser is ``batcher``'s proxy."""
+        import copy
+
+        pipe = copy.copy(self.pipe)
+        # Set in __dict__: the pipeline's __setattr__ would re-register the component in its config.
+        pipe.__dict__[self.denoiser_name] = batcher.proxy(group, len(batch))
+        pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
+        encode = getattr(pipe, "encode_prompt", None)  # every text-conditioned diffusers pipeline has one
+        if encode is not None:
+            pipe.__dict__["encode_prompt"] = self._one_at_a_time(encode)
+        try:
+            return self._call(pipe, batch, generators, should_stop, on_step, lambda: batcher.leave(group))
+        finally:
+            batcher.leave(group)
+
+    def _one_at_a_time(self, encode: Callable[..., Any]) -> Callable[..., Any]:
+        """``encode`` behind the runner's lock: a fast tokenizer keeps its padding and truncation as state
+        set per call, so two rows encoding at once can get each other's (unpadded prompts)."""
+        lock = self._encode_lock
+
+        def encode_prompt(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return encode(*args, **kwargs)
+
+        return encode_prompt
+
+    @functools.cached_property
+    def _encode_lock(self) -> threading.Lock:
+        return threading.Lock()
+
+    def _call(
+        self,
+        pipe: Any,
+        batch: list[DiffusionRequest],
+        generators: list[Any],
+        should_stop: StopCheck | None,
+        on_step: StepCallback | None,
+        on_denoised: Callable[[], None] | None,
+    ) -> BatchOutput:
+        """``pipe`` called on ``batch``; ``on_denoised`` once its last step is done (before decode)."""
         import numpy as np
 
         first = batch[0]
@@ -357,12 +424,14 @@ class DiffusersPipelineRunner(DiffusionRunner):
         if first.guidance_scale is not None and self.guidance_argument in self.call_arguments:
             kwargs[self.guidance_argument] = first.guidance_scale
 
-        def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        def on_step_end(caller: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             # The last step's latents are the denoised ones; its time splits denoise from decode.
             latents_box[:] = [tensors["latents"]]
             step_done[:] = [time.perf_counter()]
-            if self.on_step is not None:
-                self.on_step(step)
+            if on_denoised is not None and step + 1 == _timesteps_of(caller):
+                on_denoised()
+            if on_step is not None:
+                on_step(step)
             if should_stop is not None and should_stop():
                 raise BatchAborted(f"stopped after step {step + 1}")
             return {}
@@ -371,7 +440,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             kwargs["callback_on_step_end"] = on_step_end
             kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
         start = time.perf_counter()
-        out = self.pipe(**kwargs, **self.call_kwargs(batch))
+        out = pipe(**kwargs, **self.call_kwargs(batch))
         end = time.perf_counter()
         denoised = step_done[0] if step_done else end
         # diffusers' own float -> uint8 conversion (numpy_to_pil), so arrays equal its PIL output.
@@ -384,6 +453,13 @@ class DiffusersPipelineRunner(DiffusionRunner):
             ]
         timings = {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
         return BatchOutput(list(pixels), latents, timings)
+
+
+def _timesteps_of(pipe: Any) -> int | None:
+    """How many steps the running call takes (diffusers pipelines keep it as ``_num_timesteps``; an
+    image-to-image ``strength`` makes it fewer than ``num_inference_steps``)."""
+    value = pipe.__dict__.get("_num_timesteps")
+    return value if isinstance(value, int) else None
 
 
 def _pipeline_default_size(pipe: Any) -> tuple[int, int] | None:

@@ -7,13 +7,18 @@ Generic code names the runner by dotted path only (``diffusion/diffusers_registr
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.step_batching import RUN_AT_ONCE
 from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner, as_pil, image_size
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin
 
 
 class GlmImageRequest(DiffusionRequest, kw_only=True, tag="glm_image"):
@@ -167,6 +172,9 @@ class GlmImageRunner(DiffusersPipelineRunner):
             "decode": phases["decode"],
         }
 
+    def step_joins(self) -> dict[str, ArgumentJoin]:
+        return {"kv_caches": SourceImageCacheJoin()}
+
     def call_key(self, request: GlmImageRequest) -> tuple[Any, ...]:
         import torch
 
@@ -202,3 +210,34 @@ class GlmImageRunner(DiffusersPipelineRunner):
                 for r in batch
             ]
         return kwargs
+
+
+class SourceImageCacheJoin:
+    """Step batching of GLM-Image's denoiser calls: each request's call carries its own K/V cache of its
+    source images (``kv_caches``). Text-to-image calls and unconditional passes leave it unused (mode
+    ``None`` or ``skip``: they join whatever their caches); calls that read it join into one cache holding
+    each row's samples in row order (the attention joins per-sample caches along the batch); the call that
+    writes it runs at once, alone."""
+
+    def key(self, value: Any) -> Hashable:
+        layer = value[0]
+        if layer.mode == "write":
+            return RUN_AT_ONCE
+        if layer.mode != "read":
+            return "unused"
+        return ("read", tuple(tuple(k.shape[1:]) for k in layer.k_caches))
+
+    def join(self, values: list[Any], rows: list[int]) -> Any:
+        from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+
+        if values[0][0].mode != "read":
+            return values[0]  # unused by every call of the forward
+        joined = GlmImageKVCache(num_layers=values[0].num_layers)
+        joined.set_mode("read")
+        for layer, cache in enumerate(joined.caches):
+            for value, count in zip(values, rows, strict=True):
+                own = value[layer]
+                repeat = 1 if len(own.k_caches) == count else count  # one sample shared by the call's rows
+                cache.k_caches.extend(own.k_caches * repeat)
+                cache.v_caches.extend(own.v_caches * repeat)
+        return joined

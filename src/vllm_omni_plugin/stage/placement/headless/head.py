@@ -225,7 +225,7 @@ class HeadlessStageRegistry:
             if isinstance(message, RemoteOutput):
                 client.deliver(message)
             elif isinstance(message, WorkerProgress):
-                client.count_steps(message.denoise_steps)
+                client.count_steps(message.counters)
             elif isinstance(message, WorkerLeaving):
                 client.detach(f"left ({message.reason})")
 

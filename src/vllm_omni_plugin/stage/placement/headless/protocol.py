@@ -9,6 +9,7 @@ import hashlib
 import msgspec
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreRequest, StageLLMCoreRequest
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
@@ -42,9 +43,9 @@ class WorkerLeaving(msgspec.Struct, kw_only=True, tag="leaving"):
 
 
 class WorkerProgress(msgspec.Struct, kw_only=True, tag="worker_progress"):
-    """The worker's running count of denoising steps (all its replicas), sent while it changes."""
+    """The worker's running diffusion counts (all its replicas summed), sent while they change."""
 
-    denoise_steps: int
+    counters: DiffusionCounters
 
 
 class HeadShutdown(msgspec.Struct, kw_only=True, tag="head_shutdown"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import uuid
 from typing import Any
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_types import (
     PROGRESS_REPORT_INTERVAL_S,
@@ -170,14 +172,16 @@ class HeadlessStageWorker:
                 await self._send(protocol.Heartbeat())
 
         async def progress() -> None:
-            """The replicas' denoising steps, for the head's /metrics, whenever they changed."""
-            sent = 0
+            """The replicas' diffusion counts, for the head's /metrics, whenever they changed."""
+            sent = DiffusionCounters()
             while True:
                 await asyncio.sleep(PROGRESS_REPORT_INTERVAL_S)
-                steps = sum(replica.denoise_steps for replica in pool.clients)
-                if steps != sent:
-                    await self._send(protocol.WorkerProgress(denoise_steps=steps))
-                    sent = steps
+                counters = functools.reduce(
+                    DiffusionCounters.plus, (r.diffusion for r in pool.clients), DiffusionCounters()
+                )
+                if counters != sent:
+                    await self._send(protocol.WorkerProgress(counters=counters))
+                    sent = counters
 
         beat = asyncio.create_task(heartbeat(), name="heartbeat to head")
         steps = asyncio.create_task(progress(), name="progress to head")

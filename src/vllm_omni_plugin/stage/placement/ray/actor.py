@@ -26,6 +26,7 @@ import msgspec
 
 from vllm_omni_plugin.config.resolved import ResolvedEdge
 from vllm_omni_plugin.config.schema import ConnectorSpec
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_types import (
     StageAbort,
@@ -272,9 +273,10 @@ class StageReplicaActor:
             ActorStats(served=self.served, input_connector=self.input_name, output_connector=self.output_name)
         )
 
-    async def denoise_steps(self) -> int:
-        """The running count of this incarnation's denoising steps (the head asks while it serves)."""
-        return self.replica.denoise_steps if self.replica is not None else 0
+    async def diffusion_counters(self) -> bytes:
+        """This incarnation's running diffusion counts, msgpack-encoded (the head asks while it serves)."""
+        counters = self.replica.diffusion if self.replica is not None else DiffusionCounters()
+        return msgspec.msgpack.encode(counters)
 
     async def log_stats(self) -> None:
         if self.replica is not None:

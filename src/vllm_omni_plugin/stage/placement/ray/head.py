@@ -32,6 +32,7 @@ import msgspec
 
 from vllm_omni_plugin.config.resolved import ROUTER, ResolvedDeployment, ResolvedPlacement, ResolvedStage
 from vllm_omni_plugin.connectors.base import OmniConnector
+from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import PROGRESS_REPORT_INTERVAL_S, StageAbort, StageFailed, StageReady
@@ -485,8 +486,9 @@ class RayStageClient(StageCoreClientBase):
             await asyncio.sleep(PROGRESS_REPORT_INTERVAL_S)
             if self.state != StageState.READY:
                 continue
-            with best_effort("asking a Ray actor for its denoising steps", logger):
-                self.count_steps(await self.actor.denoise_steps.remote())
+            with best_effort("asking a Ray actor for its diffusion counts", logger):
+                reported = await self.actor.diffusion_counters.remote()
+                self.count_steps(msgspec.msgpack.decode(reported, type=DiffusionCounters))
 
     # --- requests ---------------------------------------------------------------------------------
 

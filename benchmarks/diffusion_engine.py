@@ -1,0 +1,250 @@
+"""The diffusion stage's batching, side by side in one run: whole-request batching (``batching: request``,
+the previous behaviour) against step-level batching (``batching: step``), with diffusers' own single call
+of all the prompts as the ceiling. Tiny SD3, 64x64, 4 steps (guidance on), the DiT given the machine's
+cores (its ``OMP_NUM_THREADS``), served over HTTP (``vllm serve --omni``, a thin httpx client).
+
+    python benchmarks/diffusion_engine.py [--model DIR] [--images 64] [--concurrency 1 8 16 32]
+                                          [--max-batch-size 16] [--threads N] [--poisson-seconds 20]
+
+Closed loop: ``c`` clients, each sending its next request when its last one returned; images/s (median
+of the timed rounds) and the p50/p99 latency of every request of those rounds. Open loop: Poisson
+arrivals at 80% of the peak images/s the whole-request stage reached, the same arrival times for both;
+p50/p99 latency. Targets: step batching >= 1.15x whole-request images/s at concurrency 16; p99 under the
+Poisson load <= 0.6x whole-request's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE, STEPS = 64, 4
+ROUNDS = 3
+MODES = ("request", "step")
+DEPLOY = """\
+pipeline: diffusion
+stages:
+  - stage_id: 0
+    max_batch_size: {max_batch_size}
+    batching: {batching}
+"""
+
+
+def prompt(i: int) -> str:
+    return f"a red fox number {i} in the snow"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def diffusers_ceiling(model: str, images: int, threads: int) -> float:
+    """Images/s of diffusers' own pipeline called with ``images`` prompts at once (one generator each):
+    what batching can give at most on this machine, with nothing around it."""
+    import diffusers
+    import torch
+
+    from vllm_omni_plugin.testing.reference.diffusers import pipeline_class
+
+    torch.set_num_threads(threads)
+    pipe = getattr(diffusers, pipeline_class(model)).from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+
+    def call() -> None:
+        generators = [torch.Generator("cpu").manual_seed(i) for i in range(images)]
+        prompts = [prompt(i) for i in range(images)]
+        pipe(prompts, height=SIZE, width=SIZE, num_inference_steps=STEPS, generator=generators)
+
+    call()  # warm-up
+    rates = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        call()
+        rates.append(images / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+class Client:
+    """One HTTP client for a server: image requests, their latencies."""
+
+    def __init__(self, base_url: str, model: str) -> None:
+        import httpx
+
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=600)
+        self.model = model
+
+    async def one(self, i: int) -> float:
+        start = time.perf_counter()
+        response = await self.http.post(
+            "/v1/images/generations",
+            json={
+                "model": self.model,
+                "prompt": prompt(i),
+                "size": f"{SIZE}x{SIZE}",
+                "seed": i,
+                "num_inference_steps": STEPS,
+            },
+        )
+        if response.status_code != 200 or b'"b64_json"' not in response.content:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        return time.perf_counter() - start
+
+    async def closed_loop(self, images: int, concurrency: int) -> tuple[float, list[float]]:
+        """Median images/s over the rounds, and every latency."""
+        latencies: list[float] = []
+        rates = []
+        for _ in range(ROUNDS):
+            pending = iter(range(images))
+            start = time.perf_counter()
+            await asyncio.gather(*(self._worker(pending, latencies) for _ in range(concurrency)))
+            rates.append(images / (time.perf_counter() - start))
+        return statistics.median(rates), latencies
+
+    async def _worker(self, pending: Iterator[int], latencies: list[float]) -> None:
+        for i in pending:  # shared by the round's workers: each takes the next request
+            latencies.append(await self.one(i))
+
+    async def open_loop(self, arrivals: list[float]) -> list[float]:
+        """Requests sent at ``arrivals`` (seconds from now) whatever is in flight; their latencies."""
+        start = time.perf_counter()
+
+        async def at(i: int, when: float) -> float:
+            await asyncio.sleep(max(0.0, when - (time.perf_counter() - start)))
+            return await self.one(i)
+
+        return list(await asyncio.gather(*(at(i, t) for i, t in enumerate(arrivals))))
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def poisson_arrivals(rate: float, seconds: float, seed: int = 0) -> list[float]:
+    draw = random.Random(seed)
+    times, now = [], 0.0
+    while True:
+        now += draw.expovariate(rate)
+        if now > seconds:
+            return times
+        times.append(now)
+
+
+Closed = dict[int, tuple[float, list[float]]]
+"""Per concurrency: median images/s, every latency."""
+
+
+async def measure(
+    base_url: str, model: str, images: int, levels: list[int], arrivals_for: Callable[[Closed], list[float]]
+) -> tuple[Closed, list[float], list[float]]:
+    """The closed-loop runs, then the open-loop one (its arrivals chosen from the closed-loop rates):
+    (closed, arrivals, open-loop latencies)."""
+    client = Client(base_url, model)
+    try:
+        await asyncio.gather(*(client.one(i) for i in range(max(levels))))  # warm-up
+        closed = {c: await client.closed_loop(images, c) for c in levels}
+        arrivals = arrivals_for(closed)
+        opened = await client.open_loop(arrivals)
+    finally:
+        await client.close()
+    return closed, arrivals, opened
+
+
+def serve_and_measure(
+    model: str,
+    batching: str,
+    args: argparse.Namespace,
+    levels: list[int],
+    arrivals_for: Callable[[Closed], list[float]],
+    tmp: str,
+) -> tuple[Closed, list[float], list[float]]:
+    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+
+    deploy = Path(tmp) / f"diffusion_{batching}.yaml"
+    deploy.write_text(DEPLOY.format(max_batch_size=args.max_batch_size, batching=batching))
+    port = free_port()
+    argv = [bin_script("vllm"), "serve", model, "--omni", "--deploy-config", str(deploy),
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = cpu_test_env({"OMP_NUM_THREADS": str(args.threads)})
+    log = ROOT / "out" / f"bench_diffusion_engine_{batching}.log"
+    with ServerProcess(argv, port=port, log_path=log, env=env) as server:
+        server.wait_ready(timeout=600)
+        return asyncio.run(measure(server.base_url, model, args.images, levels, arrivals_for))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="a diffusers directory (default: the tiny SD3)")
+    parser.add_argument("--images", type=int, default=64, help="images per timed round")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32])
+    parser.add_argument("--max-batch-size", type=int, default=16, help="the stage's max_batch_size")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the DiT's intra-op threads")
+    parser.add_argument("--poisson-seconds", type=float, default=20.0, help="length of the open-loop run")
+    args = parser.parse_args()
+    from vllm_omni_plugin.testing.tiny import build
+
+    model = args.model or str(build("sd3", ROOT / ".cache" / "tiny_models" / "sd3"))
+    levels = sorted(args.concurrency)
+    ceiling = diffusers_ceiling(model, args.max_batch_size, args.threads)
+    closed: dict[str, Closed] = {}
+    opened: dict[str, list[float]] = {}
+
+    def at_80_percent(rates: Closed) -> list[float]:
+        return poisson_arrivals(0.8 * max(rate for rate, _ in rates.values()), args.poisson_seconds)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        closed["request"], arrivals, opened["request"] = serve_and_measure(
+            model, "request", args, levels, at_80_percent, tmp
+        )
+        closed["step"], _, opened["step"] = serve_and_measure(
+            model, "step", args, levels, lambda _: arrivals, tmp
+        )
+    print(
+        f"\nmodel={model} size={SIZE} steps={STEPS} max_batch_size={args.max_batch_size} "
+        f"threads={args.threads} images/round={args.images} rounds={ROUNDS}"
+    )
+    print(f"diffusers, one call of {args.max_batch_size} prompts (ceiling): {ceiling:.2f} images/s")
+    print(
+        f"{'closed loop':<22} {'images/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'x request':>10} {'/ ceiling':>10}"
+    )
+    for c in levels:
+        for mode in MODES:
+            rate, latencies = closed[mode][c]
+            versus = rate / closed["request"][c][0]
+            print(
+                f"{mode + f', c={c}':<22} {rate:>9.2f} {1000 * percentile(latencies, 0.5):>8.0f} "
+                f"{1000 * percentile(latencies, 0.99):>8.0f} {versus:>10.2f} {rate / ceiling:>10.2f}"
+            )
+    peak = max(rate for rate, _ in closed["request"].values())
+    print(
+        f"open loop: {len(arrivals)} Poisson arrivals at {0.8 * peak:.1f}/s "
+        f"(80% of the request peak {peak:.1f})"
+    )
+    for mode in MODES:
+        p50, p99 = (1000 * percentile(opened[mode], q) for q in (0.5, 0.99))
+        print(f"{mode:<22} p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
+    c16 = 16 if 16 in levels else levels[-1]
+    ratio = closed["step"][c16][0] / closed["request"][c16][0]
+    p99 = percentile(opened["step"], 0.99) / percentile(opened["request"], 0.99)
+    print(
+        f"targets: step >= 1.15x request at c={c16}: {ratio:.2f}x; "
+        f"Poisson p99 step <= 0.6x request: {p99:.2f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

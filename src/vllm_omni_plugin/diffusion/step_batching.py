@@ -1,0 +1,324 @@
+"""Step-level batching: the denoiser calls of requests running at once become one forward per step.
+
+Each request runs its own pipeline call on its own thread (its own scheduler, generator, guidance and
+step count); the denoiser those calls reach is a :class:`StepBatcher` proxy. A call waits there until
+every request that is denoising has its next call waiting too (a step boundary); then the step thread
+runs the waiting calls that can share a forward as one (their per-row tensors concatenated, rows of a
+call kept together, so a classifier-free guidance pair stays one), and hands each caller its rows of the
+result. A request that starts denoising joins at the next boundary, one that finishes or is aborted
+leaves at once (:meth:`StepBatcher.leave`), and prompt encoding and VAE decode of other requests go on
+while the step runs: they are not calls to the denoiser.
+
+Calls share a forward only when everything that is not per row is equal (shared tensors such as FLUX's
+position ids compared by value, other arguments by ``==``); per-row values are tensors and lists whose
+first dimension is the call's rows. An argument that is neither (GLM-Image's per-request K/V cache of its
+source images) is joined by the :class:`ArgumentJoin` its runner declares for it. A request's image is
+then the one it gets alone, up to the float noise of a batched kernel (at most 1/255).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vllm_omni_plugin.log import get_logger
+
+logger = get_logger(__name__)
+
+
+RUN_AT_ONCE: Hashable = "run at once"
+"""An :meth:`ArgumentJoin.key` that takes its call out of step batching: it runs at once on its caller's
+thread (a request's one-off preparation, e.g. GLM-Image writing its source images' K/V), not at a step
+boundary, where it would put its request a call out of step with the others."""
+
+
+class ArgumentJoin(Protocol):
+    """How a denoiser argument that is neither shared nor a plain per-row value joins across calls."""
+
+    def key(self, value: Any) -> Hashable:
+        """Calls share a forward only when their values' keys are equal (:data:`RUN_AT_ONCE`: the call
+        runs alone, at once)."""
+
+    def join(self, values: list[Any], rows: list[int]) -> Any:
+        """One value for the forward of calls with these values and these rows each, in order."""
+
+
+class RowAborted(Exception):
+    """The step batcher was closed (its stage stops): the row's call cannot run."""
+
+
+@dataclass(slots=True)
+class _Call:
+    row: str
+    rows: int
+    kwargs: dict[str, Any]
+    since: float
+    requests: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class StepBatcher:
+    """Runs the denoiser calls of concurrent pipeline calls as shared forwards, one step at a time.
+
+    ``module``: the real denoiser. ``max_rows``: the most rows one forward takes (a step with more
+    waiting runs several forwards). ``on_forward(requests, rows, seconds)`` is called after each forward
+    with the requests it ran (a request's call may be several rows: a guidance pair).
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        *,
+        max_rows: int,
+        on_forward: Callable[[list[str], int, float], None] | None = None,
+        joins: Mapping[str, ArgumentJoin] | None = None,
+        on_boundary: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self.module = module
+        self.joins: Mapping[str, ArgumentJoin] = joins or {}
+        self.max_rows = max(1, max_rows)
+        self.on_forward = on_forward
+        self.on_boundary = on_boundary
+        self._lock = threading.Condition()
+        self._denoising: set[str] = set()
+        """Rows that made a call and have not left: each boundary waits for all of them."""
+        self._waiting: dict[str, _Call] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="dit-steps", daemon=True)
+        self._thread.start()
+
+    def proxy(self, row: str, requests: int = 1) -> DenoiserProxy:
+        """The denoiser as the pipeline call of ``row`` (of ``requests`` requests) sees it."""
+        return DenoiserProxy(self, row, requests)
+
+    def leave(self, row: str) -> None:
+        """``row`` makes no further call (its last step is done, it failed, or it ended)."""
+        with self._lock:
+            self._denoising.discard(row)
+            self._lock.notify_all()
+
+    def close(self) -> None:
+        """Stop the step thread; waiting calls fail."""
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting.values()), {}
+            self._lock.notify_all()
+        for call in waiting:
+            call.error = RowAborted(call.row)
+            call.done.set()
+        self._thread.join(timeout=5)
+
+    @property
+    def in_flight(self) -> int:
+        """Rows denoising now."""
+        with self._lock:
+            return len(self._denoising)
+
+    # --- the caller's side -------------------------------------------------------------------------
+
+    def call(self, row: str, kwargs: dict[str, Any], requests: int = 1) -> Any:
+        """One denoiser call of ``row`` (keyword arguments only, as diffusers pipelines call it)."""
+        if any(join.key(kwargs[name]) == RUN_AT_ONCE for name, join in self.joins.items() if name in kwargs):
+            if self._closed:
+                raise RowAborted(row)
+            return self.module(**kwargs)
+        rows = _rows_of(kwargs)
+        call = _Call(row=row, rows=rows, kwargs=kwargs, since=time.perf_counter(), requests=requests)
+        with self._lock:
+            if self._closed:
+                raise RowAborted(row)
+            self._denoising.add(row)
+            self._waiting[row] = call
+            self._lock.notify_all()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    # --- the step thread ---------------------------------------------------------------------------
+
+    def _boundary(self) -> list[_Call] | None:
+        """The calls of the next step, once every denoising row waits (None: closed)."""
+        with self._lock:
+            while not self._closed and not (self._waiting and self._denoising <= self._waiting.keys()):
+                self._lock.wait()
+            if self._closed:
+                return None
+            calls, self._waiting = list(self._waiting.values()), {}
+            return calls
+
+    def _serve(self) -> None:
+        import torch
+
+        # the pipelines call their denoiser under no_grad, which is per thread: so must this thread
+        with torch.no_grad():
+            self._steps()
+
+    def _steps(self) -> None:
+        while (calls := self._boundary()) is not None:
+            start = time.perf_counter()
+            for group in _groups(calls, self.max_rows, self.joins):
+                self._forward(group)
+            if self.on_boundary is not None:
+                self.on_boundary(sum(c.requests for c in calls), time.perf_counter() - start)
+
+    def _forward(self, group: list[_Call]) -> None:
+        start = time.perf_counter()
+        try:
+            kwargs = group[0].kwargs if len(group) == 1 else _joined(group, self.joins)
+            out = self.module(**kwargs)
+            parts = [out] if len(group) == 1 else _split(out, [c.rows for c in group])
+        except BaseException as exc:  # every call of the forward fails with it; the thread goes on
+            for call in group:
+                call.error = exc
+                call.done.set()
+            return
+        if self.on_forward is not None:
+            self.on_forward([c.row for c in group], sum(c.rows for c in group), time.perf_counter() - start)
+        for call, part in zip(group, parts, strict=True):
+            call.result = part
+            call.done.set()
+
+
+class DenoiserProxy:
+    """What a pipeline call sees as its denoiser: calls go through the :class:`StepBatcher`, everything
+    else (``config``, ``dtype``, ...) is the real module's."""
+
+    def __init__(self, batcher: StepBatcher, row: str, requests: int) -> None:
+        self._batcher = batcher
+        self._row = row
+        self._requests = requests
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError("the step batcher takes denoiser arguments by keyword only")
+        return self._batcher.call(self._row, kwargs, self._requests)
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        """No cache hooks run on a shared forward: the context a pipeline names changes nothing."""
+        yield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._batcher.module, name)
+
+
+# --- joining and splitting calls -----------------------------------------------------------------
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _rows_of(kwargs: dict[str, Any]) -> int:
+    """A call's rows: the first dimension of its ``hidden_states`` (or its first tensor)."""
+    value = kwargs.get("hidden_states")
+    if not _is_tensor(value):
+        value = next((v for v in kwargs.values() if _is_tensor(v) and v.dim() > 0), None)
+    if value is None:
+        raise TypeError("a denoiser call without a tensor argument cannot be batched")
+    return int(value.shape[0])
+
+
+def _per_row(value: Any, rows: int) -> bool:
+    if _is_tensor(value):
+        return value.dim() > 0 and value.shape[0] == rows
+    return isinstance(value, list) and len(value) == rows
+
+
+def _signature(call: _Call, joins: Mapping[str, ArgumentJoin]) -> tuple[Any, ...]:
+    """What must match for calls to share a forward, besides their shared values (:func:`_same`)."""
+    parts: list[Any] = []
+    for name in sorted(call.kwargs):
+        value = call.kwargs[name]
+        if name in joins:
+            parts.append((name, "joined", joins[name].key(value)))
+        elif _per_row(value, call.rows):
+            kind = (tuple(value.shape[1:]), value.dtype, str(value.device)) if _is_tensor(value) else "list"
+            parts.append((name, "row", kind))
+        else:
+            parts.append((name, "shared"))
+    return tuple(parts)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if _is_tensor(a) or _is_tensor(b):
+        import torch
+
+        return (
+            _is_tensor(a)
+            and _is_tensor(b)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and bool(torch.equal(a, b))
+        )
+    try:
+        return bool(a == b)
+    except Exception:  # values that cannot say: not shared
+        return False
+
+
+def _shared(call: _Call, name: str, joins: Mapping[str, ArgumentJoin]) -> bool:
+    return name not in joins and not _per_row(call.kwargs[name], call.rows)
+
+
+def _compatible(a: _Call, b: _Call, joins: Mapping[str, ArgumentJoin]) -> bool:
+    if _signature(a, joins) != _signature(b, joins):
+        return False
+    return all(_same(value, b.kwargs[name]) for name, value in a.kwargs.items() if _shared(a, name, joins))
+
+
+def _groups(calls: list[_Call], max_rows: int, joins: Mapping[str, ArgumentJoin]) -> list[list[_Call]]:
+    """The calls in forwards: compatible ones together, at most ``max_rows`` rows each (a call larger
+    than that runs alone), in order of arrival."""
+    groups: list[list[_Call]] = []
+    for call in calls:
+        for group in groups:
+            if sum(c.rows for c in group) + call.rows <= max_rows and _compatible(group[0], call, joins):
+                group.append(call)
+                break
+        else:
+            groups.append([call])
+    return groups
+
+
+def _joined(group: list[_Call], joins: Mapping[str, ArgumentJoin]) -> dict[str, Any]:
+    import torch
+
+    first = group[0]
+    joined: dict[str, Any] = {}
+    for name, value in first.kwargs.items():
+        values = [c.kwargs[name] for c in group]
+        if name in joins:
+            joined[name] = joins[name].join(values, [c.rows for c in group])
+        elif not _per_row(value, first.rows):
+            joined[name] = value
+        elif _is_tensor(value):
+            joined[name] = torch.cat(values, dim=0)
+        else:
+            joined[name] = [item for v in values for item in v]
+    return joined
+
+
+def _split(out: Any, rows: list[int]) -> list[Any]:
+    """A forward's output cut into the calls' rows, each part of the output's own type."""
+    if _is_tensor(out):
+        return list(out.split(rows, dim=0))
+    if isinstance(out, tuple | list):
+        columns = [_split(item, rows) if _is_tensor(item) else [item] * len(rows) for item in out]
+        return [type(out)(column[i] for column in columns) for i in range(len(rows))]
+    if hasattr(out, "to_tuple"):  # a diffusers BaseOutput (an ordered dict of tensors)
+        fields = {key: _split(value, rows) for key, value in out.items()}
+        return [type(out)(**{key: parts[i] for key, parts in fields.items()}) for i in range(len(rows))]
+    raise TypeError(f"cannot split a denoiser output of type {type(out).__name__}")
