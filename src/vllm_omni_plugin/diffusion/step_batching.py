@@ -19,6 +19,8 @@ then the one it gets alone, up to the float noise of a batched kernel (at most 1
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -45,6 +47,20 @@ class ArgumentJoin(Protocol):
 
     def join(self, values: list[Any], rows: list[int]) -> Any:
         """One value for the forward of calls with these values and these rows each, in order."""
+
+
+class SameValue:
+    """An argument every call of a forward must have equal (compared by value), e.g. FLUX's position ids:
+    named, because its first dimension can equal the rows of a call by chance (a 64x64 FLUX image has 16
+    image tokens; a group of 16 requests has 16 rows)."""
+
+    def key(self, value: Any) -> Hashable:
+        if not _is_tensor(value):
+            return ("value", repr(value))
+        return ("tensor", tuple(value.shape), str(value.dtype), value.detach().cpu().numpy().tobytes())
+
+    def join(self, values: list[Any], rows: list[int]) -> Any:
+        return values[0]
 
 
 class RowAborted(Exception):
@@ -113,6 +129,11 @@ class StepBatcher:
             call.error = RowAborted(call.row)
             call.done.set()
         self._thread.join(timeout=5)
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        """The denoiser's ``forward`` signature (positional arguments are named by it)."""
+        return inspect.signature(self.module.forward)
 
     @property
     def in_flight(self) -> int:
@@ -196,8 +217,8 @@ class DenoiserProxy:
         self._requests = requests
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            raise TypeError("the step batcher takes denoiser arguments by keyword only")
+        if args:  # UNet pipelines pass the sample and timestep by position: joined by name
+            kwargs = _by_name(self._batcher.signature, args, kwargs)
         return self._batcher.call(self._row, kwargs, self._requests)
 
     @contextlib.contextmanager
@@ -210,6 +231,20 @@ class DenoiserProxy:
 
 
 # --- joining and splitting calls -----------------------------------------------------------------
+
+
+def _by_name(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments, all by keyword."""
+    named: dict[str, Any] = {}
+    for name, value in signature.bind(*args, **kwargs).arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            raise TypeError("the step batcher cannot join a denoiser's *args")
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    return named
 
 
 def _is_tensor(value: Any) -> bool:

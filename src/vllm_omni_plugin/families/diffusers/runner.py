@@ -34,13 +34,16 @@ from vllm_omni_plugin.diffusion.runner import (
     StepCallback,
     StopCheck,
 )
+from vllm_omni_plugin.diffusion.step_batching import SameValue
 from vllm_omni_plugin.log import get_logger
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.step_batching import StepBatcher
+    from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
 
+SHARED_DENOISER_ARGUMENTS = ("txt_ids", "img_ids")
+"""Denoiser arguments of the diffusers families that are one value for the whole call, not per row."""
 DEFAULT_TEXT_TOKENS = 512
 """Prompt tokens a pipeline's transformer attends to when its ``__call__`` names no
 ``max_sequence_length`` default (T5-conditioned pipelines pad to 256 or 512)."""
@@ -382,6 +385,11 @@ class DiffusersPipelineRunner(DiffusionRunner):
             return self._call(pipe, batch, generators, should_stop, on_step, lambda: batcher.leave(group))
         finally:
             batcher.leave(group)
+
+    def step_joins(self) -> dict[str, ArgumentJoin]:
+        """FLUX's and Qwen-Image's position ids are the same for every row of a size, whatever their first
+        dimension."""
+        return {name: SameValue() for name in SHARED_DENOISER_ARGUMENTS}
 
     def _one_at_a_time(self, encode: Callable[..., Any]) -> Callable[..., Any]:
         """``encode`` behind the runner's lock: a fast tokenizer keeps its padding and truncation as state

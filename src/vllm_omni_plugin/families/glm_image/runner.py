@@ -173,7 +173,7 @@ class GlmImageRunner(DiffusersPipelineRunner):
         }
 
     def step_joins(self) -> dict[str, ArgumentJoin]:
-        return {"kv_caches": SourceImageCacheJoin()}
+        return {**super().step_joins(), "kv_caches": SourceImageCacheJoin()}
 
     def call_key(self, request: GlmImageRequest) -> tuple[Any, ...]:
         import torch
