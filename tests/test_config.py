@@ -22,6 +22,7 @@ from vllm_omni_plugin.config import (
     resolve_deployment,
 )
 from vllm_omni_plugin.config.resolve import reresolve
+from vllm_omni_plugin.diffusion.runner import DiffusionRunner
 from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER
 
 DATA = Path(__file__).parent / "data"
@@ -164,16 +165,31 @@ def test_a_bad_batching_setting_is_one_config_error(tmp_path: Path, stage: str, 
     assert message in str(caught.value)
 
 
-def test_step_batching_of_a_runner_without_it_is_refused_by_resolution(
-    tmp_path: Path, tiny_bagel: Path
-) -> None:
-    path = write(tmp_path, "pipeline: bagel\nstages:\n  - stage_id: 1\n    batching: step\n")
+class WholeRequestRunner(DiffusionRunner):
+    """An out-of-tree runner that batches whole requests only (its ``step_batching`` stays False);
+    resolution reads the class, nothing runs it."""
+
+
+def test_step_batching_of_a_runner_without_it_is_refused_by_resolution(tmp_path: Path) -> None:
+    dit = PipelineStage(
+        stage_id=0,
+        name="gen",
+        execution_type="diffusion",
+        output_type="image",
+        final_output=True,
+        diffusion_runner=f"{__name__}.WholeRequestRunner",
+    )
+    register_pipeline(Pipeline(name="test_whole_request_runner", stages=(dit,)))
+    path = write(
+        tmp_path, "pipeline: test_whole_request_runner\nstages:\n  - stage_id: 0\n    batching: step\n"
+    )
     with pytest.raises(ConfigError) as caught:
-        resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=CPU)
+        resolve_deployment(str(tmp_path), deploy_config=str(path), platform=CPU)
     assert "deploy.yaml:4" in str(caught.value)
-    assert "step batching is not available for bagel's diffusion runner (BagelGenerationRunner)" in str(
+    assert "step batching is not available for test_whole_request_runner's diffusion runner" in str(
         caught.value
     )
+    assert "(WholeRequestRunner); use batching: request" in str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,8 @@ from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 
 SIZE = 64
-FAMILIES = ("sd3", "flux", "qwen_image", "glm_image")
+FAMILIES = ("sd3", "flux", "qwen_image", "glm_image", "bagel")
+BAGEL_RUNNER = "vllm_omni_plugin.families.bagel.runner.BagelGenerationRunner"
 CODEBOOK = 16384
 """The tiny GLM-Image's VQ codebook: its prior token ids are drawn below it."""
 WAIT_S = 60.0
@@ -38,8 +39,10 @@ def engines(
     def get(family: str) -> tuple[DiffusionEngine, DiffusionEngine]:
         if family not in loaded:
             model = request.getfixturevalue(f"tiny_{family}")
-            stepped = DiffusionEngine(model, max_batch_size=4, num_inference_steps=4, batching="step")
-            loaded[family] = (stepped, DiffusionEngine(model, max_batch_size=4, num_inference_steps=4))
+            runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
+            args = {"max_batch_size": 4, "num_inference_steps": 4, **runner}
+            stepped = DiffusionEngine(model, batching="step", **args)
+            loaded[family] = (stepped, DiffusionEngine(model, **args))
         return loaded[family]
 
     yield get
@@ -61,6 +64,14 @@ def ask(
         "seed": seed,
         **kw,
     }
+    if family == "bagel":  # its contexts as the thinker would send them (random: the DiT takes any)
+        import msgspec
+
+        from test_bagel_dit import t2i
+
+        request = t2i(request_id, seed, cfg_text_scale=guidance)
+        sampling = msgspec.structs.replace(request.sampling, num_inference_steps=steps)
+        return msgspec.structs.replace(request, sampling=sampling)
     if family != "glm_image":
         return DiffusionRequest(**fields)
     from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
@@ -198,10 +209,10 @@ def test_an_aborted_row_leaves_at_its_step_end_and_the_others_are_unaffected(
     rows.release("dropped", 1)
     results = rows.join()
     assert results["dropped"].aborted and results["dropped"].image is None
-    # it ran two steps and no further: the forwards of the same request with two steps alone
-    assert sum("dropped" in calls for calls in rows.forwards) == forwards_alone(
-        stepped, ask("dropped", 5, steps=2, family=family)
-    )
+    # it ran two steps and no further: two steps' worth of the forwards it makes alone
+    made_alone = forwards_alone(stepped, dropped)
+    steps = stepped.runner.steps_of(dropped)
+    assert sum("dropped" in calls for calls in rows.forwards) == 2 * made_alone // steps
     assert results["kept"].ok, results["kept"].error
     assert_within_one_level(results["kept"].image, alone(whole, kept))
 
@@ -261,6 +272,34 @@ def test_glm_image_edits_join_with_their_own_source_images(
         assert results[request.request_id].ok, results[request.request_id].error
         assert_within_one_level(results[request.request_id].image, alone(whole, request))
     assert any({"e0", "e1"} <= set(calls) for calls in rows.forwards), rows.forwards
+
+
+def test_bagel_edits_and_text_to_image_join_with_contexts_of_every_length(
+    engines: Callable[[str], tuple[DiffusionEngine, DiffusionEngine]],
+) -> None:
+    """BAGEL's rows attend to their own contexts, of different lengths per request and branch: joined
+    side by side (padded, masked), each request's image is still its own."""
+    from test_bagel_dit import edit
+
+    stepped, whole = engines("bagel")
+    requests = [
+        edit("e0", 40, image_len=40),
+        edit("e1", 41, image_len=24, text_len=5),
+        ask("t", 42, family="bagel"),
+    ]
+    rows = Rows(stepped)
+    rows.hold("e0", 0)
+    rows.start(requests[0])
+    rows.reached("e0", 0)
+    for request in requests[1:]:
+        rows.start(request)
+        rows.wait_at_boundary(request.request_id)
+    rows.release("e0", 0)
+    results = rows.join()
+    for request in requests:
+        assert results[request.request_id].ok, results[request.request_id].error
+        assert_within_one_level(results[request.request_id].image, alone(whole, request))
+    assert any({"e0", "e1", "t"} <= set(calls) for calls in rows.forwards), rows.forwards
 
 
 def test_a_forward_that_fails_fails_its_rows_and_the_engine_goes_on(

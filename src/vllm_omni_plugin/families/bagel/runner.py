@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -27,6 +28,7 @@ from vllm_omni_plugin.diffusion.runner import (
     DiffusionRunner,
     RequestDefaults,
     SizeLimits,
+    StepCallback,
     StopCheck,
 )
 from vllm_omni_plugin.families.bagel.request import (
@@ -35,12 +37,15 @@ from vllm_omni_plugin.families.bagel.request import (
     BagelGenerationRequest,
     BagelSampling,
 )
-from vllm_omni_plugin.families.bagel.transformer import ContextBank, GenerationTransformer
+from vllm_omni_plugin.families.bagel.transformer import AttentionRows, ContextBank, GenerationTransformer
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.models.bagel.autoencoder import VaeDecoder, load_vae_decoder
 from vllm_omni_plugin.models.bagel.config import BagelConfig, load_bagel_config
 from vllm_omni_plugin.models.bagel.transforms import unpatchify
 from vllm_omni_plugin.models.bagel.weights import CheckpointReader
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
 
@@ -329,7 +334,47 @@ class BagelGenerationRunner(DiffusionRunner):
         if len(keys) != 1:
             raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
         start = time.perf_counter()
-        latents = self._denoise(batch, generators, should_stop)
+        latents = self._denoise(batch, generators, should_stop, self.transformer.velocity, self.on_step, None)
+        self._sync()
+        denoised = time.perf_counter()
+        images = self._decode(latents, batch[0].height, batch[0].width)
+        end = time.perf_counter()
+        return BatchOutput(
+            images, None, {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
+        )
+
+    step_batching = True
+
+    def denoiser(self) -> Any:
+        return _Velocity(self.transformer)
+
+    def step_joins(self) -> dict[str, ArgumentJoin]:
+        return {"rows": AttentionRowsJoin()}
+
+    @torch.no_grad()  # as the step thread runs (inference tensors could not be written in place there)
+    def run_rows(
+        self,
+        batch: list[BagelGenerationRequest],
+        generators: list[Any],
+        should_stop: StopCheck | None,
+        batcher: StepBatcher,
+        group: str,
+        on_step: StepCallback,
+    ) -> BatchOutput:
+        """:meth:`run`, its velocity forwards shared through ``batcher`` with the other groups in flight."""
+        velocity = batcher.proxy(group, len(batch))
+        start = time.perf_counter()
+        try:
+            latents = self._denoise(
+                batch,
+                generators,
+                should_stop,
+                lambda latents, rows: velocity(latents=latents, rows=rows),
+                on_step,
+                lambda: batcher.leave(group),
+            )
+        finally:
+            batcher.leave(group)
         self._sync()
         denoised = time.perf_counter()
         images = self._decode(latents, batch[0].height, batch[0].width)
@@ -339,7 +384,13 @@ class BagelGenerationRunner(DiffusionRunner):
         )
 
     def _denoise(
-        self, batch: list[BagelGenerationRequest], generators: list[Any], should_stop: StopCheck | None
+        self,
+        batch: list[BagelGenerationRequest],
+        generators: list[Any],
+        should_stop: StopCheck | None,
+        velocity_of: Callable[[torch.Tensor, AttentionRows], torch.Tensor],
+        on_step: StepCallback | None,
+        on_denoised: Callable[[], None] | None,
     ) -> torch.Tensor:
         cfg, model = self.cfg, self.transformer
         first = batch[0]
@@ -362,9 +413,7 @@ class BagelGenerationRunner(DiffusionRunner):
         for step in range(len(timesteps)):
             rows = plan.at(step, bank, self.device)
             inputs = model.latent_input(x, times[step], positions)
-            velocity = model.velocity(
-                inputs.index_select(0, rows.request_of_row), bank.rows(rows.slots)
-            ).float()
+            velocity = velocity_of(inputs.index_select(0, rows.request_of_row), bank.rows(rows.slots)).float()
             v = guidance.combine(
                 velocity.index_select(0, rows.cond),
                 velocity.index_select(0, rows.text),
@@ -373,8 +422,10 @@ class BagelGenerationRunner(DiffusionRunner):
                 rows.image_guided,
             )
             x = x - v * dts[step]
-            if self.on_step is not None:
-                self.on_step(step)
+            if on_denoised is not None and step + 1 == len(timesteps):
+                on_denoised()
+            if on_step is not None:
+                on_step(step)
             if should_stop is not None and should_stop():
                 raise BatchAborted(f"stopped after step {step + 1}")
         return x
@@ -506,6 +557,54 @@ class _Guidance:
         ratio = torch.where(self.is_global, global_ratio[:, None, None], token_ratio)
         out = torch.where(self.is_text_channel, by_text_channel, both * self._clamp(ratio))
         return torch.where(guided[:, None, None], out, v)
+
+
+class _Velocity:
+    """The generation expert's velocity forward as the module a step batcher calls (by keyword)."""
+
+    def __init__(self, model: GenerationTransformer) -> None:
+        self.model = model
+
+    def forward(self, latents: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
+        return self.model.velocity(latents, rows)
+
+    __call__ = forward
+
+
+class AttentionRowsJoin:
+    """Step batching of BAGEL's velocity forwards: each group's rows attend to their own contexts (an
+    ``AttentionRows`` view of its bank). Groups join into one: their K/V buffers side by side along the
+    rows (padded to the longest context), lengths and RoPE in row order. Joined again only when the
+    groups of a forward change (their views are cached between steps while their active rows stay)."""
+
+    def __init__(self) -> None:
+        self._cached: tuple[list[AttentionRows], AttentionRows] | None = None
+
+    def key(self, value: AttentionRows) -> Hashable:
+        layers, _, _, kv_heads, _, head_dim = value.buffer.shape
+        return (layers, kv_heads, head_dim, value.block, str(value.buffer.dtype), str(value.buffer.device))
+
+    def join(self, values: list[AttentionRows], rows: list[int]) -> AttentionRows:
+        cached = self._cached
+        if (
+            cached is not None
+            and len(cached[0]) == len(values)
+            and all(a is b for a, b in zip(cached[0], values, strict=True))
+        ):
+            return cached[1]
+        block = values[0].block
+        width = block + max(max(v.lengths) for v in values)
+        buffers = [torch.nn.functional.pad(v.buffer, (0, 0, 0, width - v.buffer.shape[4])) for v in values]
+        joined = AttentionRows(
+            torch.cat(buffers, dim=2),
+            [length for v in values for length in v.lengths],
+            block,
+            torch.cat([v.cos for v in values]),
+            torch.cat([v.sin for v in values]),
+            values[0].kv_heads,
+        )
+        self._cached = (list(values), joined)
+        return joined
 
 
 def _same_context(a: BagelContext, b: BagelContext) -> bool:

@@ -287,6 +287,7 @@ class AttentionRows:
         kv_heads: int,
     ) -> None:
         self.buffer = buffer  # [layers, 2, rows, kv_heads, block + max_len, head_dim]
+        self.lengths = lengths
         self.block = block
         self.cos, self.sin = cos, sin
         self.kv_heads = kv_heads
@@ -295,7 +296,9 @@ class AttentionRows:
         while start < len(lengths):
             longest = block + lengths[start]
             end = start + 1
-            while end < len(lengths) and block + lengths[end] >= GROUP_SPLIT_RATIO * longest:
+            # consecutive rows no longer than the first (the bank sorts them; rows joined from several
+            # banks, step batching, are sorted within each)
+            while end < len(lengths) and GROUP_SPLIT_RATIO * longest <= block + lengths[end] <= longest:
                 end += 1
             mask = None
             if any(lengths[i] != lengths[start] for i in range(start, end)):
