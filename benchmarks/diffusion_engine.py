@@ -9,8 +9,11 @@ cores (its ``OMP_NUM_THREADS``), served over HTTP (``vllm serve --omni``, a thin
 Closed loop: ``c`` clients, each sending its next request when its last one returned; images/s (median
 of the timed rounds) and the p50/p99 latency of every request of those rounds. Open loop: Poisson
 arrivals at 80% of the peak images/s the whole-request stage reached, the same arrival times for both;
-p50/p99 latency. Targets: step batching >= 1.15x whole-request images/s at concurrency 16; p99 under the
-Poisson load <= 0.6x whole-request's.
+p50/p99 latency. Then BAGEL's DiT stage alone (the stage's own batch loop, in this process, fed
+text-to-image requests with random 12-token contexts as the thinker would send them) with a FLUX-size
+autoencoder (128 channels, x1/x2/x4/x4, two blocks per level; the tiny BAGEL otherwise), 64x64, 8
+steps, 8 clients. Targets: step batching >= 1.15x whole-request images/s at concurrency 16 (SD3) and 8
+(BAGEL); p99 under the Poisson load <= 0.6x whole-request's.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -183,6 +188,114 @@ def serve_and_measure(
         return asyncio.run(measure(server.base_url, model, args.images, levels, arrivals_for))
 
 
+BAGEL_RUNNER = "vllm_omni_plugin.families.bagel.runner.BagelGenerationRunner"
+FLUX_VAE = {"ch": 128, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2}
+"""FLUX's autoencoder widths (BAGEL's real one), in place of the tiny BAGEL's."""
+
+
+def bagel_with_flux_vae(directory: Path) -> str:
+    """The tiny BAGEL with a FLUX-size autoencoder, built in ``directory``."""
+    from vllm_omni_plugin.testing.tiny.bagel import bagel_config, build_bagel
+
+    cfg = bagel_config()
+    cfg["vae"].update(FLUX_VAE)
+    directory.mkdir(parents=True, exist_ok=True)
+    build_bagel(directory, cfg)
+    return str(directory)
+
+
+def bagel_request(model_cfg: Any, i: int, size: int, steps: int) -> Any:
+    """A text-to-image request for BAGEL's DiT with a random 12-token context."""
+    import msgspec
+    import torch
+
+    from vllm_omni_plugin.families.bagel.request import T2I_DEFAULTS, BagelContext, BagelGenerationRequest
+
+    gen = torch.Generator().manual_seed(i)
+    layers, kv_heads, head_dim = model_cfg
+    kv = torch.randn((layers, 2, 12, kv_heads, head_dim), generator=gen)
+    cond = BagelContext(kv=kv, kv_len=12, rope=12)
+    return BagelGenerationRequest(
+        request_id=f"b{i}",
+        cond=cond,
+        cfg_text=BagelContext.empty(),
+        cfg_img=cond,
+        height=size,
+        width=size,
+        sampling=msgspec.structs.replace(T2I_DEFAULTS, num_inference_steps=steps),
+        seed=i,
+    )
+
+
+def dit_closed_loop(
+    model: str, batching: str, clients: int, images: int, size: int, steps: int
+) -> tuple[float, list[float]]:
+    """BAGEL's DiT stage alone, its batch loop in this process: median images/s and every latency."""
+    from vllm_omni_plugin.diffusion.engine import DiffusionEngine
+    from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest
+    from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
+
+    engine = DiffusionEngine(model, runner_cls=BAGEL_RUNNER, max_batch_size=clients, batching=batching)
+    model_cfg = (
+        engine.runner.transformer.num_layers,
+        engine.runner.transformer.num_kv_heads,
+        engine.runner.transformer.head_dim,
+    )
+    done: dict[str, float] = {}
+    changed = threading.Condition()
+
+    class Report:
+        def outputs(self, outputs: list[Any]) -> None:
+            with changed:
+                for output in outputs:
+                    assert output.error is None, output.error
+                    done[output.request_id] = time.perf_counter()
+                changed.notify_all()
+
+        def dropped(self, request_ids: list[str], where: str) -> None:
+            raise RuntimeError(f"dropped {request_ids}")
+
+        def progress(self, counters: Any, *, force: bool) -> None:
+            pass
+
+    loop = DiffusionBatchLoop(engine, 1, Report(), max_batch=clients)
+    serving = threading.Thread(target=loop.serve, daemon=True)
+    serving.start()
+    latencies: list[float] = []
+
+    def client(first: int, count: int, record: bool) -> None:
+        for i in range(first, first + count):
+            request = bagel_request(model_cfg, i, size, steps)
+            start = time.perf_counter()
+            loop.inbox.add(
+                StageDiffusionCoreRequest(request_id=request.request_id, stage_id=1, diffusion=request)
+            )
+            with changed:
+                changed.wait_for(lambda rid=request.request_id: rid in done)
+            if record:
+                latencies.append(done[request.request_id] - start)
+
+    def round_(offset: int, record: bool) -> float:
+        per = images // clients
+        threads = [
+            threading.Thread(target=client, args=(offset + k * per, per, record)) for k in range(clients)
+        ]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return per * clients / (time.perf_counter() - start)
+
+    try:
+        round_(10_000, False)  # warm-up
+        rates = [round_(20_000 * (r + 1), True) for r in range(ROUNDS)]
+    finally:
+        loop.inbox.drain()
+        serving.join()
+    return statistics.median(rates), latencies
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -193,6 +306,7 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=16, help="the stage's max_batch_size")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the DiT's intra-op threads")
     parser.add_argument("--poisson-seconds", type=float, default=20.0, help="length of the open-loop run")
+    parser.add_argument("--bagel-images", type=int, default=16, help="BAGEL images per timed round (0: skip)")
     args = parser.parse_args()
     from vllm_omni_plugin.testing.tiny import build
 
@@ -236,6 +350,19 @@ def main() -> int:
     for mode in MODES:
         p50, p99 = (1000 * percentile(opened[mode], q) for q in (0.5, 0.99))
         print(f"{mode:<22} p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
+    if args.bagel_images:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        with tempfile.TemporaryDirectory() as tmp:
+            bagel = bagel_with_flux_vae(Path(tmp) / "bagel-flux-vae")
+            dit = {mode: dit_closed_loop(bagel, mode, 8, args.bagel_images, 64, 8) for mode in MODES}
+        print("BAGEL DiT stage, FLUX-size autoencoder, 64x64, 8 steps, 8 clients (closed loop, in process)")
+        for mode in MODES:
+            rate, latencies = dit[mode]
+            p50, p99 = (1000 * percentile(latencies, q) for q in (0.5, 0.99))
+            print(f"{mode:<22} {rate:>9.2f} images/s   p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
+        print(f"target: BAGEL step >= 1.15x request at c=8: {dit['step'][0] / dit['request'][0]:.2f}x")
     c16 = 16 if 16 in levels else levels[-1]
     ratio = closed["step"][c16][0] / closed["request"][c16][0]
     p99 = percentile(opened["step"], 0.99) / percentile(opened["request"], 0.99)
