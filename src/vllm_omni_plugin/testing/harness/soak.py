@@ -42,6 +42,14 @@ BAD_BODIES: tuple[tuple[str, bytes], ...] = (
 )
 
 
+CLIENT_KEEPALIVE_S = 1.0
+"""How long the soak's client keeps an idle connection for reuse: well under the server's keep-alive
+timeout (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s). With httpx's default (also 5 s) a connection the server
+closes for idleness can be picked for the next request in the same instant, which then fails with a bare
+``ReadError`` (the likely cause of one seen under heavy load); a client that drops idle connections first
+never meets that race."""
+
+
 @dataclass
 class SoakSettings:
     requests: int = 150
@@ -324,7 +332,10 @@ async def _drive(
     middle = len(kinds) // 2 if sample else -1
     sent = 0
     loop = asyncio.get_running_loop()
-    async with httpx.AsyncClient(base_url=deployment.base_url, timeout=settings.request_timeout) as client:
+    limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
+    async with httpx.AsyncClient(
+        base_url=deployment.base_url, timeout=settings.request_timeout, limits=limits
+    ) as client:
 
         async def run(i: int, kind: str) -> None:
             try:
