@@ -21,6 +21,7 @@ from vllm_omni_plugin.config import (
     resolve,
     resolve_deployment,
 )
+from vllm_omni_plugin.config import pipeline as pipeline_module
 from vllm_omni_plugin.config.resolve import reresolve
 from vllm_omni_plugin.diffusion.runner import DiffusionRunner
 from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER
@@ -170,7 +171,9 @@ class WholeRequestRunner(DiffusionRunner):
     resolution reads the class, nothing runs it."""
 
 
-def test_step_batching_of_a_runner_without_it_is_refused_by_resolution(tmp_path: Path) -> None:
+def test_step_batching_of_a_runner_without_it_is_refused_by_resolution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dit = PipelineStage(
         stage_id=0,
         name="gen",
@@ -179,6 +182,8 @@ def test_step_batching_of_a_runner_without_it_is_refused_by_resolution(tmp_path:
         final_output=True,
         diffusion_runner=f"{__name__}.WholeRequestRunner",
     )
+    # registered for this test only: the wire's union of request types is built from every registered runner
+    monkeypatch.setattr(pipeline_module, "_PIPELINES", dict(pipeline_module._PIPELINES))
     register_pipeline(Pipeline(name="test_whole_request_runner", stages=(dit,)))
     path = write(
         tmp_path, "pipeline: test_whole_request_runner\nstages:\n  - stage_id: 0\n    batching: step\n"
