@@ -158,6 +158,27 @@ def forwards_alone(engine: DiffusionEngine, request: DiffusionRequest) -> int:
     return len(rows.forwards)
 
 
+def join_after_the_first_step(
+    stepped: DiffusionEngine, whole: DiffusionEngine, requests: list[DiffusionRequest]
+) -> list[list[str]]:
+    """The first request held after its first step while the others come to wait at the boundary, then
+    all released: each must get its image alone. Returns the forwards (the requests each ran)."""
+    first = requests[0].request_id
+    rows = Rows(stepped)
+    rows.hold(first, 0)
+    rows.start(requests[0])
+    rows.reached(first, 0)
+    for request in requests[1:]:
+        rows.start(request)
+        rows.wait_at_boundary(request.request_id)
+    rows.release(first, 0)
+    results = rows.join()
+    for request in requests:
+        assert results[request.request_id].ok, results[request.request_id].error
+        assert_within_one_level(results[request.request_id].image, alone(whole, request))
+    return rows.forwards
+
+
 def alone(engine: DiffusionEngine, request: DiffusionRequest) -> np.ndarray:
     (result,) = engine.generate([request])
     assert result.ok, result.error
@@ -223,20 +244,9 @@ def test_rows_with_different_guidance_share_forwards_and_match_alone(
 ) -> None:
     stepped, whole = engines(family)
     requests = [ask(f"g{i}", 10 + i, guidance=g, family=family) for i, g in enumerate((1.0, 3.0, 7.5))]
-    rows = Rows(stepped)
-    rows.hold("g0", 0)
-    rows.start(requests[0])
-    rows.reached("g0", 0)
-    for request in requests[1:]:  # both wait for g0's second step: from there on, the three go together
-        rows.start(request)
-        rows.wait_at_boundary(request.request_id)
-    rows.release("g0", 0)
-    results = rows.join()
-    for request in requests:
-        assert results[request.request_id].ok
-        assert_within_one_level(results[request.request_id].image, alone(whole, request))
-    shared = [calls for calls in rows.forwards if len(calls) > 1]
-    assert shared, rows.forwards
+    # g1 and g2 wait for g0's second step: from there on, the three go together
+    forwards = join_after_the_first_step(stepped, whole, requests)
+    assert [calls for calls in forwards if len(calls) > 1], forwards
 
 
 def test_glm_image_edits_join_with_their_own_source_images(
@@ -259,19 +269,8 @@ def test_glm_image_edits_join_with_their_own_source_images(
         )
 
     requests = [edit("e0", 30), edit("e1", 31), ask("t", 32, family="glm_image")]
-    rows = Rows(stepped)
-    rows.hold("e0", 0)
-    rows.start(requests[0])
-    rows.reached("e0", 0)
-    for request in requests[1:]:
-        rows.start(request)
-        rows.wait_at_boundary(request.request_id)
-    rows.release("e0", 0)
-    results = rows.join()
-    for request in requests:
-        assert results[request.request_id].ok, results[request.request_id].error
-        assert_within_one_level(results[request.request_id].image, alone(whole, request))
-    assert any({"e0", "e1"} <= set(calls) for calls in rows.forwards), rows.forwards
+    forwards = join_after_the_first_step(stepped, whole, requests)
+    assert any({"e0", "e1"} <= set(calls) for calls in forwards), forwards
 
 
 def test_bagel_edits_and_text_to_image_join_with_contexts_of_every_length(
@@ -287,19 +286,8 @@ def test_bagel_edits_and_text_to_image_join_with_contexts_of_every_length(
         edit("e1", 41, image_len=24, text_len=5),
         ask("t", 42, family="bagel"),
     ]
-    rows = Rows(stepped)
-    rows.hold("e0", 0)
-    rows.start(requests[0])
-    rows.reached("e0", 0)
-    for request in requests[1:]:
-        rows.start(request)
-        rows.wait_at_boundary(request.request_id)
-    rows.release("e0", 0)
-    results = rows.join()
-    for request in requests:
-        assert results[request.request_id].ok, results[request.request_id].error
-        assert_within_one_level(results[request.request_id].image, alone(whole, request))
-    assert any({"e0", "e1", "t"} <= set(calls) for calls in rows.forwards), rows.forwards
+    forwards = join_after_the_first_step(stepped, whole, requests)
+    assert any({"e0", "e1", "t"} <= set(calls) for calls in forwards), forwards
 
 
 def test_a_forward_that_fails_fails_its_rows_and_the_engine_goes_on(

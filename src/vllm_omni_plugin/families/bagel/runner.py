@@ -335,13 +335,7 @@ class BagelGenerationRunner(DiffusionRunner):
             raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
         start = time.perf_counter()
         latents = self._denoise(batch, generators, should_stop, self.transformer.velocity, self.on_step, None)
-        self._sync()
-        denoised = time.perf_counter()
-        images = self._decode(latents, batch[0].height, batch[0].width)
-        end = time.perf_counter()
-        return BatchOutput(
-            images, None, {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
-        )
+        return self._decoded(latents, batch, start)
 
     step_batching = True
 
@@ -375,6 +369,12 @@ class BagelGenerationRunner(DiffusionRunner):
             )
         finally:
             batcher.leave(group)
+        return self._decoded(latents, batch, start)
+
+    def _decoded(
+        self, latents: torch.Tensor, batch: list[BagelGenerationRequest], start: float
+    ) -> BatchOutput:
+        """The batch's images from its denoised latents, with the call's timings since ``start``."""
         self._sync()
         denoised = time.perf_counter()
         images = self._decode(latents, batch[0].height, batch[0].width)
