@@ -44,6 +44,7 @@ stages:
   - stage_id: 0
     max_batch_size: {max_batch_size}
     batching: {batching}
+    batch_wait_ms: {batch_wait_ms}
 """
 
 
@@ -177,7 +178,9 @@ def serve_and_measure(
     from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
     deploy = Path(tmp) / f"diffusion_{batching}.yaml"
-    deploy.write_text(DEPLOY.format(max_batch_size=args.max_batch_size, batching=batching))
+    deploy.write_text(
+        DEPLOY.format(max_batch_size=args.max_batch_size, batching=batching, batch_wait_ms=args.batch_wait_ms)
+    )
     port = free_port()
     argv = [bin_script("vllm"), "serve", model, "--omni", "--deploy-config", str(deploy),
             "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
@@ -306,6 +309,7 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=16, help="the stage's max_batch_size")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the DiT's intra-op threads")
     parser.add_argument("--poisson-seconds", type=float, default=20.0, help="length of the open-loop run")
+    parser.add_argument("--batch-wait-ms", type=float, default=10.0, help="step batching's batch_wait_ms")
     parser.add_argument("--bagel-images", type=int, default=16, help="BAGEL images per timed round (0: skip)")
     args = parser.parse_args()
     from vllm_omni_plugin.testing.tiny import build

@@ -100,7 +100,7 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     leave the running batch at each denoising step (up to ``max_batch_size`` in flight)."""
     batch_wait_ms: NonNegativeFloat | None = None
     """Diffusion stages with ``batching: step``: while requests run, how long a new request waits for
-    others to start with it (default 10)."""
+    others to start with it (default 100)."""
     # placement on a Ray cluster (backend: ray), per replica
     num_cpus: NonNegativeFloat | None = None
     """CPUs Ray reserves for each replica (default 1)."""
