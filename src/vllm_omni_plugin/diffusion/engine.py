@@ -49,12 +49,12 @@ logger = get_logger(__name__)
 
 MAX_SEED = 2**63 - 1
 BATCHING_MODES = ("request", "step")
+"""``request``: a batch of whole requests runs all its steps and decodes before the next forms;
+``step``: requests join and leave the running batch at step boundaries (:mod:`.step_batching`)."""
 BATCH_WAIT_MS = 100.0
 """The default ``batch_wait_ms``, chosen by ``benchmarks/diffusion_engine.py`` on tiny SD3 (2 cores): 10 ms
 made groups of one request under Poisson load (p99 16x whole-request batching's), 50/100/200 ms gave
 1.5/1.3/1.1x, with closed-loop images/s level with whole-request batching."""
-"""``request``: a batch of whole requests runs all its steps and decodes before the next forms;
-``step``: requests join and leave the running batch at step boundaries (:mod:`.step_batching`)."""
 PROGRESS_INTERVAL_S = 10.0
 """How often a long batch logs its progress: short batches stay quiet, a minute-long one says so."""
 ABORTED = "aborted"

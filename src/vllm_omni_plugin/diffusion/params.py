@@ -7,6 +7,8 @@ handles the scalar fields.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -63,6 +65,11 @@ class DiffusionCounters(msgspec.Struct, kw_only=True):
     decodes: int = 0
     """Pipeline calls (a batch, or a group) that decoded their images."""
     decode_seconds: float = 0.0
+
+    @classmethod
+    def total(cls, counters: Iterable[DiffusionCounters]) -> DiffusionCounters:
+        """The field by field sum of several replicas' counts (zeros for none)."""
+        return functools.reduce(cls.plus, counters, cls())
 
     def plus(self, other: DiffusionCounters) -> DiffusionCounters:
         """Field by field sum (the counts of several replicas, or of a replica's earlier processes)."""

@@ -8,7 +8,6 @@ recorded as requests finish (:class:`OmniMetrics`).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,7 +102,7 @@ class OmniCollector:
             healthy.add_metric(labels, sum(1 for c in pool.clients if c.healthy))
             restarts.add_metric(labels, sum(c.restarts for c in pool.clients))
             if sid in diffusion:
-                counted = functools.reduce(DiffusionCounters.plus, (c.diffusion for c in pool.clients))
+                counted = DiffusionCounters.total(c.diffusion for c in pool.clients)
                 steps.add_metric(labels, counted.denoise_steps)
                 for field, family in timing.items():
                     family.add_metric(labels, getattr(counted, field))

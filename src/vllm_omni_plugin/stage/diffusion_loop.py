@@ -160,9 +160,8 @@ class DiffusionInbox:
 
     def finish(self) -> set[str]:
         """The running batch is done: the ids aborted while it ran."""
-        with self.lock:
-            aborted, self.aborted, self.running = self.aborted, set(), set()
-        return aborted
+        with self.lock:  # reentrant: done() takes it too
+            return self.done(list(self.running))
 
 
 class BatchReport(Protocol):
@@ -203,7 +202,10 @@ class DiffusionBatchLoop:
 
     def _step_done(self) -> None:
         self.report.progress(self.engine.counters(), force=False)
-        # tests hold the batch here (off unless a test arms the point)
+        self._hold_at_step()
+
+    def _hold_at_step(self, step: int = 0) -> None:
+        """Tests hold the running batch (or group) here, after a denoising step (off unless armed)."""
         inbox = self.inbox
         hold_point("dit.step", " ".join(sorted(inbox.running)), give_up=lambda: inbox.stopping)
 
@@ -246,13 +248,14 @@ class DiffusionBatchLoop:
             engine.count_started(inbox.started_waits())
             requests, failed = [], []
             for message in taken:
-                request, transfer[message.request_id], bad = self._request_of(message)
+                request, seconds, bad = self._request_of(message)
                 if bad is None:
                     requests.append(request)
+                    transfer[message.request_id] = seconds
                 else:
                     failed.append(bad)
             admitted, refused = engine.admit(requests) if requests else ([], [])
-            failed += [self._output_of(result, 0.0) for result in refused]
+            failed += [self._output_of(r, transfer.pop(r.request_id, 0.0)) for r in refused]
             if failed:
                 inbox.done([o.request_id for o in failed])
                 self.report.outputs(failed)
@@ -285,17 +288,12 @@ class DiffusionBatchLoop:
     def _run_group(self, key: str, group: list[Any]) -> None:
         results: list[Any] = []
         try:
-            results = self.engine.run_group(group, self.inbox.is_aborted, self._group_step_done)
+            results = self.engine.run_group(group, self.inbox.is_aborted, self._hold_at_step)
         finally:  # the engine turns its errors into failed results; anything else still ends the group
             if len(results) != len(group):
                 error = "the diffusion stage's group thread ended without results"
                 results = [DiffusionResult(request_id=r.request_id, error=error) for r in group]
             self.inbox.group_done(key, results)
-
-    def _group_step_done(self, step: int) -> None:
-        # tests hold the group here (off unless a test arms the point)
-        inbox = self.inbox
-        hold_point("dit.step", " ".join(sorted(inbox.running)), give_up=lambda: inbox.stopping)
 
     def run_batch(self, batch: list[StageDiffusionCoreRequest]) -> None:
         inbox = self.inbox

@@ -71,11 +71,23 @@ class DenoiserShape:
         return -(-height // self.patch_pixels) * -(-width // self.patch_pixels)
 
 
+def denoiser_attribute(pipe: Any) -> str | None:
+    """The pipeline attribute its denoiser is: ``transformer``, else ``unet`` (None: neither)."""
+    # Optional attributes of a diffusers pipeline: a class has the one its architecture uses.
+    return next((name for name in ("transformer", "unet") if getattr(pipe, name, None) is not None), None)
+
+
+def denoiser_of(pipe: Any) -> Any:
+    """The pipeline's denoiser module (``None``: it has neither a transformer nor a unet)."""
+    name = denoiser_attribute(pipe)
+    return None if name is None else getattr(pipe, name)
+
+
 def denoiser_shape(pipe: Any) -> DenoiserShape:
     """The :class:`DenoiserShape` of a loaded (or meta-device) diffusers pipeline."""
     import math
 
-    model = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    model = denoiser_of(pipe)
     if model is None:
         raise ValueError(f"{type(pipe).__name__} has neither a transformer nor a unet")
     cfg = dict(model.config)
@@ -166,6 +178,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
     def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
         cls = type(self)
         self.pipe = pipe
+        self._encode_lock = threading.Lock()
+        """Held while a group encodes its prompts (:meth:`_one_at_a_time`)."""
         self.device = device
         self.dtype = dtype
         self.pipeline_class = cls.pipeline_class or type(pipe).__name__
@@ -354,12 +368,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         return self._call(self.pipe, batch, generators, should_stop, self.on_step, None)
 
     def denoiser(self) -> Any:
-        return self.pipe.transformer if self.denoiser_name == "transformer" else self.pipe.unet
-
-    @functools.cached_property
-    def denoiser_name(self) -> str:
-        """The pipeline attribute its denoiser is (``transformer``, or ``unet`` for UNet pipelines)."""
-        return "transformer" if getattr(self.pipe, "transformer", None) is not None else "unet"
+        return denoiser_of(self.pipe)
 
     def run_rows(
         self,
@@ -376,7 +385,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
 
         pipe = copy.copy(self.pipe)
         # Set in __dict__: the pipeline's __setattr__ would re-register the component in its config.
-        pipe.__dict__[self.denoiser_name] = batcher.proxy(group, len(batch))
+        pipe.__dict__[denoiser_attribute(self.pipe)] = batcher.proxy(group, len(batch))
         pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
         encode = getattr(pipe, "encode_prompt", None)  # every text-conditioned diffusers pipeline has one
         if encode is not None:
@@ -401,10 +410,6 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 return encode(*args, **kwargs)
 
         return encode_prompt
-
-    @functools.cached_property
-    def _encode_lock(self) -> threading.Lock:
-        return threading.Lock()
 
     def _call(
         self,
@@ -486,7 +491,7 @@ def _pipeline_size_limits(pipe: Any) -> SizeLimits:
     import math
 
     scale = getattr(pipe, "vae_scale_factor", None)  # optional pipeline attributes, as above
-    model = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    model = denoiser_of(pipe)
     if not isinstance(scale, int) or model is None:
         return SizeLimits()
     cfg = dict(model.config)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import signal
 import socket
@@ -176,9 +175,7 @@ class HeadlessStageWorker:
             sent = DiffusionCounters()
             while True:
                 await asyncio.sleep(PROGRESS_REPORT_INTERVAL_S)
-                counters = functools.reduce(
-                    DiffusionCounters.plus, (r.diffusion for r in pool.clients), DiffusionCounters()
-                )
+                counters = DiffusionCounters.total(r.diffusion for r in pool.clients)
                 if counters != sent:
                     await self._send(protocol.WorkerProgress(counters=counters))
                     sent = counters
