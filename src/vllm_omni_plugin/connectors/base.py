@@ -106,6 +106,35 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+ValueKind = Literal["tensor", "bytes"]
+
+
+def contiguous_value(value: Value) -> tuple[torch.Tensor, ValueKind, str | None, tuple[int, ...] | None]:
+    """What ``put`` stores for ``value``, as one contiguous tensor: (tensor, kind, dtype, shape).
+
+    Connectors that hand a transport the value's own memory (NIXL, Mooncake) register this tensor;
+    bytes-like values are copied once (the caller may reuse a mutable buffer). A TypeError for anything
+    else."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        return tensor, "tensor", dtype_name(tensor.dtype), tuple(tensor.shape)
+    if isinstance(value, bytes | bytearray | memoryview):
+        tensor = torch.frombuffer(bytearray(value), dtype=torch.uint8) if len(value) else torch.empty(0)
+        return tensor, "bytes", None, None
+    raise TypeError(f"cannot put a {type(value).__name__}; expected a tensor or bytes")
+
+
+def as_value(data: torch.Tensor, handle: ConnectorHandle) -> torch.Tensor | bytes:
+    """Raw bytes (uint8, flat) -> what was put: a tensor of the handle's dtype and shape, or bytes."""
+    if handle.kind == "bytes":
+        return data.numpy().tobytes()
+    dtype = dtype_from_name(handle.dtype or "uint8")
+    flat = data.view(dtype) if data.numel() else torch.empty(0, dtype=dtype)
+    return flat.reshape(handle.shape if handle.shape is not None else (flat.numel(),))
+
+
 class _Stats:
     """Counters shared by a connector and its helpers (a reaper thread), behind one lock."""
 
@@ -162,6 +191,12 @@ class OmniConnector(ABC):
                     message.replace("`", "").replace("Expected", "expected").replace("array", "list")
                 )
             raise ValueError(f"connector {name!r}: {text}") from None
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this class cannot be built here (a transport that is not installed), checked when a
+        deploy config that uses it is resolved; None when it can."""
+        return None
 
     @abstractmethod
     def put(self, value: Value) -> ConnectorHandle:

@@ -33,7 +33,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import torch
@@ -47,9 +47,10 @@ from vllm_omni_plugin.connectors.base import (
     OmniConnector,
     RemoteLocation,
     Value,
-    dtype_from_name,
-    dtype_name,
+    as_value,
+    contiguous_value,
 )
+from vllm_omni_plugin.connectors.receive_pool import ReceivePool
 from vllm_omni_plugin.log import best_effort, get_logger
 
 logger = get_logger(__name__)
@@ -84,7 +85,6 @@ SPIN_S = (2e-4, 0.005)
 IDLE_REGIONS = 64
 """Released registrations an owner keeps for reuse."""
 LOADED_METADATA = 4096
-MIN_POOL_BUFFER = 64 << 10
 ACK, RELEASE = b"ack:", b"release:"
 COLLECTED_MEMORY = 1 << 16
 """How many collected or cleaned-up keys a receiver remembers to refuse a second ``get`` of a handle."""
@@ -110,78 +110,6 @@ class _Owned:
     nbytes: int
     deadline: float
     """Monotonic time at which the lease runs out (inf without a lease)."""
-
-
-class _ReceivePool:
-    """Registered receive buffers by power-of-two capacity; a buffer is lent out as a tensor view and
-    comes back when that view is garbage collected."""
-
-    def __init__(self, agent: Any, limit_bytes: int) -> None:
-        self.agent = agent
-        self.limit = limit_bytes
-        self.lock = threading.RLock()  # a finalizer may run inside an acquire of the same thread
-        self.free: dict[int, list[torch.Tensor]] = {}
-        self.registrations: dict[int, Any] = {}
-        """Pool buffer address -> its registration."""
-        self.one_off: dict[int, Any] = {}
-        """Address of a buffer outside the pool (a value too large for it) -> its registration."""
-        self.total = 0
-        self.closed = False
-
-    def acquire(self, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """A registered buffer of at least ``nbytes`` and whether it belongs to the pool."""
-        capacity = max(MIN_POOL_BUFFER, 1 << (nbytes - 1).bit_length())
-        evicted: list[Any] = []
-        with self.lock:
-            bucket = self.free.get(capacity)
-            if bucket:
-                return bucket.pop(), True
-            # Make room by dropping idle buffers of other sizes, largest first.
-            while self.total + capacity > self.limit and capacity <= self.limit and self.free:
-                size = max(self.free)
-                victim = self.free[size].pop()
-                if not self.free[size]:
-                    del self.free[size]
-                self.total -= size
-                evicted.append(self.registrations.pop(victim.data_ptr()))
-            pooled = self.total + capacity <= self.limit
-            if pooled:
-                self.total += capacity
-        for registration in evicted:
-            with best_effort("deregistering an evicted NIXL receive buffer", logger):
-                self.agent.deregister_memory(registration)
-        buffer = torch.empty(capacity if pooled else nbytes, dtype=torch.uint8)
-        registration = self.agent.register_memory(buffer)
-        with self.lock:
-            (self.registrations if pooled else self.one_off)[buffer.data_ptr()] = registration
-        return buffer, pooled
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        with self.lock:
-            if not self.closed:
-                self.free.setdefault(buffer.numel(), []).append(buffer)
-
-    def drop_one_off(self, buffer: torch.Tensor) -> None:
-        with self.lock:
-            registration = self.one_off.pop(buffer.data_ptr(), None)
-        if registration is not None:
-            with best_effort("deregistering a one-off NIXL receive buffer", logger):
-                self.agent.deregister_memory(registration)
-
-    def lend(self, buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of a pooled buffer as a tensor that returns the buffer when collected."""
-        view = buffer.numpy()[:nbytes]
-        weakref.finalize(view, self.give_back, buffer)
-        return torch.from_numpy(view)
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            registrations, self.registrations = self.registrations, {}
-            self.free.clear()
-        for registration in registrations.values():
-            with best_effort("deregistering NIXL receive buffers", logger):
-                self.agent.deregister_memory(registration)
 
 
 class NixlConnector(OmniConnector):
@@ -229,7 +157,9 @@ class NixlConnector(OmniConnector):
         """Registrations no value uses any more, oldest first (see ``_register``)."""
         self._loaded: OrderedDict[bytes, str] = OrderedDict()
         """Remote metadata this agent has loaded -> the agent it names (receivers skip reloading it)."""
-        self._pool = _ReceivePool(self.agent, settings.recv_pool_bytes)
+        self._pool = ReceivePool(
+            self.agent.register_memory, self.agent.deregister_memory, settings.recv_pool_bytes, "NIXL"
+        )
         self._closed = False
         self._abandoned: list[torch.Tensor] = []
         """Receive buffers of timed-out READs, kept alive because the transfer may still write them."""
@@ -246,18 +176,11 @@ class NixlConnector(OmniConnector):
     # --- owner side ---------------------------------------------------------------------------------
 
     def put(self, value: Value) -> ConnectorHandle:
-        kind: Literal["tensor", "bytes"]
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            if not tensor.is_contiguous():
-                tensor = tensor.contiguous()
-            kind, dtype, shape = "tensor", dtype_name(tensor.dtype), tuple(tensor.shape)
-        elif isinstance(value, bytes | bytearray | memoryview):
-            tensor = torch.frombuffer(bytearray(value), dtype=torch.uint8) if len(value) else torch.empty(0)
-            kind, dtype, shape = "bytes", None, None
-        else:
+        try:
+            tensor, kind, dtype, shape = contiguous_value(value)
+        except TypeError as exc:
             self._stats.add(errors=1)
-            raise TypeError(f"{self.name}: cannot put a {type(value).__name__}; expected a tensor or bytes")
+            raise TypeError(f"{self.name}: {exc}") from None
         nbytes = tensor.numel() * tensor.element_size()
         key = secrets.token_hex(8)
         device_id = max(tensor.get_device(), 0)
@@ -402,7 +325,7 @@ class NixlConnector(OmniConnector):
             )
         if handle.nbytes == 0:  # nothing was registered or kept: nothing to read or release
             self._stats.add(gets=1)
-            return _as_value(torch.empty(0, dtype=torch.uint8), handle)
+            return as_value(torch.empty(0, dtype=torch.uint8), handle)
         if remote.agent == self.agent_name:  # put and got in this process: hand the object over
             with self._lock:
                 owned = self._owned.get(handle.key)
@@ -438,18 +361,10 @@ class NixlConnector(OmniConnector):
         except BaseException:
             with self._lock:  # not delivered: a retry may read it
                 self._collected.pop(handle.key, None)
-            if pooled:
-                self._pool.give_back(buffer)
-            else:
-                self._pool.drop_one_off(buffer)
+            self._pool.release(buffer, pooled)
             raise
         self._stats.add(gets=1, bytes_got=handle.nbytes)
-        if pooled:
-            data = self._pool.lend(buffer, handle.nbytes)
-        else:
-            self._pool.drop_one_off(buffer)
-            data = buffer
-        return _as_value(data, handle)
+        return as_value(self._pool.deliver(buffer, pooled, handle.nbytes), handle)
 
     def _read(
         self, handle: ConnectorHandle, remote: RemoteLocation, buffer: torch.Tensor, timeout: float | None
@@ -561,12 +476,3 @@ class NixlConnector(OmniConnector):
 
 def _agent_name(peer: Any) -> str:
     return peer.decode() if isinstance(peer, bytes) else str(peer)
-
-
-def _as_value(data: torch.Tensor, handle: ConnectorHandle) -> torch.Tensor | bytes:
-    """Raw bytes (uint8, flat) -> what was put: a tensor of the handle's dtype and shape, or bytes."""
-    if handle.kind == "bytes":
-        return data.numpy().tobytes()
-    dtype = dtype_from_name(handle.dtype or "uint8")
-    flat = data.view(dtype) if data.numel() else torch.empty(0, dtype=dtype)
-    return flat.reshape(handle.shape if handle.shape is not None else (flat.numel(),))
