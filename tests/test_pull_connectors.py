@@ -1,4 +1,6 @@
-"""NixlConnector between real processes: real NIXL agents (UCX over DRAM), no mocks.
+"""The connectors whose receivers pull (NixlConnector: real NIXL agents, UCX over DRAM;
+MooncakeTransferEngineConnector: real Mooncake transfer engines over TCP) between real processes, no
+mocks; every test runs for each class that is installed.
 
 One spawned "stage" child with its own connector is shared by the module (NIXL agent creation and a
 spawn cost seconds); the test process holds the other side. Handles cross the process boundary the
@@ -16,11 +18,14 @@ import hashlib
 import multiprocessing
 import os
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -36,13 +41,18 @@ from vllm_omni_plugin.connectors.base import (
     OmniConnector,
     make_connector,
 )
+from vllm_omni_plugin.connectors.mooncake import (
+    MooncakeTransferEngineConnector,
+    host_address,
+    mooncake_missing,
+)
+from vllm_omni_plugin.connectors.nixl import NixlConnector, load_nixl_api
 
 try:
-    from vllm_omni_plugin.connectors.nixl import NixlConnector, load_nixl_api
-
     load_nixl_api()
+    NIXL_MISSING = None
 except ImportError as exc:  # the [nixl] extra is optional
-    pytest.skip(f"NIXL is not installed: {exc}", allow_module_level=True)
+    NIXL_MISSING = f"NIXL is not installed: {exc}"
 
 T = TypeVar("T")
 Spec = tuple[str, str | None, tuple[int, ...] | int, int]
@@ -52,6 +62,19 @@ ANSWER_LIMIT_S = 120.0
 BIG = 64 << 20
 MAIN_POOL = 16 << 20
 """The test process's receive pool: small enough that a BIG value takes the one-off buffer path."""
+CLASSES = ["NixlConnector", "MooncakeTransferEngineConnector"]
+BASE_EXTRA: dict[str, dict[str, Any]] = {
+    "NixlConnector": {},
+    # TCP on loopback, a free side-channel port each: the test's processes share one host.
+    "MooncakeTransferEngineConnector": {"protocol": "tcp", "host": "127.0.0.1", "zmq_port": 0},
+}
+POOL_KEY = {"NixlConnector": "recv_pool_bytes", "MooncakeTransferEngineConnector": "memory_pool_size"}
+
+
+def connect(cls: str, name: str, extra: dict[str, Any] | None = None) -> OmniConnector:
+    """A connector of class ``cls`` as a deploy config builds it, with the test host's base settings."""
+    return make_connector(name, cls, {**BASE_EXTRA[cls], **(extra or {})})
+
 
 VALUES: list[Spec] = [
     ("tensor", "float32", (3, 5), 1),
@@ -126,7 +149,8 @@ def _attempt(call: Callable[[], Any]) -> tuple[str, Any]:
 def _command(connectors: dict[str, OmniConnector], op: str, target: str, arg: Any) -> Any:
     """One command of the parent, run in the child stage."""
     if op == "open":
-        connectors[target] = make_connector(target, "NixlConnector", arg)
+        cls, extra = arg
+        connectors[target] = connect(cls, target, extra)
         return None
     connector = connectors[target]
     if op == "put":
@@ -148,10 +172,10 @@ def _get_and_describe(connector: OmniConnector, wired: bytes) -> tuple[Any, ...]
     return describe(connector.get(unwire(wired)))
 
 
-def _stage_main(conn: Any, name: str, extra: dict[str, Any]) -> None:
+def _stage_main(conn: Any, cls: str, name: str, extra: dict[str, Any]) -> None:
     """A stage process: connectors built like a deploy config builds them, driven over a pipe."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks if we hang
-    connectors: dict[str, OmniConnector] = {name: make_connector(name, "NixlConnector", extra)}
+    connectors: dict[str, OmniConnector] = {name: connect(cls, name, extra)}
     conn.send(("ok", os.getpid()))
     try:
         while True:
@@ -176,10 +200,13 @@ class StageError(AssertionError):
 class Stage:
     """The parent's end of a child stage process."""
 
-    def __init__(self, context: multiprocessing.context.SpawnContext, name: str, extra: dict[str, Any]):
+    def __init__(
+        self, context: multiprocessing.context.SpawnContext, cls: str, name: str, extra: dict[str, Any]
+    ):
         self.name = name
+        self.cls = cls
         self.conn, child_end = context.Pipe()
-        self.process = context.Process(target=_stage_main, args=(child_end, name, extra), daemon=True)
+        self.process = context.Process(target=_stage_main, args=(child_end, cls, name, extra), daemon=True)
         self.process.start()
         child_end.close()
         try:
@@ -285,10 +312,19 @@ def run_guarded(call: Callable[[], T], limit: float) -> T:
 # --- fixtures -----------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", params=CLASSES)
+def kind(request: pytest.FixtureRequest) -> str:
+    """The connector class under test."""
+    missing = NIXL_MISSING if request.param == "NixlConnector" else mooncake_missing()
+    if missing:
+        pytest.skip(missing)
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def stage(spawn: multiprocessing.context.SpawnContext) -> Iterator[Stage]:
+def stage(spawn: multiprocessing.context.SpawnContext, kind: str) -> Iterator[Stage]:
     """The shared child stage (default settings, so its receive pool holds a BIG value)."""
-    child = Stage(spawn, "stage", {})
+    child = Stage(spawn, kind, "stage", {})
     try:
         yield child
     finally:
@@ -296,12 +332,10 @@ def stage(spawn: multiprocessing.context.SpawnContext) -> Iterator[Stage]:
 
 
 @pytest.fixture(scope="module")
-def main() -> Iterator[NixlConnector]:
+def main(kind: str) -> Iterator[OmniConnector]:
     """The test process's connector, built through the deploy-config factory."""
-    connector = make_connector(
-        "main", "NixlConnector", {"recv_pool_bytes": MAIN_POOL, "transfer_timeout_s": 60}
-    )
-    assert isinstance(connector, NixlConnector)
+    connector = connect(kind, "main", {POOL_KEY[kind]: MAIN_POOL, "transfer_timeout_s": 60})
+    assert type(connector) is {"NixlConnector": NixlConnector}.get(kind, MooncakeTransferEngineConnector)
     try:
         yield connector
     finally:
@@ -309,8 +343,8 @@ def main() -> Iterator[NixlConnector]:
 
 
 @contextmanager
-def temporary_stage(spawn: multiprocessing.context.SpawnContext, name: str, extra: dict[str, Any]):
-    child = Stage(spawn, name, extra)
+def temporary_stage(spawn: multiprocessing.context.SpawnContext, cls: str, name: str, extra: dict[str, Any]):
+    child = Stage(spawn, cls, name, extra)
     try:
         yield child
     finally:
@@ -320,7 +354,7 @@ def temporary_stage(spawn: multiprocessing.context.SpawnContext, name: str, extr
 # --- 1. values cross processes byte for byte ------------------------------------------------------------
 
 
-def test_child_puts_parent_gets_every_kind_byte_for_byte(stage: Stage, main: NixlConnector) -> None:
+def test_child_puts_parent_gets_every_kind_byte_for_byte(stage: Stage, main: OmniConnector) -> None:
     """Dtypes, shapes (0-d, empty, 1 byte .. 64 MiB), bytes: what the reader gets is what was put."""
     handles = stage.put(VALUES)
     for spec, handle in zip(VALUES, handles, strict=True):
@@ -332,7 +366,7 @@ def test_child_puts_parent_gets_every_kind_byte_for_byte(stage: Stage, main: Nix
     wait_for(stage.health, lambda h: h.outstanding == 0, "owner released every read value")
 
 
-def test_parent_puts_child_gets_every_kind_byte_for_byte(stage: Stage, main: NixlConnector) -> None:
+def test_parent_puts_child_gets_every_kind_byte_for_byte(stage: Stage, main: OmniConnector) -> None:
     """The other direction; here the BIG value lands in the child's receive pool."""
     handles = [main.put(make_value(spec)) for spec in VALUES]
     results = stage.get(handles)
@@ -355,7 +389,7 @@ SMALL: list[Spec] = [
 ]
 
 
-def test_reads_are_acknowledged_and_counted_on_both_sides(stage: Stage, main: NixlConnector) -> None:
+def test_reads_are_acknowledged_and_counted_on_both_sides(stage: Stage, main: OmniConnector) -> None:
     """The owner learns of each READ from its ack notification and releases the value then."""
     total = sum(nbytes_of(spec) for spec in SMALL)
     owner_before, reader_before = stage.health(), main.health()
@@ -387,7 +421,7 @@ def test_reads_are_acknowledged_and_counted_on_both_sides(stage: Stage, main: Ni
     assert delta(reader_before, stage.health()) == {"gets": len(SMALL), "bytes_got": total}
 
 
-def test_empty_values_need_no_read_and_are_never_outstanding(stage: Stage, main: NixlConnector) -> None:
+def test_empty_values_need_no_read_and_are_never_outstanding(stage: Stage, main: OmniConnector) -> None:
     """Nothing is registered for an empty value, so nothing waits for an ack or a lease."""
     specs: list[Spec] = [("bytes", None, 0, 31), ("tensor", "bfloat16", (0,), 32)]
     before = stage.health()
@@ -400,7 +434,7 @@ def test_empty_values_need_no_read_and_are_never_outstanding(stage: Stage, main:
 
 
 def test_same_tensor_put_twice_is_read_twice_and_released_once_both_are_read(
-    stage: Stage, main: NixlConnector
+    stage: Stage, main: OmniConnector
 ) -> None:
     """Both puts share one registration; it must survive the first ack and go with the second."""
     value = torch.arange(1000, dtype=torch.int32)
@@ -415,9 +449,9 @@ def test_same_tensor_put_twice_is_read_twice_and_released_once_both_are_read(
 # --- 3. lease ---------------------------------------------------------------------------------------------
 
 
-def test_uncollected_value_is_released_when_its_lease_runs_out(stage: Stage, main: NixlConnector) -> None:
+def test_uncollected_value_is_released_when_its_lease_runs_out(stage: Stage, main: OmniConnector) -> None:
     """Nobody collects the value: the owner frees it on its own, and a late reader is told so, by key."""
-    stage.call("open", {"lease_timeout_s": 0.5}, target="short")
+    stage.call("open", (stage.cls, {"lease_timeout_s": 0.5}), target="short")
     try:
         (handle,) = stage.put([("tensor", "float32", (256,), 41)], target="short")
         assert handle.connector == "short" and handle.lease_timeout_s == 0.5
@@ -438,7 +472,7 @@ def test_uncollected_value_is_released_when_its_lease_runs_out(stage: Stage, mai
 
 
 def test_cleanup_in_the_receiving_process_releases_the_owners_value(
-    stage: Stage, main: NixlConnector
+    stage: Stage, main: OmniConnector
 ) -> None:
     """A release notification frees the value without a READ; a get afterwards fails instead of
     reading memory the owner no longer holds."""
@@ -458,7 +492,7 @@ def test_cleanup_in_the_receiving_process_releases_the_owners_value(
 
 
 def test_second_get_of_a_handle_fails_instead_of_rereading_released_memory(
-    stage: Stage, main: NixlConnector
+    stage: Stage, main: OmniConnector
 ) -> None:
     """Values are read at most once; shared-memory transports would re-read freed memory silently."""
     (handle,) = stage.put([("tensor", "int64", (16,), 55)])
@@ -473,11 +507,11 @@ def test_second_get_of_a_handle_fails_instead_of_rereading_released_memory(
 
 @pytest.mark.parametrize("how", ["sigkill", "exit"])
 def test_get_from_an_owner_that_is_gone_fails_clearly(
-    spawn: multiprocessing.context.SpawnContext, stage: Stage, main: NixlConnector, how: str
+    spawn: multiprocessing.context.SpawnContext, stage: Stage, main: OmniConnector, how: str
 ) -> None:
     """A dead owner is an error naming the value, not a hang or a crash, for a reader that had talked
     to it before and for one that never had; the reader stays usable."""
-    with temporary_stage(spawn, "doomed", {"lease_timeout_s": 0}) as doomed:
+    with temporary_stage(spawn, stage.cls, "doomed", {"lease_timeout_s": 0}) as doomed:
         first, second, third = doomed.put([("tensor", "float32", (32,), 61 + i) for i in range(3)])
         assert_same(main.get(first), make_value(("tensor", "float32", (32,), 61)))  # connected now
         if how == "sigkill":
@@ -487,13 +521,13 @@ def test_get_from_an_owner_that_is_gone_fails_clearly(
             doomed.stop()
         assert doomed.process.exitcode is not None
 
-    fresh = make_connector("fresh", "NixlConnector", {"transfer_timeout_s": 2})
+    fresh = connect(stage.cls, "fresh", {"transfer_timeout_s": 2})
     try:
         for reader, handle in ((main, second), (fresh, third)):
             before = reader.health()
             with pytest.raises(ConnectorError, match=handle.key) as caught:
                 run_guarded(lambda r=reader, h=handle: r.get(h, timeout=2), limit=60)
-            assert "doomed" in str(caught.value)  # names the owner's agent
+            assert "doomed" in str(caught.value)  # names the owner
             assert sum(delta(before, reader.health()).values()) == 1  # one error or timeout, no get
         # both readers still work with a live owner
         (handle,) = stage.put([("tensor", "uint8", (100,), 64)])
@@ -505,7 +539,7 @@ def test_get_from_an_owner_that_is_gone_fails_clearly(
 # --- 6. bad input -----------------------------------------------------------------------------------------
 
 
-def test_handle_of_another_connector_is_refused(main: NixlConnector) -> None:
+def test_handle_of_another_connector_is_refused(main: OmniConnector, kind: str) -> None:
     """A SharedMemoryConnector-style handle has no remote location to read from."""
     foreign = msgspec.convert(
         {
@@ -519,13 +553,13 @@ def test_handle_of_another_connector_is_refused(main: NixlConnector) -> None:
         ConnectorHandle,
     )
     before = main.health()
-    with pytest.raises(ConnectorError, match="shm-key-1.*not made by a NixlConnector"):
+    with pytest.raises(ConnectorError, match=f"shm-key-1.*not made by a {kind}"):
         main.get(foreign)
     assert delta(before, main.health()) == {"errors": 1}
     main.cleanup(foreign)  # nothing to release: a no-op, not an error
 
 
-def test_put_of_something_else_is_a_type_error(main: NixlConnector) -> None:
+def test_put_of_something_else_is_a_type_error(main: OmniConnector) -> None:
     before = main.health()
     for value in ([1, 2, 3], "text", 3.0, None):
         with pytest.raises(TypeError, match=type(value).__name__):
@@ -534,7 +568,7 @@ def test_put_of_something_else_is_a_type_error(main: NixlConnector) -> None:
     assert main.health().outstanding == 0
 
 
-def test_bytes_like_values_come_back_as_bytes(stage: Stage, main: NixlConnector) -> None:
+def test_bytes_like_values_come_back_as_bytes(stage: Stage, main: OmniConnector) -> None:
     """bytearray and memoryview are accepted; the reader gets bytes."""
     data = bytes(range(256)) * 3
     handles = [main.put(bytearray(data)), main.put(memoryview(data))]
@@ -543,25 +577,30 @@ def test_bytes_like_values_come_back_as_bytes(stage: Stage, main: NixlConnector)
 
 
 @pytest.mark.parametrize(
-    ("extra", "named"),
+    ("cls", "extra", "named"),
     [
-        ({"lease_timeout": 5}, "lease_timeout"),
-        ({"transfer_timeout_s": "soon"}, "transfer_timeout_s"),
-        ({"lease_timeout_s": -1}, "lease_timeout_s"),
-        ({"recv_pool_bytes": True}, "recv_pool_bytes"),
-        ({"backends": "UCX"}, "backends"),
+        ("NixlConnector", {"lease_timeout": 5}, "lease_timeout"),
+        ("NixlConnector", {"transfer_timeout_s": "soon"}, "transfer_timeout_s"),
+        ("NixlConnector", {"lease_timeout_s": -1}, "lease_timeout_s"),
+        ("NixlConnector", {"recv_pool_bytes": True}, "recv_pool_bytes"),
+        ("NixlConnector", {"backends": "UCX"}, "backends"),
+        ("MooncakeTransferEngineConnector", {"protocol": "udp"}, "protocol"),
+        ("MooncakeTransferEngineConnector", {"zmq_port": 70000}, "zmq_port"),
+        ("MooncakeTransferEngineConnector", {"memory_pool_size": "4G"}, "memory_pool_size"),
+        ("MooncakeTransferEngineConnector", {"memory_pool_device": "cuda"}, "memory_pool_device"),
+        ("MooncakeTransferEngineConnector", {"sender_host": "a"}, "sender_host"),
     ],
 )
-def test_bad_extra_is_a_value_error_naming_the_key(extra: dict[str, Any], named: str) -> None:
-    """Raised before any agent exists, with the connector's deploy-config name."""
+def test_bad_extra_is_a_value_error_naming_the_key(cls: str, extra: dict[str, Any], named: str) -> None:
+    """Raised before any agent or engine exists, with the connector's deploy-config name."""
     with pytest.raises(ValueError, match=f"'cfg'.*{named}"):
-        make_connector("cfg", "NixlConnector", extra)
+        make_connector("cfg", cls, extra)
 
 
 def test_bad_extra_surfaces_from_a_stage_process(stage: Stage) -> None:
     """What a stage reports when its deploy config has a typo."""
-    with pytest.raises(StageError, match="ValueError.*unknown NixlConnector extra key.*'lease_timout_s'"):
-        stage.call("open", {"lease_timout_s": 5}, target="typo")
+    with pytest.raises(StageError, match=f"ValueError.*unknown {stage.cls} extra key.*'lease_timout_s'"):
+        stage.call("open", (stage.cls, {"lease_timout_s": 5}), target="typo")
 
 
 def test_unknown_backend_is_a_connector_error() -> None:
@@ -573,7 +612,7 @@ def test_unknown_backend_is_a_connector_error() -> None:
 
 
 def test_receive_pool_reuses_dropped_buffers_and_never_overwrites_live_ones(
-    stage: Stage, main: NixlConnector
+    stage: Stage, main: OmniConnector
 ) -> None:
     """A buffer comes back when the tensor read into it is dropped; one still in use is not lent."""
     specs: list[Spec] = [("tensor", "float32", (3 << 18,), 71 + i) for i in range(3)]  # 3 MiB each
@@ -594,7 +633,7 @@ def test_receive_pool_reuses_dropped_buffers_and_never_overwrites_live_ones(
 
 
 def test_value_larger_than_the_receive_pool_is_read_into_its_own_buffer(
-    stage: Stage, main: NixlConnector
+    stage: Stage, main: OmniConnector
 ) -> None:
     """Values beyond ``recv_pool_bytes`` still arrive; their one-off buffer is the returned tensor."""
     spec: Spec = ("tensor", "uint8", (MAIN_POOL + 1,), 75)
@@ -607,7 +646,7 @@ def test_value_larger_than_the_receive_pool_is_read_into_its_own_buffer(
 # --- 8. same process --------------------------------------------------------------------------------------
 
 
-def test_put_and_get_in_one_process_hand_the_value_over(main: NixlConnector) -> None:
+def test_put_and_get_in_one_process_hand_the_value_over(main: OmniConnector) -> None:
     """No READ of one's own memory: the object comes back, and it is released without an ack."""
     before = main.health()
     tensor = torch.randn(4, 4)
@@ -636,8 +675,8 @@ def test_put_and_get_in_one_process_hand_the_value_over(main: NixlConnector) -> 
 # --- 9. close -------------------------------------------------------------------------------------------
 
 
-def test_close_releases_everything_and_refuses_new_puts() -> None:
-    connector = make_connector("closing", "NixlConnector", {})
+def test_close_releases_everything_and_refuses_new_puts(kind: str) -> None:
+    connector = connect(kind, "closing")
     try:
         for i in range(3):
             connector.put(torch.full((100,), i))
@@ -654,7 +693,7 @@ def test_close_releases_everything_and_refuses_new_puts() -> None:
 # --- 10. threads ------------------------------------------------------------------------------------------
 
 
-def test_threads_get_concurrently_through_one_connector(stage: Stage, main: NixlConnector) -> None:
+def test_threads_get_concurrently_through_one_connector(stage: Stage, main: OmniConnector) -> None:
     """The orchestrator reads from several threads; every thread gets its own values intact."""
     specs: list[Spec] = [
         ("tensor", dtype, (1000 + 37 * i,), 100 + i)
@@ -675,3 +714,69 @@ def test_threads_get_concurrently_through_one_connector(stage: Stage, main: Nixl
     changes = delta(before, main.health())
     assert changes == {"gets": len(specs), "bytes_got": sum(nbytes_of(s) for s in specs)}
     wait_for(stage.health, lambda h: h.outstanding == 0, "owner released every value")
+
+
+# --- 11. Mooncake's own settings ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mooncake() -> str:
+    if missing := mooncake_missing():
+        pytest.skip(missing)
+    return "MooncakeTransferEngineConnector"
+
+
+def test_mooncake_rdma_on_a_host_without_rdma_devices_says_to_use_tcp(mooncake: str) -> None:
+    """Mooncake itself starts an RDMA engine without devices and fails only at the first READ."""
+    devices = Path("/sys/class/infiniband")
+    if devices.is_dir() and any(devices.iterdir()):
+        pytest.skip("this host has RDMA devices")
+    with pytest.raises(ConnectorError, match="'cfg'.*no RDMA device.*protocol: tcp"):
+        make_connector("cfg", mooncake, {"protocol": "rdma", "host": "127.0.0.1"})
+
+
+def test_mooncake_side_channel_takes_the_next_free_port_and_says_when_none_is_left(mooncake: str) -> None:
+    """Several stage processes of one host share a deploy file, hence its zmq_port."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        if port + 1 > 65535:
+            pytest.skip("the free port is the last one")
+        connector = connect(mooncake, "cfg", {"zmq_port": port})
+        try:
+            handle = connector.put(torch.ones(4))
+            assert handle.remote is not None
+            assert handle.remote.metadata.decode().rsplit(":", 1)[1] != str(port)
+        finally:
+            connector.close()
+    with socket.socket() as last:
+        try:
+            last.bind(("127.0.0.1", 65535))
+        except OSError:
+            pytest.skip("port 65535 is taken here")
+        last.listen()
+        with pytest.raises(ConnectorError, match="'cfg'.*every port from zmq_port 65535 to 65535.*in use"):
+            connect(mooncake, "cfg", {"zmq_port": 65535})
+
+
+def test_mooncake_host_auto_is_an_address_of_this_host(mooncake: str) -> None:
+    """``host: auto`` (the seed's value) finds an IPv4 address a socket of this host can bind."""
+    address = host_address()
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+    connector = make_connector("auto", mooncake, {"protocol": "tcp", "zmq_port": 0})
+    try:
+        assert connector.session.startswith(f"{address}:")
+    finally:
+        connector.close()
+
+
+def test_mooncake_missing_package_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a host without Mooncake's package says (its import blocked the way Python blocks one)."""
+    monkeypatch.setitem(sys.modules, "mooncake", None)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    message = mooncake_missing()
+    assert message is not None and "vllm-omni-plugin[mooncake]" in message and "\n" not in message
+    with pytest.raises(ImportError, match=r"vllm-omni-plugin\[mooncake\]"):
+        make_connector("cfg", "MooncakeTransferEngineConnector", {"protocol": "tcp"})

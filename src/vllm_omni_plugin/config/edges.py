@@ -56,9 +56,9 @@ def checked_connectors(
     cfg: DeployConfig, stages: dict[int, StageDeployConfig], report: Reporter
 ) -> dict[str, ConnectorSpec]:
     """The declared connectors, each class known and its ``extra`` valid for that class: a typo there
-    is a config error now, not a stage that fails to start. A connector no stage names (e.g. a
-    vllm-omni document's ``MooncakeTransferEngineConnector``) is left out with a note: whatever its
-    class, it would have no effect."""
+    is a config error now, not a stage that fails to start. A connector of an unknown class that no
+    stage names is left out with a note: it would have no effect. A transport that is not installed
+    here is an error only where a stage names its connector."""
     from vllm_omni_plugin.connectors.base import connector_class
 
     named = {
@@ -82,6 +82,8 @@ def checked_connectors(
             cls = connector_class(key, spec.name)
         except (ImportError, TypeError) as exc:
             raise report.doc_error(str(exc), ("connectors", key, "name")) from None
+        if key in named and (missing := cls.unavailable()):
+            raise report.doc_error(missing, ("connectors", key, "name"))
         convert(
             spec.extra,
             cls.Settings,
