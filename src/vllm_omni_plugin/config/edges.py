@@ -242,7 +242,8 @@ def resolve_edges(
     used = {e.connector for e in edges} | {e.same_node_connector for e in edges}
     for key in connectors:
         if key not in used:
-            report.note(f"connector {key!r} is defined but not used")
+            report.note(f"connector {key!r} is defined but not used; ignored")
+    connectors = {key: spec for key, spec in connectors.items() if key in used}  # nothing builds the rest
     return Wiring(connectors=connectors, ios=ios, edges=edges)
 
 

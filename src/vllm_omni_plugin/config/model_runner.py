@@ -125,7 +125,8 @@ def context_export_config(
     if spec.name == "InProcessConnector":
         raise report.error(
             f"connector {edge.connector!r} is an InProcessConnector; the AR stage's context export runs "
-            "in the vLLM worker process, so this edge needs SharedMemoryConnector or NixlConnector",
+            "in the vLLM worker process, so this edge needs SharedMemoryConnector, NixlConnector or "
+            "MooncakeTransferEngineConnector",
             sid,
             "output_connectors",
         )

@@ -12,8 +12,9 @@ import os
 from collections.abc import Sequence
 
 from vllm_omni_plugin.config.resolved import RUNNER_ENV, ResolvedDeployment, ResolvedStage
-from vllm_omni_plugin.connectors.base import OmniConnector, make_connector
-from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.connectors.base import ConnectorError, OmniConnector, make_connector
+from vllm_omni_plugin.log import best_effort, get_logger
+from vllm_omni_plugin.stage.errors import StageStartError
 from vllm_omni_plugin.stage.placement.base import PerStagePlacement, StagePlacement
 from vllm_omni_plugin.stage.placement.headless.head import HeadlessPlacement
 from vllm_omni_plugin.stage.placement.local.placement import LocalPlacement
@@ -23,11 +24,19 @@ logger = get_logger(__name__)
 
 
 def build_connectors(deployment: ResolvedDeployment) -> dict[str, OmniConnector]:
-    """One connector object per deploy-config connector, for this process."""
-    return {
-        name: make_connector(name, spec.name, dict(spec.extra))
-        for name, spec in deployment.connectors.items()
-    }
+    """One connector object per deploy-config connector, for this process. A transport that cannot start
+    here (no device, a busy port, a package missing) is one line, not a trace; those built before it
+    are closed."""
+    built: dict[str, OmniConnector] = {}
+    for name, spec in deployment.connectors.items():
+        try:
+            built[name] = make_connector(name, spec.name, dict(spec.extra))
+        except (ConnectorError, ImportError, ValueError, TypeError) as exc:
+            for connector in built.values():
+                with best_effort("closing a connector after another failed to start", logger):
+                    connector.close()
+            raise StageStartError(str(exc)) from None
+    return built
 
 
 def placement_for(deployment: ResolvedDeployment) -> StagePlacement:
