@@ -1,10 +1,13 @@
 """GLM-Image on two "hosts": the head (API server + AR stage) in one network namespace, a headless DiT
 worker in another, joined by a veth pair; both hops (AR -> DiT, DiT -> router) over NIXL (UCX over TCP
-on the veth). Real ``vllm serve --omni`` processes, a tiny random-weight GLM-Image, real HTTP."""
+on the veth) and, as a second run of every test, over Mooncake's transfer engine (TCP, ``host: auto``
+finding the veth's address). Real ``vllm serve --omni`` processes, a tiny random-weight GLM-Image, real
+HTTP."""
 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import os
@@ -20,6 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vllm_omni_plugin.connectors.mooncake import mooncake_missing
 from vllm_omni_plugin.processes import SHM_DIR, unlink_segment, unmapped
 from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.netns import NamespaceHTTP, NamespacePair
@@ -37,26 +41,30 @@ pytestmark = pytest.mark.server
 
 HEAD_PORT = 29611
 HTTP_PORT = 8000
-DEPLOY = f"""
+CONNECTOR_EXTRA = {
+    "NixlConnector": "{transfer_timeout_s: 30}",
+    "MooncakeTransferEngineConnector": "{protocol: tcp, transfer_timeout_s: 30}",
+}
+DEPLOY = """
 base_config: tiny_glm_image_cpu.yaml
 connectors:
-  nixl_ar_to_dit:
-    name: NixlConnector
-    extra: {{transfer_timeout_s: 30}}
-  nixl_dit_to_router:
-    name: NixlConnector
-    extra: {{transfer_timeout_s: 30}}
+  ar_to_dit:
+    name: {cls}
+    extra: {extra}
+  dit_to_router:
+    name: {cls}
+    extra: {extra}
 head:
   port: {HEAD_PORT}
   heartbeat_interval_s: 0.5
   heartbeat_timeout_s: 3
 stages:
   - stage_id: 0
-    output_connectors: {{to_stage_1: nixl_ar_to_dit}}
+    output_connectors: {{to_stage_1: ar_to_dit}}
   - stage_id: 1
     headless: true
-    input_connectors: {{from_stage_0: nixl_ar_to_dit}}
-    output_connectors: {{to_stage_router: nixl_dit_to_router}}
+    input_connectors: {{from_stage_0: ar_to_dit}}
+    output_connectors: {{to_stage_router: dit_to_router}}
 """
 REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
 
@@ -73,11 +81,18 @@ def namespaces() -> Iterator[NamespacePair]:
         pair.close()
 
 
-@pytest.fixture(scope="module")
-def deploy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("headless") / "glm_image_two_hosts.yaml"
-    path.write_text(DEPLOY)
+def write_deploy(directory: Path, cls: str) -> Path:
+    path = directory / f"glm_image_two_hosts_{cls}.yaml"
+    path.write_text(DEPLOY.format(cls=cls, extra=CONNECTOR_EXTRA[cls], HEAD_PORT=HEAD_PORT))
     return path
+
+
+@pytest.fixture(scope="module", params=list(CONNECTOR_EXTRA))
+def deploy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The two-host deployment with both hops on the connector class under test."""
+    if request.param == "MooncakeTransferEngineConnector" and (missing := mooncake_missing()):
+        pytest.skip(missing)
+    return write_deploy(tmp_path_factory.mktemp("headless"), request.param)
 
 
 def serve_argv(model: Path, deploy: Path, *extra: str) -> list[str]:
@@ -91,10 +106,10 @@ def pixels(response: httpx.Response) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def single_host_image(
-    tiny_glm_image: Path, deploy: Path, tmp_path_factory: pytest.TempPathFactory
-) -> np.ndarray:
-    """The same deployment with the DiT stage run by the head itself, on one host."""
+def single_host_image(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
+    """The same deployment with the DiT stage run by the head itself, on one host (the image does not
+    depend on the connector)."""
+    deploy = write_deploy(tmp_path_factory.mktemp("single_host"), "NixlConnector")
     port = free_port()
     argv = serve_argv(tiny_glm_image, deploy, "--port", str(port), "--host", "127.0.0.1",
                       "--stage-overrides", json.dumps({"1": {"headless": False}}))  # fmt: skip
@@ -191,22 +206,24 @@ def hosts(
             unlink_segment(name)
 
 
-def test_image_over_nixl_matches_the_single_host_run(hosts: TwoHosts, single_host_image: np.ndarray) -> None:
+def test_image_over_the_veth_matches_the_single_host_run(
+    hosts: TwoHosts, single_host_image: np.ndarray
+) -> None:
     image = pixels(hosts.http.post(hosts.url("/v1/images/generations"), json=REQUEST, timeout=300))
     np.testing.assert_array_equal(image, single_host_image)
 
-    # AR -> DiT: the head put the prior tokens into its NIXL agent and the worker's agent read them
-    # (the READ's acknowledgement released them); DiT -> router: the head read the image from the worker.
-    put = hosts.metric("omni_connector_bytes_total", connector="nixl_ar_to_dit", direction="put")
+    # AR -> DiT: the head put the prior tokens into its connector and the worker read them (the READ's
+    # acknowledgement released them); DiT -> router: the head read the image from the worker.
+    put = hosts.metric("omni_connector_bytes_total", connector="ar_to_dit", direction="put")
     assert put > 0
     deadline = time.monotonic() + 10
-    while hosts.metric("omni_connector_bytes_total", connector="nixl_ar_to_dit", direction="acked") < put:
+    while hosts.metric("omni_connector_bytes_total", connector="ar_to_dit", direction="acked") < put:
         assert time.monotonic() < deadline, "the worker never acknowledged reading the AR output"
         time.sleep(0.1)
-    assert hosts.metric("omni_connector_outstanding", connector="nixl_ar_to_dit") == 0
-    got = hosts.metric("omni_connector_bytes_total", connector="nixl_dit_to_router", direction="get")
+    assert hosts.metric("omni_connector_outstanding", connector="ar_to_dit") == 0
+    got = hosts.metric("omni_connector_bytes_total", connector="dit_to_router", direction="get")
     assert got >= 64 * 64 * 3
-    assert hosts.metric("omni_connector_errors_total", connector="nixl_dit_to_router") == 0
+    assert hosts.metric("omni_connector_errors_total", connector="dit_to_router") == 0
 
     stage = hosts.health()["stages"]["1"]
     assert stage["healthy"] and stage["replicas"][0]["worker"]
@@ -232,6 +249,9 @@ def test_killed_worker_fails_its_request_with_503_and_a_restarted_worker_rejoins
     assert response.status_code == 503, response.text
     message = response.json()["error"]["message"]
     assert "stage 1" in message and "rejoin" in message and "Traceback" not in message
+    # the lost host leaves nothing registered or leased on the head
+    head_connector = functools.partial(hosts.metric, connector="ar_to_dit")
+    wait_for_metric(head_connector, "omni_connector_outstanding", 0)
 
     body = hosts.wait_health("waiting_for_workers")
     assert body["stages"]["0"]["healthy"] is True
