@@ -1,8 +1,8 @@
-"""Connector bandwidth, put in one process and get in another, against an in-process memcpy and a bare
-two-agent NIXL transfer.
+"""Connector bandwidth, put in one process and get in another, against an in-process memcpy and bare
+transfers of each pulling transport (NIXL, Mooncake's transfer engine over TCP).
 
     python benchmarks/connector_bandwidth.py [--min-size 1K] [--max-size 256M] [--seconds 0.25]
-                                             [--repeats 2] [--connectors shm,nixl]
+                                             [--repeats 2] [--connectors shm,nixl,mooncake]
 
 For each size, the parent puts one tensor after another and sends each handle (msgpack, over a pipe) to a
 spawned receiver process, which gets it, checks two bytes, drops it and acknowledges; a rate counts bytes
@@ -17,9 +17,12 @@ a NIXL connector row is asked for, "bare nixl" (its reference): two NIXL agents 
 ``bare_nixl_agent``) in this process and a spawned one, each with one DRAM buffer of the largest size,
 registered and touched up front, metadata exchanged once. Per transfer the parent sends the size over the
 pipe and the child READs that many bytes (``initialize_xfer`` / ``transfer`` / poll ``check_xfer_state``
-/ ``release_xfer_handle``) and acknowledges: same windows, same clock as the connector rows.
+/ ``release_xfer_handle``) and acknowledges: same windows, same clock as the connector rows. Likewise
+"bare mooncake" for the Mooncake row: two ``TransferEngine``s (TCP, P2P handshake), each with one
+registered buffer of the largest size, the child ``transfer_sync_read``-ing each size.
 
-Every row shows its ratio to memcpy; NIXL connector rows also to bare nixl (same window); a summary gives
+Every row shows its ratio to memcpy; NIXL and Mooncake rows also to their bare transport (same window);
+a summary gives
 the worst ratio against each target. Rows whose connector class or NIXL cannot be loaded are skipped with
 the reason. Every process runs torch with one thread. A NIXL agent's progress thread, where it runs,
 keeps a core busy, so rows are measured in phases, each with only its own processes alive (memcpy and
@@ -56,16 +59,25 @@ CONNECTORS: dict[str, tuple[str, dict]] = {
     # second one in flight takes the slower one-off path.
     "shm": ("SharedMemoryConnector", {"pool_bytes": 512 << 20}),
     "nixl": ("NixlConnector", {}),
+    # TCP on loopback (no RDMA device here); a receive pool with room for two 256 MiB values in flight.
+    "mooncake": (
+        "MooncakeTransferEngineConnector",
+        {"protocol": "tcp", "host": "127.0.0.1", "zmq_port": 0, "memory_pool_size": 512 << 20},
+    ),
 }
 """Row label -> (connector class, extra), built in both processes through ``make_connector``."""
 
-NIXL_CLASS = "NixlConnector"
-"""Connector rows of this class are compared with bare nixl too."""
+BARE = {"NixlConnector": "bare nixl", "MooncakeTransferEngineConnector": "bare mooncake"}
+"""Connector rows of these classes are compared with their bare transport too (measured alone)."""
 
 WINDOWS = (1, 2)
 """Transfers in flight at once, one row each."""
 
-TARGETS = {"shm": ("memcpy", 0.5, 1 << 20), "nixl": ("bare nixl", 0.8, 0)}
+TARGETS = {
+    "shm": ("memcpy", 0.5, 1 << 20),
+    "nixl": ("bare nixl", 0.8, 0),
+    "mooncake": ("bare mooncake", 0.8, 4 << 20),
+}
 """Row label -> (reference, minimum ratio, from this size on), for the summary."""
 
 _STOP = b"stop"
@@ -135,6 +147,31 @@ def _bare_nixl_receiver(conn, max_bytes: int) -> None:
         conn.send_bytes(bytes([int(buffer[0]), int(buffer[nbytes - 1])]))
 
 
+def _bare_mooncake_engine(max_bytes: int) -> tuple[Any, torch.Tensor]:
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake's transfer engine did not start")
+    buffer = _touched_buffer(max_bytes)
+    if engine.register_memory(buffer.data_ptr(), max_bytes) != 0:
+        raise RuntimeError("Mooncake could not register the buffer")
+    return engine, buffer
+
+
+def _bare_mooncake_receiver(conn, max_bytes: int) -> None:
+    torch.set_num_threads(1)
+    engine, buffer = _bare_mooncake_engine(max_bytes)
+    buffer.fill_(1)
+    session, remote_addr = conn.recv()
+    conn.send(b"ready")
+    while (message := conn.recv_bytes()) != _STOP:
+        nbytes = int.from_bytes(message, "little")
+        if engine.transfer_sync_read(session, buffer.data_ptr(), remote_addr, nbytes) != 0:
+            raise RuntimeError(f"bare mooncake READ of {nbytes} bytes failed")
+        conn.send_bytes(bytes([int(buffer[0]), int(buffer[nbytes - 1])]))
+
+
 @dataclass
 class Peer:
     """A receiver process, and how this side hands it one value (returns the message to send)."""
@@ -199,6 +236,22 @@ def start_bare_nixl_peer(ctx, max_bytes: int) -> Peer:
     return Peer(process, parent_end, lambda src: src.numel().to_bytes(8, "little"), keep=[agent, buffer])
 
 
+def start_bare_mooncake_peer(ctx, max_bytes: int) -> Peer:
+    engine, buffer = _bare_mooncake_engine(max_bytes)
+    parent_end, child_end = ctx.Pipe()
+    process = ctx.Process(target=_bare_mooncake_receiver, args=(child_end, max_bytes), daemon=True)
+    process.start()
+    parent_end.send((f"127.0.0.1:{engine.get_rpc_port()}", buffer.data_ptr()))
+    parent_end.recv()
+    return Peer(process, parent_end, lambda src: src.numel().to_bytes(8, "little"), keep=[engine, buffer])
+
+
+BARE_STARTERS: dict[str, Callable[[Any, int], Peer]] = {
+    "NixlConnector": start_bare_nixl_peer,
+    "MooncakeTransferEngineConnector": start_bare_mooncake_peer,
+}
+
+
 def local_rate(op: Callable[[], object], nbytes: int, seconds: float, repeats: int) -> float:
     op()
     rates = []
@@ -248,7 +301,7 @@ def measure_phase(
 ) -> None:
     """Start some peers, measure every size through them, and stop them again.
 
-    A NIXL progress thread keeps a core busy, so agents are alive only in their own phase.
+    A NIXL progress thread keeps a core busy, so agents (and engines) are alive only in their own phase.
     """
     peers: dict[str, Peer] = {}
     try:
@@ -286,18 +339,19 @@ def measure_local(sizes: list[int], seconds: float, repeats: int, table: dict[in
 
 def add_ratios(rows: list[Row]) -> None:
     memcpy = rows[0].rate
-    bare = {row.window: row.rate for row in rows if row.label == "bare nixl"}
+    bare = {(row.label, row.window): row.rate for row in rows if row.label in BARE.values()}
     for row in rows:
         row.vs_memcpy = row.rate / memcpy
-        if row.label in CONNECTORS and CONNECTORS[row.label][0] == NIXL_CLASS and row.window in bare:
-            row.vs_bare = row.rate / bare[row.window]
+        reference = BARE.get(CONNECTORS[row.label][0]) if row.label in CONNECTORS else None
+        if (reference, row.window) in bare:
+            row.vs_bare = row.rate / bare[reference, row.window]
 
 
 def summarize(table: dict[int, list[Row]]) -> list[str]:
     lines = []
     for label, (reference, target, min_size) in TARGETS.items():
         cells = [
-            (row.vs_bare if reference == "bare nixl" else row.vs_memcpy, nbytes, row)
+            (row.vs_bare if reference in BARE.values() else row.vs_memcpy, nbytes, row)
             for nbytes, rows in table.items()
             if nbytes >= min_size
             for row in rows
@@ -339,7 +393,7 @@ def main() -> None:
     unknown = [label for label in labels if label not in CONNECTORS]
     if unknown:
         parser.error(f"unknown connector label(s) {unknown}; known: {', '.join(CONNECTORS)}")
-    nixl = [label for label in labels if CONNECTORS[label][0] == NIXL_CLASS]
+    alone = [label for label in labels if CONNECTORS[label][0] in BARE]
 
     def connector(label: str) -> Callable[[], Peer]:
         return lambda: start_connector_peer(ctx, *CONNECTORS[label])
@@ -347,20 +401,21 @@ def main() -> None:
     table: dict[int, list[Row]] = {nbytes: [] for nbytes in sizes}
     timing = (args.seconds, args.repeats)
     measure_local(sizes, *timing, table)
-    if nixl:
-        measure_phase({"bare nixl": lambda: start_bare_nixl_peer(ctx, sizes[-1])}, sizes, *timing, table)
-    measure_phase({label: connector(label) for label in labels if label not in nixl}, sizes, *timing, table)
-    for label in nixl:
+    for cls in dict.fromkeys(CONNECTORS[label][0] for label in alone):
+        start = partial(BARE_STARTERS[cls], ctx, sizes[-1])
+        measure_phase({BARE[cls]: start}, sizes, *timing, table)
+    measure_phase({label: connector(label) for label in labels if label not in alone}, sizes, *timing, table)
+    for label in alone:
         measure_phase({label: connector(label)}, sizes, *timing, table)
 
-    print(f"{'size':>9}  {'transport':<22} {'GB/s':>7}  {'x memcpy':>8}  {'x bare nixl':>11}")
+    print(f"{'size':>9}  {'transport':<26} {'GB/s':>7}  {'x memcpy':>8}  {'x bare':>7}")
     for nbytes, rows in table.items():
         add_ratios(rows)
         for i, row in enumerate(rows):
             size_text = format_size(nbytes) if i == 0 else ""
-            bare_text = f"{row.vs_bare:11.2f}" if row.vs_bare is not None else ""
+            bare_text = f"{row.vs_bare:7.2f}" if row.vs_bare is not None else ""
             print(
-                f"{size_text:>9}  {row.name:<22} {row.rate:7.2f}  {row.vs_memcpy:8.2f}  {bare_text}".rstrip()
+                f"{size_text:>9}  {row.name:<26} {row.rate:7.2f}  {row.vs_memcpy:8.2f}  {bare_text}".rstrip()
             )
     for line in summarize(table):
         print(line)

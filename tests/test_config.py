@@ -518,6 +518,9 @@ STAGE_CASES = [
     ("connectors:\n  a:\n    name: Mooncake\nstages:\n  - stage_id: 0\n    output_connectors: {to_stage_1: a}\n",
      3, "connectors.a.name", "known: InProcessConnector, MooncakeTransferEngineConnector, NixlConnector, SharedMemoryConnector"),
     ("connectors:\n  a:\n    nam: X\n", 3, "connectors.a.nam", "unknown field"),
+    ("connectors:\n  a:\n    name: MooncakeTransferEngineConnector\n    extra:\n      protocol: udp\n"
+     "stages:\n  - stage_id: 0\n    output_connectors: {to_stage_1: a}\n",
+     5, "connectors.a.extra.protocol", "'udp'"),
     ("connectors:\n  a:\n    name: NixlConnector\n    extra:\n      backend: [UCX]\n", 5, "connectors.a.extra.backend",
      "unknown field (did you mean 'backends'?)"),
     ("connectors:\n  a:\n    name: SharedMemoryConnector\n    extra: {pool_bytes: big}\n", 4,

@@ -1,6 +1,7 @@
 """Backend ray: the tiny GLM-Image served by ``vllm serve --omni`` on a Ray cluster of three nodes on
 this machine (``ray.cluster_utils.Cluster``: a head with ``ar_host``, two nodes with ``dit_host``), every
-stage replica a Ray actor; real HTTP, real NIXL between the API server and the DiT nodes.
+stage replica a Ray actor; real HTTP, real NIXL from the AR node to the DiT nodes and Mooncake's
+transfer engine (TCP) from the DiT nodes back to the API server.
 
 One cluster and one deployment for the module (the AR stage on the head node, two DiT replicas, one per
 ``dit_host`` node); the tests run in order and the last ones change the cluster (a killed actor, lost
@@ -40,6 +41,7 @@ from vllm_omni_plugin.testing.harness.server import (
 )
 
 ray = pytest.importorskip("ray", reason="backend ray needs the `ray` extra")
+pytest.importorskip("mooncake.engine", reason="the DiT -> router edge needs the `mooncake-cpu` extra")
 
 pytestmark = pytest.mark.server
 
@@ -52,6 +54,7 @@ backend: ray
 ray: {{namespace: {NAMESPACE}, placement_timeout_s: 600}}
 connectors:
   nixl: {{name: NixlConnector, extra: {{transfer_timeout_s: 30}}}}
+  mooncake: {{name: MooncakeTransferEngineConnector, extra: {{protocol: tcp, transfer_timeout_s: 30}}}}
   shm: {{name: SharedMemoryConnector}}
 edges:
   - {{from: 0, to: 1, same_node_connector: shm}}
@@ -65,7 +68,7 @@ stages:
     num_replicas: 2
     num_cpus: 1
     resources: {{dit_host: 1}}
-    output_connectors: {{to_stage_router: nixl}}
+    output_connectors: {{to_stage_router: mooncake}}
 """
 UNPLACEABLE = """
 base_config: glm_image_tiny_ray.yaml
@@ -219,13 +222,13 @@ def test_each_stage_runs_on_the_nodes_its_resources_name(served: Served) -> None
     assert {a.node_id for a in dit} == {n.node_id for n in served.cluster.dit_nodes}
 
     # /health names the same actors and nodes; each DiT replica, on another node than the API server,
-    # takes both hand-overs over NIXL.
+    # takes its input over NIXL and hands its image over through Mooncake.
     for replica in served.dit_replicas():
         assert replica["state"] == "ready" and replica["waiting"] is None
         assert actors[replica["actor"]].node_id == replica["node"]
         assert actors[replica["actor"]].pid == replica["pid"]
         stats = actor_stats(replica["actor"])
-        assert (stats["input_connector"], stats["output_connector"]) == ("nixl", "nixl")
+        assert (stats["input_connector"], stats["output_connector"]) == ("nixl", "mooncake")
 
 
 def test_same_image_as_the_local_backend(served: Served, local_image: np.ndarray) -> None:

@@ -296,14 +296,15 @@ def check_headless_connectors(
             if cls == "InProcessConnector":
                 raise report.error(
                     f"{key}: connector {name!r} is an InProcessConnector, which cannot reach a "
-                    "headless worker; use NixlConnector",
+                    "headless worker; use NixlConnector or MooncakeTransferEngineConnector",
                     stage_id,
                     f"{direction}_connectors",
                 )
             if cls == "SharedMemoryConnector":
                 report.note(
                     f"stage {stage_id} is headless and {key} uses the SharedMemoryConnector {name!r}: that "
-                    "works only when the worker runs on the head's host; use NixlConnector across hosts"
+                    "works only when the worker runs on the head's host; use NixlConnector or "
+                    "MooncakeTransferEngineConnector across hosts"
                 )
 
 

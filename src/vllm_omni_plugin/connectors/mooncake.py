@@ -33,8 +33,6 @@ import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any, Literal
@@ -48,12 +46,11 @@ from vllm_omni_plugin.connectors.base import (
     ConnectorHandle,
     ConnectorSettings,
     ConnectorTimeoutError,
-    OmniConnector,
     RemoteLocation,
     Value,
-    as_value,
     contiguous_value,
 )
+from vllm_omni_plugin.connectors.pulling import Owned, PullingConnector
 from vllm_omni_plugin.connectors.receive_pool import ReceivePool
 from vllm_omni_plugin.log import best_effort, get_logger
 
@@ -65,11 +62,6 @@ MOONCAKE_EXTRA = (
 )
 PORT_RANGE = 64
 """How many ports above ``zmq_port`` a connector tries for its side channel."""
-LEASE_MARGIN = (1.0, 0.1)
-"""A receiver does not start a READ this close to the end of a value's lease: the lesser of 1 s and a
-tenth of the lease."""
-COLLECTED_MEMORY = 1 << 16
-"""How many collected or cleaned-up keys a receiver remembers to refuse a second ``get`` of a handle."""
 ACK, RELEASE = b"ack:", b"release:"
 OVERLAPPING_REGION = -7
 """``register_memory``'s answer for memory that overlaps a registration (e.g. a view of a received
@@ -143,16 +135,7 @@ def _interface_address(name: str) -> str | None:
     return socket.inet_ntoa(answer[20:24])
 
 
-@dataclass
-class _Owned:
-    tensor: torch.Tensor
-    region: tuple[int, int]
-    nbytes: int
-    deadline: float
-    """Monotonic time at which the lease runs out (inf without a lease)."""
-
-
-class MooncakeTransferEngineConnector(OmniConnector):
+class MooncakeTransferEngineConnector(PullingConnector):
     """See the module docstring. Thread-safe; one transfer engine per connector object."""
 
     Settings = MooncakeSettings
@@ -166,7 +149,6 @@ class MooncakeTransferEngineConnector(OmniConnector):
         settings: MooncakeSettings = self.settings
         engine_module = load_mooncake()
         self.transfer_timeout_s = settings.transfer_timeout_s
-        self.lease_timeout_s = settings.lease_timeout_s
         self.host = host_address() if settings.host in ("auto", "", "*", "0.0.0.0") else settings.host
         device_name = settings.device_name or os.environ.get("RDMA_DEVICE_NAME", "")
         if settings.protocol == "rdma" and not (RDMA_DEVICES.is_dir() and any(RDMA_DEVICES.iterdir())):
@@ -182,15 +164,10 @@ class MooncakeTransferEngineConnector(OmniConnector):
                 f"connector {name!r}: Mooncake's transfer engine did not start on {self.host} "
                 f"(protocol {settings.protocol}, devices {device_name or 'all'}): code {code}"
             )
-        self.session = f"{self.host}:{self.engine.get_rpc_port()}"
-        self._lock = threading.Lock()
-        self._owned: dict[str, _Owned] = {}
+        self.session = self.endpoint = f"{self.host}:{self.engine.get_rpc_port()}"
         self._regions: dict[tuple[int, int], list[Any]] = {}
         """(address, bytes) -> [tensor kept registered, values using it]: a tensor put twice is
         registered once (Mooncake refuses overlapping registrations)."""
-        self._collected: OrderedDict[str, None] = OrderedDict()
-        self._abandoned: list[torch.Tensor] = []
-        """Receive buffers of timed-out READs, kept alive because the transfer may still write them."""
         self._pool = ReceivePool(
             self._register_buffer, self._unregister, settings.memory_pool_size, "Mooncake"
         )
@@ -201,7 +178,6 @@ class MooncakeTransferEngineConnector(OmniConnector):
         self.side_channel = self._bind_side_channel(settings.zmq_port)
         self._senders: dict[str, zmq.Socket] = {}
         """Side channels of owners this side has talked to (used under ``_lock``)."""
-        self._closed = False
         self._stop = threading.Event()
         self._listener = threading.Thread(target=self._listen, name=f"mooncake-{name}-acks", daemon=True)
         self._listener.start()
@@ -271,9 +247,7 @@ class MooncakeTransferEngineConnector(OmniConnector):
                     self._stats.add(errors=1)
                     what = f"{self.name}: Mooncake could not register {nbytes} bytes"
                     raise ConnectorError(f"{what}: {exc}") from exc
-                lease = self.lease_timeout_s
-                deadline = time.monotonic() + lease if lease > 0 else float("inf")
-                self._owned[key] = _Owned(tensor, (tensor.data_ptr(), nbytes), nbytes, deadline)
+                self._own(key, tensor, (tensor.data_ptr(), nbytes), nbytes)
         self._stats.add(puts=1, bytes_put=nbytes)
         return ConnectorHandle(
             connector=self.name,
@@ -307,23 +281,14 @@ class MooncakeTransferEngineConnector(OmniConnector):
         entry[1] += 1
         return entry[0]
 
-    def _release(self, key: str, *, acked: bool = False, expired: bool = False) -> bool:
-        with self._lock:
-            owned = self._owned.pop(key, None)
-            if owned is None:
-                return False
-            entry = self._regions.get(owned.region)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del self._regions[owned.region]
-                    with best_effort("deregistering a released Mooncake value", logger):
-                        self._unregister(owned.region[0])
-        if acked:
-            self._stats.add(acks=1, bytes_acked=owned.nbytes)
-        if expired:
-            self._stats.add(timeouts=1)
-        return True
+    def _drop_region(self, owned: Owned) -> None:
+        entry = self._regions.get(owned.region)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:  # deregistered: a late READ of it is refused by this engine
+                del self._regions[owned.region]
+                with best_effort("deregistering a released Mooncake value", logger):
+                    self._unregister(owned.region[0])
 
     def _listen(self) -> None:
         poller = zmq.Poller()
@@ -338,7 +303,7 @@ class MooncakeTransferEngineConnector(OmniConnector):
                     elif message.startswith(RELEASE):
                         self._release(message[len(RELEASE) :].decode(errors="replace"))
                     ready = dict(poller.poll(0))
-                self._expire()
+                self._expire_leases()
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
@@ -346,71 +311,10 @@ class MooncakeTransferEngineConnector(OmniConnector):
             except Exception:  # keep releasing; one failed poll must not end the lease guarantee
                 logger.exception("%s: handling the Mooncake side channel failed", self.name)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            expired = [key for key, owned in self._owned.items() if now >= owned.deadline]
-        for key in expired:
-            self._release(key, expired=True)
-        if expired:
-            logger.warning(
-                "%s: released %d value(s) not collected within the %.0f s lease",
-                self.name,
-                len(expired),
-                self.lease_timeout_s,
-            )
-
     # --- receiver side --------------------------------------------------------------------------------
 
-    def get(self, handle: ConnectorHandle, timeout: float | None = None) -> torch.Tensor | bytes:
-        remote = handle.remote
-        if remote is None or not remote.metadata.startswith(b"tcp://"):
-            self._stats.add(errors=1)
-            raise ConnectorError(
-                f"{self.name}: handle {handle.key!r} was not made by a MooncakeTransferEngineConnector "
-                f"(connector {handle.connector!r})"
-            )
-        if handle.nbytes == 0:  # nothing was registered or kept: nothing to read or release
-            self._stats.add(gets=1)
-            return as_value(torch.empty(0, dtype=torch.uint8), handle)
-        if remote.agent == self.session:  # put and got in this process: hand the object over
-            with self._lock:
-                owned = self._owned.get(handle.key)
-            if owned is None:
-                self._stats.add(errors=1)
-                raise ConnectorError(f"{self.name}: no value for handle {handle.key!r} (already collected?)")
-            self._release(handle.key)
-            self._stats.add(gets=1, bytes_got=handle.nbytes)
-            return owned.tensor.numpy().tobytes() if handle.kind == "bytes" else owned.tensor
-        lease = handle.lease_timeout_s
-        margin = min(LEASE_MARGIN[0], lease * LEASE_MARGIN[1])
-        if lease > 0 and time.time() > handle.created_at + lease - margin:
-            self._stats.add(timeouts=1)
-            raise ConnectorTimeoutError(
-                f"{self.name}: value {handle.key!r} of {remote.agent} was not collected within its "
-                f"{lease:g} s lease; its owner releases it (or has released it)"
-            )
-        if self._closed:
-            raise ConnectorError(f"connector {self.name!r} is closed")
-        if not self._remember(handle.key):
-            self._stats.add(errors=1)
-            raise ConnectorError(
-                f"{self.name}: value {handle.key!r} of {remote.agent} was already collected or cleaned up"
-            )
-        buffer, pooled = self._pool.acquire(handle.nbytes)
-        try:
-            self._read(handle, remote, buffer, timeout)
-        except ConnectorTimeoutError:
-            self._abandoned.append(buffer)  # the READ may still land in this buffer: never reuse it
-            raise
-        except BaseException:
-            with self._lock:  # not delivered: a retry may read it
-                self._collected.pop(handle.key, None)
-            self._pool.release(buffer, pooled)
-            raise
-        self._notify(remote.metadata, ACK + handle.key.encode())
-        self._stats.add(gets=1, bytes_got=handle.nbytes)
-        return as_value(self._pool.deliver(buffer, pooled, handle.nbytes), handle)
+    def _made_here(self, remote: RemoteLocation) -> bool:
+        return remote.metadata.startswith(b"tcp://")  # the side channel, where NIXL keeps its metadata
 
     def _read(
         self, handle: ConnectorHandle, remote: RemoteLocation, buffer: torch.Tensor, timeout: float | None
@@ -439,16 +343,6 @@ class MooncakeTransferEngineConnector(OmniConnector):
                 f"{what} failed (code {code}): the sending stage has exited, or has released the value"
             )
 
-    def _remember(self, key: str) -> bool:
-        """Record ``key`` as collected here; False if it already was."""
-        with self._lock:
-            if key in self._collected:
-                return False
-            self._collected[key] = None
-            if len(self._collected) > COLLECTED_MEMORY:
-                self._collected.popitem(last=False)
-            return True
-
     def _notify(self, side_channel: bytes, message: bytes) -> None:
         """Tell an owner (fire and forget: a lost message is made good by the value's lease)."""
         address = side_channel.decode()
@@ -464,12 +358,11 @@ class MooncakeTransferEngineConnector(OmniConnector):
                 sender.connect(address)
             sender.send(message, zmq.NOBLOCK)
 
-    def cleanup(self, handle: ConnectorHandle) -> None:
-        remote = handle.remote
-        if remote is None or self._release(handle.key):
-            return
-        if remote.agent != self.session and self._remember(handle.key):
-            self._notify(remote.metadata, RELEASE + handle.key.encode())
+    def _acknowledge(self, handle: ConnectorHandle, remote: RemoteLocation) -> None:
+        self._notify(remote.metadata, ACK + handle.key.encode())
+
+    def _send_release(self, handle: ConnectorHandle, remote: RemoteLocation) -> None:
+        self._notify(remote.metadata, RELEASE + handle.key.encode())
 
     # --- lifetime -------------------------------------------------------------------------------------
 
@@ -496,7 +389,3 @@ class MooncakeTransferEngineConnector(OmniConnector):
         self._zmq.term()
         if keys:
             logger.debug("%s: released %d uncollected value(s) at close", self.name, len(keys))
-
-    def _outstanding(self) -> int:
-        with self._lock:
-            return len(self._owned)

@@ -31,7 +31,6 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Annotated, Any
 
@@ -44,12 +43,11 @@ from vllm_omni_plugin.connectors.base import (
     ConnectorHandle,
     ConnectorSettings,
     ConnectorTimeoutError,
-    OmniConnector,
     RemoteLocation,
     Value,
-    as_value,
     contiguous_value,
 )
+from vllm_omni_plugin.connectors.pulling import Owned, PullingConnector
 from vllm_omni_plugin.connectors.receive_pool import ReceivePool
 from vllm_omni_plugin.log import best_effort, get_logger
 
@@ -73,9 +71,6 @@ class NixlSettings(ConnectorSettings, frozen=True, kw_only=True):
     progress_thread: bool = False
 
 
-LEASE_MARGIN = (1.0, 0.1)
-"""A receiver does not start a READ this close to the end of a value's lease: the lesser of 1 s and a
-tenth of the lease."""
 POLL_INTERVAL_S = (5e-5, 0.002)
 """How often the owner polls NIXL while values are outstanding: often right after a put or an ack,
 backing off to the slower pace while nothing happens. The polls also drive UCX's progress, which
@@ -86,8 +81,6 @@ IDLE_REGIONS = 64
 """Released registrations an owner keeps for reuse."""
 LOADED_METADATA = 4096
 ACK, RELEASE = b"ack:", b"release:"
-COLLECTED_MEMORY = 1 << 16
-"""How many collected or cleaned-up keys a receiver remembers to refuse a second ``get`` of a handle."""
 
 
 def load_nixl_api() -> ModuleType:
@@ -103,16 +96,7 @@ def load_nixl_api() -> ModuleType:
     )
 
 
-@dataclass
-class _Owned:
-    tensor: torch.Tensor
-    region: tuple[int, int, int]
-    nbytes: int
-    deadline: float
-    """Monotonic time at which the lease runs out (inf without a lease)."""
-
-
-class NixlConnector(OmniConnector):
+class NixlConnector(PullingConnector):
     """See the module docstring. Thread-safe; one agent per connector object."""
 
     Settings = NixlSettings
@@ -124,9 +108,9 @@ class NixlConnector(OmniConnector):
         settings: NixlSettings = self.settings
         self.backends = list(settings.backends)
         self.transfer_timeout_s = settings.transfer_timeout_s
-        self.lease_timeout_s = settings.lease_timeout_s
         api = load_nixl_api()
         self.agent_name = f"{name}@{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.endpoint = self.agent_name
         config = api.nixl_agent_config(
             backends=self.backends,
             num_threads=settings.num_threads,
@@ -148,8 +132,6 @@ class NixlConnector(OmniConnector):
                 f"connector {name!r}: NIXL backend(s) {missing} are not available here "
                 f"(NIXL plugins found: {', '.join(self.agent.plugin_list) or 'none'})"
             )
-        self._lock = threading.Lock()
-        self._owned: dict[str, _Owned] = {}
         self._regions: dict[tuple[int, int, int], list[Any]] = {}
         """(address, bytes, device) -> [registration, values using it, metadata]: a tensor put twice
         is registered once."""
@@ -160,12 +142,6 @@ class NixlConnector(OmniConnector):
         self._pool = ReceivePool(
             self.agent.register_memory, self.agent.deregister_memory, settings.recv_pool_bytes, "NIXL"
         )
-        self._closed = False
-        self._abandoned: list[torch.Tensor] = []
-        """Receive buffers of timed-out READs, kept alive because the transfer may still write them."""
-        self._collected: OrderedDict[str, None] = OrderedDict()
-        """Keys this side read or cleaned up: a second READ would see memory the owner has released,
-        which shared-memory transports (e.g. UCX cma) deliver without an error."""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name=f"nixl-{name}-acks", daemon=True)
@@ -194,9 +170,8 @@ class NixlConnector(OmniConnector):
             except Exception as exc:
                 self._stats.add(errors=1)
                 raise ConnectorError(f"{self.name}: NIXL could not register {nbytes} bytes: {exc}") from exc
-            deadline = time.monotonic() + self.lease_timeout_s if self.lease_timeout_s > 0 else float("inf")
             if nbytes:  # an empty value has nothing to read, hence nothing to release
-                self._owned[key] = _Owned(tensor, region, nbytes, deadline)
+                self._own(key, tensor, region, nbytes)
         self._stats.add(puts=1, bytes_put=nbytes)
         self._wake.set()
         return ConnectorHandle(
@@ -245,24 +220,15 @@ class NixlConnector(OmniConnector):
                     self.agent.deregister_memory(self._idle.pop(other)[0])
             return self.agent.register_memory([(*region, "")], mem_type)
 
-    def _release(self, key: str, *, acked: bool = False, expired: bool = False) -> bool:
-        with self._lock:
-            owned = self._owned.pop(key, None)
-            if owned is None:
-                return False
-            entry = self._regions.get(owned.region)
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    self._idle[owned.region] = self._regions.pop(owned.region)
-                    while len(self._idle) > IDLE_REGIONS:
-                        with best_effort("deregistering an idle NIXL region", logger):
-                            self.agent.deregister_memory(self._idle.popitem(last=False)[1][0])
-        if acked:
-            self._stats.add(acks=1, bytes_acked=owned.nbytes)
-        if expired:
-            self._stats.add(timeouts=1)
-        return True
+    def _drop_region(self, owned: Owned) -> None:
+        entry = self._regions.get(owned.region)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self._idle[owned.region] = self._regions.pop(owned.region)
+                while len(self._idle) > IDLE_REGIONS:
+                    with best_effort("deregistering an idle NIXL region", logger):
+                        self.agent.deregister_memory(self._idle.popitem(last=False)[1][0])
 
     def _reap_loop(self) -> None:
         fastest, slowest = POLL_INTERVAL_S
@@ -299,72 +265,10 @@ class NixlConnector(OmniConnector):
                     self._release(message[len(ACK) :].decode(errors="replace"), acked=True)
                 elif message.startswith(RELEASE):
                     self._release(message[len(RELEASE) :].decode(errors="replace"))
-        now = time.monotonic()
-        with self._lock:
-            expired = [key for key, owned in self._owned.items() if now >= owned.deadline]
-        for key in expired:
-            self._release(key, expired=True)
-        if expired:
-            logger.warning(
-                "%s: released %d value(s) not collected within the %.0f s lease",
-                self.name,
-                len(expired),
-                self.lease_timeout_s,
-            )
+        self._expire_leases()
         return bool(notifications)
 
     # --- receiver side -------------------------------------------------------------------------------
-
-    def get(self, handle: ConnectorHandle, timeout: float | None = None) -> torch.Tensor | bytes:
-        remote = handle.remote
-        if remote is None:
-            self._stats.add(errors=1)
-            raise ConnectorError(
-                f"{self.name}: handle {handle.key!r} was not made by a NixlConnector (connector "
-                f"{handle.connector!r})"
-            )
-        if handle.nbytes == 0:  # nothing was registered or kept: nothing to read or release
-            self._stats.add(gets=1)
-            return as_value(torch.empty(0, dtype=torch.uint8), handle)
-        if remote.agent == self.agent_name:  # put and got in this process: hand the object over
-            with self._lock:
-                owned = self._owned.get(handle.key)
-            if owned is None:
-                self._stats.add(errors=1)
-                raise ConnectorError(f"{self.name}: no value for handle {handle.key!r} (already collected?)")
-            tensor = owned.tensor
-            self._release(handle.key)
-            self._stats.add(gets=1, bytes_got=handle.nbytes)
-            return tensor.numpy().tobytes() if handle.kind == "bytes" else tensor
-        lease = handle.lease_timeout_s
-        margin = min(LEASE_MARGIN[0], lease * LEASE_MARGIN[1])
-        if lease > 0 and time.time() > handle.created_at + lease - margin:
-            self._stats.add(timeouts=1)
-            raise ConnectorTimeoutError(
-                f"{self.name}: value {handle.key!r} of {remote.agent} was not collected within its "
-                f"{lease:g} s lease; its owner releases it (or has released it)"
-            )
-        if self._closed:
-            raise ConnectorError(f"connector {self.name!r} is closed")
-        if not self._remember(handle.key):
-            self._stats.add(errors=1)
-            raise ConnectorError(
-                f"{self.name}: value {handle.key!r} of {remote.agent} was already collected or cleaned up"
-            )
-        buffer, pooled = self._pool.acquire(handle.nbytes)
-        try:
-            self._read(handle, remote, buffer, timeout)
-        except ConnectorTimeoutError:
-            # The READ may still land in this buffer: never reuse or free it (timeouts are rare).
-            self._abandoned.append(buffer)
-            raise
-        except BaseException:
-            with self._lock:  # not delivered: a retry may read it
-                self._collected.pop(handle.key, None)
-            self._pool.release(buffer, pooled)
-            raise
-        self._stats.add(gets=1, bytes_got=handle.nbytes)
-        return as_value(self._pool.deliver(buffer, pooled, handle.nbytes), handle)
 
     def _read(
         self, handle: ConnectorHandle, remote: RemoteLocation, buffer: torch.Tensor, timeout: float | None
@@ -424,21 +328,7 @@ class NixlConnector(OmniConnector):
             self._loaded.move_to_end(metadata)
         return name
 
-    def _remember(self, key: str) -> bool:
-        """Record ``key`` as collected here; False if it already was."""
-        with self._lock:
-            if key in self._collected:
-                return False
-            self._collected[key] = None
-            if len(self._collected) > COLLECTED_MEMORY:
-                self._collected.popitem(last=False)
-            return True
-
-    def cleanup(self, handle: ConnectorHandle) -> None:
-        remote = handle.remote
-        if remote is None or self._release(handle.key):
-            return
-        self._remember(handle.key)
+    def _send_release(self, handle: ConnectorHandle, remote: RemoteLocation) -> None:
         with best_effort("asking a NIXL sender to release a value (its lease frees it)", logger), self._lock:
             peer = self._load_remote(remote.metadata)
             self.agent.send_notif(peer, RELEASE + handle.key.encode())
@@ -468,10 +358,6 @@ class NixlConnector(OmniConnector):
     def _stop_reaper(stop: threading.Event, wake: threading.Event) -> None:
         stop.set()
         wake.set()
-
-    def _outstanding(self) -> int:
-        with self._lock:
-            return len(self._owned)
 
 
 def _agent_name(peer: Any) -> str:
