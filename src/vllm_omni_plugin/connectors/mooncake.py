@@ -100,6 +100,9 @@ def mooncake_missing() -> str | None:
 
 
 def load_mooncake() -> ModuleType:
+    # By default every engine start and stop writes a dozen INFO lines to stderr. Failures reach the user
+    # through this connector's own errors; Mooncake's errors still show (MC_LOG_LEVEL=INFO for all).
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         return importlib.import_module("mooncake.engine")
     except ImportError as exc:
