@@ -767,7 +767,7 @@ def test_mooncake_host_auto_is_an_address_of_this_host(mooncake: str) -> None:
         probe.bind((address, 0))
     connector = make_connector("auto", mooncake, {"protocol": "tcp", "zmq_port": 0})
     try:
-        assert connector.session.startswith(f"{address}:")
+        assert connector.endpoint.startswith(f"{address}:")
     finally:
         connector.close()
 

@@ -28,11 +28,9 @@ import fcntl
 import importlib
 import importlib.util
 import os
-import secrets
 import socket
 import struct
 import threading
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any, Literal
@@ -47,8 +45,6 @@ from vllm_omni_plugin.connectors.base import (
     ConnectorSettings,
     ConnectorTimeoutError,
     RemoteLocation,
-    Value,
-    contiguous_value,
 )
 from vllm_omni_plugin.connectors.pulling import Owned, PullingConnector
 from vllm_omni_plugin.connectors.receive_pool import ReceivePool
@@ -142,6 +138,7 @@ class MooncakeTransferEngineConnector(PullingConnector):
     """See the module docstring. Thread-safe; one transfer engine per connector object."""
 
     Settings = MooncakeSettings
+    transport = "Mooncake"
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -167,12 +164,13 @@ class MooncakeTransferEngineConnector(PullingConnector):
                 f"connector {name!r}: Mooncake's transfer engine did not start on {self.host} "
                 f"(protocol {settings.protocol}, devices {device_name or 'all'}): code {code}"
             )
-        self.session = self.endpoint = f"{self.host}:{self.engine.get_rpc_port()}"
+        self.endpoint = f"{self.host}:{self.engine.get_rpc_port()}"
+        """The engine's session id (``host:rpc_port``), which a READ names."""
         self._regions: dict[tuple[int, int], list[Any]] = {}
         """(address, bytes) -> [tensor kept registered, values using it]: a tensor put twice is
         registered once (Mooncake refuses overlapping registrations)."""
         self._pool = ReceivePool(
-            self._register_buffer, self._unregister, settings.memory_pool_size, "Mooncake"
+            self._register_buffer, self._unregister, settings.memory_pool_size, self.transport
         )
         self._readers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix=f"mooncake-{name}-read")
         self._zmq = zmq.Context()
@@ -188,7 +186,7 @@ class MooncakeTransferEngineConnector(PullingConnector):
             "connector %s: Mooncake %s engine %s, side channel %s",
             name,
             settings.protocol,
-            self.session,
+            self.endpoint,
             self.side_channel,
         )
 
@@ -231,41 +229,16 @@ class MooncakeTransferEngineConnector(PullingConnector):
 
     # --- owner side -----------------------------------------------------------------------------------
 
-    def put(self, value: Value) -> ConnectorHandle:
-        try:
-            tensor, kind, dtype, shape = contiguous_value(value)
-        except TypeError as exc:
-            self._stats.add(errors=1)
-            raise TypeError(f"{self.name}: {exc}") from None
+    def _expose(
+        self, tensor: torch.Tensor, nbytes: int
+    ) -> tuple[torch.Tensor, tuple[int, ...], RemoteLocation]:
         tensor = tensor.cpu()  # device_memory is False: callers hand over host tensors already
-        nbytes = tensor.numel() * tensor.element_size()
-        key = secrets.token_hex(8)
-        with self._lock:
-            if self._closed:
-                raise ConnectorError(f"connector {self.name!r} is closed")
-            if nbytes:
-                try:
-                    tensor = self._hold(tensor, nbytes)
-                except Exception as exc:
-                    self._stats.add(errors=1)
-                    what = f"{self.name}: Mooncake could not register {nbytes} bytes"
-                    raise ConnectorError(f"{what}: {exc}") from exc
-                self._own(key, tensor, (tensor.data_ptr(), nbytes), nbytes)
-        self._stats.add(puts=1, bytes_put=nbytes)
-        return ConnectorHandle(
-            connector=self.name,
-            key=key,
-            kind=kind,
-            nbytes=nbytes,
-            dtype=dtype,
-            shape=shape,
-            owner_pid=os.getpid(),
-            created_at=time.time(),
-            lease_timeout_s=self.lease_timeout_s,
-            remote=RemoteLocation(
-                agent=self.session, metadata=self.side_channel.encode(), addr=tensor.data_ptr()
-            ),
+        if nbytes:
+            tensor = self._hold(tensor, nbytes)
+        remote = RemoteLocation(
+            agent=self.endpoint, metadata=self.side_channel.encode(), addr=tensor.data_ptr()
         )
+        return tensor, (tensor.data_ptr(), nbytes), remote
 
     def _hold(self, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
         """Keep ``tensor``'s memory registered for one more value (lock held); the tensor whose memory

@@ -44,8 +44,6 @@ from vllm_omni_plugin.connectors.base import (
     ConnectorSettings,
     ConnectorTimeoutError,
     RemoteLocation,
-    Value,
-    contiguous_value,
 )
 from vllm_omni_plugin.connectors.pulling import Owned, PullingConnector
 from vllm_omni_plugin.connectors.receive_pool import ReceivePool
@@ -100,6 +98,7 @@ class NixlConnector(PullingConnector):
     """See the module docstring. Thread-safe; one agent per connector object."""
 
     Settings = NixlSettings
+    transport = "NIXL"
 
     device_memory = True  # NIXL registers VRAM
 
@@ -140,7 +139,7 @@ class NixlConnector(PullingConnector):
         self._loaded: OrderedDict[bytes, str] = OrderedDict()
         """Remote metadata this agent has loaded -> the agent it names (receivers skip reloading it)."""
         self._pool = ReceivePool(
-            self.agent.register_memory, self.agent.deregister_memory, settings.recv_pool_bytes, "NIXL"
+            self.agent.register_memory, self.agent.deregister_memory, settings.recv_pool_bytes, self.transport
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -151,47 +150,20 @@ class NixlConnector(PullingConnector):
 
     # --- owner side ---------------------------------------------------------------------------------
 
-    def put(self, value: Value) -> ConnectorHandle:
-        try:
-            tensor, kind, dtype, shape = contiguous_value(value)
-        except TypeError as exc:
-            self._stats.add(errors=1)
-            raise TypeError(f"{self.name}: {exc}") from None
-        nbytes = tensor.numel() * tensor.element_size()
-        key = secrets.token_hex(8)
+    def _expose(
+        self, tensor: torch.Tensor, nbytes: int
+    ) -> tuple[torch.Tensor, tuple[int, ...], RemoteLocation]:
         device_id = max(tensor.get_device(), 0)
         mem_type = "VRAM" if tensor.is_cuda else "DRAM"
         region = (tensor.data_ptr(), nbytes, device_id)
-        with self._lock:
-            if self._closed:
-                raise ConnectorError(f"connector {self.name!r} is closed")
-            try:
-                metadata = self._register(region, mem_type) if nbytes else b""
-            except Exception as exc:
-                self._stats.add(errors=1)
-                raise ConnectorError(f"{self.name}: NIXL could not register {nbytes} bytes: {exc}") from exc
-            if nbytes:  # an empty value has nothing to read, hence nothing to release
-                self._own(key, tensor, region, nbytes)
-        self._stats.add(puts=1, bytes_put=nbytes)
-        self._wake.set()
-        return ConnectorHandle(
-            connector=self.name,
-            key=key,
-            kind=kind,
-            nbytes=nbytes,
-            dtype=dtype,
-            shape=shape,
-            owner_pid=os.getpid(),
-            created_at=time.time(),
-            lease_timeout_s=self.lease_timeout_s,
-            remote=RemoteLocation(
-                agent=self.agent_name,
-                metadata=metadata,
-                addr=region[0],
-                device_id=device_id,
-                mem_type=mem_type,
-            ),
+        metadata = self._register(region, mem_type) if nbytes else b""
+        remote = RemoteLocation(
+            agent=self.agent_name, metadata=metadata, addr=region[0], device_id=device_id, mem_type=mem_type
         )
+        return tensor, region, remote
+
+    def _after_put(self) -> None:
+        self._wake.set()
 
     def _register(self, region: tuple[int, int, int], mem_type: str) -> bytes:
         """Register ``region`` (once) and return the metadata a receiver needs; lock held.

@@ -2,7 +2,8 @@
 registered until its reader acknowledges, the value is cleaned up or its lease runs out; the receiver
 checks a handle, READs it into its registered receive pool, and refuses a second read of one handle.
 
-A subclass provides the transport: ``endpoint`` (this object's address as handles name it), ``_pool``,
+A subclass provides the transport: ``transport`` (its name in messages), ``endpoint`` (this object's
+address as handles name it), ``_pool``, ``_expose`` (register a put value and say where it lies),
 ``_read`` (one READ into a pool buffer), ``_drop_region`` (what a released value held), ``_send_release``
 (ask a remote owner to release an unread value) and, where acknowledgements do not ride the READ itself,
 ``_acknowledge``.
@@ -10,12 +11,14 @@ A subclass provides the transport: ``endpoint`` (this object's address as handle
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,7 +28,9 @@ from vllm_omni_plugin.connectors.base import (
     ConnectorTimeoutError,
     OmniConnector,
     RemoteLocation,
+    Value,
     as_value,
+    contiguous_value,
 )
 from vllm_omni_plugin.connectors.receive_pool import ReceivePool
 from vllm_omni_plugin.log import get_logger
@@ -51,6 +56,7 @@ class Owned:
 class PullingConnector(OmniConnector):
     """See the module docstring. Thread-safe."""
 
+    transport: ClassVar[str]
     endpoint: str
     _pool: ReceivePool
 
@@ -69,6 +75,50 @@ class PullingConnector(OmniConnector):
         which some transports (e.g. UCX cma) deliver without an error."""
 
     # --- owner side ---------------------------------------------------------------------------------
+
+    def put(self, value: Value) -> ConnectorHandle:
+        try:
+            tensor, kind, dtype, shape = contiguous_value(value)
+        except TypeError as exc:
+            self._stats.add(errors=1)
+            raise TypeError(f"{self.name}: {exc}") from None
+        nbytes = tensor.numel() * tensor.element_size()
+        key = secrets.token_hex(8)
+        with self._lock:
+            if self._closed:
+                raise ConnectorError(f"connector {self.name!r} is closed")
+            try:
+                tensor, region, remote = self._expose(tensor, nbytes)
+            except Exception as exc:
+                self._stats.add(errors=1)
+                what = f"{self.name}: {self.transport} could not register {nbytes} bytes"
+                raise ConnectorError(f"{what}: {exc}") from exc
+            if nbytes:  # an empty value has nothing to read, hence nothing to release
+                self._own(key, tensor, region, nbytes)
+        self._stats.add(puts=1, bytes_put=nbytes)
+        self._after_put()
+        return ConnectorHandle(
+            connector=self.name,
+            key=key,
+            kind=kind,
+            nbytes=nbytes,
+            dtype=dtype,
+            shape=shape,
+            owner_pid=os.getpid(),
+            created_at=time.time(),
+            lease_timeout_s=self.lease_timeout_s,
+            remote=remote,
+        )
+
+    @abstractmethod
+    def _expose(
+        self, tensor: torch.Tensor, nbytes: int
+    ) -> tuple[torch.Tensor, tuple[int, ...], RemoteLocation]:
+        """Register a put value (lock held; nothing to register when it is empty): the tensor whose
+        memory is registered, its region (see ``_drop_region``) and where a receiver reads it."""
+
+    def _after_put(self) -> None:
+        """What the owner does once a value is put (e.g. wake its acknowledgement poller)."""
 
     def _own(self, key: str, tensor: torch.Tensor, region: tuple[int, ...], nbytes: int) -> None:
         """Keep a put value until it is released (lock held)."""
