@@ -13,11 +13,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 import zmq
 import zmq.asyncio
 
 from helpers import HeadlessPeer
 from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
+from vllm_omni_plugin.connectors.base import InProcessConnector
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreOutput, StageDiffusionCoreRequest
@@ -137,11 +139,20 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
             assert isinstance(await worker.receive(), WorkerAccepted)
             await worker.send(WorkerProgress(counters=DiffusionCounters(denoise_steps=7)))
             await until(lambda: client.denoise_steps == 7)
-            pending = asyncio.ensure_future(client.generate(request("lost")))
+            # The request's inputs travel through the head's connector (the worker never reads them, as
+            # when its acknowledgement is lost with it) ...
+            client.input_connector = InProcessConnector("ar_to_dit")
+            lost = StageDiffusionCoreRequest(
+                request_id="lost", stage_id=1, diffusion={"prompt": "x", "tokens": torch.arange(6)}
+            )
+            pending = asyncio.ensure_future(client.generate(lost))
             assert isinstance(await worker.receive(), RemoteRequest)
-            # ... and the worker says nothing more: after heartbeat_timeout_s the head gives up on it.
+            assert client.input_connector.health().outstanding == 1
+            # ... and the worker says nothing more: after heartbeat_timeout_s the head gives up on it,
+            # and frees what it put for the lost request.
             with pytest.raises(StageDeadError, match="waiting for the worker to rejoin"):
                 await asyncio.wait_for(pending, 10)
+            assert client.input_connector.health().outstanding == 0
             assert client.state == StageState.RESTARTING and client.awaits_worker
             with pytest.raises(StageDeadError, match="no worker registered"):
                 await client.generate(request("meanwhile"))

@@ -491,6 +491,23 @@ def test_cleanup_in_the_receiving_process_releases_the_owners_value(
     wait_for(main.health, lambda h: h.outstanding == 0, "owner released cleaned-up values")
 
 
+def test_cleanup_by_the_owner_frees_an_unread_value_and_leaves_a_read_one_alone(
+    stage: Stage, main: OmniConnector
+) -> None:
+    """The head frees what it sent a replica that died: at once where the value is unread; where the
+    reader's ack came first, there is nothing left to do and nothing to tell anyone."""
+    before = main.health()
+    unread = main.put(torch.ones(32))
+    main.cleanup(unread)
+    assert delta(before, main.health()) == {"puts": 1, "bytes_put": 32 * 4}
+
+    read = main.put(torch.ones(16))
+    assert [status for status, _ in stage.get([read])] == ["ok"]
+    acked = wait_for(main.health, lambda h: h.outstanding == 0, "owner saw the ack")
+    main.cleanup(read)
+    assert main.health() == acked
+
+
 def test_second_get_of_a_handle_fails_instead_of_rereading_released_memory(
     stage: Stage, main: OmniConnector
 ) -> None:

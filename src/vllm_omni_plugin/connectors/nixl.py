@@ -75,6 +75,11 @@ backing off to the slower pace while nothing happens. The polls also drive UCX's
 READs through transports that emulate them with active messages (e.g. TCP) wait for."""
 SPIN_S = (2e-4, 0.005)
 """How long a receiver polls its READ without yielding to other threads, then without pausing."""
+NOTIFY_LINGER_S = 2.0
+"""How long an agent keeps driving UCX's progress after it sent a notification (a READ's ack, a
+release): NIXL hands the message to UCX and forgets it, and over TCP what the socket did not take at once
+leaves only with later progress. An agent that owns nothing would otherwise keep it until its next
+transfer, or lose it at close."""
 IDLE_REGIONS = 64
 """Released registrations an owner keeps for reuse."""
 LOADED_METADATA = 4096
@@ -143,6 +148,8 @@ class NixlConnector(PullingConnector):
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._notified_at = -NOTIFY_LINGER_S
+        """When this agent last sent a notification (monotonic)."""
         self._reaper = threading.Thread(target=self._reap_loop, name=f"nixl-{name}-acks", daemon=True)
         self._reaper.start()
         self._finalizer = weakref.finalize(self, NixlConnector._stop_reaper, self._stop, self._wake)
@@ -206,7 +213,7 @@ class NixlConnector(PullingConnector):
         fastest, slowest = POLL_INTERVAL_S
         interval, last_activity = fastest, time.monotonic()
         while not self._stop.is_set():
-            if not self._outstanding():
+            if not self._outstanding() and time.monotonic() - self._notified_at > NOTIFY_LINGER_S:
                 self._wake.wait(1.0)
                 self._wake.clear()
                 interval, last_activity = fastest, time.monotonic()
@@ -271,6 +278,7 @@ class NixlConnector(PullingConnector):
                 state = self.agent.check_xfer_state(transfer)
             if state != "DONE":
                 raise ConnectorError(f"{what} failed (NIXL state {state})")
+            self._notified()  # the READ's ack
         except ConnectorTimeoutError:
             raise
         except ConnectorError:
@@ -304,6 +312,12 @@ class NixlConnector(PullingConnector):
         with best_effort("asking a NIXL sender to release a value (its lease frees it)", logger), self._lock:
             peer = self._load_remote(remote.metadata)
             self.agent.send_notif(peer, RELEASE + handle.key.encode())
+        self._notified()
+
+    def _notified(self) -> None:
+        """A notification went to UCX: poll until it has surely left (``NOTIFY_LINGER_S``)."""
+        self._notified_at = time.monotonic()
+        self._wake.set()
 
     # --- lifetime ------------------------------------------------------------------------------------
 

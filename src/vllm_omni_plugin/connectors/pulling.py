@@ -237,8 +237,8 @@ class PullingConnector(OmniConnector):
 
     def cleanup(self, handle: ConnectorHandle) -> None:
         remote = handle.remote
-        if remote is None or self._release(handle.key):
-            return
+        if remote is None or self._release(handle.key) or remote.agent == self.endpoint:
+            return  # released now, or (its own value) acknowledged or expired before
         self._remember(handle.key)
         self._send_release(handle, remote)
 

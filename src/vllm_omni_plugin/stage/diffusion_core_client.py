@@ -40,7 +40,12 @@ from vllm_omni_plugin.stage.errors import (
     StageRequestError,
     StageStartError,
 )
-from vllm_omni_plugin.stage.payload import collect_output, discard_output, release, send_request_through
+from vllm_omni_plugin.stage.payload import (
+    collect_output,
+    discard_output,
+    released_if_replica_dies,
+    send_request_through,
+)
 from vllm_omni_plugin.stage.pending_replies import PendingReplies
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
@@ -213,15 +218,10 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         if self.state != StageState.READY:
             raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
         request, put_seconds = send_request_through(request, self.input_connector)
-        try:
+        with released_if_replica_dies(request, self.input_connector):
             output: StageDiffusionCoreOutput = await self._pending.wait(
                 request.request_id, self._send(request)
             )
-        except StageDeadError:
-            if self.input_connector is not None:  # the dead process never read them: free them now
-                with best_effort("freeing the inputs a dead diffusion process never read", logger, warn=True):
-                    release(request.diffusion, self.input_connector)
-            raise
         output.timings["transfer_put"] = put_seconds
         collect_output(output, self.output_connector)
         if output.error is not None:

@@ -7,6 +7,7 @@ of the same class) fetches them back.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
 )
+from vllm_omni_plugin.stage.errors import StageDeadError
 
 
 def externalize(value: Any, connector: OmniConnector, min_bytes: int = 0) -> Any:
@@ -89,6 +91,20 @@ def send_request_through(request: Any, connector: OmniConnector | None) -> tuple
     t0 = time.perf_counter()
     request = msgspec.structs.replace(request, diffusion=externalize(request.diffusion, connector))
     return request, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def released_if_replica_dies(request: Any, connector: OmniConnector | None) -> Iterator[None]:
+    """Free a sent request's inputs when its replica dies with it: nobody reads them any more (a retry
+    puts them anew), and a value read just before the death may never have been acknowledged, so only
+    its lease would free it otherwise."""
+    try:
+        yield
+    except StageDeadError:
+        if connector is not None and isinstance(request, StageDiffusionCoreRequest):
+            with best_effort("freeing the inputs of a request whose replica died", warn=True):
+                release(request.diffusion, connector)
+        raise
 
 
 def collect_output(output: StageCoreOutput, connector: OmniConnector | None) -> None:

@@ -40,7 +40,7 @@ from vllm_omni_plugin.stage.errors import (
     StageStartError,
     WorkerLostError,
 )
-from vllm_omni_plugin.stage.payload import discard_output, send_request_through
+from vllm_omni_plugin.stage.payload import discard_output, released_if_replica_dies, send_request_through
 from vllm_omni_plugin.stage.pending_replies import PendingReplies
 from vllm_omni_plugin.stage.placement.base import StageConnectors, StagePlacement
 from vllm_omni_plugin.stage.placement.headless.protocol import (
@@ -137,9 +137,10 @@ class RemoteStageClient(StageCoreClientBase):
         if self.state != StageState.READY or self.identity is None:
             raise StageDeadError(f"{self.label} has no worker registered", stage_id=self.stage_id)
         request, put_seconds = send_request_through(request, self.input_connector)
-        message: RemoteOutput = await self._pending.wait(
-            request.request_id, self._send(self.identity, RemoteRequest(request=request))
-        )
+        with released_if_replica_dies(request, self.input_connector):
+            message: RemoteOutput = await self._pending.wait(
+                request.request_id, self._send(self.identity, RemoteRequest(request=request))
+            )
         return remote_stage_output(message, self.label, self.stage_id, put_seconds, self.output_connector)
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -43,7 +43,7 @@ from vllm_omni_plugin.stage.errors import (
     StagePlacementError,
     StageStartError,
 )
-from vllm_omni_plugin.stage.payload import discard_output, send_request_through
+from vllm_omni_plugin.stage.payload import discard_output, released_if_replica_dies, send_request_through
 from vllm_omni_plugin.stage.placement.base import StagePlacement
 from vllm_omni_plugin.stage.placement.ray.actor import ActorPlaced, ReplicaSpec, StageReplicaActor
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput, remote_stage_output
@@ -493,25 +493,14 @@ class RayStageClient(StageCoreClientBase):
     # --- requests ---------------------------------------------------------------------------------
 
     async def generate(self, request: Any) -> Any:
-        ray = _ray()
         if self.state != StageState.READY:
             raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
         request, put_seconds = send_request_through(request, self.input_connector)
         self.inflight.add(request.request_id)
         ref = self.actor.generate.remote(self._requests.encode(request))
         try:
-            data = await ref
-        except ray.exceptions.RayActorError as exc:
-            raise StageDeadError(
-                f"{self.label}: its Ray actor was lost while serving this request ({type(exc).__name__}); "
-                "Ray restarts it",
-                stage_id=self.stage_id,
-                request_id=request.request_id,
-            ) from None
-        except ray.exceptions.TaskCancelledError:
-            raise RequestAbortedError(
-                "aborted", stage_id=self.stage_id, request_id=request.request_id
-            ) from None
+            with released_if_replica_dies(request, self.input_connector):
+                data = await self._reply(ref, request.request_id)
         except asyncio.CancelledError:
             await self.abort([request.request_id])
             self._discard_later(ref)
@@ -520,6 +509,21 @@ class RayStageClient(StageCoreClientBase):
             self.inflight.discard(request.request_id)
         message: RemoteOutput = self._replies.decode(data)
         return remote_stage_output(message, self.label, self.stage_id, put_seconds, self.output_connector)
+
+    async def _reply(self, ref: Any, request_id: str) -> Any:
+        """The actor's reply, its loss as the stage errors."""
+        ray = _ray()
+        try:
+            return await ref
+        except ray.exceptions.RayActorError as exc:
+            raise StageDeadError(
+                f"{self.label}: its Ray actor was lost while serving this request ({type(exc).__name__}); "
+                "Ray restarts it",
+                stage_id=self.stage_id,
+                request_id=request_id,
+            ) from None
+        except ray.exceptions.TaskCancelledError:
+            raise RequestAbortedError("aborted", stage_id=self.stage_id, request_id=request_id) from None
 
     def _discard_later(self, ref: Any) -> None:
         """A reply nobody waits for any more may still hold an image in the output connector: free it."""
