@@ -84,7 +84,8 @@ def test_api_key_guards_v1_but_not_health(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("exc", "status"),
     [
-        (StageDeadError("stage 1 (dit) replica 0 died", stage_id=1), 503),
+        (StageDeadError("stage 1 (dit) has no healthy replica", stage_id=1, where="unsent"), 503),
+        (StageDeadError("stage 1 (dit) replica 0 died", stage_id=1), 500),
         (StageError("the DiT ran out of memory", stage_id=1), 500),
         (StageRequestError("the DiT cannot draw 16x16", stage_id=1), 400),
         (RuntimeError("a processor bug"), 500),
@@ -105,8 +106,14 @@ def test_failures_map_to_statuses_by_type_without_tracebacks(
     assert response.status_code == status
     error = response.json()["error"]
     shown = str(exc) if isinstance(exc, StageError) else f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, StageDeadError):  # run again once (max_retries 1), then given up
+    if isinstance(exc, StageDeadError) and exc.where == "unsent":  # run again once (max_retries 1)
         shown = f"stage replicas died 2 time(s) while serving this request, more than its max_retries (1) allows; last: {exc}"
+    elif isinstance(exc, StageDeadError):  # run again once, alone, and failed as the culprit
+        shown = (
+            "stage 1's process died while running this request alone, after the batch it ran in had died "
+            "too (2 deaths, max_retries 1); it is not run again, so that it cannot take other requests "
+            "down (the server log names it)"
+        )
     assert error["code"] == status and error["message"] == shown and "Traceback" not in response.text
 
 

@@ -150,7 +150,11 @@ def test_a_stage_killed_under_24_requests_loses_none_and_changes_no_image(
     assert f"stage {stage} ({name}) replica 0: removed" in server.log_text()  # what the dead one left
 
 
-def test_a_request_that_kills_its_stage_every_time_gets_503_after_its_budget(server: ServerProcess) -> None:
+def test_a_request_that_kills_its_stage_every_time_is_quarantined_after_its_budget(
+    server: ServerProcess,
+) -> None:
+    """Its first death runs it again alone; dying alone as well, it is failed as the culprit: 500 (a
+    client must not retry it), never run with other requests again."""
     restarts = replica(server, "1")["restarts"]
     killed: list[int] = []
 
@@ -169,14 +173,16 @@ def test_a_request_that_kills_its_stage_every_time_gets_503_after_its_budget(ser
                 return await work
 
     response = asyncio.run(main())
-    assert response.status_code == 503, response.text
+    assert response.status_code == 500, response.text
     message = response.json()["error"]["message"]
-    assert "died 2 time(s)" in message and "max_retries (1)" in message and "stage 1 (dit)" in message
+    assert "stage 1's process died while running this request alone" in message
+    assert "2 deaths, max_retries 1" in message
     assert len(killed) == 2
     log = server.log_text()
-    (line,) = [ln for ln in log.splitlines() if "giving up after 2 replica death(s)" in ln]
-    assert re.search(r"request [0-9a-f]{32}: giving up", line) and line.count("died (exit code -9)") == 2
-    assert server.metric("omni_stage_retries_exhausted_total", stage="1", name="dit") == 1
+    (line,) = [ln for ln in log.splitlines() if "quarantined after 2 replica death(s)" in ln]
+    assert re.search(r"request [0-9a-f]{32}: quarantined", line) and line.count("died (exit code -9)") == 2
+    assert server.metric("omni_stage_quarantined_requests_total", stage="1", name="dit") == 1
+    assert server.metric("omni_stage_retries_exhausted_total", stage="1", name="dit") == 0
     wait_for(lambda: replica(server, "1")["state"] == "ready", 120, "the DiT to come back")
     assert replica(server, "1")["restarts"] == restarts + 2
     after = httpx.post(server.base_url + GENERATIONS, json=body(2), timeout=300)

@@ -19,6 +19,7 @@ from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.errors import (
+    QuarantinedError,
     RequestAbortedError,
     RetriesExhaustedError,
     StageDeadError,
@@ -212,10 +213,13 @@ class Deaths:
         self.deaths = dict(deaths)
         self.stage_id = stage_id
         self.attempts: list[str] = []
+        self.alone: list[bool] = []
+        """Whether each attempt was asked to run alone."""
         self.client: FakeStageClient | None = None
 
     async def __call__(self, request: Any) -> Any:
         self.attempts.append(request.request_id)
+        self.alone.append(getattr(request, "alone", False))
         if self.deaths.get(request.request_id, 0) > 0:
             self.deaths[request.request_id] -= 1
             assert self.client is not None
@@ -257,9 +261,11 @@ def test_a_replica_death_runs_the_stage_again_on_the_restarted_replica(deploymen
     assert dit.deaths == 1 and orchestrator.retries == {1: 1} and not orchestrator.exhausted
 
 
-def test_a_request_that_kills_its_stage_every_time_fails_after_its_budget(
+def test_a_request_that_kills_its_stage_every_time_is_quarantined_after_its_budget(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """After its first death it runs alone; dying alone too once its budget is spent, it is failed as
+    the culprit (500, not the 503 a client would retry)."""
     deployment = fake_deployment(tmp_path, "max_retries: 2\n")
     dying = Deaths({"poison": 100})
 
@@ -274,13 +280,132 @@ def test_a_request_that_kills_its_stage_every_time_fails_after_its_budget(
 
     poison, fine, orchestrator = run(main())
     assert fine.ok, fine.error
-    assert not poison.ok and isinstance(poison.exception, RetriesExhaustedError)
-    assert poison.exception.http_status == 503 and poison.error_stage == 1
-    assert "died 3 time(s)" in poison.error and "max_retries (2)" in poison.error
+    assert not poison.ok and isinstance(poison.exception, QuarantinedError)
+    assert poison.exception.http_status == 500 and poison.error_stage == 1
+    assert "alone" in poison.error and "3 deaths, max_retries 2" in poison.error
     assert dying.attempts.count("poison") == 3 and len(poison.deaths) == 3
-    assert orchestrator.retries == {1: 2} and orchestrator.exhausted == {1: 1}
-    (gave_up,) = [r for r in caplog.records if "giving up" in r.getMessage()]
-    assert "request poison" in gave_up.getMessage() and "killed by the test" in gave_up.getMessage()
+    poison_alone = [a for r, a in zip(dying.attempts, dying.alone, strict=True) if r == "poison"]
+    assert poison_alone == [False, True, True]
+    assert (
+        orchestrator.retries == {1: 2} and orchestrator.quarantined == {1: 1} and not orchestrator.exhausted
+    )
+    (line,) = [r for r in caplog.records if "quarantined after" in r.getMessage()]
+    assert "request poison" in line.getMessage() and line.getMessage().count("killed by the test") == 3
+
+
+class BatchingDit:
+    """A fake DiT replica that batches: what it holds when ``go`` is set runs as one batch; requests
+    asked to run alone run one at a time. A batch (or a lone run) holding ``poison`` kills the replica:
+    what ran dies ``running``, what waited behind a lone run dies ``queued`` (as the diffusion client
+    tells them apart)."""
+
+    def __init__(self, poison: str) -> None:
+        self.poison = poison
+        self.go = asyncio.Event()
+        self.batched: list[str] = []
+        self.lone = asyncio.Lock()
+        self.waiting: dict[str, asyncio.Future[Any]] = {}
+        self.runs: list[list[str]] = []
+        self.batch_death: StageDeadError | None = None
+        self.client: FakeStageClient | None = None
+
+    def kill(self, running: list[str]) -> StageDeadError:
+        assert self.client is not None
+        error = self.client.replica_died("killed by its poison")
+        asyncio.get_running_loop().call_later(0.01, setattr, self.client, "state", StageState.READY)
+        for request_id, future in self.waiting.items():
+            if request_id not in running and not future.done():
+                future.set_exception(
+                    StageDeadError(f"{error} (queued)", stage_id=1, request_id=request_id, where="queued")
+                )
+        return error
+
+    async def __call__(self, request: Any) -> Any:
+        rid = request.request_id
+        if not request.alone:
+            self.batched.append(rid)
+            await self.go.wait()
+            batch = list(self.batched)
+            if rid == batch[0]:
+                self.runs.append(batch)
+                if self.poison in batch:
+                    self.batch_death = self.kill(batch)
+            if self.batch_death is not None:
+                raise self.batch_death
+            return dit_answer(request)
+        queued = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = queued
+        try:
+            async with self.lone:
+                if queued.done():  # the replica died while this one waited behind a lone run
+                    queued.result()
+                self.runs.append([rid])
+                await asyncio.sleep(0)
+                if rid == self.poison:
+                    raise self.kill([rid])
+                return dit_answer(request)
+        finally:
+            self.waiting.pop(rid, None)
+
+
+def test_a_poison_request_is_quarantined_and_its_batch_neighbours_get_their_images(deployment) -> None:
+    """The poison kills its batch; every request of that batch runs again alone; the poison kills its
+    lone run too and is failed, the others (among them those queued behind it) are served, and the
+    deaths they only waited through cost them no retry."""
+    dit = BatchingDit("poison")
+    ids = ["n1", "n2", "poison", "n3", "n4"]
+
+    async def main() -> tuple[list[OmniResult], Orchestrator]:
+        orchestrator, placement = runtime(deployment, {1: dit})
+        (dit.client,) = placement.clients[1]
+        await started(orchestrator)
+        work = asyncio.gather(*(orchestrator.generate(OmniRequest(prompt=i, request_id=i)) for i in ids))
+        while len(dit.batched) < len(ids):
+            await asyncio.sleep(0.01)
+        dit.go.set()
+        return list(await work), orchestrator
+
+    results, orchestrator = run(main())
+    by_id = dict(zip(ids, results, strict=True))
+    poison = by_id.pop("poison")
+    assert isinstance(poison.exception, QuarantinedError) and poison.exception.http_status == 500
+    assert len(poison.deaths) == 2
+    for request_id, result in by_id.items():
+        assert result.ok, (request_id, result.error)
+        assert len(result.deaths) in (1, 2)  # its batch's, and maybe the poison's lone run it queued behind
+        assert "queued" in "".join(result.deaths[1:]) or len(result.deaths) == 1
+    assert dit.runs[0] == ids  # one batch first, then each request alone
+    assert sorted(r[0] for r in dit.runs[1:] if r[0] in by_id) == sorted(by_id)
+    assert all(len(run) == 1 for run in dit.runs[1:])
+    assert orchestrator.quarantined == {1: 1} and not orchestrator.exhausted
+    assert dit.client is not None and dit.client.deaths == 2
+
+
+@pytest.mark.parametrize(("queued_deaths", "ok"), [(3, True), (4, False)])
+def test_deaths_a_request_only_waited_through_cost_no_retry(
+    tmp_path: Path, queued_deaths: int, ok: bool
+) -> None:
+    """With ``max_retries: 0`` a request still runs again after a death it waited through in the queue,
+    up to QUEUED_DEATHS of them; the next one counts as any other."""
+    deployment = fake_deployment(tmp_path, "max_retries: 0\n")
+    left = {"n": queued_deaths}
+
+    async def dies_behind_others(request: Any) -> Any:
+        if left["n"] > 0:
+            left["n"] -= 1
+            raise StageDeadError("the replica died under another", stage_id=1, where="queued")
+        return dit_answer(request)
+
+    async def main() -> tuple[OmniResult, Orchestrator]:
+        orchestrator, _ = runtime(deployment, {1: dies_behind_others})
+        await started(orchestrator)
+        return await orchestrator.generate(OmniRequest(prompt="abc")), orchestrator
+
+    result, orchestrator = run(main())
+    assert result.ok is ok, result.error
+    assert len(result.deaths) == queued_deaths
+    if not ok:
+        assert isinstance(result.exception, RetriesExhaustedError) and orchestrator.exhausted == {1: 1}
 
 
 @pytest.mark.parametrize(("max_retries", "ok"), [(0, False), (1, False), (2, True)])

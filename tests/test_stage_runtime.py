@@ -13,6 +13,7 @@ import pytest
 
 from helpers import our_segments, source_image
 from vllm_omni_plugin.entrypoints.omni import Omni
+from vllm_omni_plugin.stage.errors import QuarantinedError
 from vllm_omni_plugin.stage.orchestrator import OmniRequest
 from vllm_omni_plugin.testing.reference.glm_image import glm_image_reference_image
 
@@ -78,8 +79,8 @@ def test_concurrent_requests_overlap_stages(omni: Omni) -> None:
 
 
 def test_a_request_that_kills_the_diffusion_proc_every_time_fails_after_its_budget(omni: Omni) -> None:
-    """The DiT process is SIGKILLed whenever the request reaches it: it runs again once (max_retries 1) on
-    the restarted process, then fails; the stage keeps serving."""
+    """The DiT process is SIGKILLed whenever the request reaches it: it runs again once (max_retries 1),
+    alone, on the restarted process, then fails as the culprit (quarantined); the stage keeps serving."""
     (client,) = omni._async.pools[1].clients
     restarts = client.restarts
     poison = request("a painting that kills its painter", num_inference_steps=400)
@@ -95,11 +96,9 @@ def test_a_request_that_kills_the_diffusion_proc_every_time_fails_after_its_budg
         time.sleep(0.01)
     result = future.result()
     assert len(killed) == 2 and not result.ok
-    assert (
-        "died 2 time(s)" in result.error
-        and "max_retries (1)" in result.error
-        and "stage 1 (dit)" in result.error
-    )
+    assert "stage 1's process died while running this request alone" in result.error
+    assert "2 deaths, max_retries 1" in result.error
+    assert isinstance(result.exception, QuarantinedError)
     assert result.error_stage == 1 and len(result.deaths) == 2
     (after,) = omni.generate([request("a calm lake")])
     assert after.ok, after.error

@@ -9,19 +9,25 @@ hold again), writes ``<point>.reached`` with what it holds, and waits until ``<p
 
 Points: ``ar.step`` (in the AR engine core, after a step made output), ``dit.step`` (in the diffusion
 batch loop, after a denoising step).
+
+A fault hook beside them: with ``VLLM_OMNI_FAULT_SEED`` set, a diffusion process that is about to run a
+batch holding a request of that seed kills itself (SIGKILL, as the kernel's OOM killer would), every time:
+the poison request the retry and quarantine rules are tested with.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
 
 HOLD_DIR_ENV = "VLLM_OMNI_HOLD_DIR"
+FAULT_SEED_ENV = "VLLM_OMNI_FAULT_SEED"
 POLL_S = 0.01
 
 
@@ -48,3 +54,11 @@ def hold_point(point: str, holding: str = "", give_up: Callable[[], bool] | None
             return
         time.sleep(POLL_S)
     logger.warning("test hold point %s: released", point)
+
+
+def fault_point(seeds: Iterable[int | None]) -> None:
+    """Kill this process if the batch it is about to run holds the poison seed (see the module)."""
+    poison = os.environ.get(FAULT_SEED_ENV)
+    if poison and any(seed is not None and str(seed) == poison for seed in seeds):
+        logger.warning("test fault hook: a request of seed %s kills this diffusion process", poison)
+        os.kill(os.getpid(), signal.SIGKILL)

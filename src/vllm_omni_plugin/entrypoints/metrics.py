@@ -84,6 +84,12 @@ class OmniCollector:
             "Requests failed (503) at a stage after more replica deaths than max_retries allows",
             labels=["stage", "name"],
         )
+        quarantined = CounterMetricFamily(
+            "omni_stage_quarantined_requests",
+            "Requests failed (500) at a diffusion stage, not run again: its replica died while running "
+            "them alone, after their batch had died under them before",
+            labels=["stage", "name"],
+        )
         aborted = CounterMetricFamily(
             "omni_stage_aborted_requests",
             "Aborted requests a stage dropped: queue (not started), batch (dropped from a running batch, no "
@@ -109,10 +115,12 @@ class OmniCollector:
             deaths.add_metric(labels, sum(c.deaths for c in pool.clients))
             retries.add_metric(labels, orchestrator.retries[sid] if orchestrator else 0)
             exhausted.add_metric(labels, orchestrator.exhausted[sid] if orchestrator else 0)
+            quarantined.add_metric(labels, orchestrator.quarantined[sid] if orchestrator else 0)
             for where in ABORT_PLACES:
                 aborted.add_metric([*labels, where], sum(c.dropped[where] for c in pool.clients))
             discarded.add_metric(labels, sum(c.discarded_outputs for c in pool.clients))
-        yield from (depth, healthy, restarts, steps, deaths, retries, exhausted, aborted, discarded)
+        yield from (depth, healthy, restarts, steps, deaths, retries, exhausted, quarantined)
+        yield from (aborted, discarded)
         yield from timing.values()
 
         moved = CounterMetricFamily(

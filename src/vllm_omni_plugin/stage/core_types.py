@@ -47,6 +47,9 @@ class StageDiffusionCoreRequest(StageCoreRequest, Generic[DiffusionT], kw_only=T
     """The runner's request, one of the registered runners' request types (tagged by ``kind``; tensors
     inside travel as msgpack extensions or connector handles). Decoders parametrize it with their union
     (:func:`diffusion_request_union`); unparametrized it decodes as plain data."""
+    alone: bool = False
+    """Run it in a batch of its own, with nothing else in flight beside it: the run again of a request
+    whose batch's process died, so that a request that kills its stage takes nobody else down."""
 
 
 class StageAbort(msgspec.Struct, kw_only=True, tag="abort"):

@@ -32,7 +32,7 @@ from vllm_omni_plugin.stage.core_types import (
     ToStageMessage,
 )
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionCoreProcManager, StageDiffusionProcConfig
-from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
+from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop, batch_prefix
 from vllm_omni_plugin.stage.errors import (
     RequestAbortedError,
     StageDeadError,
@@ -101,6 +101,8 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         self._to_stage = StageMessageCodec(ToStageMessage)
         self._from_stage = StageMessageCodec(FromStageMessage)
         self._pending = PendingReplies(self)
+        self._alone: set[str] = set()
+        """Waiting requests that run alone (``StageDiffusionCoreRequest.alone``)."""
         self._ready: asyncio.Future[StageReady] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._context: Any = None
@@ -201,7 +203,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             if self.state != StageState.READY or self.manager.is_alive():
                 continue
             error = self.replica_died(f"exit code {self.manager.exitcode}")
-            self._pending.fail_all(error)
+            self._pending.fail_all(error, errors=self._queued_at_death(error))
             await asyncio.to_thread(self._stop_process)
             if not self.restart_on_death or self.state == StageState.STOPPED:
                 return
@@ -214,14 +216,35 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 self.state = StageState.DEAD
                 return
 
+    def _queued_at_death(self, death: StageDeadError) -> dict[str, BaseException]:
+        """The error of each request the dead process cannot have been running: it takes its batches in
+        the order it got them (``batch_prefix``), so past the first batch of what it had not answered,
+        requests still waited in its queue. Those are told so (``ran=False``): they cannot have caused
+        the death, and their runs again cost them no retry."""
+        waiting = self._pending.order()
+        limit = int(self.config.diffusion_args.get("max_batch_size", 1))
+        running = batch_prefix([i in self._alone for i in waiting], limit)
+        message = f"{death} (this request still waited in its queue)"
+        return {
+            i: StageDeadError(message, stage_id=self.stage_id, request_id=i, where="queued")
+            for i in waiting[running:]
+        }
+
     async def generate(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
         if self.state != StageState.READY:
-            raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
-        request, put_seconds = send_request_through(request, self.input_connector)
-        with released_if_replica_dies(request, self.input_connector):
-            output: StageDiffusionCoreOutput = await self._pending.wait(
-                request.request_id, self._send(request)
+            raise StageDeadError(
+                f"{self.label} is {self.state.value}", stage_id=self.stage_id, where="unsent"
             )
+        request, put_seconds = send_request_through(request, self.input_connector)
+        if request.alone:
+            self._alone.add(request.request_id)
+        try:
+            with released_if_replica_dies(request, self.input_connector):
+                output: StageDiffusionCoreOutput = await self._pending.wait(
+                    request.request_id, self._send(request)
+                )
+        finally:
+            self._alone.discard(request.request_id)
         output.timings["transfer_put"] = put_seconds
         collect_output(output, self.output_connector)
         if output.error is not None:
@@ -243,7 +266,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             while self.state == StageState.READY and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(WATCH_INTERVAL_S / 4)
             raise StageDeadError(
-                f"{self.label} is not connected (its process died)", stage_id=self.stage_id
+                f"{self.label} is not connected (its process died)", stage_id=self.stage_id, where="unsent"
             ) from None
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -327,7 +350,9 @@ class InlineStageDiffusionClient(StageCoreClientBase):
 
     async def generate(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
         if self.state != StageState.READY or self._loop is None:
-            raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
+            raise StageDeadError(
+                f"{self.label} is {self.state.value}", stage_id=self.stage_id, where="unsent"
+            )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[StageDiffusionCoreOutput] = loop.create_future()
         self.inflight.add(request.request_id)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from vllm_omni_plugin.connectors.base import ConnectorHandle
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult
-from vllm_omni_plugin.hold_points import hold_point
+from vllm_omni_plugin.hold_points import fault_point, hold_point
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.payload import internalize, release
 
@@ -36,6 +37,21 @@ POLL_S = 0.2
 """How long an idle loop waits for a request before it looks at its stop flags again."""
 
 
+def batch_prefix(alone: Sequence[bool], limit: int) -> int:
+    """How many of the queued requests (in order; ``alone``: each one's flag) start together: one that
+    runs alone starts by itself, the others up to ``limit`` and not past one that runs alone. The stage
+    takes its batches by this rule, and its client reads from it which requests a dead process was
+    running."""
+    if not alone or limit < 1:
+        return 0
+    if alone[0]:
+        return 1
+    count = 0
+    while count < min(limit, len(alone)) and not alone[count]:
+        count += 1
+    return count
+
+
 class DiffusionInbox:
     """Requests waiting for the loop, the running batch's ids, aborts and the stop orders; filled by the
     host's receiving side (another thread), emptied by the loop."""
@@ -45,6 +61,8 @@ class DiffusionInbox:
         self.queued: list[StageDiffusionCoreRequest] = []
         self.running: set[str] = set()
         """Ids of the batch being run."""
+        self.alone_running = False
+        """The running request runs alone (``StageDiffusionCoreRequest.alone``): nothing starts beside it."""
         self.aborted: set[str] = set()
         """Ids of the running batch aborted while it runs."""
         self.stopping = False
@@ -100,8 +118,10 @@ class DiffusionInbox:
                 self.stopping = True
             if self.stopping:
                 return []
-            batch, self.queued = self.queued[:max_batch], self.queued[max_batch:]
+            count = batch_prefix([r.alone for r in self.queued], max_batch)
+            batch, self.queued = self.queued[:count], self.queued[count:]
             self.running = {r.request_id for r in batch}
+            self.alone_running = bool(batch) and batch[0].alone
             self._started(batch)
             return batch
 
@@ -116,11 +136,18 @@ class DiffusionInbox:
             if self.stopping or self.finished:
                 return []
             timeout = POLL_S
-            if self.queued and free > 0:
+            # One that runs alone starts once nothing runs, and nothing starts beside it.
+            blocked = self.alone_running or (
+                bool(self.queued) and self.queued[0].alone and bool(self.running)
+            )
+            if self.queued and free > 0 and not blocked:
                 waited = time.monotonic() - self.arrived.get(self.queued[0].request_id, 0.0)
-                if not self.running or len(self.queued) >= free or waited >= wait_s:
-                    rows, self.queued = self.queued[:free], self.queued[free:]
+                count = batch_prefix([r.alone for r in self.queued], free)
+                cut = count < len(self.queued)  # by one that runs alone: nothing more can join
+                if not self.running or len(self.queued) >= free or waited >= wait_s or cut:
+                    rows, self.queued = self.queued[:count], self.queued[count:]
                     self.running |= {r.request_id for r in rows}
+                    self.alone_running = rows[0].alone
                     self._started(rows)
                     return rows
                 timeout = wait_s - waited
@@ -156,6 +183,9 @@ class DiffusionInbox:
             aborted = self.aborted & ids
             self.running -= ids
             self.aborted -= ids
+            if not self.running:
+                self.alone_running = False
+                self.lock.notify()
         return aborted
 
     def finish(self) -> set[str]:
@@ -255,6 +285,7 @@ class DiffusionBatchLoop:
                 else:
                     failed.append(bad)
             admitted, refused = engine.admit(requests) if requests else ([], [])
+            fault_point(r.seed for group in admitted for r in group)
             failed += [self._output_of(r, transfer.pop(r.request_id, 0.0)) for r in refused]
             if failed:
                 inbox.done([o.request_id for o in failed])
@@ -324,6 +355,7 @@ class DiffusionBatchLoop:
                 outputs[message.request_id] = failed
             else:
                 requests.append(request)
+        fault_point(r.seed for r in requests)
         results = engine.generate(requests, is_aborted) if requests else []
         aborted: set[str] = set()
         for result in results:

@@ -5,7 +5,9 @@ Each class carries the HTTP status a server answers with, so a server maps a fai
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
+
+DeathPlace = Literal["running", "queued", "unsent"]
 
 
 class StageError(RuntimeError):
@@ -33,6 +35,25 @@ class StageDeadError(StageError):
     retryable: ClassVar[bool] = True
     """Whether the orchestrator runs the request again (the deployment brings the replica back itself)."""
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage_id: int | None = None,
+        request_id: str | None = None,
+        where: DeathPlace = "running",
+    ) -> None:
+        super().__init__(message, stage_id=stage_id, request_id=request_id)
+        self.where: DeathPlace = where
+        """Where the request was: ``running`` (or may have been: the default), ``queued`` (its client
+        knows it still waited in the dead replica's queue, so it cannot have caused the death) or
+        ``unsent`` (no live replica took it)."""
+
+    @property
+    def ran(self) -> bool:
+        """The request may have caused the death."""
+        return self.where == "running"
+
 
 class WorkerLostError(StageDeadError):
     """A headless stage worker (on another host) went away. Its requests fail at once (503) rather than
@@ -44,6 +65,14 @@ class WorkerLostError(StageDeadError):
 class RetriesExhaustedError(StageDeadError):
     """Replica deaths interrupted the request more often than its retry budget (``max_retries``) allows:
     a request that kills its stage every time cannot keep killing it."""
+
+
+class QuarantinedError(StageError):
+    """The request's replica died while running it alone, after its first batch had died under it too:
+    it is not run again, so that it cannot take other requests down. Not 503 (whose clients retry) but
+    500: the server failed on this request, which the log names, and running it again would fail again."""
+
+    http_status = 500
 
 
 class StageStartError(StageError):

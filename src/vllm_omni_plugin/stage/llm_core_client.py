@@ -219,7 +219,9 @@ class StageLLMCoreClient(StageCoreClientBase):
 
     async def _run(self, request: StageLLMCoreRequest) -> StageLLMCoreOutput:
         if self.state != StageState.READY or self.engine is None:
-            raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
+            raise StageDeadError(
+                f"{self.label} is {self.state.value}", stage_id=self.stage_id, where="unsent"
+            )
         EngineDeadError = resolve("EngineDeadError")
         prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
         if request.multi_modal_data:

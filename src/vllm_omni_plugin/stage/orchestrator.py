@@ -16,6 +16,13 @@ stages together); then it fails with ``RetriesExhaustedError`` (HTTP 503), logge
 A request's output reaches its client only after every stage has finished, so an interrupted request has
 delivered nothing, and every request is seeded and free of side effects: running it again gives what it
 would have given.
+
+No request takes others down twice. After a death it may have caused (it was in the batch the replica
+ran), a request runs its diffusion stage again *alone* (``StageDiffusionCoreRequest.alone``: a batch of
+its own, nothing beside it), so the batch's innocent requests are served and the culprit dies alone; a
+request whose replica dies while it runs alone, its budget spent, is failed as the culprit
+(``QuarantinedError``, HTTP 500) instead of running again. A death a request only waited through in the
+replica's queue (its client knows: ``StageDeadError.where``) costs it no retry, up to ``QUEUED_DEATHS``.
 """
 
 from __future__ import annotations
@@ -29,12 +36,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_types import StageCoreOutput
+from vllm_omni_plugin.stage.core_types import StageCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.errors import (
+    QuarantinedError,
     RequestAbortedError,
     RetriesExhaustedError,
     StageDeadError,
@@ -107,6 +117,12 @@ class OmniResult:
         return self.error is None
 
 
+QUEUED_DEATHS = 3
+"""How many replica deaths a request may see while it only waited in the replica's queue (which cost it
+no retry: it cannot have caused them) before it fails all the same: a stage that keeps dying under other
+requests does not keep this one waiting forever."""
+
+
 @dataclass
 class RetryBudget:
     """How often one request may run a stage again after a replica death (all its stages together)."""
@@ -114,12 +130,18 @@ class RetryBudget:
     request_id: str
     max_retries: int
     deaths: list[str]
+    queued_deaths: int = 0
 
-    def spend(self, stage_id: int, death: StageDeadError) -> None:
-        """Count ``death``; raises RetriesExhaustedError once the deaths outnumber the retries."""
+    def spend(self, death: StageDeadError) -> bool:
+        """Count ``death``; whether a retry is left (deaths the request only waited through count apart,
+        up to ``QUEUED_DEATHS``)."""
         self.deaths.append(str(death))
-        if len(self.deaths) <= self.max_retries:
-            return
+        if death.where == "queued" and self.queued_deaths < QUEUED_DEATHS:
+            self.queued_deaths += 1
+            return True
+        return len(self.deaths) - self.queued_deaths <= self.max_retries
+
+    def exhausted(self, stage_id: int, death: StageDeadError) -> RetriesExhaustedError:
         logger.error(
             "request %s: giving up after %d replica death(s) (max_retries %d): %s",
             self.request_id,
@@ -127,12 +149,29 @@ class RetryBudget:
             self.max_retries,
             " | ".join(self.deaths),
         )
-        raise RetriesExhaustedError(
+        return RetriesExhaustedError(
             f"stage replicas died {len(self.deaths)} time(s) while serving this request, more than its "
             f"max_retries ({self.max_retries}) allows; last: {death}",
             stage_id=stage_id,
             request_id=self.request_id,
-        ) from death
+        )
+
+    def quarantined(self, stage_id: int) -> QuarantinedError:
+        logger.error(
+            "request %s: quarantined after %d replica death(s), the last while it ran alone (max_retries "
+            "%d): %s",
+            self.request_id,
+            len(self.deaths),
+            self.max_retries,
+            " | ".join(self.deaths),
+        )
+        return QuarantinedError(
+            f"stage {stage_id}'s process died while running this request alone, after the batch it ran in "
+            f"had died too ({len(self.deaths)} deaths, max_retries {self.max_retries}); it is not run "
+            "again, so that it cannot take other requests down (the server log names it)",
+            stage_id=stage_id,
+            request_id=self.request_id,
+        )
 
 
 @dataclass
@@ -181,6 +220,8 @@ class Orchestrator:
         """Stage id -> runs again after a replica death."""
         self.exhausted: collections.Counter[int] = collections.Counter()
         """Stage id -> requests that failed there because their retry budget was spent."""
+        self.quarantined: collections.Counter[int] = collections.Counter()
+        """Stage id -> requests failed there because its replica died while running them alone."""
 
     async def generate(self, request: OmniRequest) -> OmniResult:
         """Run one request through every stage; never raises for a failed request (see ``error``)."""
@@ -290,13 +331,24 @@ class Orchestrator:
         result: OmniResult,
         budget: RetryBudget,
     ) -> StageCoreOutput | None:
-        """The stage's output for the request, run again after each replica death its budget allows."""
+        """The stage's output for the request, run again after each replica death its budget allows.
+
+        A diffusion stage runs it alone after a death it may have caused (``ran``): its batch's other
+        requests each run alone too, so the one that kills the stage does so alone once more, and then
+        fails (``QuarantinedError``) instead of taking anybody else down again."""
+        alone = False
         while True:
             try:
-                return await self._invoke(stage_id, request, sources, result)
+                return await self._invoke(stage_id, request, sources, result, alone=alone)
             except StageDeadError as death:
-                await self._after_death(stage_id, request.request_id, death, budget)
+                await self._after_death(stage_id, request.request_id, death, budget, alone=alone)
+                alone = alone or (death.ran and self._runs_alone(stage_id))
                 sources = await self._renewed_sources(stage_id, request, sources, result, budget)
+
+    def _runs_alone(self, stage_id: int) -> bool:
+        """Whether the stage can run a request alone (a diffusion stage: its batches are ours; an AR
+        stage's engine batches as it pleases)."""
+        return self.stages[stage_id].execution_type == "diffusion"
 
     async def _renewed_sources(
         self,
@@ -324,11 +376,17 @@ class Orchestrator:
         return renewed
 
     async def _invoke(
-        self, stage_id: int, request: OmniRequest, sources: dict[int, Any], result: OmniResult
+        self,
+        stage_id: int,
+        request: OmniRequest,
+        sources: dict[int, Any],
+        result: OmniResult,
+        *,
+        alone: bool = False,
     ) -> StageCoreOutput | None:
         """One invocation of a stage from its input: the processor's request(s) of the stage's pool,
         round after round for a stage with a continuation; None when the processor leaves the stage
-        nothing to do.
+        nothing to do. ``alone``: its diffusion requests run alone.
 
         A ``StageDeadError`` from anywhere in it runs the whole invocation again, so whatever an attempt
         collected before a death (outputs carrying connector handles) it must release on the way out.
@@ -345,35 +403,38 @@ class Orchestrator:
             return None
         if stage_id not in self.pools:
             raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
-        output = await self.pools[stage_id].generate(stage_request)
+        output = await self.pools[stage_id].generate(_alone(stage_request, alone))
         continuation = self.continuations.get(stage_id)
         while continuation is not None and (stage_request := continuation(output, context)) is not None:
-            output = await self.pools[stage_id].generate(stage_request)
+            output = await self.pools[stage_id].generate(_alone(stage_request, alone))
         t2 = time.perf_counter()
         result.intervals.append(StageInterval(stage_id, t1, t2))
         result.timings[f"stage_{stage_id}"] = t2 - t1
         return output
 
     async def _after_death(
-        self, stage_id: int, request_id: str, death: StageDeadError, budget: RetryBudget
+        self, stage_id: int, request_id: str, death: StageDeadError, budget: RetryBudget, *, alone: bool
     ) -> None:
-        """A replica died under the request: spend a retry (or give up) and clear what the abandoned
-        attempt left on the stage's replicas."""
+        """A replica died under the request: spend a retry (or give up: quarantined where it died running
+        ``alone``) and clear what the abandoned attempt left on the stage's replicas."""
         if not death.retryable:
             raise death
-        try:
-            budget.spend(stage_id, death)
-        except RetriesExhaustedError:
+        if not budget.spend(death):
+            if alone and death.ran:
+                self.quarantined[stage_id] += 1
+                raise budget.quarantined(stage_id) from death
             self.exhausted[stage_id] += 1
-            raise
+            raise budget.exhausted(stage_id, death) from death
         self.retries[stage_id] += 1
+        spent = len(budget.deaths) - budget.queued_deaths
         logger.warning(
-            "request %s: %s; running stage %d again (retry %d of %d)",
+            "request %s: %s; running stage %d again (%s)",
             request_id,
             death,
             stage_id,
-            len(budget.deaths),
-            budget.max_retries,
+            "it only waited: no retry spent"
+            if death.where == "queued"
+            else f"retry {spent} of {budget.max_retries}",
         )
         await self.pools[stage_id].abort([request_id])
 
@@ -394,3 +455,10 @@ class Orchestrator:
         await asyncio.gather(
             *(pool.abort([request_id]) for pool in self.pools.values()), return_exceptions=True
         )
+
+
+def _alone(stage_request: Any, alone: bool) -> Any:
+    """The stage request, run alone where it is a diffusion stage's and ``alone`` is asked."""
+    if alone and isinstance(stage_request, StageDiffusionCoreRequest):
+        return msgspec.structs.replace(stage_request, alone=True)
+    return stage_request

@@ -52,8 +52,13 @@ class PendingReplies:
                     RequestAbortedError("aborted", stage_id=self.client.stage_id, request_id=request_id)
                 )
 
-    def fail_all(self, error: BaseException) -> None:
+    def order(self) -> list[str]:
+        """The waiting requests' ids in the order they were sent."""
+        return list(self._futures)
+
+    def fail_all(self, error: BaseException, *, errors: dict[str, BaseException] | None = None) -> None:
+        """End every wait with ``error``, or with a request's own one in ``errors``."""
         futures, self._futures = self._futures, {}
-        for future in futures.values():
+        for request_id, future in futures.items():
             if not future.done():
-                future.set_exception(error)
+                future.set_exception((errors or {}).get(request_id, error))

@@ -36,6 +36,7 @@ class StageReplicaPool:
             raise StageDeadError(
                 f"stage {self.stage_id} ({self.name}) has no healthy replica ({states})",
                 stage_id=self.stage_id,
+                where="unsent",
             )
         return min(healthy, key=lambda c: (len(c.inflight), c.replica_id))
 

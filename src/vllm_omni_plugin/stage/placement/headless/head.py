@@ -135,7 +135,9 @@ class RemoteStageClient(StageCoreClientBase):
 
     async def generate(self, request: Any) -> Any:
         if self.state != StageState.READY or self.identity is None:
-            raise StageDeadError(f"{self.label} has no worker registered", stage_id=self.stage_id)
+            raise StageDeadError(
+                f"{self.label} has no worker registered", stage_id=self.stage_id, where="unsent"
+            )
         request, put_seconds = send_request_through(request, self.input_connector)
         with released_if_replica_dies(request, self.input_connector):
             message: RemoteOutput = await self._pending.wait(

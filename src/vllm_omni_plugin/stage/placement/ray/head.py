@@ -494,7 +494,9 @@ class RayStageClient(StageCoreClientBase):
 
     async def generate(self, request: Any) -> Any:
         if self.state != StageState.READY:
-            raise StageDeadError(f"{self.label} is {self.state.value}", stage_id=self.stage_id)
+            raise StageDeadError(
+                f"{self.label} is {self.state.value}", stage_id=self.stage_id, where="unsent"
+            )
         request, put_seconds = send_request_through(request, self.input_connector)
         self.inflight.add(request.request_id)
         ref = self.actor.generate.remote(self._requests.encode(request))
