@@ -229,12 +229,15 @@ FAKE_PIPELINE = Pipeline(
 register_pipeline(FAKE_PIPELINE)
 
 
-def fake_deployment(tmp_path: Path, deploy: str = "") -> ResolvedDeployment:
-    """``FAKE_PIPELINE`` resolved on CPU from a deploy config (``deploy``: more YAML after the pipeline)."""
+def fake_deployment(
+    tmp_path: Path, deploy: str = "", pipeline: str = FAKE_PIPELINE.name
+) -> ResolvedDeployment:
+    """``FAKE_PIPELINE`` (or ``pipeline``, one registered over the same fake stages) resolved on CPU from a
+    deploy config (``deploy``: more YAML after the pipeline)."""
     model = tmp_path / "fake-model"
     model.mkdir(exist_ok=True)
     path = tmp_path / "fake_deploy.yaml"
-    path.write_text(f"pipeline: {FAKE_PIPELINE.name}\n" + textwrap.dedent(deploy))
+    path.write_text(f"pipeline: {pipeline}\n" + textwrap.dedent(deploy))
     return resolve_deployment(str(model), deploy_config=str(path), platform=PLATFORMS["cpu"])
 
 

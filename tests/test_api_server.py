@@ -266,9 +266,11 @@ def test_undecodable_upload(client: openai.OpenAI) -> None:
 
 def test_oversized_upload(client: openai.OpenAI) -> None:
     big = os.urandom(UPLOAD_LIMIT + 1)
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.APIStatusError) as info:
         client.images.edit(image=("big.png", big, "image/png"), prompt="x")
-    assert f"at most {UPLOAD_LIMIT} bytes" in assert_openai_error({"error": info.value.body}, 400, "image")
+    assert info.value.status_code == 413
+    message = assert_openai_error({"error": info.value.body}, 413, "image")
+    assert f"{UPLOAD_LIMIT + 1} bytes" in message and f"at most {UPLOAD_LIMIT} bytes" in message
 
 
 def test_chat_without_image_modality(client: openai.OpenAI) -> None:

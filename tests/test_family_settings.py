@@ -40,7 +40,10 @@ def test_bagel_settings_read_what_the_client_gave(fields: dict[str, Any], given:
     [
         ({"cfg_text_scale": -1}, "cfg_text_scale: Input should be greater than or equal to 0", "cfg_text_scale"),
         ({"cfg_text_scale": 101}, "cfg_text_scale: Input should be less than or equal to 100", "cfg_text_scale"),
-        ({"cfg_text_scale": NAN}, "cfg_text_scale: Input should be less than or equal to 100", "cfg_text_scale"),
+        ({"cfg_text_scale": NAN}, "cfg_text_scale: must be a finite number", "cfg_text_scale"),
+        ({"cfg_text_scale": "-inf"}, "cfg_text_scale: must be a finite number", "cfg_text_scale"),
+        ({"max_think_tokens": "nan"}, "max_think_tokens: must be a finite number", "max_think_tokens"),
+        ({"cfg_interval": [0.4, float("inf")]}, "cfg_interval.1: must be a finite number", "cfg_interval.1"),
         ({"cfg_text_scale": "abc"}, "cfg_text_scale: Input should be a valid number, unable to parse string as a number", "cfg_text_scale"),
         ({"cfg_img_scale": -0.5}, "cfg_img_scale: Input should be greater than or equal to 0", "cfg_img_scale"),
         ({"cfg_interval": [0.5, 0.2]}, "cfg_interval must be [lo, hi] with 0 <= lo <= hi <= 1, got [0.5, 0.2]", None),

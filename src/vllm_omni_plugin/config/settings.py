@@ -7,6 +7,7 @@ validation of the other fields words it (``cfg_text_scale: Input should be great
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, Literal
@@ -68,6 +69,10 @@ def read_settings(settings_type: type[RequestSettings], fields: Mapping[str, Any
     for name, value in fields.items():
         if value is None:
             continue
+        infinite = _non_finite_part(name, value, hints[name])
+        if infinite is not None:
+            problems.append((infinite, f"{infinite}: must be a finite number"))
+            continue
         if isinstance(value, bool) and float in typing.get_args(hints[name]):
             value = float(value)  # a number field takes true/false as 1/0, as pydantic's lax mode does
         try:
@@ -83,6 +88,33 @@ def read_settings(settings_type: type[RequestSettings], fields: Mapping[str, Any
             message += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
         raise SettingError(message, param)
     return settings
+
+
+def non_finite(value: Any) -> bool:
+    """NaN or an infinity, as a number or as the text a lax number field would read as one (``"nan"``,
+    ``"-inf"``, ``"1e999"``)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, str):
+        try:
+            return not math.isfinite(float(value))
+        except ValueError:
+            return False
+    return False
+
+
+def _non_finite_part(name: str, value: Any, hint: Any) -> str | None:
+    """The param of a NaN or infinity given to a number field, or to an item of a tuple of numbers
+    (``cfg_interval.1``); None if there is none. Unchecked, NaN fails only a bound, misleadingly."""
+    for kind in [a for a in typing.get_args(hint) if a is not type(None)] or [hint]:
+        if kind in (int, float) and non_finite(value):
+            return name
+        items = typing.get_args(kind) if typing.get_origin(kind) is tuple else ()
+        if items and isinstance(value, list | tuple):
+            for i, (item, item_kind) in enumerate(zip(value, items, strict=False)):
+                if item_kind in (int, float) and non_finite(item):
+                    return f"{name}.{i}"
+    return None
 
 
 def _type_problem(name: str, value: Any, hint: Any, error: str) -> tuple[str, str]:

@@ -23,13 +23,16 @@ import socket
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 
 from vllm_omni_plugin import compat
 from vllm_omni_plugin.config import ResolvedDeployment
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
 from vllm_omni_plugin.entrypoints.openai_images import OmniAPIError
-from vllm_omni_plugin.entrypoints.routes import api_error_handler, router
+from vllm_omni_plugin.entrypoints.routes import api_error_handler, framework_error_handler, router
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.placement.base import StagePlacement
@@ -53,6 +56,7 @@ def build_api_app(args: argparse.Namespace, server: OmniServer) -> FastAPI:
     logger.debug("vLLM routes not served by the omni server: %s", ", ".join(map(str, dropped)))
     app.include_router(router)
     app.add_exception_handler(OmniAPIError, api_error_handler)
+    _framework_errors_as_error_json(app)
     # vLLM's build_app returns an app whose middleware stack is already built (SageMaker's bootstrap
     # builds it), and a built stack holds a copy of the exception handlers: rebuild it on first use.
     app.middleware_stack = None
@@ -64,6 +68,21 @@ def build_api_app(args: argparse.Namespace, server: OmniServer) -> FastAPI:
 
 def _keep_route(route: Any) -> bool:
     return getattr(route, "path", None) in KEEP_VLLM_PATHS
+
+
+def _framework_errors_as_error_json(app: FastAPI) -> None:
+    """Starlette's routing errors (404, 405) and FastAPI's request validation errors as error JSON on our
+    paths, where vLLM's app left FastAPI's ``{"detail": ...}`` answer (vLLM 0.32 handles FastAPI's
+    ``HTTPException`` subclass and validation errors itself, not the router's own errors); elsewhere
+    the handler it replaces answers, so vLLM's routes answer as in ``vllm serve``."""
+    defaults = {
+        HTTPException: http_exception_handler,
+        RequestValidationError: request_validation_exception_handler,
+    }
+    for exc_type, default in defaults.items():
+        current = app.exception_handlers.get(exc_type, default)
+        if current is default:
+            app.add_exception_handler(exc_type, framework_error_handler(current))
 
 
 # --- running -----------------------------------------------------------------------------------

@@ -13,19 +13,32 @@ import base64
 import binascii
 import io
 import re
+import typing
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from vllm_omni_plugin.config.settings import non_finite
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     499: "ClientClosedRequest",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -65,6 +78,49 @@ def error_body(message: str, status: int, param: str | None = None) -> bytes:
         except ValueError:
             err_type = "Error"
     return msgspec.json.encode(ErrorResponse(ErrorInfo(message, err_type, param, status)))
+
+
+# --- JSON in -----------------------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 64
+"""How deeply a request's JSON may nest (a chat request with image parts nests 5 levels). Deeper JSON is
+refused before anything walks it: a body of 100,000 ``[`` would otherwise exhaust the recursion limit."""
+
+# float_hook: a number out of float range (1e999) reads as inf, which the request types refuse naming
+# its field, instead of failing the whole body as "Number out of range".
+_JSON_DECODER = msgspec.json.Decoder(float_hook=float)
+_TOO_DEEP = object()
+
+
+def decode_json(data: bytes | str, what: str = "the request body", param: str | None = None) -> Any:
+    """JSON text -> Python values; malformed or nested deeper than :data:`MAX_JSON_DEPTH` -> 400."""
+    try:
+        value = _JSON_DECODER.decode(data)
+    except RecursionError:
+        value = _TOO_DEEP
+    except msgspec.DecodeError as exc:
+        raise OmniAPIError(f"{what} is not valid JSON ({exc})", param=param) from None
+    if value is _TOO_DEEP or _nested_deeper_than(value, MAX_JSON_DEPTH):
+        raise OmniAPIError(
+            f"{what} is JSON nested too deeply (this server reads at most {MAX_JSON_DEPTH} levels of "
+            "arrays and objects)",
+            param=param,
+        )
+    return value
+
+
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value``'s lists and dicts nest more than ``limit`` levels (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 # --- limits ------------------------------------------------------------------------------------
@@ -145,6 +201,11 @@ def _drop_ignored(data: Any, ignored: frozenset[str]) -> Any:
     return out
 
 
+def _is_number(annotation: Any) -> bool:
+    """An ``int`` or ``float`` field (optional or not)."""
+    return any(kind in (int, float) for kind in typing.get_args(annotation) or (annotation,))
+
+
 class ImageParams(BaseModel):
     """The generation knobs shared by every endpoint: OpenAI's plus the diffusion ones. Other fields are
     kept aside (``family_fields``) for the deployment's model family to read (its settings type, e.g.
@@ -156,6 +217,16 @@ class ImageParams(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     negative_prompt: str | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _finite(cls, value: Any, info: ValidationInfo) -> Any:
+        """NaN and the infinities (``"nan"``, ``"inf"``, ``1e999``) are no value a client means; unchecked,
+        NaN fails only a bound, with a misleading message (``should be <= 100``)."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _is_number(field.annotation) and non_finite(value):
+            raise ValueError("must be a finite number")
+        return value
 
     @property
     def family_fields(self) -> dict[str, Any]:
@@ -276,40 +347,63 @@ def parse_request(cls: type[RequestT], data: Any) -> RequestT:
 # --- images in ---------------------------------------------------------------------------------
 
 
-def decode_image(data: bytes, limits: ImageLimits, param: str = "image") -> np.ndarray:
-    """Uploaded bytes -> uint8 HxWx3 RGB; too large or not an image -> 400."""
+def decode_image(
+    data: bytes, limits: ImageLimits, param: str = "image", name: str | None = None
+) -> np.ndarray:
+    """Uploaded bytes -> uint8 HxWx3 RGB; too many bytes or pixels -> 413, empty or not an image -> 400.
+    ``name`` (the upload's file name) says which image in the messages."""
     from PIL import Image, UnidentifiedImageError
 
+    subject = repr(name) if name else "the image"
     if len(data) > limits.max_upload_bytes:
         raise OmniAPIError(
-            f"{param}: the image is {len(data)} bytes; this server accepts at most "
-            f"{limits.max_upload_bytes} bytes per image",
+            f"{param}: {subject} is {len(data)} bytes; this server accepts at most {limits.max_upload_bytes} "
+            "bytes per image",
+            status=413,
             param=param,
         )
     if not data:
-        raise OmniAPIError(f"{param}: the image is empty", param=param)
-    max_pixels = (4 * limits.max_side) ** 2
+        raise OmniAPIError(f"{param}: {subject} is empty (0 bytes)", param=param)
+    max_pixels = max_image_pixels(limits)
     try:
         with Image.open(io.BytesIO(data)) as image:
             width, height = image.size
             if width * height > max_pixels:
                 raise OmniAPIError(
-                    f"{param}: {width}x{height} pixels is too large (at most {max_pixels} pixels)",
+                    f"{param}: {subject} is too large: {width}x{height} is {width * height} pixels; this "
+                    f"server accepts at most {max_pixels} pixels",
+                    status=413,
                     param=param,
                 )
             image.load()
             return np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
     except OmniAPIError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+    except Image.DecompressionBombError as exc:
+        # PIL refuses, in Image.open, a header declaring more than twice its MAX_IMAGE_PIXELS, before our
+        # own check sees the size; its message carries the pixel count.
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        pixels = f"{found.group(1)} pixels" if found else "more pixels than PIL decodes"
         raise OmniAPIError(
-            f"{param}: cannot decode the upload as a PNG, JPEG or WebP image", param=param
+            f"{param}: {subject} is too large: {pixels}; this server accepts at most {max_pixels} pixels",
+            status=413,
+            param=param,
+        ) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise OmniAPIError(
+            f"{param}: cannot decode {subject} as a PNG, JPEG or WebP image", param=param
         ) from None
 
 
+def max_image_pixels(limits: ImageLimits) -> int:
+    """The most pixels a source image may have: room to resize one four times the largest output side."""
+    return (4 * limits.max_side) ** 2
+
+
 _DATA_URI = re.compile(
-    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.S
+    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.S | re.I
 )
+"""RFC 2397: the scheme, media type and ``base64`` are case-insensitive (``DATA:image/PNG;BASE64,``)."""
 
 
 def decode_data_uri(url: str, limits: ImageLimits, param: str) -> np.ndarray:
@@ -324,7 +418,9 @@ def decode_data_uri(url: str, limits: ImageLimits, param: str) -> np.ndarray:
     payload = match.group("data")
     if len(payload) > 4 * (limits.max_upload_bytes // 3 + 2):
         raise OmniAPIError(
-            f"{param}: the image is larger than this server's limit of {limits.max_upload_bytes} bytes",
+            f"{param}: the image is about {len(payload) * 3 // 4} bytes; this server accepts at most "
+            f"{limits.max_upload_bytes} bytes per image",
+            status=413,
             param=param,
         )
     try:

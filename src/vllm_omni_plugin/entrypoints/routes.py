@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
-from starlette.datastructures import UploadFile
+from fastapi.routing import APIRoute
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import ClientDisconnect
 
-from vllm_omni_plugin.entrypoints.omni_server import OmniServer
+from vllm_omni_plugin.entrypoints.omni_server import OmniServer, http_status
 from vllm_omni_plugin.entrypoints.openai_images import (
     MEDIA_TYPES,
     ChatChoice,
@@ -37,6 +44,7 @@ from vllm_omni_plugin.entrypoints.openai_images import (
     chat_prompt_and_images,
     data_uri,
     decode_image,
+    decode_json,
     encode_image,
     error_body,
     fit_to_grid,
@@ -44,11 +52,44 @@ from vllm_omni_plugin.entrypoints.openai_images import (
     parse_request,
     parse_size,
 )
+from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
 
-MEDIA_NAME = re.compile(r"^[0-9a-f]{32}\.(png|jpeg|webp)$")
+logger = get_logger(__name__)
 
-router = APIRouter()
+MEDIA_NAME = re.compile(r"^[0-9a-f]{32}\.(png|jpeg|webp)$")
+FORM_MEDIA_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+IMAGE_FIELDS = ("image", "image[]")
+MAX_FORM_FIELDS = 64
+MAX_FIELD_BYTES = 1024 * 1024
+"""The most bytes of one form field that is not a file (a prompt, a setting); images come as files."""
+_BOUNDARY = re.compile(r';\s*boundary\s*=\s*("[^"]+"|[^;\s]+)', re.I)
+
+
+class OmniRoute(APIRoute):
+    """Our routes' safety net: an error no check turned into an ``OmniAPIError`` (a bug) is answered here
+    as error JSON and logged with its traceback. Left to the app, it would reach Starlette's
+    ServerErrorMiddleware, which answers 500 and re-raises, and the HTTP server then drops the connection."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(raw: Request) -> Response:
+            try:
+                return await handler(raw)
+            except (OmniAPIError, HTTPException, RequestValidationError):
+                raise
+            except ClientDisconnect:
+                raise OmniAPIError("the client disconnected", status=499) from None
+            except Exception as exc:
+                status = http_status(exc)
+                logger.error("%s %s failed (%d)", raw.method, raw.url.path, status, exc_info=exc)
+                return _error(f"{type(exc).__name__}: {exc}", status)
+
+        return guarded
+
+
+router = APIRouter(route_class=OmniRoute)
 
 
 @router.post("/v1/images/generations")
@@ -77,36 +118,9 @@ async def edit_images(raw: Request) -> Response:
     server = _server(raw)
     limits = server.limits
     server.check_image_input(1, "images/edits", "image")
-    if not raw.headers.get("content-type", "").lower().startswith("multipart/form-data"):
-        raise OmniAPIError("images/edits takes a multipart/form-data body (the image files and form fields)")
-    length = raw.headers.get("content-length")
-    max_body = limits.max_upload_bytes * limits.max_input_images + 1024 * 1024
-    if length is not None and length.isdigit() and int(length) > max_body:
-        raise OmniAPIError(
-            f"the upload is {length} bytes; this server accepts at most {limits.max_upload_bytes} bytes per "
-            f"image and {limits.max_input_images} images",
-            param="image",
-        )
+    form = await _read_form(raw, limits)
     try:
-        form = await raw.form(max_files=limits.max_input_images + 1, max_fields=64)
-    except Exception as exc:  # starlette's MultiPartException and parser errors
-        raise OmniAPIError(f"malformed multipart body: {exc}") from None
-    try:
-        files: list[UploadFile] = []
-        fields: dict[str, Any] = {}
-        for key, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                if key not in ("image", "image[]"):
-                    raise OmniAPIError(f"{key}: file uploads other than image are not supported", param=key)
-                files.append(value)
-            elif key in ("image", "image[]"):
-                raise OmniAPIError("image must be an uploaded file", param="image")
-            else:
-                fields[key] = value
-        if not files:
-            raise OmniAPIError("upload at least one image (form field `image`)", param="image")
-        if len(files) > limits.max_input_images:
-            raise OmniAPIError(f"at most {limits.max_input_images} images per request", param="image")
+        files, fields = _edit_parts(form, limits)
         req = parse_request(ImageEditRequest, fields)
         server.check_model(req.model)
         settings = server.check_settings(req)
@@ -116,12 +130,13 @@ async def edit_images(raw: Request) -> Response:
         for upload in files:
             if upload.size is not None and upload.size > limits.max_upload_bytes:
                 raise OmniAPIError(
-                    f"image: {upload.filename or 'the upload'} is {upload.size} bytes; this server "
-                    f"accepts at most {limits.max_upload_bytes} bytes per image",
+                    f"image: {_file_label(upload)} is {upload.size} bytes; this server accepts at most "
+                    f"{limits.max_upload_bytes} bytes per image",
+                    status=413,
                     param="image",
                 )
             blob = await upload.read()
-            images.append(await asyncio.to_thread(decode_image, blob, limits, "image"))
+            images.append(await asyncio.to_thread(decode_image, blob, limits, "image", upload.filename))
     finally:
         await form.close()
     width, height = size or fit_to_grid(images[0].shape[1], images[0].shape[0], limits)
@@ -157,13 +172,7 @@ async def chat_completions(raw: Request) -> Response:
     if not req.wants_image:
         return await _chat_text(server, raw, req, model, prompt, images, settings)
     server.check_image_input(len(images), "chat/completions", "messages")
-    size = parse_size(req.size, limits)
-    if size is None and (req.height is not None or req.width is not None):
-        size = (req.width or limits.default_width, req.height or limits.default_height)
-    if size is None and images:
-        size = fit_to_grid(images[0].shape[1], images[0].shape[0], limits)
-    width, height = size or (limits.default_width, limits.default_height)
-    size_param = "size" if req.size else "height"
+    width, height, size_param = _chat_size(req, limits, images)
     server.check_size(width, height, param=size_param)
     server.check_ar_tokens(prompt, images, width, height, size_param=size_param, source_param="messages")
     output_format = req.output_format or "png"
@@ -264,8 +273,52 @@ async def media(name: str, raw: Request) -> Response:
 
 async def api_error_handler(raw: Request, exc: Exception) -> Response:
     assert isinstance(exc, OmniAPIError)
-    return Response(
-        error_body(exc.message, exc.status, exc.param), status_code=exc.status, media_type="application/json"
+    return _error(exc.message, exc.status, exc.param)
+
+
+Handler = Callable[[Request, Any], Awaitable[Response]]
+
+
+def framework_error_handler(fallback: Handler) -> Handler:
+    """FastAPI's and Starlette's own errors (404 no such route, 405 method not allowed, request validation)
+    as our error JSON on our paths (``/v1/...``, ``/health``, ``/media/...``); ``fallback`` answers
+    elsewhere, so vLLM's own routes answer as in ``vllm serve``."""
+
+    async def handler(raw: Request, exc: Any) -> Response:
+        path = raw.url.path
+        root = raw.scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if not _our_path(path):
+            return await fallback(raw, exc)
+        if isinstance(exc, RequestValidationError):
+            first = exc.errors()[0] if exc.errors() else {}
+            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            return _error(f"{param}: {first.get('msg', 'invalid value')}", 400, param)
+        status = int(getattr(exc, "status_code", 500))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if status == 404:
+            message = f"{raw.method} {path}: this server has no such route; it serves {_served_routes()}"
+        elif status == 405:
+            allowed = headers.get("Allow") or headers.get("allow") or "another method"
+            message = f"{raw.method} is not allowed on {path}; use {allowed}"
+        else:
+            message = str(getattr(exc, "detail", "") or exc)
+        return _error(message, status, headers=headers)
+
+    return handler
+
+
+def _our_path(path: str) -> bool:
+    return path == "/v1" or path.startswith(("/v1/", "/media/")) or path == "/health"
+
+
+def _served_routes() -> str:
+    return ", ".join(
+        f"{method} {route.path}"
+        for route in router.routes
+        if isinstance(route, APIRoute) and route.path.startswith("/v1/")
+        for method in sorted(route.methods)
     )
 
 
@@ -280,19 +333,204 @@ def _json(value: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(value), status_code=status, media_type="application/json")
 
 
+def _error(
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        error_body(message, status, param), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+def _media_type(raw: Request) -> str:
+    return raw.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
 async def _read_json(raw: Request, max_bytes: int) -> Any:
-    length = raw.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise OmniAPIError(f"the request body is larger than this server's limit of {max_bytes} bytes")
-    body = await raw.body()
-    if len(body) > max_bytes:
-        raise OmniAPIError(f"the request body is larger than this server's limit of {max_bytes} bytes")
+    """The JSON body. A form body is refused (415); one without a Content-Type, or ``text/plain`` (curl's
+    ``-d`` without ``-H``), is read as JSON."""
+    media_type = _media_type(raw)
+    if media_type in FORM_MEDIA_TYPES:
+        raise OmniAPIError(
+            f"{raw.url.path} takes a JSON body: send it as Content-Type: application/json, not {media_type}",
+            status=415,
+        )
+    async with contextlib.aclosing(_body(raw, max_bytes)) as chunks:
+        body = b"".join([chunk async for chunk in chunks])
     if not body.strip():
         raise OmniAPIError("the request body is empty; send a JSON object")
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise OmniAPIError(f"the request body is not valid JSON ({exc})") from None
+    return decode_json(body)
+
+
+async def _body(raw: Request, max_bytes: int, allowed: str = "") -> AsyncIterator[bytes]:
+    """The body as it arrives, held to ``max_bytes`` (413, ``allowed`` says what that allows) and to its
+    Content-Length (400): a chunked body has none, and only the ASGI app sees a short one."""
+    limit = f"this server accepts at most {max_bytes} bytes{allowed}"
+    length = raw.headers.get("content-length")
+    declared = None
+    if length is not None:
+        if not length.strip().isdigit():
+            raise OmniAPIError(f"the Content-Length header {length!r} is not a number of bytes")
+        declared = int(length)
+        if declared > max_bytes:
+            raise OmniAPIError(f"the request body is {declared} bytes; {limit}", status=413)
+    received = 0
+    async for chunk in raw.stream():
+        received += len(chunk)
+        if received > max_bytes:
+            raise OmniAPIError(f"the request body is over {max_bytes} bytes; {limit}", status=413)
+        if declared is not None and received > declared:
+            raise OmniAPIError(f"the request body is longer than its Content-Length ({declared} bytes)")
+        yield chunk
+    if declared is not None and received != declared:
+        raise OmniAPIError(
+            f"the request body ended after {received} bytes; its Content-Length says {declared} bytes"
+        )
+
+
+class _MultiPartParser(MultiPartParser):
+    """Starlette's multipart parser, noting whether the body reached its closing boundary (the parser
+    itself accepts a truncated body) and naming what overran a limit."""
+
+    ended = False
+
+    def __init__(self, *args: Any, max_images: int, **kwargs: Any) -> None:
+        # One file more than images: an unknown file field is named (``_edit_parts``), not counted.
+        super().__init__(*args, max_files=max_images + 1, **kwargs)
+        self.max_images = max_images
+
+    def on_end(self) -> None:
+        self.ended = True
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        try:
+            super().on_part_data(data, start, end)
+        except MultiPartException:
+            name = getattr(getattr(self, "_current_part", None), "field_name", "") or "a form field"
+            raise OmniAPIError(
+                f"{name}: the form field's value is over {self.max_part_size} bytes, the most this server "
+                "reads from a field that is not a file (images go as files)",
+                status=413,
+                param=name,
+            ) from None
+
+    def on_headers_finished(self) -> None:
+        try:
+            super().on_headers_finished()
+        except MultiPartException as exc:
+            if getattr(self, "_current_files", 0) > self.max_files:
+                raise OmniAPIError(
+                    f"too many files: this server takes at most {self.max_images} images per request",
+                    param="image",
+                ) from None
+            if getattr(self, "_current_fields", 0) > self.max_fields:
+                raise OmniAPIError(
+                    f"too many form fields: this server reads at most {self.max_fields}"
+                ) from None
+            raise OmniAPIError(f"malformed multipart body: {exc.message}") from None
+
+
+async def _read_form(raw: Request, limits: ImageLimits) -> FormData:
+    """The edit's multipart form, every part checked as it arrives: a body that is no form (415), has no
+    boundary, is truncated or malformed (400), or is over a limit (413) is refused naming the problem."""
+    content_type = raw.headers.get("content-type", "")
+    media_type = _media_type(raw)
+    if media_type != "multipart/form-data":
+        sent = f"not {media_type}" if media_type else "and this one has no Content-Type"
+        raise OmniAPIError(
+            f"images/edits takes a multipart/form-data body (the image files and form fields), {sent}",
+            status=415,
+        )
+    if _BOUNDARY.search(content_type) is None:
+        raise OmniAPIError(
+            f"the Content-Type {content_type!r} has no boundary parameter "
+            "(multipart/form-data; boundary=...); let the HTTP client build the form"
+        )
+    max_body = limits.max_upload_bytes * limits.max_input_images + 1024 * 1024
+    allowed = f" ({limits.max_input_images} images of at most {limits.max_upload_bytes} bytes and the fields)"
+    async with contextlib.aclosing(_body(raw, max_body, allowed)) as chunks:
+        parser = _MultiPartParser(
+            raw.headers,
+            chunks,
+            max_images=limits.max_input_images,
+            max_fields=MAX_FORM_FIELDS,
+            max_part_size=MAX_FIELD_BYTES,
+        )
+        try:
+            form = await parser.parse()
+        except MultiPartException as exc:
+            cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+            raise OmniAPIError(f"malformed multipart body: {exc.message}{cause}") from None
+    if not parser.ended:
+        await form.close()
+        raise OmniAPIError("the multipart body is truncated: it ends before its closing boundary")
+    return form
+
+
+def _edit_parts(form: FormData, limits: ImageLimits) -> tuple[list[UploadFile], dict[str, Any]]:
+    """The edit's image files and its other fields, each sent once (a repeated field is refused, not
+    one of its values picked)."""
+    files: list[UploadFile] = []
+    fields: dict[str, Any] = {}
+    for key, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            if key not in IMAGE_FIELDS:
+                raise OmniAPIError(f"{key}: file uploads other than image are not supported", param=key)
+            files.append(value)
+        elif key in IMAGE_FIELDS:
+            raise OmniAPIError("image must be an uploaded file (a form part with a filename)", param="image")
+        elif key in fields:
+            raise OmniAPIError(f"{key} is repeated: send it once", param=key)
+        else:
+            fields[key] = _form_value(key, value)
+    if not files:
+        raise OmniAPIError("upload at least one image (form field `image`)", param="image")
+    if len(files) > limits.max_input_images:
+        raise OmniAPIError(
+            f"too many files: this server takes at most {limits.max_input_images} images per request",
+            param="image",
+        )
+    return files, fields
+
+
+def _file_label(upload: UploadFile) -> str:
+    return repr(upload.filename) if upload.filename else "the upload"
+
+
+def _form_value(key: str, value: str) -> Any:
+    """A form field as the request types read it. A form carries only text: a field beyond the request
+    type's own (a family setting) whose value is a JSON array or object is that value (BAGEL's
+    ``cfg_interval=[0.4, 1.0]``)."""
+    if key in ImageEditRequest.model_fields or not value.lstrip().startswith(("[", "{")):
+        return value
+    return decode_json(value, key, param=key)
+
+
+def _chat_size(req: ChatCompletionRequest, limits: ImageLimits, images: list[Any]) -> tuple[int, int, str]:
+    """Width, height and the field that set them: ``size``, else ``width``/``height`` (an absent one is
+    the default; 0 is refused like any size off the grid), else the source's aspect, else the default."""
+    size = parse_size(req.size, limits)
+    if size is not None:
+        return size[0], size[1], "size"
+    if req.width is None and req.height is None:
+        if images:
+            return (*fit_to_grid(images[0].shape[1], images[0].shape[0], limits), "height")
+        return limits.default_width, limits.default_height, "height"
+    for name, side in (("width", req.width), ("height", req.height)):
+        if side is None:
+            continue
+        if side < limits.min_side or side % limits.multiple:
+            raise OmniAPIError(
+                f"{name} must be a multiple of {limits.multiple} and at least {limits.min_side} pixels, "
+                f"got {side}",
+                param=name,
+            )
+        if side > limits.max_side:
+            raise OmniAPIError(
+                f"{name} must be at most {limits.max_side} pixels on this server, got {side}", param=name
+            )
+    width = req.width if req.width is not None else limits.default_width
+    height = req.height if req.height is not None else limits.default_height
+    return width, height, "height" if req.height is not None else "width"
 
 
 def _json_limit(limits: ImageLimits) -> int:
