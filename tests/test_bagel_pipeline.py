@@ -8,6 +8,7 @@ BAGEL's ``interleave_inference`` in this process, sharing no model code with the
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -288,3 +289,23 @@ def test_the_deploy_configs_settings_and_steps_reach_the_request_before_stage_0(
     assert own.num_inference_steps == 4
     assert own.generation_params == {"think": False, "cfg_text_scale": 3.0}
     assert not thinks(SimpleNamespace(request=own, stage_id=1))
+
+
+def test_requests_the_thinker_cannot_hold_are_refused_naming_each_count(omni: Omni) -> None:
+    """Before the thinker runs: the plan a think request may write counts with its prompt (vLLM would
+    call the whole a prompt of that many tokens), and an answer needs room after a long prompt."""
+    from vllm_omni_plugin.stage.errors import StageRequestError
+
+    think = OmniRequest(prompt="a red fox", think=True, generation_params={"max_think_tokens": 1000})
+    long_chat = OmniRequest(prompt=" ".join(["fox"] * 1500), modality="text")
+    fits = OmniRequest(prompt="a red fox", think=True, generation_params={"max_think_tokens": 100})
+    refused_think, refused_chat, served = omni.generate([think, long_chat, fits])
+    for result in (refused_think, refused_chat):
+        assert isinstance(result.exception, StageRequestError) and result.error_stage == 0, result.error
+        assert "of the thinker's max_model_len 1024" in result.error
+    assert "the plan (max_think_tokens 1000)" in refused_think.error
+    assert re.search(r"prompt \d+ \+ the plan", refused_think.error)
+    assert re.search(
+        r"prompt 15\d\d \+ at least one answer token 1; the prompt alone leaves no room", refused_chat.error
+    )
+    assert served.ok, served.error

@@ -507,7 +507,7 @@ def test_form_fields_holding_json_arrays_reach_the_family_settings(tmp_path: Pat
                 seen.append(request)
                 return generate(request)
 
-            server.omni.generate = recording  # type: ignore[method-assign]
+            setattr(server.omni, "generate", recording)  # noqa: B010 - the instance's, not the class's
 
             async def edit(**fields: str) -> httpx.Response:
                 data = {"prompt": "make it blue", **fields}

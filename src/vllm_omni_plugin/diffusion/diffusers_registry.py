@@ -49,6 +49,12 @@ class ModelFacts:
     """It turns source images into the output (edits, image-to-image)."""
     needs_images: bool
     """It cannot run without a source image (an edit pipeline)."""
+    max_images: int | None = 1
+    """Source images a request may have (None: any number)."""
+    prompt_token_limit: int | None = None
+    """The most prompt tokens it encodes (None: its pipeline truncates longer prompts itself)."""
+    prompt_tokenizer: str = "tokenizer"
+    """The model folder's tokenizer that counts them."""
 
 
 def call_parameters(pipeline_cls: type) -> Mapping[str, inspect.Parameter]:
@@ -157,7 +163,14 @@ def inspect_model(model: str) -> ModelFacts:
     runner = runner_class(name)
     pipeline_cls = checked_pipeline_class(runner.pipeline_class or name, runner)
     _negative, takes_images = runner.input_support(call_parameters(pipeline_cls))
-    return ModelFacts(pipeline_class=name, takes_images=takes_images, needs_images=runner.needs_images)
+    return ModelFacts(
+        pipeline_class=name,
+        takes_images=takes_images,
+        needs_images=runner.needs_images,
+        max_images=runner.max_images,
+        prompt_token_limit=runner.prompt_token_limit,
+        prompt_tokenizer=runner.prompt_tokenizer,
+    )
 
 
 def pipeline_class_name(model: str | Path) -> str:

@@ -194,6 +194,14 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Largest input image (images/edits upload or chat image_url) the API accepts.",
     )
     group.add_argument(
+        "--image-max-prompt-chars",
+        type=_positive_int,
+        default=32_000,
+        metavar="CHARS",
+        help="Longest prompt (and negative prompt, and chat message text) in characters the API accepts, "
+        "checked before anything is tokenized; the model's own token limit applies too.",
+    )
+    group.add_argument(
         "--image-max-inference-steps",
         type=_positive_int,
         default=1000,

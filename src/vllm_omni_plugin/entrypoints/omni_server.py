@@ -22,10 +22,16 @@ from vllm_omni_plugin.config.pipeline import registered_pipelines
 from vllm_omni_plugin.config.settings import SettingError, read_settings
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
-from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, check_dimensions
+from vllm_omni_plugin.entrypoints.openai_images import (
+    ImageLimits,
+    OmniAPIError,
+    check_dimensions,
+    check_prompt_length,
+)
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
+from vllm_omni_plugin.stage.input_work import input_work
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
 from vllm_omni_plugin.stage.request_defaults import SizeDefaults
 
@@ -63,13 +69,19 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
     names = list(getattr(args, "served_model_name", None) or []) or [args.model]
     dit = next((s for s in deployment.stages if s.execution_type == "diffusion"), None)
     defaults = dit.diffusion_args if dit is not None else {}
+    facts = import_object(pipeline.model_inspector)(deployment.model) if pipeline.model_inspector else None
+    max_images = ImageLimits.max_input_images
+    if facts is not None and facts.max_images is not None:  # what the model's pipeline takes per request
+        max_images = min(max_images, facts.max_images)
     limits = ImageLimits(
         multiple=pipeline.image_size_multiple,
         max_side=int(getattr(args, "image_max_size", None) or ImageLimits.max_side),
         max_upload_bytes=int(getattr(args, "image_max_upload_bytes", None) or ImageLimits.max_upload_bytes),
+        max_input_images=max_images,
         max_inference_steps=int(
             getattr(args, "image_max_inference_steps", None) or ImageLimits.max_inference_steps
         ),
+        max_prompt_chars=int(getattr(args, "image_max_prompt_chars", None) or ImageLimits.max_prompt_chars),
         default_width=int(defaults.get("width") or ImageLimits.default_width),
         default_height=int(defaults.get("height") or ImageLimits.default_height),
     )
@@ -77,7 +89,6 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
     budget = None
     if ar is not None and pipeline.ar_token_budget:
         budget = functools.partial(import_object(pipeline.ar_token_budget), deployment.model)
-    facts = import_object(pipeline.model_inspector)(deployment.model) if pipeline.model_inspector else None
     images_refused = None
     if ar is not None and ar.model_runner == "v2" and pipeline.stage(ar.stage_id).images_need_v1_runner:
         images_refused = (
@@ -174,7 +185,13 @@ class OmniServer:
     def check_size(self, width: int, height: int, param: str = "size") -> None:
         check_dimensions(width, height, self.limits, param)
 
-    def check_ar_tokens(
+    def check_prompts(self, prompt: str | None, negative_prompt: str | None, param: str = "prompt") -> None:
+        """The prompts' lengths in characters, before anything tokenizes them (the model's own token limits
+        are checked off the event loop, before any stage runs)."""
+        check_prompt_length(prompt, self.limits, param)
+        check_prompt_length(negative_prompt, self.limits, "negative_prompt")
+
+    async def check_ar_tokens(
         self,
         prompt: str,
         images: Sequence[Any],
@@ -185,13 +202,14 @@ class OmniServer:
         source_param: str = "prompt",
     ) -> None:
         """Refuse, before any stage runs, a request the AR stage cannot hold: its prompt, source images
-        and generated tokens together over ``max_model_len`` (vLLM would fail it only after the work)."""
+        and generated tokens together over ``max_model_len`` (vLLM would fail it only after the work).
+        Counted on the input worker (``stage/input_work.py``): it tokenizes."""
         budget, max_len = self.settings.token_budget, self.settings.ar_max_model_len
         if budget is None or not max_len:
             return
         sizes = [_image_size(img) for img in images]
         try:
-            count = budget(prompt, sizes, width, height, int(max_len))
+            count = await input_work(budget, prompt, sizes, width, height, int(max_len))
         except ValueError as exc:  # a source image the pipeline's processor cannot take
             raise OmniAPIError(str(exc), param=source_param) from None
         if count.total <= max_len:

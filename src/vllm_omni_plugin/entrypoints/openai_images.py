@@ -136,6 +136,11 @@ class ImageLimits:
     max_upload_bytes: int = 20 * 1024 * 1024
     max_input_images: int = 4
     max_inference_steps: int = 1000
+    max_prompt_chars: int = 32_000
+    """The longest prompt in characters (``--image-max-prompt-chars``), checked before tokenizing."""
+    max_aspect_ratio: float = 200.0
+    """The most a source image's longer side may exceed its shorter one by (Qwen2-VL's image processor,
+    Qwen-Image-Edit's, refuses more; no model here takes more)."""
     default_width: int = 1024
     default_height: int = 1024
 
@@ -157,6 +162,16 @@ def parse_size(size: str | None, limits: ImageLimits, param: str = "size") -> tu
     width, height = int(match.group(1)), int(match.group(2))
     check_dimensions(width, height, limits, param)
     return width, height
+
+
+def check_prompt_length(text: str | None, limits: ImageLimits, param: str = "prompt") -> None:
+    """Refuse, before anything tokenizes it, a prompt longer than the operator allows."""
+    if text is not None and len(text) > limits.max_prompt_chars:
+        raise OmniAPIError(
+            f"{param} is {len(text)} characters; this server accepts at most {limits.max_prompt_chars} "
+            "(--image-max-prompt-chars)",
+            param=param,
+        )
 
 
 def check_dimensions(width: int, height: int, limits: ImageLimits, param: str = "size") -> None:
@@ -373,6 +388,13 @@ def decode_image(
                     f"{param}: {subject} is too large: {width}x{height} is {width * height} pixels; this "
                     f"server accepts at most {max_pixels} pixels",
                     status=413,
+                    param=param,
+                )
+            if max(width, height) > limits.max_aspect_ratio * max(1, min(width, height)):
+                most = f"{limits.max_aspect_ratio:g}:1"
+                raise OmniAPIError(
+                    f"{param}: {subject} is {width}x{height}, an aspect ratio over {most}; this server "
+                    f"accepts at most {most}",
                     param=param,
                 )
             image.load()

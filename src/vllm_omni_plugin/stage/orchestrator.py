@@ -51,6 +51,7 @@ from vllm_omni_plugin.stage.errors import (
     StageError,
     StageRequestError,
 )
+from vllm_omni_plugin.stage.input_work import input_work
 from vllm_omni_plugin.stage.payload import carries_handles, release
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 from vllm_omni_plugin.stage.request_defaults import DeploymentDefaults
@@ -396,7 +397,7 @@ class Orchestrator:
         if processor is None:
             raise StageError(f"stage {stage_id} has no input processor", stage_id=stage_id)
         context = ProcessorContext(self.deployment.model, self.deployment, stage_id, request, result.notes)
-        stage_request = processor(sources, context)
+        stage_request = await input_work(processor, sources, context)
         t1 = time.perf_counter()
         result.timings[f"processor_{stage_id}"] = t1 - t0
         if stage_request is None:
@@ -405,7 +406,10 @@ class Orchestrator:
             raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
         output = await self.pools[stage_id].generate(_alone(stage_request, alone))
         continuation = self.continuations.get(stage_id)
-        while continuation is not None and (stage_request := continuation(output, context)) is not None:
+        while continuation is not None:
+            stage_request = await input_work(continuation, output, context)
+            if stage_request is None:
+                break
             output = await self.pools[stage_id].generate(_alone(stage_request, alone))
         t2 = time.perf_counter()
         result.intervals.append(StageInterval(stage_id, t1, t2))

@@ -138,16 +138,44 @@ def plan_contexts(
     return plan
 
 
-def image_block_tokens(model_dir: str, image: Any) -> int:
-    """Tokens one input image takes in an edit context: its VAE block and its ViT block, markers included."""
+def image_block_tokens(model_dir: str, image: Any, *, vae: bool = True) -> int:
+    """Tokens one input image takes in a context: its VAE block (an edit's; ``vae``) and its ViT block,
+    markers included."""
     from vllm_omni_plugin.models.bagel.transforms import ImageTransform, as_pil
 
     cfg = _config(model_dir)
     width, height = ImageTransform(cfg.vae_transform).size(*as_pil(image).size)
     vit_w, vit_h = ImageTransform(cfg.vit_transform).size(width, height)
-    vae = (height // cfg.latent_downsample) * (width // cfg.latent_downsample) + 2
     vit = (vit_h // cfg.vit.patch_size) * (vit_w // cfg.vit.patch_size) + 2
-    return vae + vit
+    if not vae:
+        return vit
+    return (height // cfg.latent_downsample) * (width // cfg.latent_downsample) + 2 + vit
+
+
+def check_thinker_room(
+    context: Any, prompt_tokens: int, images: list[Any], generated: int, what: str
+) -> None:
+    """Refuse, before the thinker runs, a request its ``max_model_len`` cannot hold: the prompt, the source
+    images and what it is to generate there (``what``: the plan, the answer, the image's one token), with
+    every count named (vLLM would name one total, the generated part counted as input)."""
+    limit = context.deployment.stage(context.stage_id).engine_args.get("max_model_len")
+    if not limit:
+        return
+    edit = getattr(context.request, "modality", "image") != "text"
+    image_tokens = sum(image_block_tokens(context.model, image, vae=edit) for image in images)
+    total = prompt_tokens + image_tokens + generated
+    if total <= int(limit):
+        return
+    room = int(limit) - prompt_tokens - image_tokens
+    held, verb = ("the prompt and source images", "leave") if images else ("the prompt", "leaves")
+    numbers = f"prompt {prompt_tokens}" + (f" + source images {image_tokens}" if images else "")
+    advice = f"{held} {verb} {room} tokens for it" if room > 0 else f"{held} alone {verb} no room"
+    raise StageRequestError(
+        f"this request needs {total} tokens of the thinker's max_model_len {limit}: {numbers} + {what} "
+        f"{generated}; {advice}",
+        stage_id=context.stage_id,
+        request_id=context.request.request_id,
+    )
 
 
 def _config(model_dir: str) -> Any:
@@ -181,14 +209,14 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
     if getattr(request, "modality", "image") == "text":
         system = tokens.segment(VLM_THINK_SYSTEM_PROMPT) if thinks(context) else []
         ids = system + [tokens.image_pad] * len(images) + tokens.segment(prompt) + [tokens.bos]
+        sampling = {"max_tokens": DEFAULT_MAX_TEXT_TOKENS, "temperature": 0.0, **user}
+        check_thinker_room(context, len(ids) - len(images), images, 1, "at least one answer token")
         return StageLLMCoreRequest(
             request_id=request.request_id,
             stage_id=context.stage_id,
             prompt_token_ids=ids,
             sampling_params={
-                "max_tokens": DEFAULT_MAX_TEXT_TOKENS,
-                "temperature": 0.0,
-                **user,
+                **sampling,
                 "stop_token_ids": [tokens.eos],
                 "detokenize": True,  # the answer goes back as text
             },
@@ -197,9 +225,13 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
         )
     think = thinks(context)
     plan = plan_contexts(tokens, prompt, len(images), request.negative_prompt, think)
+    text_tokens = len(plan.main) - len(images)
     if think:  # write the plan first; continue_thinker then builds the contexts
         # BAGEL's max_think_token_n counts the start token: 1000 lets it write 999 tokens.
         max_think = int(settings(context).get("max_think_tokens") or DEFAULT_MAX_THINK_TOKENS) - 1
+        # cond is then the prompt, the plan (up to max_think, in its markers) and the image's token
+        what = f"the plan (max_think_tokens {max_think + 1}) with its markers and the image's token"
+        check_thinker_room(context, text_tokens, images, max_think + 3, what)
         return StageLLMCoreRequest(
             request_id=request.request_id,
             stage_id=context.stage_id,
@@ -213,6 +245,7 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
             },
             multi_modal_data=mm,
         )
+    check_thinker_room(context, text_tokens, images, 1, "the image's token")
     return _context_request(request, context, plan, plan.main, mm)
 
 

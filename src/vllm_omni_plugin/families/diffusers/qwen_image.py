@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+from vllm_omni_plugin.diffusion.memory import transformer_block_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner, as_pil, image_size
 
@@ -20,12 +21,49 @@ class QwenImageRunner(DiffusersPipelineRunner):
 
     pipeline_class = "QwenImagePipeline"
     guidance_argument = "true_cfg_scale"
+    prompt_token_limit = 1024
+    """The Qwen-Image pipelines encode a prompt whole, padded to the batch's longest (no truncation), and
+    refuse a ``max_sequence_length`` over 1024 (their ``tokenizer_max_length``); their transformer's text
+    positions end a few thousand tokens on (a 60k-token prompt failed there after its whole encode)."""
     batched_guidance = False  # true CFG: the negative prompt's pass is a second transformer call
     default_negative_prompt: ClassVar[str] = " "
 
     def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
         # Every negative prompt of a guided batch is a string, so requests with and without one mix.
         return tuple(image_size(i) for i in request.images or [])
+
+    def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
+        """The pipeline pads a call's prompts to its longest (its chat template around each), not to a
+        fixed length: one long prompt makes every row of its batch that long."""
+        return max(self.prompt_length(r) for r in batch)
+
+    def prompt_length(self, request: DiffusionRequest) -> int:
+        """Tokens of the request's longer prompt (its negative one's counts too) as the transformer sees
+        them: the template's system part dropped, as the pipeline does."""
+        texts = (request.prompt, request.negative_prompt or self.default_negative_prompt)
+        lengths: dict[tuple[str, str], int] = self.__dict__.setdefault("_lengths", {})
+        if texts not in lengths:  # a batch's estimates ask about the same requests again and again
+            if len(lengths) >= 256:
+                lengths.clear()
+            pipe = self.pipe
+            template, dropped = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+            counts = [len(pipe.tokenizer(template.format(t))["input_ids"]) for t in texts]
+            lengths[texts] = max(counts) - dropped
+        return lengths[texts]
+
+    def activation_phases(self, batch: list[DiffusionRequest]) -> dict[str, int]:
+        """With the prompt encode: its vision-language model keeps every layer's hidden states
+        (``output_hidden_states``) for the batch's padded prompts, besides one layer's activations."""
+        phases = super().activation_phases(batch)
+        config = self.pipe.text_encoder.config
+        text = getattr(config, "text_config", config)
+        hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
+        rows, tokens = len(batch), self.prompt_tokens(batch)
+        element = next(self.pipe.text_encoder.parameters()).element_size()
+        phases["encode_prompt"] = rows * tokens * hidden * (layers + 1) * element + transformer_block_bytes(
+            rows, tokens, hidden, int(text.intermediate_size), element
+        )
+        return phases
 
     def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
         kwargs = super().call_kwargs(batch)

@@ -161,6 +161,12 @@ class DiffusersPipelineRunner(DiffusionRunner):
     """The pipeline cannot run without a source image (an edit pipeline)."""
     max_images: ClassVar[int | None] = 1
     """Source images a request may have (``None``: any number)."""
+    prompt_token_limit: ClassVar[int | None] = None
+    """The most prompt tokens its text encoder takes where the pipeline encodes a prompt whole (the
+    server refuses longer prompts before any stage runs); None where the pipeline truncates prompts to
+    its encoders' lengths itself (SD3, FLUX: CLIP's 77 tokens, T5's ``max_sequence_length``)."""
+    prompt_tokenizer: ClassVar[str] = "tokenizer"
+    """The model folder's tokenizer that counts them."""
     # Set on a subclass to fix them; left None, they come from the pipeline's signature and config.
     default_num_inference_steps: int | None = None
     default_guidance_scale: float | None = None
