@@ -177,3 +177,33 @@ def test_bagel_estimate_follows_size_contexts_and_guidance(tiny_bagel: Path) -> 
     )
     assert runner.describe_request(request(64, 100)) == "a 64x64 image over contexts of 100, 0 tokens"
     assert tensor_bytes(runner.weight_tensors()) > 0
+
+
+def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones_past_the_budget(
+    tiny_qwen_image: Path,
+) -> None:
+    """Qwen-Image pads a call's prompts to its longest: the estimate counts that padding (and the text
+    encoder's kept hidden states), so the budget keeps a long prompt out of a batch of short ones it
+    would swell past the budget."""
+    import torch
+
+    runner = load_pipeline_runner(str(tiny_qwen_image), dtype=torch.float32, device="cpu")
+
+    def request(request_id: str, prompt: str) -> DiffusionRequest:
+        return DiffusionRequest(request_id=request_id, prompt=prompt, height=64, width=64, seed=0,
+                                num_inference_steps=STEPS, guidance_scale=1.0)  # fmt: skip
+
+    short = [request(f"s{i}", f"a red fox {i}") for i in range(4)]
+    long = request("long", " ".join(["painted"] * 900))
+    assert runner.prompt_length(long) > 900 > runner.prompt_length(short[0])
+    four_short = runner.activation_bytes(short)
+    with_long = runner.activation_bytes([*short[:3], long])
+    assert with_long > 3 * four_short  # every row padded to the long prompt
+    phases = runner.activation_phases([*short[:3], long])
+    assert phases["encode_prompt"] > runner.activation_phases(short)["encode_prompt"]
+
+    fraction = fraction_leaving(tensor_bytes(runner.weight_tensors()), (four_short + with_long) // 2)
+    engine = DiffusionEngine(tiny_qwen_image, runner=runner, dtype="float32", max_batch_size=8,
+                             gpu_memory_utilization=fraction)  # fmt: skip
+    batches, failed = engine.plan([*short, long])
+    assert not failed and batches == [[0, 1, 2, 3], [4]]  # the long one alone: four short ones fit
