@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from helpers import FAKE_PIPELINE, FakePlacement, app_client, fake_deployment
 from vllm_omni_plugin.config import register_pipeline
-from vllm_omni_plugin.entrypoints import routes
+from vllm_omni_plugin.entrypoints import api_calls, routes
 from vllm_omni_plugin.entrypoints.api_server import build_api_app
 from vllm_omni_plugin.entrypoints.cli import build_parser
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer
@@ -227,7 +227,7 @@ def test_one_connection_survives_every_kind_of_error(tmp_path: Path, monkeypatch
                 assert (await conn.request("GET", "/v1/models"))[0] == 200, (target, status)
 
             with monkeypatch.context() as patch:  # a bug in a route: a RuntimeError nobody expected
-                patch.setattr(routes, "parse_size", _raise(RuntimeError("a bug in parse_size")))
+                patch.setattr(api_calls, "parse_size", _raise(RuntimeError("a bug in parse_size")))
                 reply = await conn.request("POST", "/v1/images/generations", b'{"prompt": "a cat"}', None)
                 assert error_of(reply, 500) == "RuntimeError: a bug in parse_size"
             ok = await conn.request(

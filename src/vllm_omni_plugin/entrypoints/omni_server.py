@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,8 @@ class ServerSettings:
     """Why this deployment refuses source images although the model takes them (None: it does not)."""
     model_label: str = ""
     """How errors name what is served (the pipeline, or the model's diffusers class)."""
+    no_media: str = "response_format=url needs a media directory on the server (--image-media-dir)"
+    """Why ``response_format=url`` is refused where no media directory is set."""
 
 
 def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment) -> ServerSettings:
@@ -151,8 +153,8 @@ def result_error(result: OmniResult) -> OmniAPIError:
     return OmniAPIError(message, status=http_status(result.exception))
 
 
-async def _disconnected(raw: Request) -> None:
-    """Returns when the client goes away (the body is already read, so only a disconnect can come)."""
+async def disconnected(raw: Request) -> None:
+    """Returns when an HTTP client goes away (the body is already read, so only a disconnect can come)."""
     while True:
         message = await raw.receive()
         if message["type"] == "http.disconnect":
@@ -280,6 +282,13 @@ class OmniServer:
                 param=param,
             )
 
+    def check_response_format(self, response_format: str | None) -> str:
+        if response_format == "url" and not self.settings.media_dir:
+            raise OmniAPIError(
+                f"{self.settings.no_media}; use response_format=b64_json", param="response_format"
+            )
+        return response_format or "b64_json"
+
     def check_steps(self, steps: int | None) -> None:
         if steps is not None and steps > self.limits.max_inference_steps:
             raise OmniAPIError(
@@ -287,10 +296,14 @@ class OmniServer:
                 param="num_inference_steps",
             )
 
-    async def run(self, endpoint: str, requests: list[OmniRequest], raw: Request) -> list[OmniResult]:
-        """Run every request through the pipeline; all succeed or the request fails as a whole."""
+    async def run(
+        self, endpoint: str, requests: list[OmniRequest], client_gone: Awaitable[Any]
+    ) -> list[OmniResult]:
+        """Run every request through the pipeline; all succeed or the request fails as a whole.
+        ``client_gone`` completes when the client goes away (an HTTP disconnect, Dynamo stopping the
+        request): the requests are then aborted in every stage."""
         work = asyncio.ensure_future(asyncio.gather(*(self.omni.generate(r) for r in requests)))
-        watch = asyncio.ensure_future(_disconnected(raw))
+        watch = asyncio.ensure_future(client_gone)
         gone = True
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)

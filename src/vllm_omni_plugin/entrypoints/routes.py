@@ -1,12 +1,13 @@
 """The omni server's HTTP routes: the OpenAI Images API, chat completions with image output, models,
-health and generated media. Each route validates its request (``openai_images``), asks the serving
-state (``OmniServer``) to run it and encodes the images; a client mistake is an ``OmniAPIError``.
+health and generated media. Each route reads its body (JSON, or the edit's multipart form), parses it
+(``openai_images``) and hands it to ``api_calls``, which checks it, builds its requests and encodes the
+answer as every front end does; the serving state (``OmniServer``) runs it. A client mistake is an
+``OmniAPIError``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import os
 import re
@@ -25,35 +26,29 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from vllm_omni_plugin.entrypoints.omni_server import OmniServer, http_status
+from vllm_omni_plugin.entrypoints.api_calls import (
+    chat_body,
+    chat_call,
+    edit_call,
+    generation_call,
+    images_body,
+)
+from vllm_omni_plugin.entrypoints.omni_server import OmniServer, disconnected, http_status
 from vllm_omni_plugin.entrypoints.openai_images import (
     MEDIA_TYPES,
-    ChatChoice,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessage,
-    ChatUsage,
     ImageEditRequest,
     ImageGenerationRequest,
     ImageLimits,
-    ImageObject,
-    ImagesResponse,
     ModelCard,
     ModelList,
     OmniAPIError,
-    chat_prompt_and_images,
-    data_uri,
     decode_image,
     decode_json,
-    encode_image,
     error_body,
-    fit_to_grid,
-    image_content,
     parse_request,
-    parse_size,
 )
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
 
 logger = get_logger(__name__)
 
@@ -96,156 +91,51 @@ router = APIRouter(route_class=OmniRoute)
 async def create_images(raw: Request) -> Response:
     server = _server(raw)
     req = parse_request(ImageGenerationRequest, await _read_json(raw, _json_limit(server.limits)))
-    server.check_model(req.model)
-    server.check_prompts(req.prompt, req.negative_prompt)
-    settings = server.check_settings(req)
-    server.check_image_input(0, "images/generations", "prompt")
-    response_format = _check_response_format(server, req.response_format)
-    size = parse_size(req.size, server.limits)
-    width, height = size or (server.limits.default_width, server.limits.default_height)
-    server.check_size(width, height)
-    await server.check_ar_tokens(req.prompt, [], width, height)
-    server.check_steps(req.num_inference_steps)
-    requests = _image_requests(req, req.prompt, width, height, settings)
-    results = await server.run("images/generations", requests, raw)
-    return await _images_response(
-        server, raw, results, response_format=response_format, output_format=req.output_format or "png",
-        compression=req.output_compression, width=width, height=height,
-    )  # fmt: skip
+    call = await generation_call(server, req)
+    results = await server.run(call.endpoint, call.requests, disconnected(raw))
+    return _json(await images_body(call, results, _media_saver(server, raw)))
 
 
 @router.post("/v1/images/edits")
 async def edit_images(raw: Request) -> Response:
     server = _server(raw)
     limits = server.limits
-    server.check_image_input(1, "images/edits", "image")
+    server.check_image_input(1, "images/edits", "image")  # before reading the body
     form = await _read_form(raw, limits)
     try:
         files, fields = _edit_parts(form, limits)
         req = parse_request(ImageEditRequest, fields)
-        server.check_model(req.model)
-        server.check_prompts(req.prompt, req.negative_prompt)
-        settings = server.check_settings(req)
-        response_format = _check_response_format(server, req.response_format)
-        size = parse_size(req.size, limits)
-        images = []
-        for upload in files:
-            if upload.size is not None and upload.size > limits.max_upload_bytes:
-                raise OmniAPIError(
-                    f"image: {_file_label(upload)} is {upload.size} bytes; this server accepts at most "
-                    f"{limits.max_upload_bytes} bytes per image",
-                    status=413,
-                    param="image",
-                )
-            blob = await upload.read()
-            images.append(await asyncio.to_thread(decode_image, blob, limits, "image", upload.filename))
+
+        async def read_images() -> list[Any]:
+            images = []
+            for upload in files:
+                if upload.size is not None and upload.size > limits.max_upload_bytes:
+                    raise OmniAPIError(
+                        f"image: {_file_label(upload)} is {upload.size} bytes; this server accepts at most "
+                        f"{limits.max_upload_bytes} bytes per image",
+                        status=413,
+                        param="image",
+                    )
+                blob = await upload.read()
+                images.append(await asyncio.to_thread(decode_image, blob, limits, "image", upload.filename))
+            return images
+
+        call = await edit_call(server, req, read_images)
     finally:
         await form.close()
-    width, height = size or fit_to_grid(images[0].shape[1], images[0].shape[0], limits)
-    server.check_size(width, height)
-    await server.check_ar_tokens(req.prompt, images, width, height, source_param="image")
-    server.check_steps(req.num_inference_steps)
-    requests = _image_requests(req, req.prompt, width, height, settings, images)
-    results = await server.run("images/edits", requests, raw)
-    height, width = results[0].output.image.shape[:2]  # a pipeline may keep the input's own size (BAGEL)
-    return await _images_response(
-        server, raw, results, response_format=response_format, output_format=req.output_format or "png",
-        compression=req.output_compression, width=width, height=height,
-    )  # fmt: skip
+    results = await server.run(call.endpoint, call.requests, disconnected(raw))
+    return _json(await images_body(call, results, _media_saver(server, raw)))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(raw: Request) -> Response:
     server = _server(raw)
-    limits = server.limits
-    req = parse_request(ChatCompletionRequest, await _read_json(raw, _json_limit(limits)))
-    if not req.wants_image and not server.settings.answers_in_text:
-        raise OmniAPIError(
-            f"this deployment ({server.settings.pipeline}) generates images and cannot answer in "
-            'text: send "modalities": ["image"]',
-            param="modalities",
-        )
+    req = parse_request(ChatCompletionRequest, await _read_json(raw, _json_limit(server.limits)))
     if req.stream:
         raise OmniAPIError("stream is not supported by this server", param="stream")
-    model = server.check_model(req.model)
-    settings = server.check_settings(req)
-    server.check_steps(req.num_inference_steps)
-    prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, limits)
-    server.check_prompts(prompt, req.negative_prompt, param="messages")
-    if not req.wants_image:
-        return await _chat_text(server, raw, req, model, prompt, images, settings)
-    server.check_image_input(len(images), "chat/completions", "messages")
-    width, height, size_param = _chat_size(req, limits, images)
-    server.check_size(width, height, param=size_param)
-    await server.check_ar_tokens(
-        prompt, images, width, height, size_param=size_param, source_param="messages"
-    )
-    output_format = req.output_format or "png"
-    requests = _image_requests(req, prompt, width, height, settings, images, req.sampling_params())
-    results = await server.run("chat/completions", requests, raw)
-    encoded = await _encode_all(results, output_format, None)
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ChatMessage(
-                role="assistant",
-                content=image_content(data_uri(blob, output_format), result.notes.get("think_text")),
-            ),
-        )
-        for i, (blob, result) in enumerate(zip(encoded, results, strict=True))
-    ]
-    return _json(
-        ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model, choices=choices
-        )
-    )
-
-
-async def _chat_text(
-    server: OmniServer,
-    raw: Request,
-    req: ChatCompletionRequest,
-    model: str,
-    prompt: str,
-    images: list[Any],
-    settings: dict[str, Any],
-) -> Response:
-    """A text answer from the pipeline's AR stage (BAGEL: understanding of the images, or chat)."""
-    requests = [
-        OmniRequest(
-            prompt=prompt,
-            images=list(images),
-            seed=seed,
-            modality="text",
-            sampling_params=req.sampling_params(),
-            generation_params=dict(settings),
-        )
-        for seed in _seeds(req.seed, req.n)
-    ]
-    results = await server.run("chat/completions", requests, raw)
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ChatMessage(role="assistant", content=r.output.text or ""),
-            finish_reason="length" if r.output.finish_reason == "length" else "stop",
-        )
-        for i, r in enumerate(results)
-    ]
-    prompt_tokens = sum(r.output.num_prompt_tokens for r in results)
-    completion_tokens = sum(len(r.output.token_ids) for r in results)
-    return _json(
-        ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=model,
-            choices=choices,
-            usage=ChatUsage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
-        )
-    )
+    call = await chat_call(server, req)
+    results = await server.run(call.endpoint, call.requests, disconnected(raw))
+    return _json(await chat_body(call, results))
 
 
 @router.get("/v1/models")
@@ -510,84 +400,9 @@ def _form_value(key: str, value: str) -> Any:
     return decode_json(value, key, param=key)
 
 
-def _chat_size(req: ChatCompletionRequest, limits: ImageLimits, images: list[Any]) -> tuple[int, int, str]:
-    """Width, height and the field that set them: ``size``, else ``width``/``height`` (an absent one is
-    the default; 0 is refused like any size off the grid), else the source's aspect, else the default."""
-    size = parse_size(req.size, limits)
-    if size is not None:
-        return size[0], size[1], "size"
-    if req.width is None and req.height is None:
-        if images:
-            return (*fit_to_grid(images[0].shape[1], images[0].shape[0], limits), "height")
-        return limits.default_width, limits.default_height, "height"
-    for name, side in (("width", req.width), ("height", req.height)):
-        if side is None:
-            continue
-        if side < limits.min_side or side % limits.multiple:
-            raise OmniAPIError(
-                f"{name} must be a multiple of {limits.multiple} and at least {limits.min_side} pixels, "
-                f"got {side}",
-                param=name,
-            )
-        if side > limits.max_side:
-            raise OmniAPIError(
-                f"{name} must be at most {limits.max_side} pixels on this server, got {side}", param=name
-            )
-    width = req.width if req.width is not None else limits.default_width
-    height = req.height if req.height is not None else limits.default_height
-    return width, height, "height" if req.height is not None else "width"
-
-
 def _json_limit(limits: ImageLimits) -> int:
     """Room for every allowed input image as base64 plus the rest of a request."""
     return limits.max_input_images * (limits.max_upload_bytes * 4 // 3 + 4) + 1024 * 1024
-
-
-def _seeds(seed: int | None, n: int) -> list[int | None]:
-    if seed is None:
-        return [None] * n
-    return [(seed + i) % 2**63 for i in range(n)]
-
-
-async def _encode_all(results: list[OmniResult], output_format: str, compression: int | None) -> list[bytes]:
-    return list(
-        await asyncio.gather(
-            *(asyncio.to_thread(encode_image, r.output.image, output_format, compression) for r in results)
-        )
-    )
-
-
-async def _images_response(
-    server: OmniServer,
-    raw: Request,
-    results: list[OmniResult],
-    *,
-    response_format: str,
-    output_format: str,
-    compression: int | None,
-    width: int,
-    height: int,
-) -> Response:
-    encoded = await _encode_all(results, output_format, compression)
-    data: list[ImageObject] = []
-    if response_format == "url":
-        assert server.settings.media_dir is not None
-        for blob in encoded:
-            name = f"{uuid.uuid4().hex}.{output_format}"
-            path = os.path.join(server.settings.media_dir, name)
-            await asyncio.to_thread(_write_file, path, blob)
-            data.append(ImageObject(url=str(raw.url_for("omni_media", name=name))))
-    else:
-        data = [ImageObject(b64_json=base64.b64encode(blob).decode("ascii")) for blob in encoded]
-    return _json(
-        ImagesResponse(
-            created=int(time.time()),
-            data=data,
-            output_format=output_format,
-            size=f"{width}x{height}",
-            background="opaque",
-        )
-    )
 
 
 def _write_file(path: str, blob: bytes) -> None:
@@ -597,39 +412,15 @@ def _write_file(path: str, blob: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _check_response_format(server: OmniServer, response_format: str | None) -> str:
-    if response_format == "url" and not server.settings.media_dir:
-        raise OmniAPIError(
-            "response_format=url needs a media directory on the server (--image-media-dir); "
-            "use response_format=b64_json",
-            param="response_format",
-        )
-    return response_format or "b64_json"
+def _media_saver(server: OmniServer, raw: Request) -> Callable[[bytes, str], Awaitable[str]] | None:
+    """Where ``response_format=url`` images go: the media directory, served at ``/media/...``."""
+    media_dir = server.settings.media_dir
+    if not media_dir:
+        return None
 
+    async def save(blob: bytes, output_format: str) -> str:
+        name = f"{uuid.uuid4().hex}.{output_format}"
+        await asyncio.to_thread(_write_file, os.path.join(media_dir, name), blob)
+        return str(raw.url_for("omni_media", name=name))
 
-def _image_requests(
-    req: Any,
-    prompt: str,
-    width: int,
-    height: int,
-    settings: dict[str, Any],
-    images: list[Any] | tuple[Any, ...] = (),
-    sampling_params: dict[str, Any] | None = None,
-) -> list[OmniRequest]:
-    """The ``n`` requests of one API call (every image route): one per seed, the rest shared; the
-    family's settings (``OmniServer.check_settings``) travel as its generation parameters."""
-    return [
-        OmniRequest(
-            prompt=prompt,
-            height=height,
-            width=width,
-            num_inference_steps=req.num_inference_steps,
-            guidance_scale=req.guidance_scale,
-            seed=seed,
-            negative_prompt=req.negative_prompt,
-            images=list(images),
-            sampling_params=dict(sampling_params or {}),
-            generation_params=dict(settings),
-        )
-        for seed in _seeds(req.seed, req.n)
-    ]
+    return save

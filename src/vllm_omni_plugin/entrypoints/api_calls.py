@@ -1,0 +1,293 @@
+"""One API call, whichever front end read it: our HTTP routes (``routes``) and the Dynamo worker
+(``vllm_omni_plugin.dynamo``) both hand a parsed request here, so both apply the same request checks in
+the same order, build the same ``OmniRequest``s and answer with the same response body.
+
+A front end reads its transport (a JSON body, a multipart form, Dynamo's request dict), parses it into
+the request types of ``openai_images``, calls the ``*_call`` function of its endpoint, runs the call's
+requests through ``OmniServer.run`` and turns the results into the body with ``images_body`` or
+``chat_body``. Every client mistake is an ``OmniAPIError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni_plugin.entrypoints.omni_server import OmniServer
+from vllm_omni_plugin.entrypoints.openai_images import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatUsage,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    ImageLimits,
+    ImageObject,
+    ImagesResponse,
+    OmniAPIError,
+    chat_prompt_and_images,
+    data_uri,
+    encode_image,
+    fit_to_grid,
+    image_content,
+    parse_size,
+)
+from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
+
+
+@dataclass
+class ApiCall:
+    """What one API call runs (its ``n`` requests) and how its answer is encoded."""
+
+    endpoint: str
+    """``images/generations``, ``images/edits`` or ``chat/completions`` (metrics and logs)."""
+    requests: list[OmniRequest]
+    model: str = ""
+    response_format: str = "b64_json"
+    output_format: str = "png"
+    compression: int | None = None
+    width: int = 0
+    height: int = 0
+    text: bool = False
+    """A chat call answered in text (the pipeline's AR stage), not with an image."""
+
+
+async def generation_call(server: OmniServer, req: ImageGenerationRequest) -> ApiCall:
+    """``POST /v1/images/generations``."""
+    server.check_model(req.model)
+    server.check_prompts(req.prompt, req.negative_prompt)
+    settings = server.check_settings(req)
+    server.check_image_input(0, "images/generations", "prompt")
+    response_format = server.check_response_format(req.response_format)
+    size = parse_size(req.size, server.limits)
+    width, height = size or (server.limits.default_width, server.limits.default_height)
+    server.check_size(width, height)
+    await server.check_ar_tokens(req.prompt, [], width, height)
+    server.check_steps(req.num_inference_steps)
+    return ApiCall(
+        "images/generations",
+        image_requests(req, req.prompt, width, height, settings),
+        response_format=response_format,
+        output_format=req.output_format or "png",
+        compression=req.output_compression,
+        width=width,
+        height=height,
+    )
+
+
+async def edit_call(
+    server: OmniServer,
+    req: ImageEditRequest,
+    read_images: Callable[[], Awaitable[list[Any]]],
+    image_param: str = "image",
+) -> ApiCall:
+    """``POST /v1/images/edits``: ``read_images`` decodes the source images (uint8 HxWx3, at most the
+    limits' ``max_input_images``: the front end bounds them as it reads), after the request's own fields
+    are checked."""
+    server.check_image_input(1, "images/edits", image_param)
+    server.check_model(req.model)
+    server.check_prompts(req.prompt, req.negative_prompt)
+    settings = server.check_settings(req)
+    response_format = server.check_response_format(req.response_format)
+    size = parse_size(req.size, server.limits)
+    images = await read_images()
+    width, height = size or fit_to_grid(images[0].shape[1], images[0].shape[0], server.limits)
+    server.check_size(width, height)
+    await server.check_ar_tokens(req.prompt, images, width, height, source_param=image_param)
+    server.check_steps(req.num_inference_steps)
+    return ApiCall(
+        "images/edits",
+        image_requests(req, req.prompt, width, height, settings, images),
+        response_format=response_format,
+        output_format=req.output_format or "png",
+        compression=req.output_compression,
+        width=width,
+        height=height,
+    )
+
+
+async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
+    """``POST /v1/chat/completions``: an image answer (``"modalities": ["image"]``), else a text answer
+    where the pipeline can give one."""
+    limits = server.limits
+    if not req.wants_image and not server.settings.answers_in_text:
+        raise OmniAPIError(
+            f"this deployment ({server.settings.pipeline}) generates images and cannot answer in "
+            'text: send "modalities": ["image"]',
+            param="modalities",
+        )
+    model = server.check_model(req.model)
+    settings = server.check_settings(req)
+    server.check_steps(req.num_inference_steps)
+    prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, limits)
+    server.check_prompts(prompt, req.negative_prompt, param="messages")
+    if not req.wants_image:
+        requests = [
+            OmniRequest(
+                prompt=prompt,
+                images=list(images),
+                seed=seed,
+                modality="text",
+                sampling_params=req.sampling_params(),
+                generation_params=dict(settings),
+            )
+            for seed in seeds(req.seed, req.n)
+        ]
+        return ApiCall("chat/completions", requests, model=model, text=True)
+    server.check_image_input(len(images), "chat/completions", "messages")
+    width, height, size_param = chat_size(req, limits, images)
+    server.check_size(width, height, param=size_param)
+    await server.check_ar_tokens(
+        prompt, images, width, height, size_param=size_param, source_param="messages"
+    )
+    requests = image_requests(req, prompt, width, height, settings, images, req.sampling_params())
+    return ApiCall(
+        "chat/completions",
+        requests,
+        model=model,
+        output_format=req.output_format or "png",
+        width=width,
+        height=height,
+    )
+
+
+async def encode_all(results: list[OmniResult], output_format: str, compression: int | None) -> list[bytes]:
+    return list(
+        await asyncio.gather(
+            *(asyncio.to_thread(encode_image, r.output.image, output_format, compression) for r in results)
+        )
+    )
+
+
+async def images_body(
+    call: ApiCall,
+    results: list[OmniResult],
+    save_media: Callable[[bytes, str], Awaitable[str]] | None = None,
+) -> ImagesResponse:
+    """The Images API answer. ``save_media(blob, output_format)`` stores an image and says its URL (for
+    ``response_format=url``, which only a front end that serves media offers)."""
+    encoded = await encode_all(results, call.output_format, call.compression)
+    if call.response_format == "url":
+        assert save_media is not None, "response_format=url is refused where no media is served"
+        data = [ImageObject(url=await save_media(blob, call.output_format)) for blob in encoded]
+    else:
+        data = [ImageObject(b64_json=base64.b64encode(blob).decode("ascii")) for blob in encoded]
+    width, height = call.width, call.height
+    if call.endpoint == "images/edits":  # a pipeline may keep the input's own size (BAGEL)
+        height, width = results[0].output.image.shape[:2]
+    return ImagesResponse(
+        created=int(time.time()),
+        data=data,
+        output_format=call.output_format,
+        size=f"{width}x{height}",
+        background="opaque",
+    )
+
+
+async def chat_body(call: ApiCall, results: list[OmniResult]) -> ChatCompletionResponse:
+    """The chat completion: the images as content parts (with the model's text after them, when it wrote
+    some), or the text answer with its token usage."""
+    if call.text:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatMessage(role="assistant", content=r.output.text or ""),
+                finish_reason="length" if r.output.finish_reason == "length" else "stop",
+            )
+            for i, r in enumerate(results)
+        ]
+        prompt_tokens = sum(r.output.num_prompt_tokens for r in results)
+        completion_tokens = sum(len(r.output.token_ids) for r in results)
+        usage: ChatUsage | None = ChatUsage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+    else:
+        encoded = await encode_all(results, call.output_format, None)
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatMessage(
+                    role="assistant",
+                    content=image_content(data_uri(blob, call.output_format), result.notes.get("think_text")),
+                ),
+            )
+            for i, (blob, result) in enumerate(zip(encoded, results, strict=True))
+        ]
+        usage = None
+    return ChatCompletionResponse(
+        id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=call.model,
+        choices=choices,
+        usage=usage,
+    )
+
+
+def chat_size(req: ChatCompletionRequest, limits: ImageLimits, images: list[Any]) -> tuple[int, int, str]:
+    """Width, height and the field that set them: ``size``, else ``width``/``height`` (an absent one is
+    the default; 0 is refused like any size off the grid), else the source's aspect, else the default."""
+    size = parse_size(req.size, limits)
+    if size is not None:
+        return size[0], size[1], "size"
+    if req.width is None and req.height is None:
+        if images:
+            return (*fit_to_grid(images[0].shape[1], images[0].shape[0], limits), "height")
+        return limits.default_width, limits.default_height, "height"
+    for name, side in (("width", req.width), ("height", req.height)):
+        if side is None:
+            continue
+        if side < limits.min_side or side % limits.multiple:
+            raise OmniAPIError(
+                f"{name} must be a multiple of {limits.multiple} and at least {limits.min_side} pixels, "
+                f"got {side}",
+                param=name,
+            )
+        if side > limits.max_side:
+            raise OmniAPIError(
+                f"{name} must be at most {limits.max_side} pixels on this server, got {side}", param=name
+            )
+    width = req.width if req.width is not None else limits.default_width
+    height = req.height if req.height is not None else limits.default_height
+    return width, height, "height" if req.height is not None else "width"
+
+
+def seeds(seed: int | None, n: int) -> list[int | None]:
+    if seed is None:
+        return [None] * n
+    return [(seed + i) % 2**63 for i in range(n)]
+
+
+def image_requests(
+    req: Any,
+    prompt: str,
+    width: int,
+    height: int,
+    settings: dict[str, Any],
+    images: list[Any] | tuple[Any, ...] = (),
+    sampling_params: dict[str, Any] | None = None,
+) -> list[OmniRequest]:
+    """The ``n`` requests of one API call (every image route): one per seed, the rest shared; the
+    family's settings (``OmniServer.check_settings``) travel as its generation parameters."""
+    return [
+        OmniRequest(
+            prompt=prompt,
+            height=height,
+            width=width,
+            num_inference_steps=req.num_inference_steps,
+            guidance_scale=req.guidance_scale,
+            seed=seed,
+            negative_prompt=req.negative_prompt,
+            images=list(images),
+            sampling_params=dict(sampling_params or {}),
+            generation_params=dict(settings),
+        )
+        for seed in seeds(req.seed, req.n)
+    ]
