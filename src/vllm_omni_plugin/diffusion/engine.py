@@ -40,7 +40,13 @@ from vllm_omni_plugin.diffusion.memory import (
     tensor_bytes,
 )
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
-from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, RequestDefaults, ServedDefaults
+from vllm_omni_plugin.diffusion.runner import (
+    BatchAborted,
+    DiffusionRunner,
+    PreviewCallback,
+    RequestDefaults,
+    ServedDefaults,
+)
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
@@ -170,6 +176,11 @@ class DiffusionEngine:
         :meth:`counters` to ``/metrics``)."""
         self._progress: _BatchProgress | None = None
         runner.on_step = self._step_done
+        self.on_preview: PreviewCallback | None = None
+        """Where the previews requests ask for (``partial_images``) go (set by the host's batch loop);
+        called from the thread that runs the request."""
+        if runner.previews:
+            runner.on_preview = self._preview
         self.step_batcher: StepBatcher | None = None
         """``batching: step``: groups of requests in flight share denoiser forwards step by step
         (:meth:`run_group`); ``None``: whole requests batch (:meth:`generate`)."""
@@ -389,6 +400,10 @@ class DiffusionEngine:
         """Stop the step thread (``batching: step``)."""
         if self.step_batcher is not None:
             self.step_batcher.close()
+
+    def _preview(self, request_id: str, index: int, image: Any) -> None:
+        if self.on_preview is not None:
+            self.on_preview(request_id, index, image)
 
     def _step_done(self, step: int) -> None:
         """The runner's step callback: count the batch's requests a step further; log when it is time."""

@@ -21,6 +21,9 @@ class RunnerRequest(msgspec.Struct, kw_only=True, tag_field="kind"):
     request_id: str
     seed: int | None = None
     """Seeds this request's own ``torch.Generator``; ``None`` draws one (reported in the result)."""
+    partial_images: int = 0
+    """Previews to report while it denoises (``DiffusionRunner.on_preview``), at steps spread over its
+    denoising (:func:`vllm_omni_plugin.diffusion.runner.preview_steps`); 0: none, and no work for them."""
 
 
 class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):

@@ -32,6 +32,21 @@ StopCheck = Callable[[], bool]
 StepCallback = Callable[[int], None]
 """Called after each denoising step of a batch with the step's index (the engine's progress)."""
 
+PreviewCallback = Callable[[str, int, Any], None]
+"""Called with (request id, preview index, uint8 HxWx3 image) when a preview of a request is decoded; from
+the thread that runs the request's call (several at once with ``batching: step``)."""
+
+MAX_PARTIAL_IMAGES = 3
+"""The most previews a request may ask for (OpenAI's ``partial_images`` bound)."""
+
+
+def preview_steps(partial_images: int, steps: int) -> list[int]:
+    """The 0-based steps after which a request of ``steps`` steps reports its ``partial_images`` previews:
+    spread evenly over the denoising, none at its last step (the final image follows it), as many as
+    there are earlier steps."""
+    wanted = min(max(0, partial_images), max(0, steps - 1))
+    return [(k + 1) * steps // (wanted + 1) - 1 for k in range(wanted)]  # distinct: steps > wanted
+
 
 @dataclass(slots=True)
 class BatchOutput:
@@ -89,6 +104,10 @@ class DiffusionRunner(abc.ABC):
     step_batching: ClassVar[bool] = False
     """It implements :meth:`run_rows` and :meth:`denoiser`: its requests can share forwards step by step
     (``batching: step``)."""
+    previews: ClassVar[bool] = False
+    """It reports the previews its requests ask for (``partial_images``) through :attr:`on_preview`."""
+    on_preview: PreviewCallback | None = None
+    """Set by the engine: called with each preview a request asked for."""
 
     @classmethod
     @abc.abstractmethod

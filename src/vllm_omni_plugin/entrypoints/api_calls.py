@@ -56,6 +56,15 @@ class ApiCall:
     height: int = 0
     text: bool = False
     """A chat call answered in text (the pipeline's AR stage), not with an image."""
+    stream: bool = False
+    """Answered as server-sent events (``streaming``)."""
+
+
+def check_stream(req: Any) -> bool:
+    """Whether the call streams; a stream carries one image (or answer)."""
+    if req.stream and req.n > 1:
+        raise OmniAPIError("stream answers with one image: send n=1 (or several requests)", param="n")
+    return bool(req.stream)
 
 
 async def generation_call(server: OmniServer, req: ImageGenerationRequest) -> ApiCall:
@@ -78,6 +87,7 @@ async def generation_call(server: OmniServer, req: ImageGenerationRequest) -> Ap
         compression=req.output_compression,
         width=width,
         height=height,
+        stream=check_stream(req),
     )
 
 
@@ -109,6 +119,7 @@ async def edit_call(
         compression=req.output_compression,
         width=width,
         height=height,
+        stream=check_stream(req),
     )
 
 
@@ -139,7 +150,7 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
             )
             for seed in seeds(req.seed, req.n)
         ]
-        return ApiCall("chat/completions", requests, model=model, text=True)
+        return ApiCall("chat/completions", requests, model=model, text=True, stream=check_stream(req))
     server.check_image_input(len(images), "chat/completions", "messages")
     width, height, size_param = chat_size(req, limits, images)
     server.check_size(width, height, param=size_param)
@@ -154,6 +165,7 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
         output_format=req.output_format or "png",
         width=width,
         height=height,
+        stream=check_stream(req),
     )
 
 
@@ -288,6 +300,7 @@ def image_requests(
             images=list(images),
             sampling_params=dict(sampling_params or {}),
             generation_params=dict(settings),
+            partial_images=getattr(req, "partial_images", 0) if req.stream else 0,
         )
         for seed in seeds(req.seed, req.n)
     ]

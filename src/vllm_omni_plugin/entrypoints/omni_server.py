@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
 from vllm_omni_plugin.stage.input_work import input_work
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
 from vllm_omni_plugin.stage.request_defaults import SizeDefaults
+from vllm_omni_plugin.stage.request_events import RequestEvent
 
 logger = get_logger(__name__)
 
@@ -315,11 +316,51 @@ class OmniServer:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await work
         if gone:
-            if self.metrics is not None:
-                self.metrics.disconnects.labels(endpoint).inc()
-            logger.info("client of %s went away; aborted %d request(s)", endpoint, len(requests))
+            self._gone(endpoint, len(requests))
             raise OmniAPIError("the client disconnected", status=499)
-        results: list[OmniResult] = work.result()
+        return self._finished(endpoint, work.result())
+
+    async def stream(
+        self, endpoint: str, request: OmniRequest, gone: Awaitable[Any] | None = None
+    ) -> AsyncIterator[RequestEvent | OmniResult]:
+        """Run one request, yielding its stages' events as they come (``request_events``), then its
+        result; a failure raises as in :meth:`run`. When ``gone`` completes (the client went away), or
+        the iterator is closed early, the request is aborted in every stage."""
+        events: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        request.on_event = events.put_nowait
+        work = asyncio.ensure_future(self.omni.generate(request))
+        watch = asyncio.ensure_future(gone) if gone is not None else None
+        try:
+            while not work.done():
+                event = asyncio.ensure_future(events.get())
+                waits = {event, work} | ({watch} if watch is not None else set())
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if event.done():
+                    yield event.result()
+                else:
+                    event.cancel()
+                if watch is not None and watch.done():
+                    raise OmniAPIError("the client disconnected", status=499)
+            while not events.empty():
+                yield events.get_nowait()
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if not work.done():  # the client went away (or the server stops): abort it everywhere
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+                self._gone(endpoint, 1)
+        (result,) = self._finished(endpoint, [work.result()])
+        yield result
+
+    def _gone(self, endpoint: str, requests: int) -> None:
+        if self.metrics is not None:
+            self.metrics.disconnects.labels(endpoint).inc()
+        logger.info("client of %s went away; aborted %d request(s)", endpoint, requests)
+
+    def _finished(self, endpoint: str, results: list[OmniResult]) -> list[OmniResult]:
+        """The results of one API call, counted; raises the worst failure's error if any failed."""
         if self.metrics is not None:
             self.metrics.observe(endpoint, results, self.stage_names)
         failed = [r for r in results if not r.ok]

@@ -31,6 +31,7 @@ from pydantic import (
 )
 
 from vllm_omni_plugin.config.settings import non_finite
+from vllm_omni_plugin.diffusion.runner import MAX_PARTIAL_IMAGES
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
@@ -197,7 +198,7 @@ IGNORED_IMAGE_FIELDS = frozenset(
 )
 # OpenAI image fields this deployment cannot honour when they ask for something.
 UNSUPPORTED_IMAGE_FIELDS = frozenset(
-    {"stream", "partial_images", "mask", "markup", "svg", "complexity", "frame_count", "frame_duration_ms"}
+    {"mask", "markup", "svg", "complexity", "frame_count", "frame_duration_ms"}
 )
 
 
@@ -260,6 +261,10 @@ class ImageGenerationRequest(ImageParams):
     output_format: OutputFormat | None = None
     output_compression: int | None = Field(default=None, ge=0, le=100)
     background: Literal["opaque", "auto"] | None = None
+    stream: bool = False
+    """Answer as server-sent events (``entrypoints/streaming.py``)."""
+    partial_images: int = Field(default=0, ge=0, le=MAX_PARTIAL_IMAGES)
+    """Previews a streamed request gets while it denoises."""
 
     @model_validator(mode="before")
     @classmethod

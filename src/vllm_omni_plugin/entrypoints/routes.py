@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
@@ -48,6 +48,7 @@ from vllm_omni_plugin.entrypoints.openai_images import (
     error_body,
     parse_request,
 )
+from vllm_omni_plugin.entrypoints.streaming import chat_events, image_events
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
@@ -92,6 +93,8 @@ async def create_images(raw: Request) -> Response:
     server = _server(raw)
     req = parse_request(ImageGenerationRequest, await _read_json(raw, _json_limit(server.limits)))
     call = await generation_call(server, req)
+    if call.stream:
+        return _events(image_events(server, call, disconnected(raw)))
     results = await server.run(call.endpoint, call.requests, disconnected(raw))
     return _json(await images_body(call, results, _media_saver(server, raw)))
 
@@ -123,6 +126,8 @@ async def edit_images(raw: Request) -> Response:
         call = await edit_call(server, req, read_images)
     finally:
         await form.close()
+    if call.stream:
+        return _events(image_events(server, call, disconnected(raw)))
     results = await server.run(call.endpoint, call.requests, disconnected(raw))
     return _json(await images_body(call, results, _media_saver(server, raw)))
 
@@ -131,9 +136,9 @@ async def edit_images(raw: Request) -> Response:
 async def chat_completions(raw: Request) -> Response:
     server = _server(raw)
     req = parse_request(ChatCompletionRequest, await _read_json(raw, _json_limit(server.limits)))
-    if req.stream:
-        raise OmniAPIError("stream is not supported by this server", param="stream")
     call = await chat_call(server, req)
+    if call.stream:
+        return _events(chat_events(server, call, disconnected(raw)))
     results = await server.run(call.endpoint, call.requests, disconnected(raw))
     return _json(await chat_body(call, results))
 
@@ -222,6 +227,12 @@ def _served_routes() -> str:
 
 def _server(raw: Request) -> OmniServer:
     return raw.app.state.omni_server
+
+
+def _events(events: AsyncIterator[bytes]) -> Response:
+    """A streamed answer: server-sent events, not buffered by proxies."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 def _json(value: Any, status: int = 200) -> Response:

@@ -85,6 +85,17 @@ class StageProgress(msgspec.Struct, kw_only=True, tag="progress"):
     """The stage process that sent it (its client ignores what a process it replaced sent)."""
 
 
+class StagePreview(msgspec.Struct, kw_only=True, tag="preview"):
+    """A preview of a request's image, decoded mid-denoising (``partial_images``)."""
+
+    request_id: str
+    index: int
+    image: Any
+    """uint8 HxWx3."""
+    pid: int = 0
+    """The stage process that sent it (its client ignores what a process it replaced sent)."""
+
+
 class StageDropped(msgspec.Struct, kw_only=True, tag="dropped"):
     """A stage process dropped aborted requests and will send nothing for them."""
 
@@ -178,4 +189,4 @@ def to_stage_message_type() -> Any:
     )
 
 
-FromStageMessage = StageCoreOutputs | StageDropped | StageReady | StageFailed | StageProgress
+FromStageMessage = StageCoreOutputs | StageDropped | StageReady | StageFailed | StageProgress | StagePreview

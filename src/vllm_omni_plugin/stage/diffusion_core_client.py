@@ -26,6 +26,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreRequest,
     StageDropped,
     StageFailed,
+    StagePreview,
     StageProgress,
     StageReady,
     StageShutdown,
@@ -47,6 +48,7 @@ from vllm_omni_plugin.stage.payload import (
     send_request_through,
 )
 from vllm_omni_plugin.stage.pending_replies import PendingReplies
+from vllm_omni_plugin.stage.request_events import PreviewImage, publish
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
@@ -191,6 +193,9 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 continue
             if isinstance(message, StageProgress):
                 self.count_steps(message.counters)
+                continue
+            if isinstance(message, StagePreview):
+                publish(message.request_id, PreviewImage(self.stage_id, message.index, message.image))
                 continue
             for output in message.outputs:
                 if not self._pending.resolve(output.request_id, output):
@@ -413,6 +418,12 @@ class _FutureReport:
 
     def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
         self.client.count_steps(counters)  # from the engine's thread: one attribute assignment
+
+    def preview(self, request_id: str, index: int, image: Any) -> None:
+        waiting = self.client._waiting.get(request_id)
+        if waiting is not None:
+            event = PreviewImage(self.client.stage_id, index, image)
+            waiting[1].call_soon_threadsafe(publish, request_id, event)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

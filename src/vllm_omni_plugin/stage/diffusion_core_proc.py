@@ -34,6 +34,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreRequest,
     StageDropped,
     StageFailed,
+    StagePreview,
     StageProgress,
     StageReady,
     StageShutdown,
@@ -146,6 +147,10 @@ class _ZmqReport:
 
     def dropped(self, request_ids: list[str], where: str) -> None:
         self.push.send(self.codec.encode(StageDropped(request_ids=request_ids, where=where, pid=os.getpid())))
+
+    def preview(self, request_id: str, index: int, image: Any) -> None:
+        message = StagePreview(request_id=request_id, index=index, image=image, pid=os.getpid())
+        self.push.send(self.codec.encode(message))
 
     def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
         now = time.monotonic()

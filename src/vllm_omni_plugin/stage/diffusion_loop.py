@@ -80,6 +80,8 @@ class DiffusionInbox:
         """Queue waits of the requests started since :meth:`started_waits` was last called."""
         self.finished: list[tuple[str, list[Any]]] = []
         """Groups done (``batching: step``): their keys and engine results, for the loop's thread."""
+        self.previews: list[tuple[str, int, Any]] = []
+        """Previews made on a group's thread (``batching: step``), for the loop's thread to report."""
 
     def is_aborted(self, request_id: str) -> bool:
         return self.interrupted or request_id in self.aborted
@@ -133,7 +135,7 @@ class DiffusionInbox:
         with self.lock:
             if self.draining and not self.queued:
                 self.stopping = True
-            if self.stopping or self.finished:
+            if self.stopping or self.finished or self.previews:
                 return []
             timeout = POLL_S
             # One that runs alone starts once nothing runs, and nothing starts beside it.
@@ -169,6 +171,16 @@ class DiffusionInbox:
         with self.lock:
             self.finished.append((key, results))
             self.lock.notify()
+
+    def preview(self, request_id: str, index: int, image: Any) -> None:
+        with self.lock:
+            self.previews.append((request_id, index, image))
+            self.lock.notify()
+
+    def pop_previews(self) -> list[tuple[str, int, Any]]:
+        with self.lock:
+            previews, self.previews = self.previews, []
+        return previews
 
     def pop_finished(self) -> list[tuple[str, list[Any]]]:
         """Groups done since the last call: their keys and results."""
@@ -206,6 +218,9 @@ class BatchReport(Protocol):
     def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
         """The engine's running count of denoising steps: after each step, and ``force`` after a batch."""
 
+    def preview(self, request_id: str, index: int, image: Any) -> None:
+        """A preview a request asked for (``partial_images``): uint8 HxWx3."""
+
 
 class DiffusionBatchLoop:
     """Runs the inbox's batches on one engine and reports to its host."""
@@ -229,10 +244,22 @@ class DiffusionBatchLoop:
         self.input_connector = input_connector
         self.output_connector = output_connector
         engine.on_progress = self._step_done
+        engine.on_preview = self._preview
+        self._thread: threading.Thread | None = None
+        """The thread that serves (reports go out from it alone)."""
 
     def _step_done(self) -> None:
         self.report.progress(self.engine.counters(), force=False)
         self._hold_at_step()
+
+    def _preview(self, request_id: str, index: int, image: Any) -> None:
+        """From the loop's thread, reported at once; from a group's thread, handed to the loop's."""
+        if threading.current_thread() is self._thread:
+            self.report.preview(request_id, index, image)
+        else:
+            self.inbox.preview(request_id, index, image)
+        inbox = self.inbox
+        hold_point("dit.preview", request_id, give_up=lambda: inbox.stopping)
 
     def _hold_at_step(self, step: int = 0) -> None:
         """Tests hold the running batch (or group) here, after a denoising step (off unless armed)."""
@@ -250,6 +277,7 @@ class DiffusionBatchLoop:
 
     def serve(self) -> None:
         """Run batches (or groups, with ``batching: step``) until the inbox stops."""
+        self._thread = threading.current_thread()
         try:
             if self.engine.step_batcher is not None:
                 self._serve_groups()
@@ -297,6 +325,8 @@ class DiffusionBatchLoop:
                 )
                 groups[key] = (thread, len(group))
                 thread.start()
+            for preview in inbox.pop_previews():
+                self.report.preview(*preview)
             finished = inbox.pop_finished()
             counters = engine.counters()
             if counters != reported or finished:  # forced before outputs: /metrics counts what they ran

@@ -34,6 +34,7 @@ from vllm_omni_plugin.stage.errors import (
     StageRequestError,
     StageStartError,
 )
+from vllm_omni_plugin.stage.request_events import ARProgress, listening, publish
 from vllm_omni_plugin.stage.tokenizer_view import tokenizer_view
 
 logger = get_logger(__name__)
@@ -235,9 +236,11 @@ class StageLLMCoreClient(StageCoreClientBase):
         self.inflight.add(request.request_id)
         start = time.perf_counter()
         final = None
+        progress = _Progress(self.stage_id, request.request_id, params.max_tokens, params.detokenize)
         try:
             async for output in self.engine.generate(prompt, params, request_id=request.request_id):
                 final = output
+                progress.report(output)
         except EngineDeadError as exc:
             self._on_engine_dead()
             raise StageDeadError(
@@ -361,3 +364,25 @@ def measured_kv_cache(vllm_config: Any) -> tuple[int, int] | None:
     kv = 1 if model.use_mla else 2  # MLA keeps one latent vector per token
     per_block = cache.block_size * layers * kv * model.get_num_kv_heads(parallel) * model.get_head_size()
     return int(blocks), int(blocks) * per_block * element
+
+
+class _Progress:
+    """A streamed request's AR progress (``request_events.ARProgress``): about every twentieth of its
+    tokens and its last, or every step where it writes text for the client; nothing for a request nobody
+    streams."""
+
+    STEPS = 20
+
+    def __init__(self, stage_id: int, request_id: str, total: int | None, text: bool) -> None:
+        self.stage_id, self.request_id, self.total, self.text = stage_id, request_id, total or 0, text
+        self.next = 1
+
+    def report(self, output: Any) -> None:
+        if not self.total or not output.outputs or not listening(self.request_id):
+            return
+        completion = output.outputs[0]
+        tokens = len(completion.token_ids)
+        if self.text or tokens >= self.next or output.finished:
+            self.next = tokens + max(1, self.total // self.STEPS)
+            text = completion.text if self.text else None
+            publish(self.request_id, ARProgress(self.stage_id, tokens, self.total, text))

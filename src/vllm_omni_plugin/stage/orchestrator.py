@@ -55,6 +55,7 @@ from vllm_omni_plugin.stage.input_work import input_work
 from vllm_omni_plugin.stage.payload import carries_handles, release
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 from vllm_omni_plugin.stage.request_defaults import DeploymentDefaults
+from vllm_omni_plugin.stage.request_events import EventSink, listen
 
 logger = get_logger(__name__)
 
@@ -84,6 +85,12 @@ class OmniRequest:
     """The pipeline's own generation settings (e.g. BAGEL's ``cfg_text_scale``); the pipeline's
     processors read and check them."""
     return_latents: bool = False
+    partial_images: int = 0
+    """Previews of the image to report while it denoises (``on_event``; diffusion runners with
+    ``previews``)."""
+    on_event: EventSink | None = field(default=None, repr=False, compare=False)
+    """Where its stages' events go while it runs (AR progress, previews: ``stage/request_events.py``);
+    None: nobody streams it."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival_time: float = field(default_factory=time.perf_counter)
     """When the request arrived (``time.perf_counter``); the gap to its start is its queue time."""
@@ -246,7 +253,8 @@ class Orchestrator:
             for sid in self.stages
         ]
         try:
-            await asyncio.gather(*tasks)
+            with listen(request.request_id, request.on_event):
+                await asyncio.gather(*tasks)
             result.output = self._final_output(done)
         except asyncio.CancelledError:
             await self._abort(request.request_id, tasks)

@@ -351,6 +351,7 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
         width=width,
         sampling=dit_sampling(context, bool(images)),
         seed=request.seed,
+        partial_images=request.partial_images,
     )
     return StageDiffusionCoreRequest(
         request_id=request.request_id, stage_id=context.stage_id, diffusion=generation

@@ -30,6 +30,7 @@ from vllm_omni_plugin.diffusion.runner import (
     SizeLimits,
     StepCallback,
     StopCheck,
+    preview_steps,
 )
 from vllm_omni_plugin.families.bagel.request import (
     RENORM_TYPES,
@@ -338,6 +339,7 @@ class BagelGenerationRunner(DiffusionRunner):
         return self._decoded(latents, batch, start)
 
     step_batching = True
+    previews = True
 
     def denoiser(self) -> Any:
         return _Velocity(self.transformer)
@@ -410,6 +412,11 @@ class BagelGenerationRunner(DiffusionRunner):
         times = model.time_embedding(timesteps)
         guidance = _Guidance(batch, self.device)
         dts = dts.to(self.device)
+        previews: dict[int, list[tuple[int, int]]] = {}
+        if self.on_preview is not None:
+            for r, request in enumerate(batch):
+                for index, at in enumerate(preview_steps(request.partial_images, len(timesteps))):
+                    previews.setdefault(at, []).append((r, index))
         for step in range(len(timesteps)):
             rows = plan.at(step, bank, self.device)
             inputs = model.latent_input(x, times[step], positions)
@@ -421,6 +428,8 @@ class BagelGenerationRunner(DiffusionRunner):
                 rows.guided,
                 rows.image_guided,
             )
+            if step in previews:  # the clean latents this step estimates: x - t * v
+                self._preview(batch, previews[step], x - v * float(timesteps[step]))
             x = x - v * dts[step]
             if on_denoised is not None and step + 1 == len(timesteps):
                 on_denoised()
@@ -429,6 +438,18 @@ class BagelGenerationRunner(DiffusionRunner):
             if should_stop is not None and should_stop():
                 raise BatchAborted(f"stopped after step {step + 1}")
         return x
+
+    def _preview(
+        self, batch: list[BagelGenerationRequest], rows: list[tuple[int, int]], clean: torch.Tensor
+    ) -> None:
+        """Decode the estimated clean latents of the rows that asked for a preview at this step."""
+        sink = self.on_preview
+        if sink is None:
+            return
+        chosen = torch.tensor([row for row, _ in rows], device=clean.device)
+        images = self._decode(clean.index_select(0, chosen), batch[0].height, batch[0].width)
+        for (row, index), image in zip(rows, images, strict=True):
+            sink(batch[row].request_id, index, image)
 
     def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[Any]:
         cfg = self.cfg

@@ -102,6 +102,17 @@ class QwenImageEditRunner(QwenImageRunner):
     def load_overrides(cls, model: str) -> dict[str, Any]:
         return _with_qwen2vl_processor(super().load_overrides(model), model)
 
+    def preview_size(self, batch: list[DiffusionRequest]) -> tuple[int, int] | None:
+        """Unless asked, the size the pipeline takes from its source: about a megapixel, its aspect kept."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        size = super().preview_size(batch)
+        if size is not None or not batch[0].images:
+            return size
+        height, width = image_size(batch[0].images[0])
+        width, height, _ = calculate_dimensions(1024 * 1024, width / height)
+        return int(height), int(width)
+
 
 class QwenImageEditPlusRunner(QwenImageRunner):
     """Qwen-Image-Edit-2509 and later: ``image`` is the list of a request's source images, and every

@@ -33,6 +33,7 @@ from vllm_omni_plugin.diffusion.runner import (
     SizeLimits,
     StepCallback,
     StopCheck,
+    preview_steps,
 )
 from vllm_omni_plugin.diffusion.step_batching import SameValue
 from vllm_omni_plugin.log import get_logger
@@ -371,7 +372,13 @@ class DiffusersPipelineRunner(DiffusionRunner):
     ) -> BatchOutput:
         """One pipeline call for the whole batch; images as uint8 HxWx3 arrays, in batch order. Raises
         :class:`BatchAborted` at the end of the first step after which ``should_stop()`` is true."""
-        return self._call(self.pipe, batch, generators, should_stop, self.on_step, None)
+        pipe = self.pipe
+        if self._previewing(batch):  # its own scheduler: the previews wrap its step for this call
+            import copy
+
+            pipe = copy.copy(self.pipe)
+            pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
+        return self._call(pipe, batch, generators, should_stop, self.on_step, None)
 
     def denoiser(self) -> Any:
         return denoiser_of(self.pipe)
@@ -458,6 +465,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         if "callback_on_step_end" in self.call_arguments:
             kwargs["callback_on_step_end"] = on_step_end
             kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
+        if self._previewing(batch):
+            self._preview_steps(pipe, batch)
         start = time.perf_counter()
         out = pipe(**kwargs, **self.call_kwargs(batch))
         end = time.perf_counter()
@@ -472,6 +481,92 @@ class DiffusersPipelineRunner(DiffusionRunner):
             ]
         timings = {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
         return BatchOutput(list(pixels), latents, timings)
+
+    # --- previews ---------------------------------------------------------------------------------------
+
+    previews = True
+
+    def _previewing(self, batch: list[DiffusionRequest]) -> bool:
+        return self.on_preview is not None and any(r.partial_images for r in batch)
+
+    def preview_size(self, batch: list[DiffusionRequest]) -> tuple[int, int] | None:
+        """(height, width) the call makes (None: the pipeline decides it as it runs, so no previews)."""
+        first = batch[0]
+        if first.height is None or first.width is None:
+            return None
+        return int(first.height), int(first.width)
+
+    def _preview_steps(self, pipe: Any, batch: list[DiffusionRequest]) -> None:
+        """Wrap the call's own scheduler's ``step``: at the steps a row asked a preview for, the clean
+        image it estimates (the flow-matching schedulers': ``sample - sigma * velocity``; others': their
+        ``pred_original_sample``) is decoded for those rows and handed to :attr:`on_preview`."""
+        size, sink = self.preview_size(batch), self.on_preview
+        if size is None or sink is None:
+            return
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for row, request in enumerate(batch):
+            for index, step in enumerate(
+                preview_steps(request.partial_images, request.num_inference_steps or 0)
+            ):
+                wanted.setdefault(step, []).append((row, index))
+        scheduler = pipe.scheduler
+        step_of_scheduler = scheduler.step
+        count = [0]
+
+        def step(model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
+            rows = wanted.get(count[0], [])
+            count[0] += 1
+            if not rows:
+                return step_of_scheduler(model_output, timestep, sample, *args, **kwargs)
+            flow = getattr(scheduler, "sigmas", None) is not None and "FlowMatch" in type(scheduler).__name__
+            if flow:
+                if scheduler.step_index is None:  # as step itself does on its first call
+                    scheduler._init_step_index(timestep)
+                sigma = scheduler.sigmas[scheduler.step_index]
+                clean = (sample.float() - sigma * model_output.float()).to(sample.dtype)
+                out = step_of_scheduler(model_output, timestep, sample, *args, **kwargs)
+            else:
+                asked_dict = kwargs.pop("return_dict", True)
+                out = step_of_scheduler(model_output, timestep, sample, *args, return_dict=True, **kwargs)
+                estimate = getattr(out, "pred_original_sample", None)
+                clean = estimate if estimate is not None else out.prev_sample
+                out = out if asked_dict else (out.prev_sample,)
+            if clean.shape[0] == len(batch):
+                images = decode_latents(pipe, clean[[row for row, _ in rows]], *size)
+                for (row, index), image in zip(rows, images, strict=True):
+                    sink(batch[row].request_id, index, image)
+            return out
+
+        scheduler.step = step
+
+
+def decode_latents(pipe: Any, latents: Any, height: int, width: int) -> list[Any]:
+    """A diffusers pipeline's latents (as its denoising loop holds them) as uint8 HxWx3 images: unpacked
+    where the pipeline packs them (FLUX, Qwen-Image), denormalized by the VAE's latent statistics
+    (Qwen-Image, GLM-Image) or its scaling and shift factors (SD3, FLUX, UNets), decoded, post-processed
+    as the pipeline does for ``output_type="np"``."""
+    import numpy as np
+    import torch
+
+    vae = pipe.vae
+    config = dict(vae.config)
+    unpack = getattr(type(pipe), "_unpack_latents", None)
+    if unpack is not None:
+        latents = unpack(latents, height, width, pipe.vae_scale_factor)
+    latents = latents.to(vae.dtype)
+    mean, std = config.get("latents_mean"), config.get("latents_std")
+    if mean is not None and std is not None:
+        shape = (1, len(mean)) + (1,) * (latents.ndim - 2)
+        latents = latents * torch.tensor(std).view(shape).to(latents) + torch.tensor(mean).view(shape).to(
+            latents
+        )
+    else:
+        latents = latents / config.get("scaling_factor", 1.0) + (config.get("shift_factor") or 0.0)
+    image = vae.decode(latents, return_dict=False)[0]
+    if image.ndim == 5:  # a video VAE's one frame (Qwen-Image)
+        image = image[:, :, 0]
+    pixels = pipe.image_processor.postprocess(image, output_type="np")
+    return list((np.asarray(pixels) * 255).round().astype(np.uint8))
 
 
 def _timesteps_of(pipe: Any) -> int | None:

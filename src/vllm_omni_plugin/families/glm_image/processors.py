@@ -234,6 +234,7 @@ def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDif
         negative_prompt=request.negative_prompt,
         prior_token_ids=torch.from_numpy(upsample_prior(large, th, tw)),
         return_latents=request.return_latents,
+        partial_images=request.partial_images,
     )
     if image_to_image:
         extra = ar.stage_outputs or {}

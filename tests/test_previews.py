@@ -1,0 +1,163 @@
+"""Previews (``partial_images``): a request that asks for N gets N images decoded from its estimate of the
+clean image at steps spread over its denoising, its neighbours in the batch get none, and nobody's final
+image changes; on tiny SD3, FLUX, Qwen-Image, Qwen-Image-Edit, GLM-Image and BAGEL, batching whole
+requests and step by step (where previews made on a group's thread reach the loop's report)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from test_step_batching import BAGEL_RUNNER, FAMILIES, WAIT_S, ask
+from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.diffusion.runner import preview_steps
+from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
+from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
+
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
+
+Previews = dict[str, list[tuple[int, np.ndarray]]]
+
+
+@pytest.mark.parametrize(
+    ("partial_images", "steps", "at"),
+    [(0, 8, []), (1, 10, [4]), (2, 4, [0, 1]), (3, 28, [6, 13, 20]), (3, 3, [0, 1]), (2, 1, [])],
+)
+def test_preview_steps_spread_over_the_denoising_before_its_last_step(
+    partial_images: int, steps: int, at: list[int]
+) -> None:
+    assert preview_steps(partial_images, steps) == at
+
+
+@pytest.fixture(scope="module")
+def engines(request: pytest.FixtureRequest) -> Iterator[Callable[[str, str], DiffusionEngine]]:
+    loaded: dict[tuple[str, str], DiffusionEngine] = {}
+
+    def get(family: str, batching: str = "request") -> DiffusionEngine:
+        if (family, batching) not in loaded:
+            model = request.getfixturevalue(f"tiny_{family}")
+            runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
+            loaded[family, batching] = DiffusionEngine(
+                model, max_batch_size=4, num_inference_steps=6, batching=batching, **runner
+            )
+        return loaded[family, batching]
+
+    yield get
+    for engine in loaded.values():
+        engine.close()
+
+
+def collecting(engine: DiffusionEngine) -> Previews:
+    previews: Previews = {}
+    lock = threading.Lock()
+
+    def sink(request_id: str, index: int, image: Any) -> None:
+        with lock:
+            previews.setdefault(request_id, []).append((index, image))
+
+    engine.on_preview = sink
+    return previews
+
+
+def with_previews(request: Any, partial_images: int) -> Any:
+    return msgspec.structs.replace(request, partial_images=partial_images)
+
+
+def edit_request(request_id: str, seed: int) -> Any:
+    from vllm_omni_plugin.diffusion.params import DiffusionRequest
+
+    source = np.random.default_rng(seed).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    return DiffusionRequest(request_id=request_id, prompt=f"make it red {seed}", seed=seed, images=[source],
+                            num_inference_steps=6, guidance_scale=2.0)  # fmt: skip
+
+
+def request_of(family: str, request_id: str, seed: int) -> Any:
+    if family == "qwen_image_edit":
+        return edit_request(request_id, seed)
+    return ask(request_id, seed, steps=6, family=family)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen_image_edit"])
+def test_a_request_gets_its_previews_and_no_final_image_changes(
+    engines: Callable[[str, str], DiffusionEngine], family: str
+) -> None:
+    engine = engines(family)
+    plain = [request_of(family, "a", 1), request_of(family, "b", 2)]
+    previews = collecting(engine)
+    without = engine.generate(plain)
+    assert previews == {}  # nobody asked: no preview work at all
+    streamed = engine.generate([with_previews(plain[0], 3), plain[1]])
+    for before, after in zip(without, streamed, strict=True):
+        assert after.ok, after.error
+        np.testing.assert_array_equal(after.image, before.image)  # bit for bit, batch unchanged
+    assert list(previews) == ["a"]
+    assert [index for index, _ in previews["a"]] == [0, 1, 2]
+    final = streamed[0].image.astype(np.int16)
+    distances = [float(np.abs(image.astype(np.int16) - final).mean()) for _, image in previews["a"]]
+    assert all(image.shape == final.shape and image.dtype == np.uint8 for _, image in previews["a"])
+    # estimates of the clean image: the last is nearer the final image than the first
+    assert distances[-1] < distances[0], distances
+
+
+class LoopReport:
+    def __init__(self) -> None:
+        self.outputs_by_id: dict[str, StageDiffusionCoreOutput] = {}
+        self.previews: Previews = {}
+        self.threads: set[str] = set()
+        self.changed = threading.Condition()
+
+    def outputs(self, outputs: list[StageDiffusionCoreOutput]) -> None:
+        with self.changed:
+            self.outputs_by_id.update((o.request_id, o) for o in outputs)
+            self.changed.notify_all()
+
+    def dropped(self, request_ids: list[str], where: str) -> None:
+        pass
+
+    def progress(self, counters: Any, *, force: bool) -> None:
+        pass
+
+    def preview(self, request_id: str, index: int, image: Any) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.previews.setdefault(request_id, []).append((index, image))
+
+
+@pytest.mark.parametrize("family", ["sd3", "qwen_image"])
+def test_step_batched_requests_get_their_own_previews_through_the_loop(
+    engines: Callable[[str, str], DiffusionEngine], family: str
+) -> None:
+    """Rows sharing forwards: each gets the previews it asked for, made on its group's thread and
+    reported from the loop's, and the image it gets alone."""
+    stepped, whole = engines(family, "step"), engines(family)
+    report = LoopReport()
+    loop = DiffusionBatchLoop(stepped, 1, report, max_batch=4)
+    loop.engine.close = lambda: None  # the module's engine outlives this loop
+    serving = threading.Thread(target=loop.serve, name="dit-loop", daemon=True)
+    serving.start()
+    asked = {"a": 2, "b": 0, "c": 1}
+    requests = [with_previews(request_of(family, rid, seed), asked[rid]) for seed, rid in enumerate(asked)]
+    try:
+        for request in requests:
+            loop.inbox.add(
+                StageDiffusionCoreRequest(
+                    request_id=request.request_id, stage_id=1, diffusion=msgspec.to_builtins(request)
+                )
+            )
+        with report.changed:
+            assert report.changed.wait_for(lambda: len(report.outputs_by_id) == 3, WAIT_S)
+    finally:
+        loop.inbox.drain()
+        serving.join(WAIT_S)
+    assert {rid: [i for i, _ in shown] for rid, shown in report.previews.items()} == {"a": [0, 1], "c": [0]}
+    assert report.threads == {"dit-loop"}
+    for request in requests:
+        output = report.outputs_by_id[request.request_id]
+        assert output.error is None, output.error
+        (alone,) = whole.generate([with_previews(request, 0)])
+        diff = np.abs(np.asarray(output.image).astype(np.int16) - alone.image.astype(np.int16))
+        assert diff.max() <= 1
