@@ -8,8 +8,9 @@ reaches it claims that file (a rename, so there is one holder, and a replica res
 hold again), writes ``<point>.reached`` with what it holds, and waits until ``<point>.release`` exists.
 
 Points: ``ar.step`` (in the AR engine core, after a step made output), ``dit.step`` (in the diffusion
-batch loop, after a denoising step), ``dit.preview`` (there, after a preview was reported), ``api.input`` (in the API server, on the thread that works on a
-request's inputs: ``stage/input_work.py``).
+batch loop, after a denoising step), ``dit.preview`` (there, after a preview was reported),
+``api.input`` (in the API server, on the thread that works on a request's inputs:
+``stage/input_work.py``).
 
 A fault hook beside them: with ``VLLM_OMNI_FAULT_SEED`` set, a diffusion process that is about to run a
 batch holding a request of that seed kills itself (SIGKILL, as the kernel's OOM killer would), every time:

@@ -22,6 +22,7 @@ DIFFUSION_ENGINE_FIELDS = (
     "gpu_memory_utilization",
     "batching",
     "batch_wait_ms",
+    "max_loras",
 )
 """Further stage fields handed to the diffusion engine as they are."""
 

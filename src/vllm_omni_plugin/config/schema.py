@@ -101,6 +101,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     batch_wait_ms: NonNegativeFloat | None = None
     """Diffusion stages with ``batching: step``: while requests run, how long a new request waits for
     others to start with it (default 100)."""
+    max_loras: PositiveInt | None = None
+    """Diffusion stages: LoRA adapters each replica keeps loaded at once (default 4; the least recently
+    used leaves first)."""
     # placement on a Ray cluster (backend: ray), per replica
     num_cpus: NonNegativeFloat | None = None
     """CPUs Ray reserves for each replica (default 1)."""
@@ -209,6 +212,7 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "max_batch_size",
         "batching",
         "batch_wait_ms",
+        "max_loras",
     }
 )
 RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")

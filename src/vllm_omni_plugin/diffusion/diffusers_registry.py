@@ -198,6 +198,16 @@ def pipeline_class_name(model: str | Path) -> str:
     return name
 
 
+def stage_runner_class(diffusion_args: dict[str, Any]) -> type[Any]:
+    """The runner class a resolved diffusion stage loads: the one its pipeline names (``runner_cls``),
+    else the registered runner of its model's ``model_index.json`` class."""
+    from vllm_omni_plugin.dotted import import_object
+
+    if diffusion_args.get("runner_cls"):
+        return import_object(diffusion_args["runner_cls"])
+    return runner_class(pipeline_class_name(diffusion_args["model"]))
+
+
 def load_pipeline_runner(model: str | Path, *, dtype: Any, device: Any) -> DiffusionRunner:
     """The registered runner for the model's pipeline class, loaded."""
     return runner_class(pipeline_class_name(model)).load(str(model), dtype=dtype, device=device)

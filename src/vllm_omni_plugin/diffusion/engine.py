@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.memory import (
     MemoryBudget,
     allocated_bytes,
@@ -125,6 +126,7 @@ class DiffusionEngine:
         gpu_memory_utilization: float | None = None,
         batching: str = "request",
         batch_wait_ms: float = BATCH_WAIT_MS,
+        max_loras: int = MAX_LORAS,
     ) -> None:
         import torch
 
@@ -181,6 +183,7 @@ class DiffusionEngine:
         called from the thread that runs the request."""
         if runner.previews:
             runner.on_preview = self._preview
+        runner.max_loras = max_loras
         self.step_batcher: StepBatcher | None = None
         """``batching: step``: groups of requests in flight share denoiser forwards step by step
         (:meth:`run_group`); ``None``: whole requests batch (:meth:`generate`)."""

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.lora import LoraSpec
+
 
 class RunnerRequest(msgspec.Struct, kw_only=True, tag_field="kind"):
     """What the engine reads of every runner's request. Each runner's request type is a tagged subclass;
@@ -43,6 +45,8 @@ class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):
     """Image-to-image: the source images (PIL images or uint8 HxWx3 arrays)."""
     return_latents: bool = False
     """Also return the final (denoised, still normalized) latents."""
+    lora: LoraSpec | None = None
+    """A LoRA adapter of the denoiser this request runs with (runners with ``lora``)."""
 
     @property
     def image_to_image(self) -> bool:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.params import RunnerRequest
 
 if TYPE_CHECKING:
@@ -106,6 +107,10 @@ class DiffusionRunner(abc.ABC):
     (``batching: step``)."""
     previews: ClassVar[bool] = False
     """It reports the previews its requests ask for (``partial_images``) through :attr:`on_preview`."""
+    lora: ClassVar[bool] = False
+    """Its requests may name a LoRA adapter of its denoiser (``DiffusionRequest.lora``), each row its own."""
+    max_loras: int = MAX_LORAS
+    """Set by the engine: adapters it keeps loaded at once."""
     on_preview: PreviewCallback | None = None
     """Set by the engine: called with each preview a request asked for."""
 

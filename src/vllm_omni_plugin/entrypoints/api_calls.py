@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_omni_plugin.diffusion.lora import LoraSpec
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer
 from vllm_omni_plugin.entrypoints.openai_images import (
     ChatChoice,
@@ -70,6 +71,7 @@ def check_stream(req: Any) -> bool:
 async def generation_call(server: OmniServer, req: ImageGenerationRequest) -> ApiCall:
     """``POST /v1/images/generations``."""
     server.check_model(req.model)
+    lora = server.check_lora(req.lora, req.model)
     server.check_prompts(req.prompt, req.negative_prompt)
     settings = server.check_settings(req)
     server.check_image_input(0, "images/generations", "prompt")
@@ -81,7 +83,7 @@ async def generation_call(server: OmniServer, req: ImageGenerationRequest) -> Ap
     server.check_steps(req.num_inference_steps)
     return ApiCall(
         "images/generations",
-        image_requests(req, req.prompt, width, height, settings),
+        image_requests(req, req.prompt, width, height, settings, lora=lora),
         response_format=response_format,
         output_format=req.output_format or "png",
         compression=req.output_compression,
@@ -102,6 +104,7 @@ async def edit_call(
     are checked."""
     server.check_image_input(1, "images/edits", image_param)
     server.check_model(req.model)
+    lora = server.check_lora(req.lora, req.model)
     server.check_prompts(req.prompt, req.negative_prompt)
     settings = server.check_settings(req)
     response_format = server.check_response_format(req.response_format)
@@ -113,7 +116,7 @@ async def edit_call(
     server.check_steps(req.num_inference_steps)
     return ApiCall(
         "images/edits",
-        image_requests(req, req.prompt, width, height, settings, images),
+        image_requests(req, req.prompt, width, height, settings, images, lora=lora),
         response_format=response_format,
         output_format=req.output_format or "png",
         compression=req.output_compression,
@@ -134,6 +137,7 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
             param="modalities",
         )
     model = server.check_model(req.model)
+    lora = server.check_lora(req.lora, req.model)
     settings = server.check_settings(req)
     server.check_steps(req.num_inference_steps)
     prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, limits)
@@ -157,7 +161,7 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
     await server.check_ar_tokens(
         prompt, images, width, height, size_param=size_param, source_param="messages"
     )
-    requests = image_requests(req, prompt, width, height, settings, images, req.sampling_params())
+    requests = image_requests(req, prompt, width, height, settings, images, req.sampling_params(), lora=lora)
     return ApiCall(
         "chat/completions",
         requests,
@@ -285,6 +289,8 @@ def image_requests(
     settings: dict[str, Any],
     images: list[Any] | tuple[Any, ...] = (),
     sampling_params: dict[str, Any] | None = None,
+    *,
+    lora: LoraSpec | None = None,
 ) -> list[OmniRequest]:
     """The ``n`` requests of one API call (every image route): one per seed, the rest shared; the
     family's settings (``OmniServer.check_settings``) travel as its generation parameters."""
@@ -301,6 +307,7 @@ def image_requests(
             sampling_params=dict(sampling_params or {}),
             generation_params=dict(settings),
             partial_images=getattr(req, "partial_images", 0) if req.stream else 0,
+            lora=lora,
         )
         for seed in seeds(req.seed, req.n)
     ]

@@ -29,12 +29,14 @@ from starlette.exceptions import HTTPException
 
 from vllm_omni_plugin import compat
 from vllm_omni_plugin.config import ResolvedDeployment
+from vllm_omni_plugin.diffusion.lora import LoraError
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
 from vllm_omni_plugin.entrypoints.openai_images import OmniAPIError
 from vllm_omni_plugin.entrypoints.routes import api_error_handler, framework_error_handler, router
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
+from vllm_omni_plugin.stage.input_work import input_work
 from vllm_omni_plugin.stage.placement.base import StagePlacement
 
 logger = get_logger(__name__)
@@ -173,6 +175,10 @@ async def serve(
         loop.add_signal_handler(sig, interrupt, sig)
     omni = AsyncOmni(deployment, placement=placement)
     server = OmniServer(omni, settings_from_args(args, deployment))
+    try:
+        await input_work(server.add_startup_adapters)
+    except LoraError as exc:
+        raise ServeError(f"--lora-modules: {exc}") from None
     try:
         try:
             await omni.start()

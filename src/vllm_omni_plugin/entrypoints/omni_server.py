@@ -20,7 +20,9 @@ from vllm_omni_plugin import compat
 from vllm_omni_plugin.config import ResolvedDeployment, get_pipeline
 from vllm_omni_plugin.config.pipeline import registered_pipelines
 from vllm_omni_plugin.config.settings import SettingError, read_settings
+from vllm_omni_plugin.diffusion.lora import LoraSpec
 from vllm_omni_plugin.dotted import import_object
+from vllm_omni_plugin.entrypoints.lora_adapters import ServedAdapters
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
 from vllm_omni_plugin.entrypoints.openai_images import (
     ImageLimits,
@@ -63,6 +65,10 @@ class ServerSettings:
     """Why this deployment refuses source images although the model takes them (None: it does not)."""
     model_label: str = ""
     """How errors name what is served (the pipeline, or the model's diffusers class)."""
+    lora_refusal: str | None = "this deployment takes no LoRA adapters"
+    """Why requests cannot name a LoRA adapter (None: its diffusion stage's runner applies them)."""
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    """Adapters named at start-up (``--lora-modules``): (name, path)."""
     no_media: str = "response_format=url needs a media directory on the server (--image-media-dir)"
     """Why ``response_format=url`` is refused where no media directory is set."""
 
@@ -113,7 +119,26 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
         needs_images=facts.needs_images if facts is not None else False,
         images_refused=images_refused,
         model_label=facts.pipeline_class if facts is not None else pipeline.name,
+        lora_refusal=lora_refusal(deployment, facts.pipeline_class if facts is not None else pipeline.name),
+        lora_modules=[(m.name, m.path) for m in getattr(args, "lora_modules", None) or []],
     )
+
+
+def lora_refusal(deployment: ResolvedDeployment, label: str) -> str | None:
+    """Why this deployment's requests cannot name LoRA adapters (None: its image's diffusion stage runs a
+    runner that applies them)."""
+    from vllm_omni_plugin.diffusion.diffusers_registry import stage_runner_class
+
+    dit = next((s for s in deployment.stages if s.execution_type == "diffusion" and s.final_output), None)
+    if dit is None:
+        return f"this deployment ({label}) has no diffusion stage to apply a LoRA adapter to"
+    try:
+        runner = stage_runner_class(dit.diffusion_args)
+    except (OSError, ValueError) as exc:  # the stage's start says what is wrong with the model
+        return f"this deployment's diffusion runner is unknown ({exc})"
+    if not runner.lora:
+        return f"this deployment's diffusion runner ({runner.__name__}) takes no LoRA adapters"
+    return None
 
 
 @functools.lru_cache(maxsize=8)
@@ -169,6 +194,17 @@ class OmniServer:
     metrics: OmniMetrics | None = None
     stage_names: dict[int, str] = field(default_factory=dict)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    adapters: ServedAdapters = field(init=False)
+    """The LoRA adapters requests may name."""
+
+    def __post_init__(self) -> None:
+        self.adapters = ServedAdapters(self.omni.deployment.model, self.settings.lora_refusal)
+
+    def add_startup_adapters(self) -> None:
+        """The ``--lora-modules`` adapters, each checked (a :class:`LoraError` naming the bad one)."""
+        for name, path in self.settings.lora_modules:
+            self.adapters.check(name, path)
+            self.adapters.add(name, path)
 
     @property
     def limits(self) -> ImageLimits:
@@ -181,9 +217,22 @@ class OmniServer:
 
     def check_model(self, model: str | None) -> str:
         names = self.settings.served_model_names
-        if model is not None and model not in names:
+        if model is not None and model not in names and model not in self.adapters.names:
             raise OmniAPIError(f"The model `{model}` does not exist.", status=404, param="model")
         return model or names[0]
+
+    def check_lora(self, lora: Any, model: str | None) -> LoraSpec | None:
+        """The adapter a request names: its ``lora`` field (a name, or ``{"name", "scale"}``), or its
+        ``model`` when that is an adapter's name (as vLLM serves LLM adapters)."""
+        by_model = model if model is not None and model in self.adapters.names else None
+        if lora is None:
+            return self.adapters.spec(by_model, 1.0, "model") if by_model is not None else None
+        name, scale = (lora, 1.0) if isinstance(lora, str) else (lora.name, lora.scale)
+        if by_model is not None and by_model != name:
+            raise OmniAPIError(
+                f"model names the adapter {by_model!r} and lora names {name!r}: name one", param="lora"
+            )
+        return self.adapters.spec(name, scale)
 
     def check_size(self, width: int, height: int, param: str = "size") -> None:
         check_dimensions(width, height, self.limits, param)

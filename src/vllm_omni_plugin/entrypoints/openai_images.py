@@ -222,6 +222,20 @@ def _is_number(annotation: Any) -> bool:
     return any(kind in (int, float) for kind in typing.get_args(annotation) or (annotation,))
 
 
+MAX_TOKENS = 2**31 - 1
+"""A bound on ``max_tokens`` before it reaches an engine (whose wire carries 64-bit integers at most);
+the AR stage's own ``max_model_len`` bounds it further."""
+
+
+class LoraRef(BaseModel):
+    """A request's LoRA adapter with its scale (``"lora": {"name": "ink", "scale": 0.8}``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    scale: float = Field(default=1.0, ge=-10.0, le=10.0)
+
+
 class ImageParams(BaseModel):
     """The generation knobs shared by every endpoint: OpenAI's plus the diffusion ones. Other fields are
     kept aside (``family_fields``) for the deployment's model family to read (its settings type, e.g.
@@ -233,6 +247,16 @@ class ImageParams(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     negative_prompt: str | None = None
+    lora: str | LoraRef | None = None
+    """A LoRA adapter the server serves, by name (scale 1), or with its scale; a form sends the object as
+    JSON text."""
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_json(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            return decode_json(value, "lora", "lora")
+        return value
 
     @field_validator("*", mode="before")
     @classmethod
@@ -308,8 +332,8 @@ class ChatCompletionRequest(ImageParams):
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
 
     @property
     def wants_image(self) -> bool:
@@ -584,7 +608,22 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "vllm-omni-plugin"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (as vLLM lists its adapters)."""
     object: str = "model"
+
+
+class LoadLoraRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1)
 
 
 class ModelList(msgspec.Struct):

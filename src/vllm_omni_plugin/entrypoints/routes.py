@@ -19,13 +19,14 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
+from vllm_omni_plugin.diffusion.lora import LoraError
 from vllm_omni_plugin.entrypoints.api_calls import (
     chat_body,
     chat_call,
@@ -33,6 +34,7 @@ from vllm_omni_plugin.entrypoints.api_calls import (
     generation_call,
     images_body,
 )
+from vllm_omni_plugin.entrypoints.lora_adapters import RUNTIME_UPDATES_ENV, runtime_updates_allowed
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, disconnected, http_status
 from vllm_omni_plugin.entrypoints.openai_images import (
     MEDIA_TYPES,
@@ -40,9 +42,11 @@ from vllm_omni_plugin.entrypoints.openai_images import (
     ImageEditRequest,
     ImageGenerationRequest,
     ImageLimits,
+    LoadLoraRequest,
     ModelCard,
     ModelList,
     OmniAPIError,
+    UnloadLoraRequest,
     decode_image,
     decode_json,
     error_body,
@@ -50,6 +54,7 @@ from vllm_omni_plugin.entrypoints.openai_images import (
 )
 from vllm_omni_plugin.entrypoints.streaming import chat_events, image_events
 from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.stage.input_work import input_work
 
 logger = get_logger(__name__)
 
@@ -148,11 +153,44 @@ async def list_models(raw: Request) -> Response:
     server = _server(raw)
     created = int(time.time())
     root = server.omni.deployment.model
-    return _json(
-        ModelList(
-            data=[ModelCard(id=n, created=created, root=root) for n in server.settings.served_model_names]
+    names = server.settings.served_model_names
+    cards = [ModelCard(id=n, created=created, root=root) for n in names]
+    cards += [
+        ModelCard(id=name, created=created, root=path, parent=names[0])
+        for name, path in sorted(server.adapters.names.items())
+    ]
+    return _json(ModelList(data=cards))
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(raw: Request) -> Response:
+    server = _server(raw)
+    _runtime_lora_updates()
+    req = parse_request(LoadLoraRequest, await _read_json(raw, 1 << 20))
+    try:
+        await input_work(server.adapters.check, req.lora_name, req.lora_path)
+    except LoraError as exc:
+        raise OmniAPIError(str(exc), param="lora_path") from None
+    server.adapters.add(req.lora_name, req.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(raw: Request) -> Response:
+    server = _server(raw)
+    _runtime_lora_updates()
+    req = parse_request(UnloadLoraRequest, await _read_json(raw, 1 << 20))
+    server.adapters.remove(req.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+def _runtime_lora_updates() -> None:
+    if not runtime_updates_allowed():
+        raise OmniAPIError(
+            f"loading and unloading LoRA adapters at run time is off: start the server with "
+            f"{RUNTIME_UPDATES_ENV}=True (adapters named with --lora-modules are served)",
+            status=404,
         )
-    )
 
 
 @router.get("/health")

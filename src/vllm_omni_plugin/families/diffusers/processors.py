@@ -75,6 +75,7 @@ def request2diffusion(sources: dict[int, Any], context: ProcessorContext) -> Sta
         images=[_as_array(image) for image in request.images] or None,
         return_latents=request.return_latents,
         partial_images=request.partial_images,
+        lora=request.lora,
     )
     return StageDiffusionCoreRequest(
         request_id=request.request_id, stage_id=context.stage_id, diffusion=diffusion

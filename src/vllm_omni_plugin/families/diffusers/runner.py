@@ -23,6 +23,7 @@ from vllm_omni_plugin.diffusion.diffusers_registry import (
     checked_pipeline_class,
     pipeline_class_name,
 )
+from vllm_omni_plugin.diffusion.lora import AdapterRows, LoadedAdapters
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.runner import (
@@ -282,6 +283,21 @@ class DiffusersPipelineRunner(DiffusionRunner):
             raise ValueError(f"{self.pipeline_class} takes no negative prompt; leave negative_prompt unset")
         if request.guidance_scale is not None and self.guidance_argument not in self.call_arguments:
             raise ValueError(f"{self.pipeline_class} takes no {self.guidance_argument}; leave guidance unset")
+        if request.lora is not None:
+            self.adapters.get(request.lora)  # loaded now: an adapter that is no LoRA of it fails alone
+
+    # --- LoRA adapters ----------------------------------------------------------------------------------
+
+    lora = True
+
+    @functools.cached_property
+    def adapters(self) -> LoadedAdapters:
+        """The LoRA adapters its denoiser's rows may run with (``max_loras`` of them loaded)."""
+        return LoadedAdapters(denoiser_of(self.pipe), self.max_loras)
+
+    def _adapter_rows(self, batch: list[DiffusionRequest], denoiser: Any) -> AdapterRows:
+        rows = [(self.adapters.get(r.lora), r.lora.scale) if r.lora is not None else None for r in batch]
+        return AdapterRows(denoiser, rows)
 
     def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
         """Size, steps, guidance and image-to-image-ness, then what the family adds (:meth:`call_key`)."""
@@ -397,8 +413,11 @@ class DiffusersPipelineRunner(DiffusionRunner):
         import copy
 
         pipe = copy.copy(self.pipe)
-        # Set in __dict__: the pipeline's __setattr__ would re-register the component in its config.
-        pipe.__dict__[denoiser_attribute(self.pipe)] = batcher.proxy(group, len(batch))
+        # A group with LoRA adapters runs its denoiser itself, beside the other groups' shared forwards:
+        # its rows' adapters apply on its own thread.
+        if not any(r.lora is not None for r in batch):
+            # Set in __dict__: the pipeline's __setattr__ would re-register the component in its config.
+            pipe.__dict__[denoiser_attribute(self.pipe)] = batcher.proxy(group, len(batch))
         pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
         encode = getattr(pipe, "encode_prompt", None)  # every text-conditioned diffusers pipeline has one
         if encode is not None:
@@ -468,7 +487,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         if self._previewing(batch):
             self._preview_steps(pipe, batch)
         start = time.perf_counter()
-        out = pipe(**kwargs, **self.call_kwargs(batch))
+        with self._adapter_rows(batch, denoiser_of(self.pipe)).applied():
+            out = pipe(**kwargs, **self.call_kwargs(batch))
         end = time.perf_counter()
         denoised = step_done[0] if step_done else end
         # diffusers' own float -> uint8 conversion (numpy_to_pil), so arrays equal its PIL output.

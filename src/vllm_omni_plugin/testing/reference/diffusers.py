@@ -56,9 +56,11 @@ def reference_image(
     guidance: float,
     negative_prompt: str | None = None,
     images: list[Any] | None = None,
+    lora: tuple[str, str, float] | None = None,
 ) -> Any:
     """One stock diffusers call for one request; the image as a uint8 HxWx3 array (``None`` sizes: the
-    pipeline's own default)."""
+    pipeline's own default). ``lora`` (name, path, scale): the adapter loaded with diffusers' own
+    ``load_lora_weights`` (PEFT) and set to that scale, as a diffusers user runs one."""
     import numpy as np
     import torch
     from PIL import Image
@@ -83,5 +85,14 @@ def reference_image(
     if images:
         pil = [Image.fromarray(np.asarray(i)) if not isinstance(i, Image.Image) else i for i in images]
         kwargs["image"] = pil if name == "QwenImageEditPlusPipeline" else pil[0]
+    if lora is None:
+        if pipe.get_list_adapters():
+            pipe.disable_lora()
+    else:
+        name_, path, scale = lora
+        if name_ not in {a for adapters in pipe.get_list_adapters().values() for a in adapters}:
+            pipe.load_lora_weights(path, adapter_name=name_)
+        pipe.enable_lora()
+        pipe.set_adapters([name_], [scale])
     out = pipe(**kwargs)
     return np.asarray(out.images[0].convert("RGB"))
