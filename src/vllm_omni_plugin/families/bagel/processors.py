@@ -153,7 +153,7 @@ def image_block_tokens(model_dir: str, image: Any, *, vae: bool = True) -> int:
 
 
 def check_thinker_room(
-    context: Any, prompt_tokens: int, images: list[Any], generated: int, what: str
+    context: Any, prompt_tokens: int, images: list[Any], generated: int, what: str, prompt: str = "prompt"
 ) -> None:
     """Refuse, before the thinker runs, a request its ``max_model_len`` cannot hold: the prompt, the source
     images and what it is to generate there (``what``: the plan, the answer, the image's one token), with
@@ -167,8 +167,8 @@ def check_thinker_room(
     if total <= int(limit):
         return
     room = int(limit) - prompt_tokens - image_tokens
-    held, verb = ("the prompt and source images", "leave") if images else ("the prompt", "leaves")
-    numbers = f"prompt {prompt_tokens}" + (f" + source images {image_tokens}" if images else "")
+    held, verb = (f"the {prompt} and source images", "leave") if images else (f"the {prompt}", "leaves")
+    numbers = f"{prompt} {prompt_tokens}" + (f" + source images {image_tokens}" if images else "")
     advice = f"{held} {verb} {room} tokens for it" if room > 0 else f"{held} alone {verb} no room"
     raise StageRequestError(
         f"this request needs {total} tokens of the thinker's max_model_len {limit}: {numbers} + {what} "
@@ -210,6 +210,11 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
         system = tokens.segment(VLM_THINK_SYSTEM_PROMPT) if thinks(context) else []
         ids = system + [tokens.image_pad] * len(images) + tokens.segment(prompt) + [tokens.bos]
         sampling = {"max_tokens": DEFAULT_MAX_TEXT_TOKENS, "temperature": 0.0, **user}
+        if "max_tokens" in user:  # what the client asked for must fit; the default stops at the end
+            asked = int(user["max_tokens"])
+            check_thinker_room(
+                context, len(ids) - len(images), images, asked, f"the answer (max_tokens {asked})"
+            )
         check_thinker_room(context, len(ids) - len(images), images, 1, "at least one answer token")
         return StageLLMCoreRequest(
             request_id=request.request_id,
@@ -226,6 +231,9 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
     think = thinks(context)
     plan = plan_contexts(tokens, prompt, len(images), request.negative_prompt, think)
     text_tokens = len(plan.main) - len(images)
+    if "cfg_text" in plan.companions:  # the negative prompt's context, built beside the request's
+        negative = len(plan.companions["cfg_text"]) - len(images)
+        check_thinker_room(context, negative, images, 1, "the image's token", "negative prompt")
     if think:  # write the plan first; continue_thinker then builds the contexts
         # BAGEL's max_think_token_n counts the start token: 1000 lets it write 999 tokens.
         max_think = int(settings(context).get("max_think_tokens") or DEFAULT_MAX_THINK_TOKENS) - 1
