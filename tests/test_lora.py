@@ -8,6 +8,7 @@ Adapters are tiny random ones in diffusers' format, built here (``testing/tiny/l
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,14 @@ def test_adapters_served_loaded_listed_used_and_unloaded(
     )
     assert refused.status_code == 400 and "not a safetensors file" in refused.json()["error"]["message"]
 
+    # one batch of ink, wash and none (held behind a blocker until all three wait): each its image alone
+    asks = [{**body, "seed": 3, "lora": "ink"}, {**body, "seed": 4, "lora": {"name": "wash", "scale": 0.5}},
+            {**body, "seed": 5}]  # fmt: skip
+    alone = [image_of(httpx.post(url + "/v1/images/generations", json=a, timeout=300)) for a in asks]
+    batched = asyncio.run(one_batch(served, asks))
+    for got, want in zip(batched, alone, strict=True):
+        assert_within_one_level(got, want)
+
     gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "wash"}, timeout=60)
     assert gone.status_code == 200
     after = httpx.post(url + "/v1/images/generations", json=scaled, timeout=300)
@@ -271,6 +280,21 @@ def test_adapters_served_loaded_listed_used_and_unloaded(
         httpx.post(url + "/v1/images/generations", json={**body, "model": "wash"}, timeout=60).status_code
         == 404
     )
+
+
+async def one_batch(server: ServerProcess, asks: list[dict[str, Any]]) -> list[np.ndarray]:
+    """``asks`` run as one batch: queued while a blocker holds the stage, released together."""
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=600) as client:
+        with server.hold("dit.step") as hold:
+            blocker = asyncio.ensure_future(
+                client.post("/v1/images/generations", json={"prompt": "hold", "size": "64x64"})
+            )
+            await asyncio.to_thread(hold.wait, alive=server.alive)
+            work = [asyncio.ensure_future(client.post("/v1/images/generations", json=a)) for a in asks]
+            while server.metric("omni_stage_queue_depth", stage="0", name="diffusion") < len(asks) + 1:
+                await asyncio.sleep(0.05)
+        (await blocker).raise_for_status()
+        return [image_of(response) for response in await asyncio.gather(*work)]
 
 
 @pytest.mark.server
