@@ -1,16 +1,20 @@
-"""What the remote placements (headless workers, Ray actors) send back to the head for a request, and
-how the head turns it into the stage's output or the same ``StageError`` the remote stage raised.
+"""What the remote placements (headless workers, Ray actors, Dynamo stage workers) send back to the head
+for a request, how the head turns it into the stage's output or the same ``StageError`` the remote stage
+raised, and what a head and a worker that joins it must agree on (:func:`stage_config_digest`).
 
-Both placements reply with a ``RemoteOutput`` (msgspec, never a pickle); each has its own transport
-(ZMQ for headless workers, Ray calls for actors), so only the reply lives here.
+Every remote placement replies with a ``RemoteOutput`` (msgspec, never a pickle); each has its own
+transport (ZMQ for headless workers, Ray calls for actors, Dynamo's request plane), so only the reply
+lives here.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 import msgspec
 
+from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageLLMCoreOutput
 from vllm_omni_plugin.stage.errors import (
@@ -59,3 +63,13 @@ def remote_stage_output(
 def error_kind(exc: StageError) -> ErrorKind:
     """The most specific ``RemoteOutput.error_kind`` for ``exc``."""
     return next(kind for kind, cls in reversed(ERROR_KINDS.items()) if isinstance(exc, cls))
+
+
+def stage_config_digest(deployment: ResolvedDeployment, stage_id: int) -> str:
+    """What head and worker must agree on: the pipeline, the stage's deploy config and its connectors."""
+    stage = next(s for s in deployment.deploy.stages if s.stage_id == stage_id)
+    resolved = next(s for s in deployment.stages if s.stage_id == stage_id)
+    names = {*resolved.input_connectors.values(), *resolved.output_connectors.values()}
+    connectors = {name: deployment.connectors[name] for name in sorted(names)}
+    blob = msgspec.json.encode([deployment.pipeline, stage, connectors])
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,18 +1,16 @@
 """What a head and its headless stage workers say to each other over ZMQ (msgspec, tagged), and what
-they must agree on (the stage's config digest, the head's address). Replies to requests are the
-remote placements' shared ``wire.RemoteOutput``."""
+they must agree on (the stage's config digest, which every remote placement shares in ``wire``; the
+head's address). Replies to requests are the remote placements' shared ``wire.RemoteOutput``."""
 
 from __future__ import annotations
 
-import hashlib
-
 import msgspec
 
-from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreRequest, StageLLMCoreRequest
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
+from vllm_omni_plugin.stage.placement.wire import stage_config_digest as stage_config_digest
 
 
 class WorkerRegister(msgspec.Struct, kw_only=True, tag="register"):
@@ -58,16 +56,6 @@ class RemoteRequest(msgspec.Struct, kw_only=True, tag="remote_request"):
 
 HeadMessage = WorkerAccepted | WorkerRejected | Heartbeat | HeadShutdown | RemoteRequest | StageAbort
 WorkerMessage = WorkerRegister | Heartbeat | WorkerLeaving | RemoteOutput | WorkerProgress
-
-
-def stage_config_digest(deployment: ResolvedDeployment, stage_id: int) -> str:
-    """What head and worker must agree on: the pipeline, the stage's deploy config and its connectors."""
-    stage = next(s for s in deployment.deploy.stages if s.stage_id == stage_id)
-    resolved = next(s for s in deployment.stages if s.stage_id == stage_id)
-    names = {*resolved.input_connectors.values(), *resolved.output_connectors.values()}
-    connectors = {name: deployment.connectors[name] for name in sorted(names)}
-    blob = msgspec.json.encode([deployment.pipeline, stage, connectors])
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def parse_head_address(text: str) -> tuple[str, int]:
