@@ -325,6 +325,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if getattr(args, "version", False) is True:
         print(version_line())
         sys.exit(0)
+    check_config_files(args)
+    check_headless_args(args)
+    return args
+
+
+def check_config_files(args: argparse.Namespace) -> None:
+    """The model (``MODEL`` positional) and one deploy config that exists."""
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     if args.deploy_config and args.stage_configs_path:
@@ -338,8 +345,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ):
         if path is not None and not os.path.isfile(path):
             raise OmniCLIError(f"{flag} {path}: no such file")
-    check_headless_args(args)
-    return args
 
 
 def resolve_from_args(args: argparse.Namespace):
@@ -386,7 +391,9 @@ def local_model_dir(model: str, revision: str | None = None) -> str:
         ) from None
 
 
-def run(args: argparse.Namespace) -> None:
+def resolve_for_serving(args: argparse.Namespace):
+    """The deployment a server (or worker) of these arguments runs, resolved as ``vllm serve --omni``
+    does; ``--print-resolved-config`` prints it and exits."""
     from vllm_omni_plugin.log import get_logger
 
     logger = get_logger(__name__)
@@ -406,6 +413,11 @@ def run(args: argparse.Namespace) -> None:
         sys.exit(0)
     for note in resolved.notes:
         logger.warning("%s", note)
+    return resolved
+
+
+def run(args: argparse.Namespace) -> None:
+    resolved = resolve_for_serving(args)
     if args.headless:
         run_headless(args, resolved)
         return
