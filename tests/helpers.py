@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +61,7 @@ from vllm_omni_plugin.stage.placement.headless.protocol import (
 )
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import cpu_test_env
+from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 if TYPE_CHECKING:
     import httpx
@@ -373,3 +373,34 @@ class HeadlessPeer:
             pid=pid,
             config_digest=digest or stage_config_digest(deployment, 1),
         )
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` pixels and holds none: what Image.open reads of it (a
+    hostile upload's dimensions without its bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
+
+
+def serve_model(
+    model: Path, deploy: Path, directory: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """``vllm serve MODEL --omni --deploy-config DEPLOY`` on a free port of this host, ready; stopped on the
+    way out (module fixtures ``yield from`` it)."""
+    port = free_port()
+    argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
+            "--port", str(port), "--host", "127.0.0.1", *extra]  # fmt: skip
+    with ServerProcess(argv, port=port, env=cpu_test_env(env), log_path=directory / "server.log") as server:
+        server.wait_ready(timeout=300)
+        yield server

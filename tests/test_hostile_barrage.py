@@ -19,9 +19,7 @@ import collections
 import io
 import json
 import re
-import struct
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +30,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import png_header
 from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 pytestmark = pytest.mark.server
@@ -151,21 +150,6 @@ def image_bytes(width: int = 64, height: int = 64, mode: str = "RGB", fmt: str =
     out = io.BytesIO()
     image.save(out, format=fmt)
     return out.getvalue()
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A PNG whose header declares ``width`` x ``height`` pixels and which holds none."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(b""))
-        + chunk(b"IEND", b"")
-    )
 
 
 SOURCE = image_bytes()
@@ -630,10 +614,10 @@ def chat_bodies(kind: Kind) -> Iterator[Body]:
         ("not-base64", "data:image/png," + "A" * 100),
         ("text-data", data_uri(b"just some text", "text/plain")),
         ("text-as-png", data_uri(b"just some text")),
-        ("declares-20000", data_uri(png_declaring(20000, 20000))),
+        ("declares-20000", data_uri(png_header(20000, 20000))),
         ("thin-4000x1", data_uri(image_bytes(4000, 1))),
         ("truncated-png", data_uri(SOURCE[: len(SOURCE) // 2])),
-        ("header-only", data_uri(png_declaring(64, 64))),
+        ("header-only", data_uri(png_header(64, 64))),
         ("url-number", 42),
         ("url-null", None),
         ("url-list", [data_uri(SOURCE)]),
@@ -790,8 +774,8 @@ def edit_bodies(kind: Kind) -> Iterator[Body]:
         ("empty-file", b"", "refused"),
         ("text-as-png", b"just some text, not an image", "refused"),
         ("svg-as-png", b'<svg xmlns="http://www.w3.org/2000/svg" width="64" height="64"/>', "refused"),
-        ("declares-20000", png_declaring(20000, 20000), "refused"),
-        ("declares-64-holds-none", png_declaring(64, 64), "refused"),
+        ("declares-20000", png_header(20000, 20000), "refused"),
+        ("declares-64-holds-none", png_header(64, 64), "refused"),
         ("truncated-png", SOURCE[: len(SOURCE) // 2], "refused"),
         ("thin-4000x1", image_bytes(4000, 1), "refused"),
         ("tall-1x4000", image_bytes(1, 4000), "refused"),

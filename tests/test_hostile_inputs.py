@@ -11,6 +11,7 @@ import base64
 import io
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ import psutil
 import pytest
 from PIL import Image
 
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from helpers import serve_model
+from vllm_omni_plugin.testing.harness.server import ServerProcess
 
 pytestmark = pytest.mark.server
 
@@ -47,17 +49,12 @@ def png(seed: int, side: int = 48) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen_image_edit: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def server(tiny_qwen_image_edit: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("hostile")
     deploy = directory / "deploy.yaml"
     fraction = BUDGET_BYTES / psutil.virtual_memory().total
     deploy.write_text(DEPLOY.format(max_batch=MAX_BATCH, fraction=f"{fraction:.6f}"))
-    port = free_port()
-    argv = [bin_script("vllm"), "serve", str(tiny_qwen_image_edit), "--omni", "--deploy-config", str(deploy),
-            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
-    with ServerProcess(argv, port=port, env=cpu_test_env(), log_path=directory / "server.log") as server:
-        server.wait_ready(timeout=300)
-        yield server
+    yield from serve_model(tiny_qwen_image_edit, deploy, directory)
 
 
 @pytest.fixture(scope="module")

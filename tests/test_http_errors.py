@@ -13,8 +13,6 @@ import contextlib
 import io
 import json
 import socket
-import struct
-import zlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from PIL import Image
 from pydantic import BaseModel
 
-from helpers import FAKE_PIPELINE, FakePlacement, app_client, fake_deployment
+from helpers import FAKE_PIPELINE, FakePlacement, app_client, fake_deployment, png_header
 from vllm_omni_plugin.config import register_pipeline
 from vllm_omni_plugin.entrypoints import api_calls, routes
 from vllm_omni_plugin.entrypoints.api_server import build_api_app
@@ -81,21 +79,6 @@ def png(side: int = 64) -> bytes:
     out = io.BytesIO()
     Image.fromarray(np.full((side, side, 3), 127, dtype=np.uint8)).save(out, format="PNG")
     return out.getvalue()
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that declares ``width`` x ``height`` pixels and holds none: what Image.open reads of it."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(b""))
-        + chunk(b"IEND", b"")
-    )
 
 
 BOUNDARY = "omni-test-boundary"

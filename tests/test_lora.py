@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
+from helpers import serve_model
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.lora import LoadedAdapters, LoraError, LoraSpec, check_lora, read_lora
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
@@ -191,17 +193,14 @@ stages:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_sd3: Path, adapters: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def served(
+    tiny_sd3: Path, adapters: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("lora_served")
     (directory / "deploy.yaml").write_text(DEPLOY)
-    port = free_port()
-    argv = [bin_script("vllm"), "serve", str(tiny_sd3), "--omni", "--deploy-config", str(directory / "deploy.yaml"),
-            "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "sd3",
-            "--lora-modules", f"ink={adapters(tiny_sd3, 'a')}"]  # fmt: skip
-    env = cpu_test_env({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    with ServerProcess(argv, port=port, env=env, log_path=directory / "server.log") as server:
-        server.wait_ready(timeout=300)
-        yield server
+    extra = ("--served-model-name", "sd3", "--lora-modules", f"ink={adapters(tiny_sd3, 'a')}")
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    yield from serve_model(tiny_sd3, directory / "deploy.yaml", directory, *extra, env=env)
 
 
 def image_of(response: httpx.Response) -> np.ndarray:

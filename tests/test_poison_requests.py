@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from helpers import serve_model
 from vllm_omni_plugin.hold_points import FAULT_SEED_ENV
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.diffusion_core_client import StageDiffusionCoreClient
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionProcConfig
 from vllm_omni_plugin.stage.diffusion_loop import DiffusionInbox, batch_prefix
 from vllm_omni_plugin.stage.errors import StageDeadError
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_plugin.testing.harness.server import ServerProcess
 
 # --- which requests start together ------------------------------------------------------------------
 
@@ -143,17 +145,11 @@ stages:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def server(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("poison")
-    deploy = directory / "deploy.yaml"
-    deploy.write_text(DEPLOY)
-    port = free_port()
-    argv = [bin_script("vllm"), "serve", str(tiny_sd3), "--omni", "--deploy-config", str(deploy),
-            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
-    env = cpu_test_env({FAULT_SEED_ENV: str(POISON_SEED)})
-    with ServerProcess(argv, port=port, env=env, log_path=directory / "server.log") as server:
-        server.wait_ready(timeout=300)
-        yield server
+    (directory / "deploy.yaml").write_text(DEPLOY)
+    env = {FAULT_SEED_ENV: str(POISON_SEED)}
+    yield from serve_model(tiny_sd3, directory / "deploy.yaml", directory, env=env)
 
 
 def generate(seed: int) -> dict[str, Any]:

@@ -19,11 +19,9 @@ import openai
 import pytest
 from PIL import Image
 
+from helpers import serve_model
 from vllm_omni_plugin.testing.harness.server import (
     ServerProcess,
-    bin_script,
-    cpu_test_env,
-    free_port,
     wait_for_metric,
 )
 
@@ -39,20 +37,11 @@ stages:
 """
 
 
-def serve(model: Path, deploy: Path, directory: Path) -> Iterator[ServerProcess]:
-    port = free_port()
-    argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
-            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
-    with ServerProcess(argv, port=port, env=cpu_test_env(), log_path=directory / "server.log") as server:
-        server.wait_ready(timeout=300)
-        yield server
-
-
 @pytest.fixture(scope="module")
 def sd3(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("sd3")
     (directory / "deploy.yaml").write_text(DIFFUSION_DEPLOY)
-    yield from serve(tiny_sd3, directory / "deploy.yaml", directory)
+    yield from serve_model(tiny_sd3, directory / "deploy.yaml", directory)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +50,12 @@ def qwen_edit(
 ) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("qwen_edit")
     (directory / "deploy.yaml").write_text(DIFFUSION_DEPLOY)
-    yield from serve(tiny_qwen_image_edit, directory / "deploy.yaml", directory)
+    yield from serve_model(tiny_qwen_image_edit, directory / "deploy.yaml", directory)
 
 
 @pytest.fixture(scope="module")
 def glm(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serve(
+    yield from serve_model(
         tiny_glm_image, REPO / "deploy" / "tiny_glm_image_cpu.yaml", tmp_path_factory.mktemp("glm")
     )
 

@@ -81,16 +81,8 @@ async def generation_call(server: OmniServer, req: ImageGenerationRequest) -> Ap
     server.check_size(width, height)
     await server.check_ar_tokens(req.prompt, [], width, height)
     server.check_steps(req.num_inference_steps)
-    return ApiCall(
-        "images/generations",
-        image_requests(req, req.prompt, width, height, settings, lora=lora),
-        response_format=response_format,
-        output_format=req.output_format or "png",
-        compression=req.output_compression,
-        width=width,
-        height=height,
-        stream=check_stream(req),
-    )
+    requests = image_requests(req, req.prompt, width, height, settings, lora=lora)
+    return images_call("images/generations", req, requests, response_format, width, height)
 
 
 async def edit_call(
@@ -114,9 +106,22 @@ async def edit_call(
     server.check_size(width, height)
     await server.check_ar_tokens(req.prompt, images, width, height, source_param=image_param)
     server.check_steps(req.num_inference_steps)
+    requests = image_requests(req, req.prompt, width, height, settings, images, lora=lora)
+    return images_call("images/edits", req, requests, response_format, width, height)
+
+
+def images_call(
+    endpoint: str,
+    req: ImageGenerationRequest,
+    requests: list[OmniRequest],
+    response_format: str,
+    width: int,
+    height: int,
+) -> ApiCall:
+    """An Images API call (generations, edits) of its checked requests, encoded as the request asks."""
     return ApiCall(
-        "images/edits",
-        image_requests(req, req.prompt, width, height, settings, images, lora=lora),
+        endpoint,
+        requests,
         response_format=response_format,
         output_format=req.output_format or "png",
         compression=req.output_compression,
