@@ -132,7 +132,7 @@ def test_every_family_folder_holds_its_files() -> None:
 
 
 PLACEMENT = PACKAGE / "stage" / "placement"
-PLACEMENT_FOLDERS = ("local", "headless", "ray")
+PLACEMENT_FOLDERS = ("local", "headless", "ray", "dynamo")
 """The placement implementations, each in a folder of its own below ``stage/placement/``."""
 
 
@@ -149,9 +149,10 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_placement_folders_do_not_import_each_other() -> None:
-    """Ray and headless share only ``placement/wire.py``; the local placement knows no remote one; the one
-    crossing is the headless worker, which runs its own stage on this host's ``LocalPlacement``."""
-    allowed = {("headless", "local"): {"worker.py"}}
+    """The remote placements share only ``placement/wire.py``; the local placement knows no remote one; the
+    crossings are the headless and Dynamo stage workers, which run their own stage on this host's
+    ``LocalPlacement``."""
+    allowed = {("headless", "local"): {"worker.py"}, ("dynamo", "local"): {"worker.py"}}
     assert {p.name for p in PLACEMENT.iterdir() if (p / "__init__.py").is_file()} == set(PLACEMENT_FOLDERS)
     offenders = []
     for folder in PLACEMENT_FOLDERS:

@@ -24,6 +24,7 @@ from vllm_omni_plugin.stage.errors import StageStartError
 from vllm_omni_plugin.stage.factory import placement_for
 from vllm_omni_plugin.stage.orchestrator import OmniRequest
 from vllm_omni_plugin.stage.placement.base import PerStagePlacement, StagePlacement
+from vllm_omni_plugin.stage.placement.dynamo.placement import DynamoPlacement
 from vllm_omni_plugin.stage.placement.headless.head import HeadlessPlacement, RemoteStageClient
 from vllm_omni_plugin.stage.placement.headless.protocol import (
     HeadShutdown,
@@ -76,12 +77,14 @@ def test_every_placement_implements_the_interface(tmp_path: Path) -> None:
         HeadlessPlacement: HeadlessPlacement(local),
         RayPlacement: RayPlacement(ray),
         PerStagePlacement: PerStagePlacement(LocalPlacement(), {1: HeadlessPlacement(local)}),
+        DynamoPlacement: DynamoPlacement(local, None, "ns.backend-stage{}.generate".format),  # no runtime yet
     }
     assert implementations() == set(made)  # a new placement must be added here
     for cls, placement in made.items():  # instantiating proves that nothing abstract is left
         assert isinstance(placement, StagePlacement) and type(placement) is cls
     assert made[LocalPlacement].health() == {}
     assert made[RayPlacement].health() == {"ray": {"head_node": None, "actors": 0}}
+    assert made[DynamoPlacement].health() == {"dynamo": {}}
 
     class Partial(StagePlacement):  # what the check catches: a placement that forgot part of it
         def place(self, deployment: Any, stage: Any, connectors: Any) -> list[Any]:
