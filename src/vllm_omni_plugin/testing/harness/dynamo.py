@@ -1,0 +1,118 @@
+"""A Dynamo deployment on this host, for tests and benchmarks: Dynamo's real HTTP frontend and our
+workers as processes, discovering each other through a folder (``file`` discovery), every plane on
+loopback, in one namespace of their own.
+
+Each process is a ``ServerProcess``: the frontend's ``port`` is its HTTP port; a worker's is its system
+port (``DYN_SYSTEM_PORT``: ``/metrics`` with our counts, Dynamo's ``/health``), and its hold points are its
+own (``ServerProcess.hold``).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_omni_plugin.testing.harness.server import ServerProcess, cpu_test_env, free_port
+
+LOOPBACK = {
+    "DYN_TCP_RPC_HOST": "127.0.0.1",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+    "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    "DYN_SYSTEM_HOST": "127.0.0.1",
+}
+"""Dynamo binds its planes to a non-loopback interface unless told otherwise."""
+
+
+SYSTEM_PORTS = range(20000, 32768)
+"""Dynamo 1.6 reads ``DYN_SYSTEM_PORT`` as an i16: a worker's system port must be below 32768 (the
+ephemeral ports the kernel hands out start above it)."""
+
+
+def free_system_port() -> int:
+    """A free TCP port of ``SYSTEM_PORTS`` on loopback."""
+    for port in random.sample(SYSTEM_PORTS, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {SYSTEM_PORTS}")
+
+
+def dynamo_missing() -> str | None:
+    """Why Dynamo's runtime cannot run here (None: it can): tests skip with this."""
+    try:
+        from dynamo.llm import make_engine, register_model  # noqa: F401
+        from dynamo.runtime import DistributedRuntime  # noqa: F401
+    except ImportError as exc:
+        return f"Dynamo's runtime is not installed ({exc.msg}): pip install 'vllm-omni-plugin[dynamo]'"
+    return None
+
+
+@dataclass
+class DynamoSite:
+    """Dynamo processes of one deployment: ``directory`` holds discovery and the logs."""
+
+    directory: Path
+    namespace: str = field(default_factory=lambda: f"omni-{uuid.uuid4().hex[:8]}")
+    processes: list[ServerProcess] = field(default_factory=list)
+
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        (self.directory / "discovery").mkdir(parents=True, exist_ok=True)
+        return cpu_test_env(
+            {
+                "DYN_DISCOVERY_BACKEND": "file",
+                "DYN_FILE_KV": str(self.directory / "discovery"),
+                "DYN_REQUEST_PLANE": "tcp",
+                "DYN_EVENT_PLANE": "zmq",
+                "DYN_NAMESPACE": self.namespace,
+                "DYN_LOG": "warn",
+                **LOOPBACK,
+                **(extra or {}),
+            }
+        )
+
+    def frontend(self, name: str = "frontend") -> ServerProcess:
+        """Dynamo's HTTP frontend (``base_url``: its OpenAI API), started."""
+        port = free_port()
+        argv = [sys.executable, "-m", "vllm_omni_plugin.dynamo.frontend", "--http-host", "127.0.0.1",
+                "--http-port", str(port), "--namespace", self.namespace]  # fmt: skip
+        return self._start(
+            ServerProcess(argv, port=port, log_path=self.directory / f"{name}.log", env=self.env())
+        )
+
+    def worker(
+        self, model: Path | str, *flags: str, name: str, env: Mapping[str, str] | None = None
+    ) -> ServerProcess:
+        """``python -m vllm_omni_plugin.dynamo MODEL *flags``, started (``base_url``: its system port)."""
+        port = free_system_port()
+        system = {"DYN_SYSTEM_PORT": str(port), **(env or {})}
+        argv = [sys.executable, "-m", "vllm_omni_plugin.dynamo", str(model), *flags]
+        return self._start(
+            ServerProcess(argv, port=port, log_path=self.directory / f"{name}.log", env=self.env(system))
+        )
+
+    def _start(self, process: ServerProcess) -> ServerProcess:
+        self.processes.append(process)
+        return process.start()
+
+    def stop(self, processes: Sequence[ServerProcess] | None = None) -> None:
+        """Stop ``processes`` (default: all: the workers together, then the frontend), as users do
+        (SIGINT); each is given its time to stop, side by side."""
+        chosen = list(processes if processes is not None else self.processes)
+        frontend = [p for p in chosen if p is self.processes[0]] if self.processes else []
+        workers = [p for p in chosen if p not in frontend]
+        stoppers = [threading.Thread(target=p.stop) for p in workers]
+        for stopper in stoppers:
+            stopper.start()
+        for stopper in stoppers:
+            stopper.join()
+        for process in frontend:
+            process.stop()
