@@ -344,6 +344,7 @@ def test_a_command_line_mistake_is_one_error_line_and_exit_2(
     from vllm_omni_plugin.dynamo import cli, runtime
 
     monkeypatch.setattr(runtime, "require_dynamo", lambda: None)  # whether or not Dynamo is installed here
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what the command line sets, undone after
     with pytest.raises(SystemExit) as exited:
         cli.main(["/models/x", *flags])
     assert exited.value.code == 2
