@@ -52,13 +52,15 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Callable[[str, str], Dif
         engine.close()
 
 
-def collecting(engine: DiffusionEngine) -> Previews:
+def collecting(engine: DiffusionEngine, threads: set[str] | None = None) -> Previews:
     previews: Previews = {}
     lock = threading.Lock()
 
     def sink(request_id: str, index: int, image: Any) -> None:
         with lock:
             previews.setdefault(request_id, []).append((index, image))
+            if threads is not None:
+                threads.add(threading.current_thread().name)
 
     engine.on_preview = sink
     return previews
@@ -88,7 +90,8 @@ def test_a_request_gets_its_previews_and_no_final_image_changes(
 ) -> None:
     engine = engines(family)
     plain = [request_of(family, "a", 1), request_of(family, "b", 2)]
-    previews = collecting(engine)
+    threads: set[str] = set()
+    previews = collecting(engine, threads)
     without = engine.generate(plain)
     assert previews == {}  # nobody asked: no preview work at all
     streamed = engine.generate([with_previews(plain[0], 3), plain[1]])
@@ -97,6 +100,7 @@ def test_a_request_gets_its_previews_and_no_final_image_changes(
         np.testing.assert_array_equal(after.image, before.image)  # bit for bit, batch unchanged
     assert list(previews) == ["a"]
     assert [index for index, _ in previews["a"]] == [0, 1, 2]
+    assert {name.rpartition("_")[0] for name in threads} == {"dit-previews"}  # decoded beside the steps
     final = streamed[0].image.astype(np.int16)
     distances = [float(np.abs(image.astype(np.int16) - final).mean()) for _, image in previews["a"]]
     assert all(image.shape == final.shape and image.dtype == np.uint8 for _, image in previews["a"])
@@ -161,3 +165,96 @@ def test_step_batched_requests_get_their_own_previews_through_the_loop(
         (alone,) = whole.generate([with_previews(request, 0)])
         diff = np.abs(np.asarray(output.image).astype(np.int16) - alone.image.astype(np.int16))
         assert diff.max() <= 1
+
+
+@pytest.mark.parametrize("family", ["sd3", "bagel"])
+def test_the_steps_go_on_while_a_preview_is_decoded(
+    engines: Callable[[str, str], DiffusionEngine], family: str
+) -> None:
+    """A preview held on the preview thread does not hold the denoising: the call makes every step, then
+    waits for the preview before its own decode; released, the request gets its image, unchanged."""
+    engine = engines(family)
+    request = with_previews(request_of(family, "held", 5), 1)
+    (alone,) = engine.generate([with_previews(request, 0)])
+    release, reached = threading.Event(), threading.Event()
+    steps: list[int] = []
+    stepped = threading.Condition()
+
+    def sink(request_id: str, index: int, image: Any) -> None:
+        reached.set()
+        assert release.wait(WAIT_S)
+
+    def on_progress() -> None:
+        with stepped:
+            steps.append(1)
+            stepped.notify_all()
+
+    engine.on_preview, engine.on_progress = sink, on_progress
+    results: list[Any] = []
+    call = threading.Thread(target=lambda: results.extend(engine.generate([request])), daemon=True)
+    try:
+        call.start()
+        assert reached.wait(WAIT_S)
+        # Every step of the 6 is made while the preview (after step 3) is held; the diffusers runners
+        # wait for it at the last step's end, before reporting that step.
+        with stepped:
+            assert stepped.wait_for(lambda: len(steps) >= 5, WAIT_S), steps
+        assert call.is_alive()  # and the call waits for the preview before its decode
+    finally:
+        release.set()
+        call.join(WAIT_S)
+        engine.on_preview = engine.on_progress = None
+    (result,) = results
+    assert result.ok, result.error
+    np.testing.assert_array_equal(result.image, alone.image)
+
+
+def test_a_failing_preview_fails_its_call(engines: Callable[[str, str], DiffusionEngine]) -> None:
+    engine = engines("sd3")
+
+    def sink(request_id: str, index: int, image: Any) -> None:
+        raise RuntimeError("the preview listener broke")
+
+    engine.on_preview = sink
+    (result,) = engine.generate([with_previews(request_of("sd3", "broken", 6), 2)])
+    assert not result.ok and "the preview listener broke" in str(result.error)
+    collecting(engine)
+    (again,) = engine.generate([with_previews(request_of("sd3", "next", 7), 2)])
+    assert again.ok, again.error  # the preview thread goes on serving
+
+
+def test_whole_request_batches_report_previews_from_the_loop_before_their_outputs(
+    engines: Callable[[str, str], DiffusionEngine],
+) -> None:
+    """Decoded on the preview thread, a batch's previews are reported by the loop's thread (at its step
+    ends, and the rest before the batch's outputs), in order."""
+    engine = engines("sd3")
+    order: list[str] = []
+
+    class OrderedReport(LoopReport):
+        def outputs(self, outputs: list[StageDiffusionCoreOutput]) -> None:
+            order.extend(f"output {o.request_id}" for o in outputs)
+            super().outputs(outputs)
+
+        def preview(self, request_id: str, index: int, image: Any) -> None:
+            order.append(f"preview {request_id} {index}")
+            super().preview(request_id, index, image)
+
+    report = OrderedReport()
+    loop = DiffusionBatchLoop(engine, 1, report, max_batch=4)
+    loop.engine.close = lambda: None  # the module's engine outlives this loop
+    serving = threading.Thread(target=loop.serve, name="dit-loop", daemon=True)
+    serving.start()
+    request = with_previews(request_of("sd3", "w", 8), 3)
+    try:
+        loop.inbox.add(
+            StageDiffusionCoreRequest(request_id="w", stage_id=1, diffusion=msgspec.to_builtins(request))
+        )
+        with report.changed:
+            assert report.changed.wait_for(lambda: "w" in report.outputs_by_id, WAIT_S)
+    finally:
+        loop.inbox.drain()
+        serving.join(WAIT_S)
+    assert report.outputs_by_id["w"].error is None
+    assert order == ["preview w 0", "preview w 1", "preview w 2", "output w"]
+    assert report.threads == {"dit-loop"}

@@ -144,9 +144,9 @@ def test_chat_streams_the_image_as_a_content_part(glm: ServerProcess) -> None:
 def test_a_client_that_closes_the_stream_after_its_first_preview_aborts_the_request(
     sd3: ServerProcess,
 ) -> None:
-    """The DiT holds once it has reported the first preview; the client, once it has that preview,
-    closes the stream; the server notices and aborts; released, the DiT drops the request at its next step
-    end: no image is made."""
+    """The preview thread holds once it has handed over the first preview, so the call waits before its
+    own decode; the client, once it has that preview, closes the stream; the server notices and aborts;
+    released, the DiT drops the request at its step end: no image is made."""
     client = client_of(sd3)
     labels = {"stage": "0", "name": "diffusion"}
     drops = sd3.metric("omni_stage_aborted_requests_total", **labels, where="batch")

@@ -35,7 +35,7 @@ StepCallback = Callable[[int], None]
 
 PreviewCallback = Callable[[str, int, Any], None]
 """Called with (request id, preview index, uint8 HxWx3 image) when a preview of a request is decoded; from
-the thread that runs the request's call (several at once with ``batching: step``)."""
+the preview thread (``diffusion/previews.py``), before the request's call returns."""
 
 MAX_PARTIAL_IMAGES = 3
 """The most previews a request may ask for (OpenAI's ``partial_images`` bound)."""

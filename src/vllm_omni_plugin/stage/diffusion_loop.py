@@ -249,11 +249,19 @@ class DiffusionBatchLoop:
         """The thread that serves (reports go out from it alone)."""
 
     def _step_done(self) -> None:
+        if threading.current_thread() is self._thread:
+            self._report_previews()
         self.report.progress(self.engine.counters(), force=False)
         self._hold_at_step()
 
+    def _report_previews(self) -> None:
+        """Report the previews other threads handed over (the loop's thread alone reports)."""
+        for preview in self.inbox.pop_previews():
+            self.report.preview(*preview)
+
     def _preview(self, request_id: str, index: int, image: Any) -> None:
-        """From the loop's thread, reported at once; from a group's thread, handed to the loop's."""
+        """From the loop's thread, reported at once; from another (the preview decoder's, a group's),
+        handed to the loop's, which reports it at its next step end or before the call's outputs."""
         if threading.current_thread() is self._thread:
             self.report.preview(request_id, index, image)
         else:
@@ -325,8 +333,7 @@ class DiffusionBatchLoop:
                 )
                 groups[key] = (thread, len(group))
                 thread.start()
-            for preview in inbox.pop_previews():
-                self.report.preview(*preview)
+            self._report_previews()
             finished = inbox.pop_finished()
             counters = engine.counters()
             if counters != reported or finished:  # forced before outputs: /metrics counts what they ran
@@ -359,6 +366,7 @@ class DiffusionBatchLoop:
     def run_batch(self, batch: list[StageDiffusionCoreRequest]) -> None:
         inbox = self.inbox
         outputs, aborted = self._run(batch)
+        self._report_previews()  # every preview of the batch is in: a call returns after its previews
         aborted |= inbox.finish()
         self.report.progress(self.engine.counters(), force=True)
         connector = self.output_connector

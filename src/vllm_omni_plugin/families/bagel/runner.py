@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from vllm_omni_plugin.diffusion.memory import element_bytes, vae_decode_bytes
+from vllm_omni_plugin.diffusion.previews import CallPreviews
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
     BatchOutput,
@@ -149,7 +150,8 @@ class BagelGenerationRunner(DiffusionRunner):
         return max(self.activation_phases(batch).values())
 
     def activation_phases(self, batch: list[BagelGenerationRequest]) -> dict[str, int]:
-        """Estimated peak of ``denoise`` and of ``decode``.
+        """Estimated peak of ``denoise`` and of ``decode``, each with a preview's decode beside it where
+        a row asks for previews.
 
         Denoising holds the context bank (every row's context K/V of every layer, padded to the longest,
         with the image block in front: ``rows x (block + longest context)`` tokens), at steps where only
@@ -173,7 +175,10 @@ class BagelGenerationRunner(DiffusionRunner):
         per_call = max(1, min(len(batch), DECODE_PIXELS_PER_CALL // (first.height * first.width)))
         channels = cfg.vae.ch * cfg.vae.ch_mult[min(1, len(cfg.vae.ch_mult) - 1)]
         decode = vae_decode_bytes(per_call, first.height * first.width, channels, element)
-        return {"denoise": denoise, "decode": decode}
+        # Previews are decoded beside the steps and the call's own decode (diffusion/previews.py).
+        previewing = min(sum(1 for r in batch if r.partial_images), per_call)
+        preview = vae_decode_bytes(previewing, first.height * first.width, channels, element)
+        return {"denoise": denoise + preview, "decode": decode + preview}
 
     @staticmethod
     def _context_lengths(request: BagelGenerationRequest) -> list[int]:
@@ -335,8 +340,11 @@ class BagelGenerationRunner(DiffusionRunner):
         if len(keys) != 1:
             raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
         start = time.perf_counter()
-        latents = self._denoise(batch, generators, should_stop, self.transformer.velocity, self.on_step, None)
-        return self._decoded(latents, batch, start)
+        with CallPreviews() as previews:
+            latents = self._denoise(
+                batch, generators, should_stop, self.transformer.velocity, self.on_step, None, previews
+            )
+            return self._decoded(latents, batch, start)
 
     step_batching = True
     previews = True
@@ -360,18 +368,20 @@ class BagelGenerationRunner(DiffusionRunner):
         """:meth:`run`, its velocity forwards shared through ``batcher`` with the other groups in flight."""
         velocity = batcher.proxy(group, len(batch))
         start = time.perf_counter()
-        try:
-            latents = self._denoise(
-                batch,
-                generators,
-                should_stop,
-                lambda latents, rows: velocity(latents=latents, rows=rows),
-                on_step,
-                lambda: batcher.leave(group),
-            )
-        finally:
-            batcher.leave(group)
-        return self._decoded(latents, batch, start)
+        with CallPreviews() as previews:
+            try:
+                latents = self._denoise(
+                    batch,
+                    generators,
+                    should_stop,
+                    lambda latents, rows: velocity(latents=latents, rows=rows),
+                    on_step,
+                    lambda: batcher.leave(group),
+                    previews,
+                )
+            finally:
+                batcher.leave(group)
+            return self._decoded(latents, batch, start)
 
     def _decoded(
         self, latents: torch.Tensor, batch: list[BagelGenerationRequest], start: float
@@ -393,6 +403,7 @@ class BagelGenerationRunner(DiffusionRunner):
         velocity_of: Callable[[torch.Tensor, AttentionRows], torch.Tensor],
         on_step: StepCallback | None,
         on_denoised: Callable[[], None] | None,
+        previews: CallPreviews,
     ) -> torch.Tensor:
         cfg, model = self.cfg, self.transformer
         first = batch[0]
@@ -412,11 +423,12 @@ class BagelGenerationRunner(DiffusionRunner):
         times = model.time_embedding(timesteps)
         guidance = _Guidance(batch, self.device)
         dts = dts.to(self.device)
-        previews: dict[int, list[tuple[int, int]]] = {}
+        asked: dict[int, list[tuple[int, int]]] = {}
+        """Step -> the (row, preview index) pairs it previews."""
         if self.on_preview is not None:
             for r, request in enumerate(batch):
                 for index, at in enumerate(preview_steps(request.partial_images, len(timesteps))):
-                    previews.setdefault(at, []).append((r, index))
+                    asked.setdefault(at, []).append((r, index))
         for step in range(len(timesteps)):
             rows = plan.at(step, bank, self.device)
             inputs = model.latent_input(x, times[step], positions)
@@ -428,8 +440,8 @@ class BagelGenerationRunner(DiffusionRunner):
                 rows.guided,
                 rows.image_guided,
             )
-            if step in previews:  # the clean latents this step estimates: x - t * v
-                self._preview(batch, previews[step], x - v * float(timesteps[step]))
+            if step in asked:  # the clean latents this step estimates: x - t * v
+                self._preview(batch, asked[step], x - v * float(timesteps[step]), previews)
             x = x - v * dts[step]
             if on_denoised is not None and step + 1 == len(timesteps):
                 on_denoised()
@@ -440,16 +452,26 @@ class BagelGenerationRunner(DiffusionRunner):
         return x
 
     def _preview(
-        self, batch: list[BagelGenerationRequest], rows: list[tuple[int, int]], clean: torch.Tensor
+        self,
+        batch: list[BagelGenerationRequest],
+        rows: list[tuple[int, int]],
+        clean: torch.Tensor,
+        previews: CallPreviews,
     ) -> None:
-        """Decode the estimated clean latents of the rows that asked for a preview at this step."""
+        """Decode the estimated clean latents of the rows that asked for a preview at this step, beside
+        the next steps."""
         sink = self.on_preview
         if sink is None:
             return
-        chosen = torch.tensor([row for row, _ in rows], device=clean.device)
-        images = self._decode(clean.index_select(0, chosen), batch[0].height, batch[0].width)
-        for (row, index), image in zip(rows, images, strict=True):
-            sink(batch[row].request_id, index, image)
+        chosen = clean.index_select(0, torch.tensor([row for row, _ in rows], device=clean.device))
+        asked = [(batch[row].request_id, index) for row, index in rows]
+        height, width = batch[0].height, batch[0].width
+
+        def deliver(images: list[Any]) -> None:
+            for (request_id, index), image in zip(asked, images, strict=True):
+                sink(request_id, index, image)
+
+        previews.decode(lambda: self._decode(chosen, height, width), deliver)
 
     def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[Any]:
         cfg = self.cfg

@@ -26,6 +26,7 @@ from vllm_omni_plugin.diffusion.diffusers_registry import (
 from vllm_omni_plugin.diffusion.lora import AdapterRows, LoadedAdapters
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.previews import CallPreviews
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
     BatchOutput,
@@ -355,7 +356,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
     def activation_phases(self, batch: list[DiffusionRequest]) -> dict[str, int]:
         """Estimated peak of each phase of the call: ``encode`` (the VAE over the largest source image),
         ``denoise`` (one transformer block over every row: image, prompt and source-image tokens; twice
-        the rows where guidance is batched) and ``decode`` (the VAE over the whole batch)."""
+        the rows where guidance is batched; and beside it the VAE over the rows that ask for previews,
+        which are decoded while the steps go on) and ``decode`` (the VAE over the whole batch)."""
         shape = self.memory_shape
         first = batch[0]
         guided = (first.guidance_scale or 0.0) > 1.0 and self.batched_guidance and not shape.guidance_embedded
@@ -369,7 +371,13 @@ class DiffusersPipelineRunner(DiffusionRunner):
         largest_source = max((max(p, default=0) for p in sources), default=0)
         return {
             "encode": vae_decode_bytes(1, largest_source, shape.decoder_channels, shape.vae_element),
-            "denoise": transformer_block_bytes(rows, tokens, shape.hidden, shape.ff_inner, shape.element),
+            "denoise": transformer_block_bytes(rows, tokens, shape.hidden, shape.ff_inner, shape.element)
+            + vae_decode_bytes(
+                sum(1 for r in batch if r.partial_images),
+                first.height * first.width,
+                shape.decoder_channels,
+                shape.vae_element,
+            ),
             "decode": vae_decode_bytes(
                 len(batch), first.height * first.width, shape.decoder_channels, shape.vae_element
             ),
@@ -469,12 +477,18 @@ class DiffusersPipelineRunner(DiffusionRunner):
         if first.guidance_scale is not None and self.guidance_argument in self.call_arguments:
             kwargs[self.guidance_argument] = first.guidance_scale
 
+        previews = CallPreviews()
+
         def on_step_end(caller: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             # The last step's latents are the denoised ones; its time splits denoise from decode.
             latents_box[:] = [tensors["latents"]]
             step_done[:] = [time.perf_counter()]
-            if on_denoised is not None and step + 1 == _timesteps_of(caller):
-                on_denoised()
+            if step + 1 == _timesteps_of(caller):
+                # Some VAEs keep state while they decode (Qwen-Image's causal cache): the previews are
+                # done before the call's own decode starts.
+                previews.wait()
+                if on_denoised is not None:
+                    on_denoised()
             if on_step is not None:
                 on_step(step)
             if should_stop is not None and should_stop():
@@ -485,9 +499,9 @@ class DiffusersPipelineRunner(DiffusionRunner):
             kwargs["callback_on_step_end"] = on_step_end
             kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
         if self._previewing(batch):
-            self._preview_steps(pipe, batch)
+            self._preview_steps(pipe, batch, previews)
         start = time.perf_counter()
-        with self._adapter_rows(batch, denoiser_of(self.pipe)).applied():
+        with previews, self._adapter_rows(batch, denoiser_of(self.pipe)).applied():
             out = pipe(**kwargs, **self.call_kwargs(batch))
         end = time.perf_counter()
         denoised = step_done[0] if step_done else end
@@ -516,10 +530,11 @@ class DiffusersPipelineRunner(DiffusionRunner):
             return None
         return int(first.height), int(first.width)
 
-    def _preview_steps(self, pipe: Any, batch: list[DiffusionRequest]) -> None:
+    def _preview_steps(self, pipe: Any, batch: list[DiffusionRequest], previews: CallPreviews) -> None:
         """Wrap the call's own scheduler's ``step``: at the steps a row asked a preview for, the clean
         image it estimates (the flow-matching schedulers': ``sample - sigma * velocity``; others': their
-        ``pred_original_sample``) is decoded for those rows and handed to :attr:`on_preview`."""
+        ``pred_original_sample``) is decoded for those rows beside the next steps (``previews``) and
+        handed to :attr:`on_preview`."""
         size, sink = self.preview_size(batch), self.on_preview
         if size is None or sink is None:
             return
@@ -552,9 +567,14 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 clean = estimate if estimate is not None else out.prev_sample
                 out = out if asked_dict else (out.prev_sample,)
             if clean.shape[0] == len(batch):
-                images = decode_latents(pipe, clean[[row for row, _ in rows]], *size)
-                for (row, index), image in zip(rows, images, strict=True):
-                    sink(batch[row].request_id, index, image)
+                chosen = clean[[row for row, _ in rows]]  # a copy: the steps go on meanwhile
+                asked = [(batch[row].request_id, index) for row, index in rows]
+
+                def deliver(images: list[Any]) -> None:
+                    for (request_id, index), image in zip(asked, images, strict=True):
+                        sink(request_id, index, image)
+
+                previews.decode(lambda: decode_latents(pipe, chosen, *size), deliver)
             return out
 
         scheduler.step = step
