@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,13 @@ from vllm_omni_plugin.testing.harness.server import CPU_TEST_ENV
 
 for _key, _value in CPU_TEST_ENV.items():
     os.environ.setdefault(_key, _value)
+
+# vLLM's engines make their ZMQ socket files in VLLM_RPC_BASE_PATH (the temp dir), and a process a test
+# kills, or a server stopped before it closes them, leaves them there: the run gives them a directory of
+# its own, which it removes at its end. Set before any engine or server starts (they inherit it).
+RPC_DIR = None if "VLLM_RPC_BASE_PATH" in os.environ else tempfile.mkdtemp(prefix="vllm-omni-tests-rpc-")
+if RPC_DIR is not None:
+    os.environ["VLLM_RPC_BASE_PATH"] = RPC_DIR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEAK_GRACE_S = 20.0
@@ -33,6 +42,8 @@ def nothing_left_behind() -> Iterator[LeakWatch]:
     gc.collect()  # objects nobody references release what they hold now, not at exit
     watch.stop()
     left = watch.leftovers(grace=LEAK_GRACE_S)
+    if RPC_DIR is not None:
+        shutil.rmtree(RPC_DIR, ignore_errors=True)
     if left:
         watch.clean(left)
         pytest.fail("the test run left this behind (now removed):\n" + left.describe(), pytrace=False)
