@@ -258,3 +258,28 @@ def test_whole_request_batches_report_previews_from_the_loop_before_their_output
     assert report.outputs_by_id["w"].error is None
     assert order == ["preview w 0", "preview w 1", "preview w 2", "output w"]
     assert report.threads == {"dit-loop"}
+
+
+@pytest.mark.parametrize(("family", "serial"), [("qwen_image", True), ("sd3", False)])
+def test_step_batched_groups_decode_a_vae_that_keeps_state_one_at_a_time(
+    engines: Callable[[str, str], DiffusionEngine], family: str, serial: bool
+) -> None:
+    """Qwen-Image's VAE keeps its causal caches on the module while it decodes: a step-batched group's
+    decodes (its previews on the preview thread, its images on its own) run under the runner's VAE lock,
+    which every group shares. SD3's keeps none and decodes freely."""
+    engine = engines(family, "step")
+    runner: Any = engine.runner
+    held: list[bool] = []
+    hook = runner.pipe.vae.decoder.register_forward_pre_hook(
+        lambda module, args: held.append(runner._vae_lock.locked())
+    )
+    try:
+        collecting(engine)
+        (group,), failed = engine.admit([with_previews(request_of(family, "s", 9), 2)])
+        assert not failed
+        (result,) = engine.run_group(group)
+    finally:
+        hook.remove()
+        engine.on_preview = None
+    assert result.ok, result.error
+    assert held == [serial] * 3  # two previews, then the image

@@ -189,6 +189,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         self.pipe = pipe
         self._encode_lock = threading.Lock()
         """Held while a group encodes its prompts (:meth:`_one_at_a_time`)."""
+        self._vae_lock = threading.Lock()
+        """Held while a group's VAE encodes or decodes where the VAE keeps state then (:class:`SerialVae`)."""
         self.device = device
         self.dtype = dtype
         self.pipeline_class = cls.pipeline_class or type(pipe).__name__
@@ -430,6 +432,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         encode = getattr(pipe, "encode_prompt", None)  # every text-conditioned diffusers pipeline has one
         if encode is not None:
             pipe.__dict__["encode_prompt"] = self._one_at_a_time(encode)
+        if SerialVae.needed(self.pipe.vae):  # groups, and the preview thread, decode at the same time
+            pipe.__dict__["vae"] = SerialVae(self.pipe.vae, self._vae_lock)
         try:
             return self._call(pipe, batch, generators, should_stop, on_step, lambda: batcher.leave(group))
         finally:
@@ -578,6 +582,32 @@ class DiffusersPipelineRunner(DiffusionRunner):
             return out
 
         scheduler.step = step
+
+
+class SerialVae:
+    """A pipeline's VAE whose ``encode`` and ``decode`` run one at a time. Qwen-Image's (and Wan's) keep
+    their causal convolutions' caches on the module while they run (``clear_cache``, ``_feat_map``): two
+    step-batched groups, or a group and the preview thread, decoding at once would read each other's.
+    Everything else is the VAE's own."""
+
+    def __init__(self, vae: Any, lock: threading.Lock) -> None:
+        self._vae = vae
+        self._lock = lock
+
+    @staticmethod
+    def needed(vae: Any) -> bool:
+        return callable(getattr(vae, "clear_cache", None))
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._vae.encode(*args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._vae.decode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._vae, name)
 
 
 def decode_latents(pipe: Any, latents: Any, height: int, width: int) -> list[Any]:
