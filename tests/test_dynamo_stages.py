@@ -29,7 +29,6 @@ from PIL import Image
 from vllm_omni_plugin.processes import SHM_DIR, descendants
 from vllm_omni_plugin.testing.harness.dynamo import DynamoSite, dynamo_missing
 from vllm_omni_plugin.testing.harness.holds import Hold
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import (
     ServerProcess,
     bin_script,
@@ -130,18 +129,8 @@ def vllm_serve_image(model: Path, log_dir: Path) -> np.ndarray:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DynamoSite]:
     """Dynamo's frontend; at the end, nothing of this module's left (processes, shared memory)."""
-    watch = LeakWatch().start()
-    site = DynamoSite(tmp_path_factory.mktemp("dynamo_stages"))
-    frontend = site.frontend()
-    try:
-        frontend.wait_ready(path="/v1/models", timeout=120)
+    with DynamoSite.running(tmp_path_factory.mktemp("dynamo_stages")) as site:
         yield site
-    finally:
-        site.stop()
-        watch.stop()
-        left = watch.leftovers(grace=30)
-        watch.clean(left)
-        assert not left, left.describe()
 
 
 @dataclass

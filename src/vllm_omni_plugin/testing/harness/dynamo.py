@@ -9,15 +9,17 @@ own (``ServerProcess.hold``).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import sys
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import ServerProcess, cpu_test_env, free_port
 
 LOOPBACK = {
@@ -63,6 +65,24 @@ class DynamoSite:
     directory: Path
     namespace: str = field(default_factory=lambda: f"omni-{uuid.uuid4().hex[:8]}")
     processes: list[ServerProcess] = field(default_factory=list)
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, directory: Path) -> Iterator[DynamoSite]:
+        """A site whose frontend is up; at the end, its processes stopped and nothing of them left
+        (processes, shared memory), else AssertionError naming what was (then removed)."""
+        watch = LeakWatch().start()
+        site = cls(directory)
+        frontend = site.frontend()
+        try:
+            frontend.wait_ready(path="/v1/models", timeout=120)
+            yield site
+        finally:
+            site.stop()
+            watch.stop()
+            left = watch.leftovers(grace=30)
+            watch.clean(left)
+            assert not left, left.describe()
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         (self.directory / "discovery").mkdir(parents=True, exist_ok=True)
