@@ -337,3 +337,21 @@ def test_long_batches_log_progress_and_count_denoise_steps(tiny_sd3: Path) -> No
         ok(quiet.generate([ask("q", "a cat", seed=1, guidance=2.0)]))
     assert not [line for line in lines if "steps/s" in line or "done" in line]  # a short batch is quiet
     assert quiet.denoise_steps == STEPS
+
+
+def test_step_batched_groups_log_their_progress_too(tiny_sd3: Path) -> None:
+    engine = DiffusionEngine(
+        tiny_sd3, max_batch_size=4, num_inference_steps=STEPS, progress_interval_s=0, batching="step"
+    )
+    try:
+        with engine_log() as lines:
+            (group,), failed = engine.admit([ask(f"g{i}", "a cat", seed=i, guidance=2.0) for i in range(2)])
+            assert not failed
+            ok(engine.run_group(group))
+    finally:
+        engine.close()
+    assert [line.split(" of ")[0] for line in lines if "steps/s" in line] == [
+        f"diffusion: step {i}/{STEPS}" for i in range(1, STEPS + 1)
+    ]
+    assert any("2 request(s) (g0, g1) done: 4 steps" in line for line in lines)
+    assert engine.denoise_steps == 2 * STEPS

@@ -364,12 +364,17 @@ class DiffusionEngine:
             raise RuntimeError("run_group needs batching: step")
         return self._run_batch(group, is_aborted, on_step)
 
-    def _group_steps(self, rows: int, on_step: Callable[[int], None] | None) -> Callable[[int], None]:
-        """A group's step callback: its requests count a step further, then ``on_step``."""
+    def _group_steps(
+        self, progress: _BatchProgress, on_step: Callable[[int], None] | None
+    ) -> Callable[[int], None]:
+        """A group's step callback: its requests count a step further (logged when it is time), then
+        ``on_step``. Step times are the step batcher's (:meth:`_boundary_done`)."""
 
         def step_done(step: int) -> None:
+            progress.steps = step + 1
             with self._count_lock:
-                self._counters.denoise_steps += rows
+                self._counters.denoise_steps += len(progress.batch)
+            self._log_progress(progress, time.perf_counter())
             if on_step is not None:
                 on_step(step)
 
@@ -423,6 +428,12 @@ class DiffusionEngine:
                 counters.step_requests += len(progress.batch)
                 counters.step_seconds += now - progress.last_step
         progress.last_step = now
+        self._log_progress(progress, now)
+        if self.on_progress is not None:
+            self.on_progress()
+
+    def _log_progress(self, progress: _BatchProgress, now: float) -> None:
+        """A batch (or group) running longer than ``progress_interval_s`` logs its step every that long."""
         if now - max(progress.start, progress.last_log) >= self.progress_interval_s:
             progress.logged, progress.last_log = True, now
             total = self.runner.steps_of(progress.batch[0]) or progress.steps
@@ -434,12 +445,9 @@ class DiffusionEngine:
                 progress.who,
                 progress.steps / (now - progress.start),
             )
-        if self.on_progress is not None:
-            self.on_progress()
 
-    def _finish_progress(self) -> None:
-        progress, self._progress = self._progress, None
-        if progress is not None and progress.logged:
+    def _finish_progress(self, progress: _BatchProgress) -> None:
+        if progress.logged:
             logger.info(
                 "diffusion: %d request(s) (%s) done: %d steps and decode in %.1f s",
                 len(progress.batch),
@@ -467,12 +475,13 @@ class DiffusionEngine:
         ids = [r.request_id for r in batch]
         stop = None if is_aborted is None else (lambda: all(is_aborted(i) for i in ids))
         batcher = self.step_batcher
+        progress = _BatchProgress(batch, time.perf_counter())
         try:
             if batcher is None:
-                self._progress = _BatchProgress(batch, time.perf_counter())
+                self._progress = progress
                 out = self.runner.run(batch, generators, should_stop=stop)
             else:
-                count = self._group_steps(len(batch), on_step)
+                count = self._group_steps(progress, on_step)
                 out = self.runner.run_rows(batch, generators, stop, batcher, " ".join(ids), count)
         except BatchAborted as exc:
             self._progress = None
@@ -489,7 +498,8 @@ class DiffusionEngine:
                 )
                 return [r for request in batch for r in self._run_batch([request], is_aborted, on_step)]
             return [self._failed(batch[0], exc, batch_size=1)]
-        self._finish_progress()
+        self._progress = None
+        self._finish_progress(progress)
         with self._count_lock:
             self._counters.decodes += 1
             self._counters.decode_seconds += out.timings.get("decode", 0.0)
@@ -511,7 +521,8 @@ class DiffusionEngine:
 
 @dataclass
 class _BatchProgress:
-    """The batch the runner is working on, for the step callback (runs are one at a time)."""
+    """A batch the runner is working on (or a group, with step batching), for its step callback and
+    progress log lines."""
 
     batch: list[RunnerRequest]
     start: float
