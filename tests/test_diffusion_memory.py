@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psutil
 import pytest
 
@@ -207,3 +208,45 @@ def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones_past_the_budget(
                              gpu_memory_utilization=fraction)  # fmt: skip
     batches, failed = engine.plan([*short, long])
     assert not failed and batches == [[0, 1, 2, 3], [4]]  # the long one alone: four short ones fit
+
+
+def test_step_batched_groups_in_flight_keep_to_the_budget_together(
+    tiny_glm_image: Path, glm_runner: Any
+) -> None:
+    """With ``batching: step`` the groups in flight share each step's forwards, so their activations add
+    up: of two groups admitted at once (two requests, and one more, where two fit the budget and three do
+    not), the second starts once the first is done."""
+    import threading
+
+    from test_previews import LoopReport
+    from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest
+    from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
+
+    sizes = {n: glm_runner.activation_bytes([glm_request(str(i), 64) for i in range(n)]) for n in (1, 2, 3)}
+    room = (sizes[2] + sizes[3]) // 2
+    fraction = fraction_leaving(tensor_bytes(glm_runner.weight_tensors()), room)
+    engine = DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", max_batch_size=8,
+                             gpu_memory_utilization=fraction, batching="step", batch_wait_ms=60_000)  # fmt: skip
+    in_flight: list[int] = []
+
+    class CountingLoop(DiffusionBatchLoop):
+        def _hold_at_step(self, step: int = 0) -> None:  # the groups' step callback: how many run now
+            in_flight.append(sum(t.name == "dit-group" for t in threading.enumerate()))
+
+    report = LoopReport()
+    loop = CountingLoop(engine, 1, report, max_batch=8)
+    requests = [glm_request(f"r{i}", 64, seed=i) for i in range(3)]
+    requests = [msgspec.structs.replace(r, prior_token_ids=r.prior_token_ids.tolist()) for r in requests]
+    for request in requests:  # all queued before the loop takes any: admitted at once, as two groups
+        loop.inbox.add(StageDiffusionCoreRequest(request_id=request.request_id, stage_id=1,
+                                                 diffusion=msgspec.to_builtins(request)))  # fmt: skip
+    serving = threading.Thread(target=loop.serve, name="dit-loop", daemon=True)
+    serving.start()
+    try:
+        with report.changed:
+            assert report.changed.wait_for(lambda: len(report.outputs_by_id) == 3, 120)
+    finally:
+        loop.inbox.drain()
+        serving.join(120)
+    assert all(o.error is None for o in report.outputs_by_id.values())
+    assert in_flight == [1] * (2 * STEPS)  # never both at once

@@ -1,6 +1,7 @@
 """The step batcher alone, on a small torch denoiser (no pipeline, no model): which calls share a forward,
-how they are joined and split, when a step boundary fires, and what a failure or a close does. The
-pipelines themselves run through it in ``test_step_batching.py``."""
+how they are joined and split, when a step boundary fires, and what a failure or a close does; and which
+groups the loop starts within the memory budget. The pipelines themselves run through it in
+``test_step_batching.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from vllm_omni_plugin.diffusion.step_batching import RUN_AT_ONCE, RowAborted, SameValue, StepBatcher
+from vllm_omni_plugin.stage.diffusion_loop import GroupBudget
 
 WAIT_S = 30.0
 
@@ -164,3 +166,24 @@ def test_close_fails_the_waiting_calls(denoiser: Denoiser) -> None:
     assert isinstance(out["error"], RowAborted)
     with pytest.raises(RowAborted):
         steps.proxy("late")(hidden_states=torch.zeros(1, 2), timestep=torch.ones(1))
+
+
+def test_groups_in_flight_keep_to_the_memory_budget_together() -> None:
+    """Each row needs 10 bytes; the budget is 30: groups start in order while the sum fits, the first
+    waiting one always on an idle stage, and a finished group makes room."""
+    budget = GroupBudget(30, lambda group: 10 * len(group))
+    key = "".join
+    budget.admit([["a", "b"], ["c"], ["d", "e"]])
+    assert budget.start(key) == [["a", "b"], ["c"]]
+    assert budget.waiting == [["d", "e"]] and budget.waiting_rows == 2
+    assert budget.start(key) == []  # 30 in flight: 20 more would not fit
+    budget.done("c")
+    assert budget.start(key) == []  # 20 in flight: still no room for 20 beside it
+    budget.done("ab")
+    assert budget.start(key) == [["d", "e"]]
+    budget.done("de")
+    budget.admit([["f", "g", "h", "i"]])  # more than the budget: admitted alone, it starts on an idle stage
+    assert budget.start(key) == [["f", "g", "h", "i"]]
+    unbounded = GroupBudget(None, lambda group: 10**9)
+    unbounded.admit([["a"], ["b"]])
+    assert unbounded.start(key) == [["a"], ["b"]]

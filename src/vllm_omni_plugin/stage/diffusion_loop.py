@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -50,6 +50,48 @@ def batch_prefix(alone: Sequence[bool], limit: int) -> int:
     while count < min(limit, len(alone)) and not alone[count]:
         count += 1
     return count
+
+
+class GroupBudget:
+    """Which admitted groups start now (``batching: step``): groups in flight share each step's forwards,
+    so their activations add up, and together they keep to the stage's memory budget (``limit``, the
+    engine's activation bytes; None: no budget). Groups start in the order they were admitted; the first
+    waiting one starts on a stage with nothing in flight whatever it needs (the engine admits only groups
+    that fit alone)."""
+
+    def __init__(self, limit: int | None, estimate: Callable[[list[Any]], int]) -> None:
+        self.limit = limit
+        self.estimate = estimate
+        self.waiting: list[list[Any]] = []
+        self.in_flight: dict[str, int] = {}
+        """Key of each group in flight -> its estimated activations."""
+
+    @property
+    def waiting_rows(self) -> int:
+        return sum(len(group) for group in self.waiting)
+
+    def admit(self, groups: list[list[Any]]) -> None:
+        self.waiting += groups
+
+    def start(self, key_of: Callable[[list[Any]], str]) -> list[list[Any]]:
+        """The waiting groups that start now (counted in flight until :meth:`done`)."""
+        started = []
+        while self.waiting:
+            need = self.estimate(self.waiting[0]) if self.limit is not None else 0
+            if self.in_flight and self.limit is not None and sum(self.in_flight.values()) + need > self.limit:
+                break
+            group = self.waiting.pop(0)
+            self.in_flight[key_of(group)] = need
+            started.append(group)
+        return started
+
+    def done(self, key: str) -> None:
+        self.in_flight.pop(key, None)
+
+
+def group_key(group: list[Any]) -> str:
+    """A group's name in the loop (its requests' ids)."""
+    return " ".join(r.request_id for r in group)
 
 
 class DiffusionInbox:
@@ -135,7 +177,10 @@ class DiffusionInbox:
         with self.lock:
             if self.draining and not self.queued:
                 self.stopping = True
-            if self.stopping or self.finished or self.previews:
+            if self.finished or self.previews:
+                return []
+            if self.stopping:  # the groups in flight finish: wait for their news, not in a busy loop
+                self.lock.wait(POLL_S)
                 return []
             timeout = POLL_S
             # One that runs alone starts once nothing runs, and nothing starts beside it.
@@ -303,13 +348,16 @@ class DiffusionBatchLoop:
         """``batching: step``: what is queued starts at once while fewer than ``max_batch`` requests run,
         as groups of compatible requests, each a pipeline call on a thread of its own whose denoiser calls
         share forwards with the other groups'; a group's outputs are reported as soon as it is done.
-        Stopping starts nothing new and lets the running groups finish (interrupted: aborts them)."""
+        Groups taken start while those in flight keep, together, to the memory budget (:class:`GroupBudget`).
+        Stopping starts nothing new and lets the taken groups finish (interrupted: aborts them)."""
         inbox, engine = self.inbox, self.engine
         groups: dict[str, tuple[threading.Thread, int]] = {}
+        limit = engine.memory.activation_bytes if engine.memory is not None else None
+        budget = GroupBudget(limit, engine.activation_bytes)
         transfer: dict[str, float] = {}
         reported = engine.counters()
-        while not inbox.stopping or groups:
-            running = sum(size for _, size in groups.values())
+        while not inbox.stopping or groups or budget.waiting:
+            running = sum(size for _, size in groups.values()) + budget.waiting_rows
             taken = inbox.take_rows(self.max_batch - running, engine.batch_wait_ms / 1000)
             engine.count_started(inbox.started_waits())
             requests, failed = [], []
@@ -326,13 +374,7 @@ class DiffusionBatchLoop:
             if failed:
                 inbox.done([o.request_id for o in failed])
                 self.report.outputs(failed)
-            for group in admitted:
-                key = " ".join(r.request_id for r in group)
-                thread = threading.Thread(
-                    target=self._run_group, args=(key, group), name="dit-group", daemon=True
-                )
-                groups[key] = (thread, len(group))
-                thread.start()
+            budget.admit(admitted)
             self._report_previews()
             finished = inbox.pop_finished()
             counters = engine.counters()
@@ -341,6 +383,7 @@ class DiffusionBatchLoop:
                 self.report.progress(counters, force=bool(finished))
             for key, results in finished:
                 groups.pop(key)[0].join()
+                budget.done(key)
                 aborted = inbox.done([r.request_id for r in results])
                 outputs = []
                 for result in results:
@@ -352,6 +395,13 @@ class DiffusionBatchLoop:
                     outputs.append(self._output_of(result, seconds))
                 if outputs:
                     self.report.outputs(outputs)
+            for group in budget.start(group_key):
+                key = group_key(group)
+                thread = threading.Thread(
+                    target=self._run_group, args=(key, group), name="dit-group", daemon=True
+                )
+                groups[key] = (thread, len(group))
+                thread.start()
 
     def _run_group(self, key: str, group: list[Any]) -> None:
         results: list[Any] = []
