@@ -59,9 +59,23 @@ def hold_point(point: str, holding: str = "", give_up: Callable[[], bool] | None
     logger.warning("test hold point %s: released", point)
 
 
+_settle_before_fault: Callable[[], None] | None = None
+
+
+def settle_before_fault(action: Callable[[], None]) -> None:
+    """What this process does before the fault hook kills it: deliver what it has sent (the stage
+    process's last outputs), as a process that dies in the middle of a batch has long done. Killed the
+    instant it took the next batch, it could take its previous batch's outputs along, and its client
+    would then blame a request that had finished for the death."""
+    global _settle_before_fault
+    _settle_before_fault = action
+
+
 def fault_point(seeds: Iterable[int | None]) -> None:
     """Kill this process if the batch it is about to run holds the poison seed (see the module)."""
     poison = os.environ.get(FAULT_SEED_ENV)
     if poison and any(seed is not None and str(seed) == poison for seed in seeds):
         logger.warning("test fault hook: a request of seed %s kills this diffusion process", poison)
+        if _settle_before_fault is not None:
+            _settle_before_fault()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -57,6 +57,8 @@ READY_TIMEOUT_S = 600.0
 WATCH_INTERVAL_S = 0.2
 EXIT_GRACE_S = 10.0
 """How long a stopped stage process gets to exit (after SIGTERM) before SIGKILL."""
+ARRIVED_POLLS = 200
+"""At most this many 10 ms turns for the reader to take what a dead process sent before it died."""
 DEATH_NOTICE_S = 5.0
 """How long a request that found its process disconnected waits for the watch to notice the death."""
 _IPC_FILE = re.compile(r"^vllm_omni_(\d+)_[0-9a-f]{8}_(in|out)$")
@@ -207,6 +209,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             await asyncio.sleep(WATCH_INTERVAL_S)
             if self.state != StageState.READY or self.manager.is_alive():
                 continue
+            await self._read_what_arrived()
             error = self.replica_died(f"exit code {self.manager.exitcode}")
             self._pending.fail_all(error, errors=self._queued_at_death(error))
             await asyncio.to_thread(self._stop_process)
@@ -220,6 +223,16 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 logger.error("%s could not be restarted: %s", self.label, exc)
                 self.state = StageState.DEAD
                 return
+
+    async def _read_what_arrived(self) -> None:
+        """Let the reader take what the dead process sent before it died: a request whose output waits
+        on our socket was answered, and must not be taken for one it was running when it died."""
+        import zmq
+
+        for _ in range(ARRIVED_POLLS):
+            if not self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            await asyncio.sleep(0.01)
 
     def _queued_at_death(self, death: StageDeadError) -> dict[str, BaseException]:
         """The error of each request the dead process cannot have been running: it takes its batches in

@@ -23,6 +23,7 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.dotted import import_object
+from vllm_omni_plugin.hold_points import settle_before_fault
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import exit_with_parent, spawning_without_main
 from vllm_omni_plugin.stage.core_types import (
@@ -176,8 +177,15 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
     context = zmq.Context()
     pull = context.socket(zmq.PULL)  # connected before StageReady: the client sends only to a connected peer
     pull.connect(config.input_address)
-    push = context.socket(zmq.PUSH)
+    outbox = zmq.Context()  # the loop's thread alone uses it: it can be ended from there (the fault hook)
+    push = outbox.socket(zmq.PUSH)
     push.connect(config.output_address)
+
+    def deliver_sent() -> None:
+        push.close(linger=30_000)
+        outbox.term()  # returns once what was sent has left
+
+    settle_before_fault(deliver_sent)
     from_stage = StageMessageCodec(FromStageMessage)
 
     connector = None
@@ -206,6 +214,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
         push.send(from_stage.encode(StageFailed(error=f"{type(exc).__name__}: {exc}")))
         pull.close(linger=0)
         push.close(linger=2000)
+        outbox.term()
         context.term()
         return
 
@@ -231,6 +240,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
             if conn is not None:
                 conn.close()
         push.close(linger=1000)
+        outbox.term()
         context.term()
 
 
