@@ -37,15 +37,22 @@ class CallPreviews:
     def __init__(self) -> None:
         self._pending: list[concurrent.futures.Future[None]] = []
 
-    def decode(self, make: Callable[[], list[Any]], deliver: Callable[[list[Any]], None]) -> None:
-        """Run ``deliver(make())`` on the preview thread. ``make`` must read only tensors no step
-        changes later (an estimate computed for the preview, not the running latents)."""
+    def decode(
+        self,
+        make: Callable[[], list[Any]],
+        asked: list[tuple[str, int]],
+        sink: Callable[[str, int, Any], None],
+    ) -> None:
+        """On the preview thread, ``make()`` the images of ``asked`` ((request id, preview index) pairs,
+        in order) and hand each to ``sink``. ``make`` must read only tensors no step changes later (an
+        estimate computed for the preview, not the running latents)."""
         import torch
 
         def job() -> None:
             with torch.inference_mode():  # grad mode is per thread: the call's own does not reach here
                 images = make()
-            deliver(images)
+            for (request_id, index), image in zip(asked, images, strict=True):
+                sink(request_id, index, image)
 
         self._pending.append(_preview_pool().submit(job))
 

@@ -466,12 +466,7 @@ class BagelGenerationRunner(DiffusionRunner):
         chosen = clean.index_select(0, torch.tensor([row for row, _ in rows], device=clean.device))
         asked = [(batch[row].request_id, index) for row, index in rows]
         height, width = batch[0].height, batch[0].width
-
-        def deliver(images: list[Any]) -> None:
-            for (request_id, index), image in zip(asked, images, strict=True):
-                sink(request_id, index, image)
-
-        previews.decode(lambda: self._decode(chosen, height, width), deliver)
+        previews.decode(lambda: self._decode(chosen, height, width), asked, sink)
 
     def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[Any]:
         cfg = self.cfg

@@ -573,12 +573,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             if clean.shape[0] == len(batch):
                 chosen = clean[[row for row, _ in rows]]  # a copy: the steps go on meanwhile
                 asked = [(batch[row].request_id, index) for row, index in rows]
-
-                def deliver(images: list[Any]) -> None:
-                    for (request_id, index), image in zip(asked, images, strict=True):
-                        sink(request_id, index, image)
-
-                previews.decode(lambda: decode_latents(pipe, chosen, *size), deliver)
+                previews.decode(lambda: decode_latents(pipe, chosen, *size), asked, sink)
             return out
 
         scheduler.step = step
