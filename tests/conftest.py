@@ -42,11 +42,16 @@ def nothing_left_behind() -> Iterator[LeakWatch]:
     gc.collect()  # objects nobody references release what they hold now, not at exit
     watch.stop()
     left = watch.leftovers(grace=LEAK_GRACE_S)
-    if RPC_DIR is not None:
-        shutil.rmtree(RPC_DIR, ignore_errors=True)
     if left:
         watch.clean(left)
         pytest.fail("the test run left this behind (now removed):\n" + left.describe(), pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The run's directory for vLLM's socket files goes at its end, also when it ran no test (no
+    session fixture runs then)."""
+    if RPC_DIR is not None:
+        shutil.rmtree(RPC_DIR, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
