@@ -77,6 +77,19 @@ stages:
   - stage_id: 0
     resources: {tpu_v9: 1}
 """
+HELD_AR_LOAD = """
+base_config: tiny_glm_image_cpu.yaml
+backend: ray
+ray: {{namespace: {namespace}, placement_timeout_s: 600}}
+stages:
+  - stage_id: 0
+    num_cpus: 0
+    env: {{VLLM_OMNI_HOLD_DIR: {hold_dir}}}
+  - stage_id: 1
+    num_cpus: 0
+"""
+"""A second deployment beside the served one (no CPU of the cluster is free): its AR engine core holds
+at ``ar.load`` in its start-up (the hold directory reaches the actor through the stage's env)."""
 REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
 SLOW_REQUEST = {**REQUEST, "seed": 12, "num_inference_steps": 400}
 """Long enough in the DiT for its actor to be killed while it works on it."""
@@ -126,8 +139,12 @@ def cluster(local_image: np.ndarray) -> Iterator[RayCluster]:
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="ray_omni_", dir="/tmp")  # Ray's socket paths must stay short
-    saved_tmpdir = os.environ.get("RAY_TMPDIR")
+    saved = {key: os.environ.get(key) for key in ("RAY_TMPDIR", "TMPDIR", "RAY_worker_niceness")}
     os.environ["RAY_TMPDIR"] = temp_dir  # Cluster notes "the" local cluster's address in RAY_TMPDIR/ray
+    os.environ["TMPDIR"] = temp_dir  # what Ray's processes leave in a temporary directory goes with it
+    # Ray starts its workers at nice 15: beside any other busy process (a loaded CI machine) the stage
+    # actors then get a few percent of a core, and the AR engine takes a quarter of an hour to load.
+    os.environ["RAY_worker_niceness"] = "0"
     os.makedirs(os.path.join(temp_dir, "ray"))
     cluster = Cluster(
         initialize_head=True,
@@ -141,10 +158,11 @@ def cluster(local_image: np.ndarray) -> Iterator[RayCluster]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        if saved_tmpdir is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved_tmpdir
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -342,3 +360,40 @@ def test_a_stage_asking_for_a_resource_no_node_has_fails_start_up_with_one_line(
     assert errors[0].endswith("after 5 s (ray.placement_timeout_s)"), errors[0]
     assert "Traceback" not in result.stderr
     assert set(stage_actors()) == before  # none of its actors stayed behind
+
+
+def test_a_server_interrupted_while_its_ar_engine_loads_leaves_no_actor_process_or_shared_memory(
+    served: Served, tiny_glm_image: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C while a Ray actor's vLLM engine starts: the actor ends the engine's processes (and what
+    they mapped in /dev/shm) before it goes, where a bare kill of the actor left them behind."""
+    from vllm_omni_plugin.processes import ProcessId, descendants, mapped_segments
+
+    port = free_port()
+    deploy = tmp_path / "held.yaml"
+    server = ServerProcess(
+        serve_argv(tiny_glm_image, deploy, port), port=port, log_path=tmp_path / "server.log",
+        env=cpu_test_env({"RAY_ADDRESS": served.cluster.cluster.address}),
+    )  # fmt: skip
+    deploy.write_text(HELD_AR_LOAD.format(namespace=NAMESPACE, hold_dir=server.holds.directory))
+    before = set(stage_actors())
+    with server:
+        hold = server.hold("ar.load")
+        engine_core = int(hold.wait(timeout=600, alive=server.alive).split()[1])
+        pids = [engine_core, *descendants(engine_core)]
+        engine = [p for p in map(ProcessId.of, pids) if p is not None]
+        segments = set().union(*(mapped_segments(pid) for pid in pids))
+        assert any(name.startswith("psm_") for name in segments), segments  # vLLM's queues to its workers
+        assert set(stage_actors()) - before, "the new deployment's actors are not up"
+        assert server.proc is not None
+        os.killpg(server.proc.pid, signal.SIGINT)  # the hold stays: the engine is stopped inside its start
+        server.proc.wait(120)
+        log = server.log_text()
+    assert "Traceback" not in log, log[-4000:]
+    deadline = time.monotonic() + 60  # a killed actor's children are reaped by init
+    while (left := [p.pid for p in engine if p.alive()]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], f"engine processes {left} outlived the stop"
+    assert sorted(n for n in segments if os.path.exists(f"/dev/shm/{n}")) == [], "shared memory left"
+    assert set(stage_actors()) == before  # its actors are gone, the served deployment's stay
+    assert served.health()[0] == 200

@@ -24,6 +24,7 @@ resolution picks the variant from the final ``async_scheduling`` flag.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni_plugin.ar_channel import OMNI_KEY, RUNNER_DROPPED_MESSAGE, omni_extra_args, runner_extras
@@ -58,6 +59,7 @@ class OmniARSchedulerMixin:
         self._omni_fills_all_token_ids = not getattr(self.vllm_config, "use_v2_model_runner", False)
         """Only vLLM's V1 model runner reads ``CachedRequestData.all_token_ids``."""
         exit_with_parent("EngineCore")
+        hold_point("ar.load", f"EngineCore {os.getpid()}")
 
     # --- hooks (override in subclasses; called once per event) ---
 

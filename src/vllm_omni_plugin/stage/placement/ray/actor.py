@@ -17,7 +17,9 @@ shares a node with the head (the other end of every hand-over it makes), else th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,8 @@ from vllm_omni_plugin.config.resolved import ResolvedEdge
 from vllm_omni_plugin.config.schema import ConnectorSpec
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import best_effort, get_logger
+from vllm_omni_plugin.processes import ProcessTree, descendants
+from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import (
     StageAbort,
     StageDiffusionCoreRequest,
@@ -46,6 +50,10 @@ logger = get_logger(__name__)
 # This module stays light (no torch, no vLLM at import): a new actor answers ``placed()`` as soon as its
 # process is up, which is what the start-up barrier measures; the stage's modules load in ``_load``.
 
+LOAD_STOP_WAIT_S = 15.0
+"""How long a stop waits for a load under way to end, once the processes it started are gone."""
+CHILD_EXIT_GRACE_S = 5.0
+"""How long the processes of a load that is stopped get to exit on SIGTERM before SIGKILL."""
 EXIT_STAGE_DIED = 70
 """Exit status of an actor whose stage died (its vLLM engine core): Ray restarts it."""
 
@@ -110,6 +118,8 @@ class StageReplicaActor:
         self.input_connector: OmniConnector | None = None
         self.output_connector: OmniConnector | None = None
         self.replica: StageCoreClientBase | None = None
+        self._starting: StageCoreClientBase | None = None
+        """The replica ``_load`` builds, until it is loaded (a stop meanwhile must reach what it made)."""
         self.served = 0
         self._loading: asyncio.Task[StageReady | StageFailed] | None = None
         self._stopped: asyncio.Event | None = None
@@ -138,9 +148,13 @@ class StageReplicaActor:
         start = time.perf_counter()
         try:
             replica, device = self._replica()
+            self._starting = replica
             await replica.start()
         except Exception as exc:  # reported to the head as one line; the detail goes to the log
-            logger.exception("%s failed to load on %s", self.label, self.where.host)
+            if self._starting is not None and self._starting.state == StageState.STOPPED:
+                logger.info("%s: stopped while it loaded", self.label)
+            else:
+                logger.exception("%s failed to load on %s", self.label, self.where.host)
             return StageFailed(error=f"{type(exc).__name__}: {exc}".splitlines()[0])
         self.replica = replica
         seconds = time.perf_counter() - start
@@ -208,7 +222,7 @@ class StageReplicaActor:
         for task in list(self._requests.values()):
             task.cancel()
         if self._loading is not None and not self._loading.done():
-            self._loading.cancel()
+            await self._stop_loading()
         if self.replica is not None:
             with best_effort("shutting down the actor's stage replica", logger, warn=True):
                 await self.replica.shutdown()
@@ -219,6 +233,26 @@ class StageReplicaActor:
         if self._stopped is None:
             self._stopped = asyncio.Event()
         self._stopped.set()
+
+    async def _stop_loading(self) -> None:
+        """A stop while the stage loads (start-up abandoned): its engine is built in a thread that no
+        cancel reaches, so mark the replica stopped (what the build made is then shut down, its
+        processes and shared memory with it) and wait for the load to end."""
+        assert self._loading is not None
+        if self._starting is not None:
+            with best_effort("stopping the stage replica that loads", logger, warn=True):
+                await self._starting.shutdown()
+        # The engine's processes are this actor's only children: ending them ends the build at once (a
+        # build that waits for them fails), where it might otherwise load for minutes yet.
+        children = ProcessTree(self.label)
+        for pid in descendants(os.getpid()):
+            children.record(pid)
+        for member in children.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member.pid, signal.SIGTERM)
+        await asyncio.to_thread(children.stop, CHILD_EXIT_GRACE_S)
+        with best_effort("waiting for the stage's load to end", logger, warn=True):
+            await asyncio.wait_for(asyncio.shield(self._loading), LOAD_STOP_WAIT_S)
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -54,6 +54,9 @@ logger = get_logger(__name__)
 RECOVER_POLL_S = 0.5
 """While Ray restarts an actor: how often the client asks whether it is back."""
 SHUTDOWN_WAIT_S = 10.0
+ABANDON_STOP_WAIT_S = 25.0
+"""How long a failed start-up waits for its actors to stop (an actor that loads ends its engine's
+processes first) before it kills them."""
 CONNECT_TIMEOUT_S = 10.0
 """How long the head tries to reach the cluster's address before it says nothing answers there (Ray
 itself retries for minutes)."""
@@ -205,10 +208,22 @@ class RayPlacement(StagePlacement):
         """Nothing beyond the clients: each one's start waited for every actor's place and loaded its own."""
 
     def abandon(self) -> None:
-        """Start-up failed: kill every actor and placement group of the deployment and disconnect."""
+        """Start-up failed: stop every actor of the deployment, then kill it and free its placement group.
+
+        A stop first, because an actor killed while its engine loads leaves the engine's processes and
+        their shared memory behind; its stop ends them (``StageReplicaActor.shutdown``). The clients'
+        shutdown, which follows, disconnects."""
+        ray = _ray()
+        stopping = []
+        for client in self.clients:
+            if client.actor is not None and client.where is not None:
+                with best_effort("asking a Ray actor to stop", logger):
+                    stopping.append(client.actor.shutdown.remote())
+        if stopping:
+            with best_effort("waiting for the deployment's Ray actors to stop", logger):
+                ray.wait(stopping, num_returns=len(stopping), timeout=ABANDON_STOP_WAIT_S)
         for client in list(self.clients):
             client.kill()
-            self.release(client)
 
     async def shutdown(self) -> None:
         """Nothing before the pools: each client's shutdown ends its actor and releases it here, the last
@@ -571,6 +586,7 @@ class RayStageClient(StageCoreClientBase):
         if self.actor is not None:
             with best_effort("killing a Ray actor", logger, warn=True):
                 ray.kill(self.actor, no_restart=True)
+            self.actor = None
         if self.placement_group is not None:
             with best_effort("removing a Ray placement group", logger, warn=True):
                 ray.util.remove_placement_group(self.placement_group)
