@@ -23,7 +23,6 @@ its default route, else its first non-loopback one), ``zmq_port`` (50051), ``pro
 
 from __future__ import annotations
 
-import concurrent.futures
 import fcntl
 import importlib
 import importlib.util
@@ -31,6 +30,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Annotated, Any, Literal
@@ -62,6 +62,13 @@ ACK, RELEASE = b"ack:", b"release:"
 OVERLAPPING_REGION = -7
 """``register_memory``'s answer for memory that overlaps a registration (e.g. a view of a received
 value): such a value is copied into memory of its own first."""
+PENDING, COMPLETED, ENGINE_TIMEOUT = 0, 1, -2
+"""``transfer_check_status`` answers (also -1: failed); it frees the batch once the transfer completed
+or failed."""
+SUBMIT_FAILED = (0, (1 << 64) - 1)
+"""``batch_transfer_async_read``'s batch id when it could not submit (no session with the peer: -1)."""
+POLL_SPIN_S = 0.002
+POLL_PAUSE_MIN_S, POLL_PAUSE_MAX_S = 50e-6, 1e-3
 RDMA_DEVICES = Path("/sys/class/infiniband")
 SIOCGIFADDR = 0x8915
 
@@ -172,7 +179,6 @@ class MooncakeTransferEngineConnector(PullingConnector):
         self._pool = ReceivePool(
             self._register_buffer, self._unregister, settings.memory_pool_size, self.transport
         )
-        self._readers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix=f"mooncake-{name}-read")
         self._zmq = zmq.Context()
         self._acks = self._zmq.socket(zmq.PULL)
         self._acks.setsockopt(zmq.LINGER, 0)
@@ -300,24 +306,41 @@ class MooncakeTransferEngineConnector(PullingConnector):
             f"{self.name}: reading {handle.key!r} ({handle.nbytes} bytes) from {handle.connector!r} of "
             f"process {handle.owner_pid} at {remote.agent}"
         )
-        # The engine's read blocks without a deadline: it runs on a reader thread, and a READ that does
-        # not finish in time is given up (its buffer is never reused).
-        read = self._readers.submit(
-            self.engine.transfer_sync_read, remote.agent, buffer.data_ptr(), remote.addr, handle.nbytes
+        # Submitted, then polled on this thread: the deadline is checked between polls (the engine's own
+        # blocking read knows only its process-wide MC_TRANSFER_TIMEOUT), and no thread hop is paid.
+        batch = self.engine.batch_transfer_async_read(
+            remote.agent, [buffer.data_ptr()], [remote.addr], [handle.nbytes]
         )
-        try:
-            code = read.result(timeout=limit)
-        except concurrent.futures.TimeoutError:
-            self._stats.add(timeouts=1)
-            raise ConnectorTimeoutError(f"{what} did not finish within {limit:.1f} s") from None
-        except Exception as exc:
-            self._stats.add(errors=1)
-            raise ConnectorError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
-        if code != 0:
+        if batch in SUBMIT_FAILED:
             self._stats.add(errors=1)
             raise ConnectorError(
-                f"{what} failed (code {code}): the sending stage has exited, or has released the value"
+                f"{what} failed: the transfer engine could not submit it (the sending stage has exited?)"
             )
+        status = self._wait_for(batch, time.monotonic() + limit)
+        if status in (PENDING, ENGINE_TIMEOUT):
+            self._stats.add(timeouts=1)
+            raise ConnectorTimeoutError(f"{what} did not finish within {limit:.1f} s")
+        if status != COMPLETED:
+            self._stats.add(errors=1)
+            raise ConnectorError(
+                f"{what} failed (status {status}): the sending stage has exited, or has released the value"
+            )
+
+    def _wait_for(self, batch: int, deadline: float) -> int:
+        """The READ's final status, or PENDING at the deadline (then the engine may still write into its
+        buffer, which the caller never reuses). Each poll releases the GIL; after ``POLL_SPIN_S`` of
+        spinning, polls are spaced out so that a slow transfer does not take a core from its peers."""
+        check = self.engine.transfer_check_status
+        start = time.monotonic()
+        pause = 0.0
+        while (status := check(batch)) == PENDING:
+            now = time.monotonic()
+            if now > deadline:
+                return PENDING
+            if now - start > POLL_SPIN_S:
+                pause = min(POLL_PAUSE_MAX_S, max(pause * 2, POLL_PAUSE_MIN_S))
+                time.sleep(pause)
+        return status
 
     def _notify(self, side_channel: bytes, message: bytes) -> None:
         """Tell an owner (fire and forget: a lost message is made good by the value's lease)."""
@@ -351,7 +374,6 @@ class MooncakeTransferEngineConnector(PullingConnector):
             senders, self._senders = self._senders, {}
         self._stop.set()
         self._listener.join(5)
-        self._readers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             regions, self._regions = self._regions, {}
             self._owned.clear()
