@@ -8,9 +8,9 @@ reaches it claims that file (a rename, so there is one holder, and a replica res
 hold again), writes ``<point>.reached`` with what it holds, and waits until ``<point>.release`` exists.
 
 Points: ``ar.load`` (in the AR engine core's start-up, its workers and KV cache made, before it
-answers the engine), ``ar.step`` (in the AR engine core, after a step made output), ``dit.step`` (in the diffusion
-batch loop, after a denoising step), ``dit.preview`` (on the preview thread, after a preview was
-handed to the loop; the steps go on, and the call waits for it before its own decode),
+answers the engine), ``ar.step`` (in the AR engine core, after a step made output), ``dit.step`` (in
+the diffusion batch loop, after a denoising step), ``dit.preview`` (on the preview thread, after a
+preview was handed to the loop; the steps go on, and the call waits for it before its own decode),
 ``api.input`` (in the API server, on the thread that works on a request's inputs:
 ``stage/input_work.py``).
 
