@@ -282,4 +282,32 @@ def test_step_batched_groups_decode_a_vae_that_keeps_state_one_at_a_time(
         hook.remove()
         engine.on_preview = None
     assert result.ok, result.error
-    assert held == [serial] * 3  # two previews, then the image
+    if serial:
+        assert held == [True] * 3  # two previews, then the image
+    else:  # a traced preview decode runs no Python hook: the image's decode, and a preview's trace
+        assert held and not any(held), held
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "glm_image", "qwen_image"])
+def test_previews_decode_with_a_traced_vae_giving_the_eager_pixels(
+    engines: Callable[[str, str], DiffusionEngine], family: str
+) -> None:
+    """AutoencoderKL decoders are traced once per latent shape, bit for bit the eager decode; a VAE that
+    keeps state between calls (Qwen-Image's) is decoded eagerly."""
+    import torch
+
+    from vllm_omni_plugin.families.diffusers.preview_decoder import PreviewDecoder
+
+    vae = engines(family, "request").runner.pipe.vae
+    decoder = PreviewDecoder(vae)
+    assert decoder.traceable is (family != "qwen_image")
+    channels = vae.config.get("latent_channels") or vae.config["z_dim"]
+    frames = () if decoder.traceable else (1,)
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows, side in [(1, 8), (2, 8), (1, 4), (1, 8)]:
+            latents = torch.randn(rows, channels, *frames, side, side, generator=generator)
+            torch.testing.assert_close(
+                decoder.decode(latents), vae.decode(latents, return_dict=False)[0], rtol=0, atol=0
+            )
+    assert len(decoder._graphs) == (3 if decoder.traceable else 0)  # one trace per shape, reused

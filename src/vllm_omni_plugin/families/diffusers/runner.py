@@ -38,6 +38,7 @@ from vllm_omni_plugin.diffusion.runner import (
     preview_steps,
 )
 from vllm_omni_plugin.diffusion.step_batching import SameValue
+from vllm_omni_plugin.families.diffusers.preview_decoder import PreviewDecoder
 from vllm_omni_plugin.log import get_logger
 
 if TYPE_CHECKING:
@@ -190,6 +191,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         self._encode_lock = threading.Lock()
         """Held while a group encodes its prompts (:meth:`_one_at_a_time`)."""
         self._vae_lock = threading.Lock()
+        self._preview_decoder = PreviewDecoder(getattr(pipe, "vae", None))
         """Held while a group's VAE encodes or decodes where the VAE keeps state then (:class:`SerialVae`)."""
         self.device = device
         self.dtype = dtype
@@ -551,6 +553,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         scheduler = pipe.scheduler
         step_of_scheduler = scheduler.step
         count = [0]
+        # The runner's own VAE (not a call's SerialVae around a stateful one): traced where it can be.
+        decode = self._preview_decoder.decode if pipe.vae is self._preview_decoder.vae else None
 
         def step(model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
             rows = wanted.get(count[0], [])
@@ -573,7 +577,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             if clean.shape[0] == len(batch):
                 chosen = clean[[row for row, _ in rows]]  # a copy: the steps go on meanwhile
                 asked = [(batch[row].request_id, index) for row, index in rows]
-                previews.decode(lambda: decode_latents(pipe, chosen, *size), asked, sink)
+                previews.decode(lambda: decode_latents(pipe, chosen, *size, decode=decode), asked, sink)
             return out
 
         scheduler.step = step
@@ -605,7 +609,9 @@ class SerialVae:
         return getattr(self._vae, name)
 
 
-def decode_latents(pipe: Any, latents: Any, height: int, width: int) -> list[Any]:
+def decode_latents(
+    pipe: Any, latents: Any, height: int, width: int, decode: Callable[[Any], Any] | None = None
+) -> list[Any]:
     """A diffusers pipeline's latents (as its denoising loop holds them) as uint8 HxWx3 images: unpacked
     where the pipeline packs them (FLUX, Qwen-Image), denormalized by the VAE's latent statistics
     (Qwen-Image, GLM-Image) or its scaling and shift factors (SD3, FLUX, UNets), decoded, post-processed
@@ -627,7 +633,7 @@ def decode_latents(pipe: Any, latents: Any, height: int, width: int) -> list[Any
         )
     else:
         latents = latents / config.get("scaling_factor", 1.0) + (config.get("shift_factor") or 0.0)
-    image = vae.decode(latents, return_dict=False)[0]
+    image = decode(latents) if decode is not None else vae.decode(latents, return_dict=False)[0]
     if image.ndim == 5:  # a video VAE's one frame (Qwen-Image)
         image = image[:, :, 0]
     pixels = pipe.image_processor.postprocess(image, output_type="np")
