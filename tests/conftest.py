@@ -21,12 +21,14 @@ from vllm_omni_plugin.testing.harness.server import CPU_TEST_ENV
 for _key, _value in CPU_TEST_ENV.items():
     os.environ.setdefault(_key, _value)
 
-# vLLM's engines make their ZMQ socket files in VLLM_RPC_BASE_PATH (the temp dir), and a process a test
-# kills, or a server stopped before it closes them, leaves them there: the run gives them a directory of
-# its own, which it removes at its end. Set before any engine or server starts (they inherit it).
-RPC_DIR = None if "VLLM_RPC_BASE_PATH" in os.environ else tempfile.mkdtemp(prefix="vllm-omni-tests-rpc-")
-if RPC_DIR is not None:
-    os.environ["VLLM_RPC_BASE_PATH"] = RPC_DIR
+# vLLM's engines make their ZMQ socket files in VLLM_RPC_BASE_PATH and their gloo rendezvous files
+# (vllm_dist_*) in the temp dir, and a process a test kills, or a server stopped before it closes them,
+# leaves them there: the processes the run starts get a temp directory of its own, which it removes at its
+# end. Set before any engine or server starts (they inherit it); this process keeps its own temp dir.
+RUN_DIR = None if "VLLM_RPC_BASE_PATH" in os.environ else tempfile.mkdtemp(prefix="vllm-omni-tests-")
+if RUN_DIR is not None:
+    os.environ["VLLM_RPC_BASE_PATH"] = RUN_DIR
+    os.environ["TMPDIR"] = RUN_DIR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEAK_GRACE_S = 20.0
@@ -48,10 +50,10 @@ def nothing_left_behind() -> Iterator[LeakWatch]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The run's directory for vLLM's socket files goes at its end, also when it ran no test (no
-    session fixture runs then)."""
-    if RPC_DIR is not None:
-        shutil.rmtree(RPC_DIR, ignore_errors=True)
+    """The run's temp directory goes at its end, also when it ran no test (no session fixture runs
+    then)."""
+    if RUN_DIR is not None:
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

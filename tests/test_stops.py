@@ -113,7 +113,8 @@ class Served:
         return left.processes, left.segments
 
     def ipc_files(self) -> list[str]:
-        return sorted(n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"vllm_omni_{self.pid}_"))
+        temp = self.server.env.get("TMPDIR") or tempfile.gettempdir()  # the server's, not this process's
+        return sorted(n for n in os.listdir(temp) if n.startswith(f"vllm_omni_{self.pid}_"))
 
     def finish(self) -> None:
         """Whatever happened: stop what is left (the guard would report it otherwise)."""
