@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import importlib
 import importlib.util
+import math
 import os
 import socket
 import struct
@@ -67,6 +68,9 @@ PENDING, COMPLETED, ENGINE_TIMEOUT = 0, 1, -2
 or failed."""
 SUBMIT_FAILED = (0, (1 << 64) - 1)
 """``batch_transfer_async_read``'s batch id when it could not submit (no session with the peer: -1)."""
+ENGINE_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+ENGINE_MIN_TIMEOUT_S = 5
+_ENGINE_ENV_LOCK = threading.Lock()
 POLL_SPIN_S = 0.002
 POLL_PAUSE_MIN_S, POLL_PAUSE_MAX_S = 50e-6, 1e-3
 RDMA_DEVICES = Path("/sys/class/infiniband")
@@ -164,7 +168,19 @@ class MooncakeTransferEngineConnector(PullingConnector):
                 f"connector {name!r}: protocol rdma, but this host has no RDMA device ({RDMA_DEVICES} is "
                 "empty); use protocol: tcp, or install the RDMA drivers"
             )
-        self.engine = engine_module.TransferEngine()
+        self.engine_timeout_s = max(ENGINE_MIN_TIMEOUT_S, math.ceil(settings.transfer_timeout_s))
+        """The deadline of the engine's own blocking READ (``MC_TRANSFER_TIMEOUT``, read by its
+        constructor; whole seconds, at least 5)."""
+        with _ENGINE_ENV_LOCK:
+            saved = os.environ.get(ENGINE_TIMEOUT_ENV)
+            os.environ[ENGINE_TIMEOUT_ENV] = str(self.engine_timeout_s)
+            try:
+                self.engine = engine_module.TransferEngine()
+            finally:
+                if saved is None:
+                    os.environ.pop(ENGINE_TIMEOUT_ENV, None)
+                else:
+                    os.environ[ENGINE_TIMEOUT_ENV] = saved
         code = self.engine.initialize(self.host, "P2PHANDSHAKE", settings.protocol, device_name)
         if code != 0:
             raise ConnectorError(
@@ -306,8 +322,20 @@ class MooncakeTransferEngineConnector(PullingConnector):
             f"{self.name}: reading {handle.key!r} ({handle.nbytes} bytes) from {handle.connector!r} of "
             f"process {handle.owner_pid} at {remote.agent}"
         )
-        # Submitted, then polled on this thread: the deadline is checked between polls (the engine's own
-        # blocking read knows only its process-wide MC_TRANSFER_TIMEOUT), and no thread hop is paid.
+        if limit >= self.engine_timeout_s:
+            # On this thread, without the GIL, until the engine's own deadline (no thread hop, no poll).
+            start = time.monotonic()
+            code = self.engine.transfer_sync_read(remote.agent, buffer.data_ptr(), remote.addr, handle.nbytes)
+            if code == 0:
+                return
+            if time.monotonic() - start >= limit:  # the engine gave it up; it may still land in the buffer
+                self._stats.add(timeouts=1)
+                raise ConnectorTimeoutError(f"{what} did not finish within {limit:.1f} s")
+            self._stats.add(errors=1)
+            raise ConnectorError(
+                f"{what} failed (code {code}): the sending stage has exited, or has released the value"
+            )
+        # A shorter deadline than the engine's: submitted, then polled here, the deadline checked between.
         batch = self.engine.batch_transfer_async_read(
             remote.agent, [buffer.data_ptr()], [remote.addr], [handle.nbytes]
         )
