@@ -65,6 +65,9 @@ class PreviewDecoder:
             with warnings.catch_warnings():
                 # The tracer warns at every shape-dependent branch: one shape per graph is the design.
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                # torch 2.13 marks torch.jit.trace deprecated (for torch.compile / torch.export, which
+                # compile at start-up cost instead); should it go, the except below decodes eagerly.
+                warnings.simplefilter("ignore", DeprecationWarning)
                 return torch.jit.trace(Decode(self.vae), latents, check_trace=False)
         except Exception as exc:  # eager from here on: a preview must not fail for want of a trace
             self.traceable = False
