@@ -13,8 +13,8 @@ import yaml
 
 from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment
 from vllm_omni_plugin.config.resolved import CPU_RESERVED_CORES_ENV, RUNNER_ENV
+from vllm_omni_plugin.processes import temporary_environment
 from vllm_omni_plugin.stage.factory import adopt_model_runner
-from vllm_omni_plugin.stage.llm_core_client import replica_environment
 from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def thinker_omp_binding(config: object, env: dict[str, str]) -> tuple[int, list[
     process builds it)."""
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-    with replica_environment(env):
+    with temporary_environment(env):
         manager = OMPProcessManager(config)
     return manager.reserve_cpu_num, manager.cpu_lists
 

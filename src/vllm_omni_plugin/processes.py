@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from vllm_omni_plugin.log import best_effort, get_logger
@@ -273,6 +273,23 @@ class ProcessTree:
             )
             self.kill()
         return self.release(shm_dir)
+
+
+@contextlib.contextmanager
+def temporary_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment for the block, then as it was: what the processes started
+    in it inherit (vLLM's engine processes: device selection), or what a constructor reads (Mooncake's
+    engine: its transfer timeout)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # --- processes we start -------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from vllm_omni_plugin.connectors.base import (
 from vllm_omni_plugin.connectors.pulling import Owned, PullingConnector
 from vllm_omni_plugin.connectors.receive_pool import ReceivePool
 from vllm_omni_plugin.log import best_effort, get_logger
+from vllm_omni_plugin.processes import temporary_environment
 
 logger = get_logger(__name__)
 
@@ -171,16 +172,8 @@ class MooncakeTransferEngineConnector(PullingConnector):
         self.engine_timeout_s = max(ENGINE_MIN_TIMEOUT_S, math.ceil(settings.transfer_timeout_s))
         """The deadline of the engine's own blocking READ (``MC_TRANSFER_TIMEOUT``, read by its
         constructor; whole seconds, at least 5)."""
-        with _ENGINE_ENV_LOCK:
-            saved = os.environ.get(ENGINE_TIMEOUT_ENV)
-            os.environ[ENGINE_TIMEOUT_ENV] = str(self.engine_timeout_s)
-            try:
-                self.engine = engine_module.TransferEngine()
-            finally:
-                if saved is None:
-                    os.environ.pop(ENGINE_TIMEOUT_ENV, None)
-                else:
-                    os.environ[ENGINE_TIMEOUT_ENV] = saved
+        with _ENGINE_ENV_LOCK, temporary_environment({ENGINE_TIMEOUT_ENV: str(self.engine_timeout_s)}):
+            self.engine = engine_module.TransferEngine()
         code = self.engine.initialize(self.host, "P2PHANDSHAKE", settings.protocol, device_name)
         if code != 0:
             raise ConnectorError(

@@ -15,16 +15,13 @@ block count is the same whatever vLLM's per-block arithmetic), unless the deploy
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from vllm_omni_plugin.ar_channel import stage_outputs_of
 from vllm_omni_plugin.compat import engine_core_pids, resolve
 from vllm_omni_plugin.log import best_effort, get_logger
-from vllm_omni_plugin.processes import ProcessTree, spawning_without_main
+from vllm_omni_plugin.processes import ProcessTree, spawning_without_main, temporary_environment
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
 from vllm_omni_plugin.stage.errors import (
@@ -66,21 +63,6 @@ def scheduler_state_logger(state: dict[str, Any]) -> Any:
             pass
 
     return SchedulerStateLogger
-
-
-@contextlib.contextmanager
-def replica_environment(env: dict[str, str]) -> Iterator[None]:
-    """vLLM's engine processes inherit this process's environment (device selection)."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class StageLLMCoreClient(StageCoreClientBase):
@@ -130,7 +112,7 @@ class StageLLMCoreClient(StageCoreClientBase):
             args = self.launch_args()
             if args.get("tokenizer") and args.get("model"):
                 args["tokenizer"] = tokenizer_view(args["tokenizer"], args["model"])
-            with replica_environment(self.env), spawning_without_main():
+            with temporary_environment(self.env), spawning_without_main():
                 engine = AsyncLLM.from_engine_args(
                     AsyncEngineArgs(**args), stat_loggers=[scheduler_state_logger(self.scheduler_state)]
                 )

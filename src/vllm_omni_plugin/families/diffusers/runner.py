@@ -191,8 +191,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         self._encode_lock = threading.Lock()
         """Held while a group encodes its prompts (:meth:`_one_at_a_time`)."""
         self._vae_lock = threading.Lock()
-        self._preview_decoder = PreviewDecoder(getattr(pipe, "vae", None))
         """Held while a group's VAE encodes or decodes where the VAE keeps state then (:class:`SerialVae`)."""
+        self._preview_decoder = PreviewDecoder(getattr(pipe, "vae", None))
         self.device = device
         self.dtype = dtype
         self.pipeline_class = cls.pipeline_class or type(pipe).__name__
