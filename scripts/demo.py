@@ -30,7 +30,11 @@ def main() -> int:
     log = ROOT / "out" / "demo_server.log"
     print("== " + " ".join(argv[1:]), flush=True)
     print(f"   (server log: {log})", flush=True)
-    server = ServerProcess(argv, port=port, log_path=log, env=cpu_test_env())
+    # The test environment less its one OpenMP thread: the CPU threads policy splits this machine's cores
+    # between the AR stage and the DiT (README "CPU threads"), unless OMP_NUM_THREADS is set here.
+    threads = os.environ.get("OMP_NUM_THREADS")
+    env = cpu_test_env({"OMP_NUM_THREADS": threads}) if threads else cpu_test_env(drop=("OMP_NUM_THREADS",))
+    server = ServerProcess(argv, port=port, log_path=log, env=env)
     server.start()
     try:
         start = time.perf_counter()

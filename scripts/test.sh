@@ -4,6 +4,9 @@
 # `bash scripts/test.sh --fast` runs the fast tier (no engine, no process, no tiny model: tests/fast_tier.py).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
+# One OpenMP thread per process in every test (the CPU threads policy steps aside): the suite runs many
+# engines and servers side by side on a few cores (tests/conftest.py and the servers it starts set it too).
+export OMP_NUM_THREADS=1
 
 echo "== ruff"
 "$VENV/bin/ruff" check .

