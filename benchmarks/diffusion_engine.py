@@ -1,19 +1,28 @@
-"""The diffusion stage's batching, side by side in one run: whole-request batching (``batching: request``,
-the previous behaviour) against step-level batching (``batching: step``), with diffusers' own single call
-of all the prompts as the ceiling. Tiny SD3, 64x64, 4 steps (guidance on), the DiT given the machine's
-cores (its ``OMP_NUM_THREADS``), served over HTTP (``vllm serve --omni``, a thin httpx client).
+"""The diffusion stage's batching, side by side in one run: the previous behaviour (whole-request batching,
+``batching: request``, with the ``max_batch_size: 8`` the shipped deploy file pinned) against step-level
+batching (``batching: step``: the token budget ``max_step_tokens`` instead of a count, decodes joined
+across groups), with diffusers' own single call of 16 prompts as the ceiling. Tiny SD3, 64x64, 4 steps
+(guidance on), the DiT given the machine's cores (its ``OMP_NUM_THREADS``), served over HTTP
+(``vllm serve --omni``, a thin httpx client).
 
     python benchmarks/diffusion_engine.py [--model DIR] [--images 64] [--concurrency 1 8 16 32]
-                                          [--max-batch-size 16] [--threads N] [--poisson-seconds 20]
+                                          [--previous-max-batch-size 8] [--max-step-tokens N [N ...]]
+                                          [--batch-wait-ms MS] [--threads N] [--poisson-seconds 20]
+
+``--max-step-tokens`` with several values serves step batching once per budget (how the default was
+chosen); the targets are read from the first.
 
 Closed loop: ``c`` clients, each sending its next request when its last one returned; images/s (median
 of the timed rounds) and the p50/p99 latency of every request of those rounds. Open loop: Poisson
-arrivals at 80% of the peak images/s the whole-request stage reached, the same arrival times for both;
-p50/p99 latency. Then BAGEL's DiT stage alone (the stage's own batch loop, in this process, fed
+arrivals at 80% of the peak images/s the previous stage reached, the same arrival times for all; p50/p99
+latency. A breakdown per variant and concurrency (the stage's ``/metrics`` over the rounds) says where a
+request's time goes: queue wait, prompt encoding, steps, decode, and the rest (HTTP, API server, PNG).
+Then BAGEL's DiT stage alone (the stage's own batch loop, in this process, fed
 text-to-image requests with random 12-token contexts as the thinker would send them) with a FLUX-size
 autoencoder (128 channels, x1/x2/x4/x4, two blocks per level; the tiny BAGEL otherwise), 64x64, 8
-steps, 8 clients. Targets: step batching >= 1.15x whole-request images/s at concurrency 16 (SD3) and 8
-(BAGEL); p99 under the Poisson load <= 0.6x whole-request's.
+steps, 8 clients, whole-request against step batching. Targets: step batching >= 1.15x the previous
+images/s at concurrency 16 (SD3) and whole-request's at 8 (BAGEL); p99 under the Poisson load <= 0.6x the
+previous.
 """
 
 from __future__ import annotations
@@ -37,15 +46,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 SIZE, STEPS = 64, 4
 ROUNDS = 3
-MODES = ("request", "step")
-DEPLOY = """\
-pipeline: diffusion
-stages:
-  - stage_id: 0
-    max_batch_size: {max_batch_size}
-    batching: {batching}
-    batch_wait_ms: {batch_wait_ms}
-"""
+CEILING_BATCH = 16
+PREVIOUS = "previous"
+"""The baseline's name in the tables: whole-request batching as it shipped, 8 requests a batch."""
 
 
 def prompt(i: int) -> str:
@@ -147,8 +150,48 @@ def poisson_arrivals(rate: float, seconds: float, seed: int = 0) -> list[float]:
         times.append(now)
 
 
-Closed = dict[int, tuple[float, list[float]]]
-"""Per concurrency: median images/s, every latency."""
+Closed = dict[int, tuple[float, list[float], dict[str, float]]]
+"""Per concurrency: median images/s, every latency, and the stage's counters over its rounds."""
+COUNTERS = (
+    "started_requests",
+    "queue_wait_seconds",
+    "decodes",
+    "encode_seconds",
+    "decode_seconds",
+    "call_seconds",
+)
+"""The diffusion stage's ``/metrics`` counters (``omni_diffusion_<name>_total``) the breakdown reads."""
+
+
+async def counters(http: Any) -> dict[str, float]:
+    """The diffusion stage's counters, summed over its replicas."""
+    text = (await http.get("/metrics")).text
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        for name in COUNTERS:
+            if line.startswith(f"omni_diffusion_{name}_total{{"):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def breakdown(latencies: list[float], delta: dict[str, float]) -> dict[str, float]:
+    """Where a request's time went, in ms: its queue wait, its pipeline call (prompt encoding, steps,
+    decode) and the rest (HTTP, the API server, PNG encoding, the hand-over to and from the stage)."""
+    calls, started = max(1.0, delta["decodes"]), max(1.0, delta["started_requests"])
+    encode, decode, call = (
+        1000 * delta[k] / calls for k in ("encode_seconds", "decode_seconds", "call_seconds")
+    )
+    queue = 1000 * delta["queue_wait_seconds"] / started
+    mean = 1000 * statistics.fmean(latencies)
+    return {
+        "latency": mean,
+        "queue": queue,
+        "encode": encode,
+        "steps": call - encode - decode,
+        "decode": decode,
+        "rest": mean - queue - call,
+        "per call": started / calls,
+    }
 
 
 async def measure(
@@ -159,7 +202,12 @@ async def measure(
     client = Client(base_url, model)
     try:
         await asyncio.gather(*(client.one(i) for i in range(max(levels))))  # warm-up
-        closed = {c: await client.closed_loop(images, c) for c in levels}
+        closed = {}
+        for c in levels:
+            before = await counters(client.http)
+            rate, latencies = await client.closed_loop(images, c)
+            after = await counters(client.http)
+            closed[c] = (rate, latencies, {k: after[k] - before[k] for k in COUNTERS})
         arrivals = arrivals_for(closed)
         opened = await client.open_loop(arrivals)
     finally:
@@ -167,9 +215,16 @@ async def measure(
     return closed, arrivals, opened
 
 
+def deploy_text(fields: dict[str, Any]) -> str:
+    """A one-stage diffusers deploy file with these stage fields (the rest default)."""
+    lines = "".join(f"    {key}: {value}\n" for key, value in fields.items())
+    return f"pipeline: diffusion\nstages:\n  - stage_id: 0\n{lines}"
+
+
 def serve_and_measure(
     model: str,
-    batching: str,
+    name: str,
+    fields: dict[str, Any],
     args: argparse.Namespace,
     levels: list[int],
     arrivals_for: Callable[[Closed], list[float]],
@@ -177,15 +232,14 @@ def serve_and_measure(
 ) -> tuple[Closed, list[float], list[float]]:
     from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
-    deploy = Path(tmp) / f"diffusion_{batching}.yaml"
-    deploy.write_text(
-        DEPLOY.format(max_batch_size=args.max_batch_size, batching=batching, batch_wait_ms=args.batch_wait_ms)
-    )
+    slug = name.replace(" ", "_").replace("=", "")
+    deploy = Path(tmp) / f"diffusion_{slug}.yaml"
+    deploy.write_text(deploy_text(fields))
     port = free_port()
     argv = [bin_script("vllm"), "serve", model, "--omni", "--deploy-config", str(deploy),
             "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     env = cpu_test_env({"OMP_NUM_THREADS": str(args.threads)})
-    log = ROOT / "out" / f"bench_diffusion_engine_{batching}.log"
+    log = ROOT / "out" / f"bench_diffusion_engine_{slug}.log"
     with ServerProcess(argv, port=port, log_path=log, env=env) as server:
         server.wait_ready(timeout=600)
         return asyncio.run(measure(server.base_url, model, args.images, levels, arrivals_for))
@@ -306,73 +360,120 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a diffusers directory (default: the tiny SD3)")
     parser.add_argument("--images", type=int, default=64, help="images per timed round")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32])
-    parser.add_argument("--max-batch-size", type=int, default=16, help="the stage's max_batch_size")
+    parser.add_argument(
+        "--previous-max-batch-size", type=int, default=8, help="whole-request batching's max_batch_size"
+    )
+    parser.add_argument(
+        "--max-step-tokens",
+        type=int,
+        nargs="*",
+        default=[],
+        help="step batching's budgets (default: its own)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the DiT's intra-op threads")
     parser.add_argument("--poisson-seconds", type=float, default=20.0, help="length of the open-loop run")
-    parser.add_argument("--batch-wait-ms", type=float, default=10.0, help="step batching's batch_wait_ms")
+    parser.add_argument("--batch-wait-ms", type=float, default=None, help="step batching's batch_wait_ms")
+    parser.add_argument(
+        "--step-max-batch-size",
+        type=int,
+        default=None,
+        help="step batching's max_batch_size (default: unpinned)",
+    )
     parser.add_argument("--bagel-images", type=int, default=16, help="BAGEL images per timed round (0: skip)")
     args = parser.parse_args()
     from vllm_omni_plugin.testing.tiny import build
 
     model = args.model or str(build("sd3", ROOT / ".cache" / "tiny_models" / "sd3"))
     levels = sorted(args.concurrency)
-    ceiling = diffusers_ceiling(model, args.max_batch_size, args.threads)
+    ceiling = diffusers_ceiling(model, CEILING_BATCH, args.threads)
+    step_fields: dict[str, Any] = {"batching": "step"}
+    if args.batch_wait_ms is not None:
+        step_fields["batch_wait_ms"] = args.batch_wait_ms
+    if args.step_max_batch_size is not None:
+        step_fields["max_batch_size"] = args.step_max_batch_size
+    variants: dict[str, dict[str, Any]] = {
+        PREVIOUS: {"batching": "request", "max_batch_size": args.previous_max_batch_size},
+        "request": {"batching": "request"},  # the default now: batches bounded by max_step_tokens
+    }
+    for budget in args.max_step_tokens or [None]:
+        name = "step" if budget is None else f"step tokens={budget}"
+        variants[name] = step_fields if budget is None else {**step_fields, "max_step_tokens": budget}
+    modes = list(variants)
     closed: dict[str, Closed] = {}
     opened: dict[str, list[float]] = {}
 
     def at_80_percent(rates: Closed) -> list[float]:
-        return poisson_arrivals(0.8 * max(rate for rate, _ in rates.values()), args.poisson_seconds)
+        return poisson_arrivals(0.8 * max(rate for rate, _, _ in rates.values()), args.poisson_seconds)
 
     with tempfile.TemporaryDirectory() as tmp:
-        closed["request"], arrivals, opened["request"] = serve_and_measure(
-            model, "request", args, levels, at_80_percent, tmp
-        )
-        closed["step"], _, opened["step"] = serve_and_measure(
-            model, "step", args, levels, lambda _: arrivals, tmp
-        )
+        arrivals: list[float] = []
+
+        def same_arrivals(_: Closed) -> list[float]:  # the baseline's, for every variant after it
+            return arrivals
+
+        for name, fields in variants.items():
+            closed[name], chosen, opened[name] = serve_and_measure(
+                model, name, fields, args, levels, same_arrivals if arrivals else at_80_percent, tmp
+            )
+            arrivals = arrivals or chosen
     print(
-        f"\nmodel={model} size={SIZE} steps={STEPS} max_batch_size={args.max_batch_size} "
-        f"threads={args.threads} images/round={args.images} rounds={ROUNDS}"
+        f"\nmodel={model} size={SIZE} steps={STEPS} threads={args.threads} images/round={args.images} "
+        f"rounds={ROUNDS}"
     )
-    print(f"diffusers, one call of {args.max_batch_size} prompts (ceiling): {ceiling:.2f} images/s")
+    for name, fields in variants.items():
+        print(f"{name}: {fields}")
+    print(f"diffusers, one call of {CEILING_BATCH} prompts (ceiling): {ceiling:.2f} images/s")
     print(
-        f"{'closed loop':<22} {'images/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'x request':>10} {'/ ceiling':>10}"
+        f"{'closed loop':<26} {'images/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'x previous':>11}"
+        f" {'/ ceiling':>10}"
     )
     for c in levels:
-        for mode in MODES:
-            rate, latencies = closed[mode][c]
-            versus = rate / closed["request"][c][0]
+        for mode in modes:
+            rate, latencies, _ = closed[mode][c]
+            versus = rate / closed[PREVIOUS][c][0]
             print(
-                f"{mode + f', c={c}':<22} {rate:>9.2f} {1000 * percentile(latencies, 0.5):>8.0f} "
-                f"{1000 * percentile(latencies, 0.99):>8.0f} {versus:>10.2f} {rate / ceiling:>10.2f}"
+                f"{mode + f', c={c}':<26} {rate:>9.2f} {1000 * percentile(latencies, 0.5):>8.0f} "
+                f"{1000 * percentile(latencies, 0.99):>8.0f} {versus:>11.2f} {rate / ceiling:>10.2f}"
             )
-    peak = max(rate for rate, _ in closed["request"].values())
+    peak = max(rate for rate, _, _ in closed[PREVIOUS].values())
+    print("where a request's time goes (ms, means; per call: requests in one pipeline call)")
+    parts = ("latency", "queue", "encode", "steps", "decode", "rest", "per call")
+    print(f"{'closed loop':<26}" + "".join(f"{p:>9}" for p in parts))
+    for c in levels:
+        for mode in modes:
+            _, latencies, delta = closed[mode][c]
+            row = breakdown(latencies, delta)
+            print(f"{mode + f', c={c}':<26}" + "".join(f"{row[p]:>9.1f}" for p in parts))
     print(
         f"open loop: {len(arrivals)} Poisson arrivals at {0.8 * peak:.1f}/s "
         f"(80% of the request peak {peak:.1f})"
     )
-    for mode in MODES:
+    for mode in modes:
         p50, p99 = (1000 * percentile(opened[mode], q) for q in (0.5, 0.99))
-        print(f"{mode:<22} p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
+        print(f"{mode:<26} p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
     if args.bagel_images:
         import torch
 
         torch.set_num_threads(args.threads)
         with tempfile.TemporaryDirectory() as tmp:
             bagel = bagel_with_flux_vae(Path(tmp) / "bagel-flux-vae")
-            dit = {mode: dit_closed_loop(bagel, mode, 8, args.bagel_images, 64, 8) for mode in MODES}
+            dit = {
+                mode: dit_closed_loop(bagel, mode, 8, args.bagel_images, 64, 8)
+                for mode in ("request", "step")
+            }
         print("BAGEL DiT stage, FLUX-size autoencoder, 64x64, 8 steps, 8 clients (closed loop, in process)")
-        for mode in MODES:
+        for mode in dit:
             rate, latencies = dit[mode]
             p50, p99 = (1000 * percentile(latencies, q) for q in (0.5, 0.99))
             print(f"{mode:<22} {rate:>9.2f} images/s   p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
         print(f"target: BAGEL step >= 1.15x request at c=8: {dit['step'][0] / dit['request'][0]:.2f}x")
     c16 = 16 if 16 in levels else levels[-1]
-    ratio = closed["step"][c16][0] / closed["request"][c16][0]
-    p99 = percentile(opened["step"], 0.99) / percentile(opened["request"], 0.99)
+    first = modes[2]
+    ratio = closed[first][c16][0] / closed[PREVIOUS][c16][0]
+    p99 = percentile(opened[first], 0.99) / percentile(opened[PREVIOUS], 0.99)
     print(
-        f"targets: step >= 1.15x request at c={c16}: {ratio:.2f}x; "
-        f"Poisson p99 step <= 0.6x request: {p99:.2f}x"
+        f"targets ({first}): >= 1.15x previous at c={c16}: {ratio:.2f}x; "
+        f"Poisson p99 <= 0.6x previous: {p99:.2f}x"
     )
     return 0
 

@@ -23,6 +23,7 @@ from vllm_omni_plugin.config import (
 )
 from vllm_omni_plugin.config import pipeline as pipeline_module
 from vllm_omni_plugin.config.resolve import reresolve
+from vllm_omni_plugin.diffusion.engine import MAX_BATCH_SIZE
 from vllm_omni_plugin.diffusion.runner import DiffusionRunner
 from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER
 
@@ -109,7 +110,7 @@ def test_a_diffusers_model_resolves_to_one_diffusion_stage_without_a_config(tmp_
     )
     assert stage.input_processor.endswith("families.diffusers.processors.request2diffusion")
     assert stage.diffusion_args == {
-        "max_batch_size": 8,
+        "max_batch_size": MAX_BATCH_SIZE,  # unpinned: max_step_tokens bounds batches
         "model": model,
         "worker_cls": platform.diffusion_worker_cls,
     }  # steps, guidance and size: the pipeline's own

@@ -95,7 +95,8 @@ def test_t2i_equals_stock_dit_pipeline(
     assert result.image.dtype == np.uint8 and result.image.shape == (size, size, 3)
     np.testing.assert_array_equal(result.image, expected)
     assert tuple(result.latents.shape) == (16, size // 8, size // 8)
-    assert set(result.timings) == {"denoise", "decode", "total"}
+    assert set(result.timings) == {"encode", "denoise", "decode", "total"}
+    assert 0 < result.timings["encode"] < result.timings["denoise"] < result.timings["total"]
 
 
 def test_i2i_equals_stock_dit_pipeline(

@@ -210,23 +210,35 @@ def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones_past_the_budget(
     assert not failed and batches == [[0, 1, 2, 3], [4]]  # the long one alone: four short ones fit
 
 
+@pytest.mark.parametrize("budget", ["memory", "max_step_tokens"])
 def test_step_batched_groups_in_flight_keep_to_the_budget_together(
-    tiny_glm_image: Path, glm_runner: Any
+    tiny_glm_image: Path, glm_runner: Any, budget: str
 ) -> None:
-    """With ``batching: step`` the groups in flight share each step's forwards, so their activations add
-    up: of two groups admitted at once (two requests, and one more, where two fit the budget and three do
-    not), the second starts once the first is done."""
+    """With ``batching: step`` the groups in flight share each step's forwards, so their activations and
+    their latent tokens add up: of two groups admitted at once (two requests, and one more, where two fit
+    the budget and three do not), the second starts once the first is done."""
     import threading
 
     from test_previews import LoopReport
     from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest
     from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
 
-    sizes = {n: glm_runner.activation_bytes([glm_request(str(i), 64) for i in range(n)]) for n in (1, 2, 3)}
-    room = (sizes[2] + sizes[3]) // 2
-    fraction = fraction_leaving(tensor_bytes(glm_runner.weight_tensors()), room)
+    limits: dict[str, Any] = {}
+    if budget == "memory":
+        sizes = {
+            n: glm_runner.activation_bytes([glm_request(str(i), 64) for i in range(n)]) for n in (1, 2, 3)
+        }
+        room = (sizes[2] + sizes[3]) // 2
+        limits["gpu_memory_utilization"] = fraction_leaving(tensor_bytes(glm_runner.weight_tensors()), room)
+    else:
+        from vllm_omni_plugin.diffusion.runner import RequestDefaults
+
+        defaults = RequestDefaults(guidance_scale=glm_runner.default_guidance_scale)  # as the engine fills it
+        limits["max_step_tokens"] = 2 * glm_runner.step_tokens(
+            glm_runner.prepare(glm_request("r", 64), defaults)
+        )
     engine = DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", max_batch_size=8,
-                             gpu_memory_utilization=fraction, batching="step", batch_wait_ms=60_000)  # fmt: skip
+                             batching="step", batch_wait_ms=60_000, **limits)  # fmt: skip
     in_flight: list[int] = []
 
     class CountingLoop(DiffusionBatchLoop):

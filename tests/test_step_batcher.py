@@ -171,7 +171,7 @@ def test_close_fails_the_waiting_calls(denoiser: Denoiser) -> None:
 def test_groups_in_flight_keep_to_the_memory_budget_together() -> None:
     """Each row needs 10 bytes; the budget is 30: groups start in order while the sum fits, the first
     waiting one always on an idle stage, and a finished group makes room."""
-    budget = GroupBudget(30, lambda group: 10 * len(group))
+    budget = GroupBudget((30, lambda group: 10 * len(group)))
     key = "".join
     budget.admit([["a", "b"], ["c"], ["d", "e"]])
     assert budget.start(key) == [["a", "b"], ["c"]]
@@ -184,6 +184,21 @@ def test_groups_in_flight_keep_to_the_memory_budget_together() -> None:
     budget.done("de")
     budget.admit([["f", "g", "h", "i"]])  # more than the budget: admitted alone, it starts on an idle stage
     assert budget.start(key) == [["f", "g", "h", "i"]]
-    unbounded = GroupBudget(None, lambda group: 10**9)
+    unbounded = GroupBudget((None, lambda group: 10**9))
     unbounded.admit([["a"], ["b"]])
     assert unbounded.start(key) == [["a"], ["b"]]
+
+
+def test_groups_in_flight_keep_to_every_budget_at_once() -> None:
+    """Memory (10 per row, limit 40) and step tokens (a row's own count, limit 5): a group starts only
+    when both sums fit."""
+    tokens = {"a": 1, "b": 1, "c": 4, "d": 1}
+    budget = GroupBudget(
+        (40, lambda group: 10 * len(group)), (5, lambda group: sum(tokens[r] for r in group))
+    )
+    key = "".join
+    budget.admit([["a", "b"], ["c"], ["d"]])
+    assert budget.start(key) == [["a", "b"]]  # memory 20 + 10 fits, tokens 2 + 4 do not
+    budget.done("ab")
+    assert budget.start(key) == [["c"], ["d"]]  # tokens 4 + 1, memory 20
+    assert budget.in_flight == {"c": [10, 4], "d": [10, 1]}

@@ -323,6 +323,58 @@ def test_a_forward_that_fails_fails_its_rows_and_the_engine_goes_on(
     assert_within_one_level(after.join()["next"].image, alone(whole, ask("next", 8)))
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "glm_image"])
+def test_steps_go_on_while_a_decode_runs_and_decodes_that_wait_together_run_as_one(
+    engines: Callable[[str], tuple[DiffusionEngine, DiffusionEngine]], family: str
+) -> None:
+    """The diffusers families decode on the stage's decode thread: while it is held inside one group's
+    decode, two other groups run every step of theirs (a step never waits on a decode), and their decodes,
+    waiting together, then run as one VAE call; every image is the one its request gets alone."""
+    stepped, whole = engines(family)
+    decodes = stepped.decode_batcher
+    assert decodes is not None
+    real = decodes.module
+    entered, release = threading.Event(), threading.Event()
+    decoded: list[list[str]] = []
+
+    class HeldFirst:
+        """The real decode, its first call held until the test releases it."""
+
+        def __call__(self, **kwargs: Any) -> Any:
+            if not entered.is_set():
+                entered.set()
+                assert release.wait(WAIT_S)
+            return real(**kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    decodes.module = HeldFirst()
+    decodes.on_forward = lambda calls, rows, seconds: decoded.append(calls)
+    try:
+        rows = Rows(stepped)
+        requests = [ask("first", 31, steps=2, family=family), ask("a", 32, family=family),
+                    ask("b", 33, family=family)]  # fmt: skip
+        rows.start(requests[0])
+        assert entered.wait(WAIT_S)  # first's decode runs (held); a and b start after it
+        rows.start(requests[1])
+        rows.start(requests[2])
+        with decodes._lock:  # both denoised all their steps and wait to decode
+            assert decodes._lock.wait_for(lambda: len(decodes._waiting) == 2, WAIT_S)
+        stepped_while_held = list(rows.forwards)
+        release.set()
+        results = rows.join()
+    finally:
+        release.set()
+        decodes.module, decodes.on_forward = real, None
+    assert sum("a" in calls for calls in stepped_while_held) == forwards_alone(stepped, requests[1])
+    assert [sorted(calls) for calls in decoded[:2]] == [["first"], ["a", "b"]]
+    for request in requests:
+        result = results[request.request_id]
+        assert result.ok, result.error
+        assert_within_one_level(result.image, alone(whole, request))
+
+
 def test_step_batching_is_refused_where_it_cannot_run(tiny_sd3: Path) -> None:
     with pytest.raises(ValueError, match="batching: step is not available: batch_invariant runs"):
         DiffusionEngine(tiny_sd3, batching="step", batch_invariant=True)

@@ -86,3 +86,5 @@ def test_concurrent_requests_get_their_own_images_and_metrics_count_the_steps(
     assert server.metric("omni_diffusion_step_seconds_total") > 0
     assert 1 <= server.metric("omni_diffusion_decodes_total") <= len(requests)
     assert server.metric("omni_diffusion_decode_seconds_total") > 0
+    encode, call = (server.metric(f"omni_diffusion_{name}_seconds_total") for name in ("encode", "call"))
+    assert 0 < encode and 0 < call and server.metric("omni_diffusion_decode_seconds_total") + encode < call

@@ -10,6 +10,7 @@ from vllm_omni_plugin.config.pipeline import Pipeline
 from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.schema import StageDeployConfig
+from vllm_omni_plugin.diffusion.engine import MAX_BATCH_SIZE
 from vllm_omni_plugin.dotted import import_object
 
 DIFFUSION_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
@@ -23,6 +24,7 @@ DIFFUSION_ENGINE_FIELDS = (
     "batching",
     "batch_wait_ms",
     "max_loras",
+    "max_step_tokens",
 )
 """Further stage fields handed to the diffusion engine as they are."""
 
@@ -43,7 +45,7 @@ def diffusion_args(
     pipeline_defaults = set_fields(pipeline.diffusion_defaults)
     args: dict[str, Any] = {
         "model": model,
-        "max_batch_size": stage.max_batch_size or 1,
+        "max_batch_size": stage.max_batch_size or MAX_BATCH_SIZE,
         "worker_cls": platform.diffusion_worker_cls,
     }
     fixed = pipeline.stage(stage.stage_id)

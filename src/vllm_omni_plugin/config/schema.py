@@ -94,7 +94,12 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     height: PositiveInt | None = None
     width: PositiveInt | None = None
     max_batch_size: PositiveInt | None = None
-    """Diffusion stages: requests denoised together in one batch."""
+    """Diffusion stages: the most requests denoised together (a batch, or the requests in flight with
+    ``batching: step``); unset: as many as ``max_step_tokens`` holds."""
+    max_step_tokens: PositiveInt | None = None
+    """Diffusion stages: the most latent tokens a denoising step carries, summed over the requests in it
+    (each request: its image's tokens times its guidance branches); a request larger than this runs
+    alone. Default: the diffusion worker's (1024 on CPU, 16384 on CUDA)."""
     batching: Literal["request", "step"] | None = None
     """Diffusion stages: ``request`` (default) batches whole requests; ``step`` lets requests join and
     leave the running batch at each denoising step (up to ``max_batch_size`` in flight)."""
@@ -104,6 +109,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     max_loras: PositiveInt | None = None
     """Diffusion stages: LoRA adapters each replica keeps loaded at once (default 4; the least recently
     used leaves first)."""
+    num_threads: PositiveInt | None = None
+    """Diffusion stages on CPU: the intra-op threads each replica runs, instead of the CPU threads
+    policy's share of the cores (``config/cpu_threads.py``); the replica is then not bound to cores."""
     # placement on a Ray cluster (backend: ray), per replica
     num_cpus: NonNegativeFloat | None = None
     """CPUs Ray reserves for each replica (default 1)."""
@@ -210,9 +218,11 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "height",
         "width",
         "max_batch_size",
+        "max_step_tokens",
         "batching",
         "batch_wait_ms",
         "max_loras",
+        "num_threads",
     }
 )
 RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")

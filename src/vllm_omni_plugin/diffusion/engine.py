@@ -20,7 +20,6 @@ the weights; the others run in the next batch, and a request that does not fit a
 
 from __future__ import annotations
 
-import itertools
 import random
 import threading
 import time
@@ -48,7 +47,7 @@ from vllm_omni_plugin.diffusion.runner import (
     RequestDefaults,
     ServedDefaults,
 )
-from vllm_omni_plugin.diffusion.step_batching import StepBatcher
+from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
@@ -62,6 +61,23 @@ BATCH_WAIT_MS = 100.0
 """The default ``batch_wait_ms``, chosen by ``benchmarks/diffusion_engine.py`` on tiny SD3 (2 cores): 10 ms
 made groups of one request under Poisson load (p99 16x whole-request batching's), 50/100/200 ms gave
 1.5/1.3/1.1x, with closed-loop images/s level with whole-request batching."""
+MAX_STEP_TOKENS = {"cpu": 1024}
+"""The default ``max_step_tokens`` by device type, chosen by measurement (``benchmarks/diffusion_engine.py
+--step-tokens``): on two CPU cores, tiny SD3's denoiser forward costs about the same per row from 16 rows
+of 64x64 (256 tokens) on and its images/s at 16 clients stop rising past 1024; a request of a real model at
+512x512 (2048 tokens with guidance) then runs alone, as its forward is compute-bound at one row."""
+GPU_STEP_TOKENS = 16384
+"""The default elsewhere: two guided 1024x1024 requests of SD3 or FLUX, a GPU's forward compute-bound from
+about there (not measured here: no GPU on the machines this was written on)."""
+DECODE_LATENTS_PER_CALL = {"cpu": 16384}
+"""``batching: step``: the most latent elements (rows x channels x latent height x width) one joined VAE
+decode takes, by device type. On two cores a tiny AutoencoderKL decodes 64x64 images (1024 latent elements
+each) at 1.6 ms per image 4 or 8 at a time against 4.3 ms alone, and 128x128 ones best 4 at a time."""
+GPU_DECODE_LATENTS = 1 << 20
+"""Elsewhere: 4 megapixels of a 16-channel, 8x VAE per call (not measured here)."""
+MAX_BATCH_SIZE = 64
+"""The most requests of a batch (or in flight, ``batching: step``) when the stage pins no
+``max_batch_size``: ``max_step_tokens`` bounds them first at any size but the tiniest."""
 PROGRESS_INTERVAL_S = 10.0
 """How often a long batch logs its progress: short batches stay quiet, a minute-long one says so."""
 ABORTED = "aborted"
@@ -102,7 +118,9 @@ class DiffusionEngine:
     config's ``diffusion_args`` can be passed as is; registered runners need neither. A batch that runs
     longer than ``progress_interval_s`` logs its requests' step progress every that many seconds.
     ``gpu_memory_utilization``: the share of the device's memory (the machine's on CPU) the stage keeps
-    to; batches are formed within what it leaves after the weights (``memory``).
+    to; batches are formed within what it leaves after the weights (``memory``). ``max_step_tokens``: the
+    most latent tokens a step carries over the requests of a batch (:meth:`DiffusionRunner.step_tokens`);
+    default by device (:data:`MAX_STEP_TOKENS`).
     """
 
     def __init__(
@@ -111,7 +129,8 @@ class DiffusionEngine:
         *,
         dtype: Any = "auto",
         device: Any = "cpu",
-        max_batch_size: int = 1,
+        max_batch_size: int = MAX_BATCH_SIZE,
+        max_step_tokens: int | None = None,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
         height: int | None = None,
@@ -136,6 +155,9 @@ class DiffusionEngine:
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype, self.device)
         self.max_batch_size = max_batch_size
+        if max_step_tokens is not None and max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
+        self.max_step_tokens = max_step_tokens or MAX_STEP_TOKENS.get(self.device.type, GPU_STEP_TOKENS)
         self.batch_invariant = batch_invariant
         start = time.perf_counter()
         if runner is None and runner_cls:  # a runner the pipeline names (its model is no diffusers pipeline)
@@ -184,6 +206,9 @@ class DiffusionEngine:
         if runner.previews:
             runner.on_preview = self._preview
         runner.max_loras = max_loras
+        self.decode_batcher: StepBatcher | None = None
+        """``batching: step``: the groups' VAE decodes, joined where several wait (runners with a
+        :meth:`DiffusionRunner.decode_calls`)."""
         self.step_batcher: StepBatcher | None = None
         """``batching: step``: groups of requests in flight share denoiser forwards step by step
         (:meth:`run_group`); ``None``: whole requests batch (:meth:`generate`)."""
@@ -199,6 +224,15 @@ class DiffusionEngine:
                 joins=runner.step_joins(),
                 on_boundary=self._boundary_done,
             )
+            decoder = runner.decode_calls()
+            if decoder is not None:
+                self.decode_batcher = StepBatcher(
+                    decoder,
+                    max_rows=DECODE_LATENTS_PER_CALL.get(self.device.type, GPU_DECODE_LATENTS),
+                    row_weight=latent_elements,
+                    name="dit-decode",
+                )
+                runner.decode_batcher = self.decode_batcher
         if batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
         self.batch_wait_ms = batch_wait_ms
@@ -207,12 +241,14 @@ class DiffusionEngine:
         if trust_remote_code:
             logger.debug("diffusion engine: trust_remote_code has no effect on registered pipeline runners")
         logger.info(
-            "diffusion engine: %s (%s) on %s, %s, max_batch_size %d, %s batching%s, load %.2f s",
+            "diffusion engine: %s (%s) on %s, %s, max_batch_size %d, max_step_tokens %d, %s batching%s, "
+            "load %.2f s",
             self.model,
             runner.label,
             self.device,
             self.dtype,
             max_batch_size,
+            self.max_step_tokens,
             batching,
             ", batch-invariant" if batch_invariant else "",
             self.load_seconds,
@@ -285,7 +321,8 @@ class DiffusionEngine:
         )
 
     def plan(self, requests: Sequence[RunnerRequest]) -> tuple[list[list[int]], dict[int, DiffusionResult]]:
-        """Batches of request indices (compatible, at most ``max_batch_size``, within the memory budget)
+        """Batches of request indices (compatible, at most ``max_batch_size`` and ``max_step_tokens``,
+        within the memory budget)
         and the requests that failed validation or fit no batch, by index. Batches keep request order
         within a key; keys in order of first appearance."""
         groups: dict[tuple[Any, ...], list[int]] = {}
@@ -310,20 +347,27 @@ class DiffusionEngine:
         if need > self.memory.activation_bytes:
             raise self._too_large(request, need)
 
+    def step_tokens(self, requests: Sequence[Any]) -> int:
+        """Latent tokens a step of these requests carries (``max_step_tokens`` bounds it)."""
+        return sum(int(self.runner.step_tokens(r)) for r in requests)
+
     def _admitted(self, requests: Sequence[Any], indices: list[int], size: int) -> Iterable[list[int]]:
-        """``indices`` (one batch key) cut into batches of at most ``size`` whose estimated activations
-        fit the budget (each request fits alone: ``plan`` refused the others)."""
-        if self.memory is None:
-            yield from (list(chunk) for chunk in _chunks(indices, size))
-            return
-        limit = self.memory.activation_bytes
+        """``indices`` (one batch key) cut into batches of at most ``size`` requests and
+        ``max_step_tokens`` tokens whose estimated activations fit the memory budget (a request larger
+        than either runs alone: ``plan`` refused those that do not fit the memory budget alone)."""
+        limit = self.memory.activation_bytes if self.memory is not None else None
         batch: list[int] = []
+        tokens = 0
         for index in indices:
-            grown = [requests[i] for i in (*batch, index)]
-            if batch and (len(batch) == size or self.activation_bytes(grown) > limit):
+            need = int(self.runner.step_tokens(requests[index]))
+            full = len(batch) == size or tokens + need > self.max_step_tokens
+            if batch and limit is not None and not full:
+                full = self.activation_bytes([requests[i] for i in (*batch, index)]) > limit
+            if batch and full:
                 yield batch
-                batch = []
+                batch, tokens = [], 0
             batch.append(index)
+            tokens += need
         if batch:
             yield batch
 
@@ -346,7 +390,8 @@ class DiffusionEngine:
         self, requests: Iterable[RunnerRequest]
     ) -> tuple[list[list[RunnerRequest]], list[DiffusionResult]]:
         """The requests in the groups :meth:`run_group` takes (seeded, defaults filled, validated; one batch
-        key, at most ``max_batch_size``, within the memory budget each), and the failures."""
+        key, at most ``max_batch_size`` and ``max_step_tokens``, within the memory budget each), and the
+        failures."""
         resolved = [self._resolve(r) for r in requests]
         batches, failed = self.plan(resolved)
         return [[resolved[i] for i in batch] for batch in batches], list(failed.values())
@@ -406,8 +451,9 @@ class DiffusionEngine:
 
     def close(self) -> None:
         """Stop the step thread (``batching: step``)."""
-        if self.step_batcher is not None:
-            self.step_batcher.close()
+        for batcher in (self.step_batcher, self.decode_batcher):
+            if batcher is not None:
+                batcher.close()
 
     def _preview(self, request_id: str, index: int, image: Any) -> None:
         if self.on_preview is not None:
@@ -503,6 +549,8 @@ class DiffusionEngine:
         with self._count_lock:
             self._counters.decodes += 1
             self._counters.decode_seconds += out.timings.get("decode", 0.0)
+            self._counters.encode_seconds += out.timings.get("encode", 0.0)
+            self._counters.call_seconds += out.timings.get("total", 0.0)
         results = []
         for i, request in enumerate(batch):
             latents = out.latents[i] if out.latents is not None else None
@@ -543,9 +591,3 @@ def _runner_class(path: str) -> type[DiffusionRunner]:
     if not (isinstance(runner, type) and issubclass(runner, DiffusionRunner)):
         raise TypeError(f"{path} is not a DiffusionRunner subclass")
     return runner
-
-
-def _chunks(items: list[int], size: int) -> Iterable[list[int]]:
-    iterator = iter(items)
-    while chunk := list(itertools.islice(iterator, size)):
-        yield chunk

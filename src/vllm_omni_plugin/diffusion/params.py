@@ -72,6 +72,10 @@ class DiffusionCounters(msgspec.Struct, kw_only=True):
     decodes: int = 0
     """Pipeline calls (a batch, or a group) that decoded their images."""
     decode_seconds: float = 0.0
+    encode_seconds: float = 0.0
+    """Prompt encoding in those calls (with step batching, waiting for another group's encoding too)."""
+    call_seconds: float = 0.0
+    """Those calls from start to end: encoding, every step (shared ones whole) and decode."""
 
     @classmethod
     def total(cls, counters: Iterable[DiffusionCounters]) -> DiffusionCounters:
@@ -102,7 +106,8 @@ class DiffusionResult(msgspec.Struct, kw_only=True):
     """How many requests shared the pipeline call that produced this result."""
     timings: dict[str, float] = {}
     """Seconds of the pipeline call: ``denoise`` (prompt encoding, conditioning and all steps),
-    ``decode`` (VAE decode and post-processing) and ``total``; shared by the batch."""
+    ``decode`` (VAE decode and post-processing) and ``total``; ``encode`` (the prompt encoding within
+    ``denoise``) where the runner encodes prompts; shared by the batch."""
 
     @property
     def ok(self) -> bool:

@@ -20,7 +20,7 @@ from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.params import RunnerRequest
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
+    from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, DecodeCalls, StepBatcher
 
 
 class BatchAborted(Exception):
@@ -113,6 +113,9 @@ class DiffusionRunner(abc.ABC):
     """Set by the engine: adapters it keeps loaded at once."""
     on_preview: PreviewCallback | None = None
     """Set by the engine: called with each preview a request asked for."""
+    decode_batcher: StepBatcher | None = None
+    """Set by the engine (``batching: step``, a runner whose :meth:`decode_calls` gives some): its groups
+    decode through it, so decodes of groups that finish together run as one call."""
 
     @classmethod
     @abc.abstractmethod
@@ -158,6 +161,12 @@ class DiffusionRunner(abc.ABC):
     def activation_bytes(self, batch: list[Any]) -> int:
         """Estimated peak activations of ``batch`` (one key, defaults applied) run as one call."""
 
+    @abc.abstractmethod
+    def step_tokens(self, request: Any) -> int:
+        """Latent tokens a denoising step of the request carries (defaults applied): its image's tokens
+        times the denoiser rows a step runs for it (two with classifier-free guidance). Batches and the
+        requests in flight are bounded by their sum (``max_step_tokens``)."""
+
     def denoiser(self) -> Any:
         """The module whose calls a :class:`StepBatcher` joins (runners with ``step_batching``)."""
         raise NotImplementedError(f"{type(self).__name__} does not batch step by step")
@@ -165,6 +174,11 @@ class DiffusionRunner(abc.ABC):
     def step_joins(self) -> dict[str, ArgumentJoin]:
         """How denoiser arguments that are neither shared nor plain per-row values join (none)."""
         return {}
+
+    def decode_calls(self) -> DecodeCalls | None:
+        """The decode a :class:`StepBatcher` joins across groups (None: each group decodes its own rows,
+        where joining does not pay)."""
+        return None
 
     def run_rows(
         self,

@@ -29,10 +29,13 @@ DIFFUSION_TIMING = (
     ("omni_diffusion_queue_wait_seconds", "queue_wait_seconds", "Seconds requests waited in the queue"),
     ("omni_diffusion_decodes", "decodes", "Pipeline calls (a batch, or a group) that decoded their images"),
     ("omni_diffusion_decode_seconds", "decode_seconds", "Seconds of VAE decode and post-processing"),
+    ("omni_diffusion_encode_seconds", "encode_seconds", "Seconds of prompt encoding in those calls"),
+    ("omni_diffusion_call_seconds", "call_seconds", "Seconds of those calls: encoding, steps and decode"),
 )
 """The diffusion stages' step, queue and decode counters: (Prometheus name, ``DiffusionCounters`` field,
 help). Means are ratios: requests per step ``step_requests / steps``, step time ``step_seconds / steps``,
-queue wait ``queue_wait_seconds / started_requests``, decode time ``decode_seconds / decodes``."""
+queue wait ``queue_wait_seconds / started_requests``, decode time ``decode_seconds / decodes``, a call's
+prompt encoding ``encode_seconds / decodes`` and its whole time ``call_seconds / decodes``."""
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 

@@ -52,19 +52,23 @@ def batch_prefix(alone: Sequence[bool], limit: int) -> int:
     return count
 
 
+Estimate = Callable[[list[Any]], int]
+"""What a group needs of one budget."""
+
+
 class GroupBudget:
     """Which admitted groups start now (``batching: step``): groups in flight share each step's forwards,
-    so their activations add up, and together they keep to the stage's memory budget (``limit``, the
-    engine's activation bytes; None: no budget). Groups start in the order they were admitted; the first
-    waiting one starts on a stage with nothing in flight whatever it needs (the engine admits only groups
-    that fit alone)."""
+    so what they need adds up, and together they keep to each of the stage's budgets: ``limits`` pairs a
+    limit (None: unbounded) with how much of it a group needs (the engine's activation bytes within its
+    memory budget, its latent tokens within ``max_step_tokens``). Groups start in the order they were
+    admitted; the first waiting one starts on a stage with nothing in flight whatever it needs (the
+    engine admits only groups that fit alone, or that run alone)."""
 
-    def __init__(self, limit: int | None, estimate: Callable[[list[Any]], int]) -> None:
-        self.limit = limit
-        self.estimate = estimate
+    def __init__(self, *limits: tuple[int | None, Estimate]) -> None:
+        self.limits = [(limit, estimate) for limit, estimate in limits if limit is not None]
         self.waiting: list[list[Any]] = []
-        self.in_flight: dict[str, int] = {}
-        """Key of each group in flight -> its estimated activations."""
+        self.in_flight: dict[str, list[int]] = {}
+        """Key of each group in flight -> what it needs of each budget."""
 
     @property
     def waiting_rows(self) -> int:
@@ -77,11 +81,14 @@ class GroupBudget:
         """The waiting groups that start now (counted in flight until :meth:`done`)."""
         started = []
         while self.waiting:
-            need = self.estimate(self.waiting[0]) if self.limit is not None else 0
-            if self.in_flight and self.limit is not None and sum(self.in_flight.values()) + need > self.limit:
+            needs = [estimate(self.waiting[0]) for _, estimate in self.limits]
+            used = [sum(column) for column in zip(*self.in_flight.values(), strict=True)] or [0] * len(needs)
+            if self.in_flight and any(
+                u + n > lim for (lim, _), u, n in zip(self.limits, used, needs, strict=True)
+            ):
                 break
             group = self.waiting.pop(0)
-            self.in_flight[key_of(group)] = need
+            self.in_flight[key_of(group)] = needs
             started.append(group)
         return started
 
@@ -348,12 +355,13 @@ class DiffusionBatchLoop:
         """``batching: step``: what is queued starts at once while fewer than ``max_batch`` requests run,
         as groups of compatible requests, each a pipeline call on a thread of its own whose denoiser calls
         share forwards with the other groups'; a group's outputs are reported as soon as it is done.
-        Groups taken start while those in flight keep, together, to the memory budget (:class:`GroupBudget`).
+        Groups taken start while those in flight keep, together, to the memory budget and to
+        ``max_step_tokens`` (:class:`GroupBudget`).
         Stopping starts nothing new and lets the taken groups finish (interrupted: aborts them)."""
         inbox, engine = self.inbox, self.engine
         groups: dict[str, tuple[threading.Thread, int]] = {}
-        limit = engine.memory.activation_bytes if engine.memory is not None else None
-        budget = GroupBudget(limit, engine.activation_bytes)
+        memory = engine.memory.activation_bytes if engine.memory is not None else None
+        budget = GroupBudget((memory, engine.activation_bytes), (engine.max_step_tokens, engine.step_tokens))
         transfer: dict[str, float] = {}
         reported = engine.counters()
         while not inbox.stopping or groups or budget.waiting:

@@ -180,6 +180,12 @@ class BagelGenerationRunner(DiffusionRunner):
         preview = vae_decode_bytes(previewing, first.height * first.width, channels, element)
         return {"denoise": denoise + preview, "decode": decode + preview}
 
+    def step_tokens(self, request: BagelGenerationRequest) -> int:
+        """Its image block's tokens once per row it adds (cond, and the guidance branches that run)."""
+        stride = self.cfg.latent_downsample
+        block = (request.height // stride) * (request.width // stride)
+        return block * len(self._context_lengths(request))
+
     @staticmethod
     def _context_lengths(request: BagelGenerationRequest) -> list[int]:
         """``kv_len`` of each row the request adds to a batch, cond first (a branch whose context is

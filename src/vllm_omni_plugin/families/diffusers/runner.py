@@ -37,7 +37,7 @@ from vllm_omni_plugin.diffusion.runner import (
     StopCheck,
     preview_steps,
 )
-from vllm_omni_plugin.diffusion.step_batching import SameValue
+from vllm_omni_plugin.diffusion.step_batching import DecodeCalls, GroupVae, SameValue
 from vllm_omni_plugin.families.diffusers.preview_decoder import PreviewDecoder
 from vllm_omni_plugin.log import get_logger
 
@@ -190,8 +190,15 @@ class DiffusersPipelineRunner(DiffusionRunner):
         self.pipe = pipe
         self._encode_lock = threading.Lock()
         """Held while a group encodes its prompts (:meth:`_one_at_a_time`)."""
+        self._encoding = threading.local()
+        """Seconds the calling thread's pipeline call spent encoding prompts (``seconds``)."""
+        # Every text-conditioned diffusers pipeline has one; timed for the call's ``encode`` (``/metrics``).
+        self._encode = getattr(pipe, "encode_prompt", None)
+        if self._encode is not None:
+            pipe.__dict__["encode_prompt"] = self._timed(self._encode)
         self._vae_lock = threading.Lock()
-        """Held while a group's VAE encodes or decodes where the VAE keeps state then (:class:`SerialVae`)."""
+        """Held while a VAE that keeps state (:func:`vae_keeps_state`) encodes or decodes for a group, or
+        decodes a group's preview."""
         self._preview_decoder = PreviewDecoder(getattr(pipe, "vae", None))
         self.device = device
         self.dtype = dtype
@@ -387,6 +394,12 @@ class DiffusersPipelineRunner(DiffusionRunner):
             ),
         }
 
+    def step_tokens(self, request: DiffusionRequest) -> int:
+        """Its image tokens, twice with classifier-free guidance (a second row, or a second call)."""
+        shape = self.memory_shape
+        guided = (request.guidance_scale or 0.0) > 1.0 and not shape.guidance_embedded
+        return shape.image_tokens(request.height, request.width) * (2 if guided else 1)
+
     def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
         """Prompt tokens each row of the batch carries into the transformer."""
         return self.text_tokens
@@ -431,20 +444,42 @@ class DiffusersPipelineRunner(DiffusionRunner):
             # Set in __dict__: the pipeline's __setattr__ would re-register the component in its config.
             pipe.__dict__[denoiser_attribute(self.pipe)] = batcher.proxy(group, len(batch))
         pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
-        encode = getattr(pipe, "encode_prompt", None)  # every text-conditioned diffusers pipeline has one
-        if encode is not None:
-            pipe.__dict__["encode_prompt"] = self._one_at_a_time(encode)
-        if SerialVae.needed(self.pipe.vae):  # groups, and the preview thread, decode at the same time
-            pipe.__dict__["vae"] = SerialVae(self.pipe.vae, self._vae_lock)
+        if self._encode is not None:  # its wait for the lock counts as encoding
+            pipe.__dict__["encode_prompt"] = self._timed(self._one_at_a_time(self._encode))
+        vae, decodes = getattr(self.pipe, "vae", None), self.decode_batcher
+        if vae is not None and decodes is not None:  # decodes joined with other groups'
+            pipe.__dict__["vae"] = GroupVae(vae, decodes, group, self._state_lock(vae))
         try:
             return self._call(pipe, batch, generators, should_stop, on_step, lambda: batcher.leave(group))
         finally:
             batcher.leave(group)
 
+    def decode_calls(self) -> DecodeCalls | None:
+        vae = getattr(self.pipe, "vae", None)
+        return None if vae is None else DecodeCalls(vae, self._state_lock(vae))
+
+    def _state_lock(self, vae: Any) -> threading.Lock | None:
+        """The lock a VAE's calls take where it keeps state while it runs (groups, their decode and the
+        preview thread use it at once); None where it keeps none."""
+        return self._vae_lock if vae_keeps_state(vae) else None
+
     def step_joins(self) -> dict[str, ArgumentJoin]:
         """FLUX's and Qwen-Image's position ids are the same for every row of a size, whatever their first
         dimension."""
         return {name: SameValue() for name in SHARED_DENOISER_ARGUMENTS}
+
+    def _timed(self, encode: Callable[..., Any]) -> Callable[..., Any]:
+        """``encode``, adding its seconds to the calling thread's count (:meth:`_call` reads it)."""
+        counted = self._encoding
+
+        def encode_prompt(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return encode(*args, **kwargs)
+            finally:
+                counted.seconds = getattr(counted, "seconds", 0.0) + time.perf_counter() - start
+
+        return encode_prompt
 
     def _one_at_a_time(self, encode: Callable[..., Any]) -> Callable[..., Any]:
         """``encode`` behind the runner's lock: a fast tokenizer keeps its padding and truncation as state
@@ -506,6 +541,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
         if self._previewing(batch):
             self._preview_steps(pipe, batch, previews)
+        self._encoding.seconds = 0.0
         start = time.perf_counter()
         with previews, self._adapter_rows(batch, denoiser_of(self.pipe)).applied():
             out = pipe(**kwargs, **self.call_kwargs(batch))
@@ -520,6 +556,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 for r, lat in zip(batch, latents_box[0], strict=True)
             ]
         timings = {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
+        timings["encode"] = self._encoding.seconds
         return BatchOutput(list(pixels), latents, timings)
 
     # --- previews ---------------------------------------------------------------------------------------
@@ -553,8 +590,9 @@ class DiffusersPipelineRunner(DiffusionRunner):
         scheduler = pipe.scheduler
         step_of_scheduler = scheduler.step
         count = [0]
-        # The runner's own VAE (not a call's SerialVae around a stateful one): traced where it can be.
-        decode = self._preview_decoder.decode if pipe.vae is self._preview_decoder.vae else None
+        # The runner's own VAE, traced where it can be; one that keeps state decodes in turn, eagerly.
+        vae = pipe.vae.vae_alone if isinstance(pipe.vae, GroupVae) else pipe.vae
+        decode = self._preview_decoder.decode if vae is self._preview_decoder.vae else None
 
         def step(model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
             rows = wanted.get(count[0], [])
@@ -583,30 +621,10 @@ class DiffusersPipelineRunner(DiffusionRunner):
         scheduler.step = step
 
 
-class SerialVae:
-    """A pipeline's VAE whose ``encode`` and ``decode`` run one at a time. Qwen-Image's (and Wan's) keep
-    their causal convolutions' caches on the module while they run (``clear_cache``, ``_feat_map``): two
-    step-batched groups, or a group and the preview thread, decoding at once would read each other's.
-    Everything else is the VAE's own."""
-
-    def __init__(self, vae: Any, lock: threading.Lock) -> None:
-        self._vae = vae
-        self._lock = lock
-
-    @staticmethod
-    def needed(vae: Any) -> bool:
-        return callable(getattr(vae, "clear_cache", None))
-
-    def encode(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return self._vae.encode(*args, **kwargs)
-
-    def decode(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return self._vae.decode(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._vae, name)
+def vae_keeps_state(vae: Any) -> bool:
+    """Qwen-Image's (and Wan's) VAE keeps its causal convolutions' caches on the module while it runs
+    (``clear_cache``, ``_feat_map``): two calls at once would read each other's."""
+    return callable(getattr(vae, "clear_cache", None))
 
 
 def decode_latents(
