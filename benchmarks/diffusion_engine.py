@@ -286,8 +286,11 @@ def bagel_request(model_cfg: Any, i: int, size: int, steps: int) -> Any:
 
 def dit_closed_loop(
     model: str, batching: str, clients: int, images: int, size: int, steps: int
-) -> tuple[float, list[float]]:
-    """BAGEL's DiT stage alone, its batch loop in this process: median images/s and every latency."""
+) -> tuple[float, list[float], dict[str, float]]:
+    """BAGEL's DiT stage alone, its batch loop in this process: median images/s, every latency and the
+    engine's counters over the timed rounds."""
+    import msgspec
+
     from vllm_omni_plugin.diffusion.engine import DiffusionEngine
     from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest
     from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
@@ -346,11 +349,15 @@ def dit_closed_loop(
 
     try:
         round_(10_000, False)  # warm-up
+        before = msgspec.to_builtins(engine.counters())
         rates = [round_(20_000 * (r + 1), True) for r in range(ROUNDS)]
+        after = msgspec.to_builtins(engine.counters())
     finally:
         loop.inbox.drain()
         serving.join()
-    return statistics.median(rates), latencies
+    delta = {key: after[key] - before[key] for key in after}
+    delta["started_requests"] = delta.pop("started")
+    return statistics.median(rates), latencies, delta
 
 
 def main() -> int:
@@ -463,9 +470,14 @@ def main() -> int:
             }
         print("BAGEL DiT stage, FLUX-size autoencoder, 64x64, 8 steps, 8 clients (closed loop, in process)")
         for mode in dit:
-            rate, latencies = dit[mode]
+            rate, latencies, _ = dit[mode]
             p50, p99 = (1000 * percentile(latencies, q) for q in (0.5, 0.99))
             print(f"{mode:<22} {rate:>9.2f} images/s   p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
+        print(f"{'where its time goes':<22}" + "".join(f"{p:>9}" for p in parts))
+        for mode in dit:
+            _, latencies, delta = dit[mode]
+            row = breakdown(latencies, delta)
+            print(f"{mode:<22}" + "".join(f"{row[p]:>9.1f}" for p in parts))
         print(f"target: BAGEL step >= 1.15x request at c=8: {dit['step'][0] / dit['request'][0]:.2f}x")
     c16 = 16 if 16 in levels else levels[-1]
     first = modes[2]
