@@ -202,3 +202,30 @@ def test_groups_in_flight_keep_to_every_budget_at_once() -> None:
     budget.done("ab")
     assert budget.start(key) == [["c"], ["d"]]  # tokens 4 + 1, memory 20
     assert budget.in_flight == {"c": [10, 4], "d": [10, 1]}
+
+
+@pytest.mark.parametrize("guided", [False, True])
+def test_an_aborted_request_s_rows_leave_its_group_s_forwards(
+    batcher: StepBatcher, denoiser: Denoiser, guided: bool
+) -> None:
+    """A group of three requests (two rows each with batched guidance: ``cat([negative, positive])``)
+    whose middle one is aborted: the forward runs the other rows only, they get their own results, and
+    the aborted rows get zeros."""
+    alive = [True, True, True]
+    batcher.track("g", lambda: list(alive))
+    rows = 6 if guided else 3
+    hidden = torch.arange(1.0, rows + 1)[:, None].repeat(1, 2)
+    timestep = torch.full((rows,), 2.0)
+    proxy = batcher.proxy("g", 3)
+    (full,) = proxy(hidden_states=hidden, timestep=timestep, img_ids=torch.ones(3))
+    assert denoiser.batches == [rows] and torch.equal(full, hidden * 2 + 3)
+    alive[1] = False
+    (out,) = proxy(hidden_states=hidden, timestep=timestep, img_ids=torch.ones(3))
+    dead = [1, 4] if guided else [1]
+    live = [i for i in range(rows) if i not in dead]
+    assert denoiser.batches[-1] == len(live)
+    assert torch.equal(out[live], (hidden * 2 + 3)[live]) and not out[dead].any()
+    alive[0] = alive[2] = False  # every request aborted: the call runs whole (the group stops at its end)
+    proxy(hidden_states=hidden, timestep=timestep, img_ids=torch.ones(3))
+    assert denoiser.batches[-1] == rows
+    batcher.leave("g")

@@ -238,6 +238,34 @@ def test_an_aborted_row_leaves_at_its_step_end_and_the_others_are_unaffected(
     assert_within_one_level(results["kept"].image, alone(whole, kept))
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "glm_image"])
+def test_an_aborted_request_leaves_the_forwards_of_its_group_at_its_next_step(
+    engines: Callable[[str], tuple[DiffusionEngine, DiffusionEngine]], family: str
+) -> None:
+    """Three requests admitted together run as one group (one pipeline call); one aborted after the
+    group's second step leaves the shared forwards from the next step on (its rows get zeros, which the
+    call steps and drops), and the other two get the images they get alone."""
+    stepped, whole = engines(family)
+    requests = [ask(name, 40 + i, steps=4, family=family) for i, name in enumerate(("a", "b", "c"))]
+    rows = Rows(stepped)
+    shapes: list[int] = []
+    stepped.step_batcher.on_forward = lambda calls, count, seconds: shapes.append(count)
+    rows.hold("a b c", 1)
+    rows.start(*requests)
+    rows.reached("a b c", 1)
+    before = len(shapes)
+    rows.aborted.add("b")
+    rows.release("a b c", 1)
+    results = rows.join()
+    per_step = shapes[0]  # rows of the group's forwards while all three run (3, or 6 with batched guidance)
+    assert set(shapes[:before]) == {per_step} and shapes[before:]
+    assert set(shapes[before:]) == {per_step * 2 // 3}, shapes
+    for request in (requests[0], requests[2]):
+        result = results[request.request_id]
+        assert result.ok, result.error
+        assert_within_one_level(result.image, alone(whole, request))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rows_with_different_guidance_share_forwards_and_match_alone(
     engines: Callable[[str], tuple[DiffusionEngine, DiffusionEngine]], family: str

@@ -11,7 +11,8 @@ bit-exact reproducibility at the cost of throughput.
 A request aborted while it waits is not run; a batch whose every request is aborted stops at the end of
 the running step (no decode, no image). A request aborted alone inside a batch shared with others cannot
 leave the batch, whose tensors it is a row of: its row is finished with the batch, and whoever aborted it
-drops its image.
+drops its image. With ``batching: step`` its rows leave the shared forwards at its group's next step
+(:meth:`StepBatcher.track`): the rest of the group runs without them.
 
 With a memory budget (``gpu_memory_utilization``, see :mod:`vllm_omni_plugin.diffusion.memory`), a batch
 takes requests only while the runner's estimate of their activations fits what the budget leaves after
@@ -528,6 +529,8 @@ class DiffusionEngine:
                 out = self.runner.run(batch, generators, should_stop=stop)
             else:
                 count = self._group_steps(progress, on_step)
+                if is_aborted is not None and len(ids) > 1:  # an aborted request's rows leave the forwards
+                    batcher.track(" ".join(ids), lambda: [not is_aborted(i) for i in ids])
                 out = self.runner.run_rows(batch, generators, stop, batcher, " ".join(ids), count)
         except BatchAborted as exc:
             self._progress = None

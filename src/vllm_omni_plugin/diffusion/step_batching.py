@@ -44,6 +44,11 @@ thread (a request's one-off preparation, e.g. GLM-Image writing its source image
 boundary, where it would put its request a call out of step with the others."""
 
 
+UNUSED: Hashable = "unused"
+"""An :meth:`ArgumentJoin.key` for a value the call does not read (GLM-Image's source-image cache in a
+text-to-image call): it joins whatever the others', and the call's rows may be taken apart."""
+
+
 class ArgumentJoin(Protocol):
     """How a denoiser argument that is neither shared nor a plain per-row value joins across calls."""
 
@@ -117,6 +122,8 @@ class StepBatcher:
         self._denoising: set[str] = set()
         """Rows that made a call and have not left: each boundary waits for all of them."""
         self._waiting: dict[str, _Call] = {}
+        self._alive: dict[str, Callable[[], list[bool]]] = {}
+        """Per row (a group): which of its requests are still wanted (:meth:`track`)."""
         self._one_off = itertools.count()
         """Numbers the one-off calls' places among the waiting (a row may make several at once)."""
         self._closed = False
@@ -127,10 +134,17 @@ class StepBatcher:
         """The denoiser as the pipeline call of ``row`` (of ``requests`` requests) sees it."""
         return DenoiserProxy(self, row, requests)
 
+    def track(self, row: str, alive: Callable[[], list[bool]]) -> None:
+        """``alive()``: which of the requests of ``row`` are still wanted, asked at each of its calls. Once
+        one is aborted its rows leave the forwards (:func:`_live_rows`): the others' rows run without
+        them, and the call gets zeros in their place, which its pipeline steps and then drops."""
+        self._alive[row] = alive
+
     def leave(self, row: str) -> None:
         """``row`` makes no further call (its last step is done, it failed, or it ended)."""
         with self._lock:
             self._denoising.discard(row)
+            self._alive.pop(row, None)
             self._lock.notify_all()
 
     def close(self) -> None:
@@ -165,6 +179,16 @@ class StepBatcher:
             if self._closed:
                 raise RowAborted(row)
             return self.module(**kwargs)
+        alive = self._alive.get(row)
+        keep = _live_rows(kwargs, requests, alive(), self.joins) if alive is not None and not once else None
+        if keep is not None:
+            rows = _rows_of(kwargs)
+            out = self._queue(row, _take_rows(kwargs, keep, rows, self.joins), requests, once)
+            return _expand(out, keep, rows)
+        return self._queue(row, kwargs, requests, once)
+
+    def _queue(self, row: str, kwargs: dict[str, Any], requests: int, once: bool) -> Any:
+        """The call waits for its step boundary; its part of the forward's result."""
         rows = _rows_of(kwargs)
         weight = rows * (self.row_weight(kwargs) if self.row_weight is not None else 1)
         call = _Call(row, rows, kwargs, time.perf_counter(), requests, weight)
@@ -339,6 +363,59 @@ def _per_row(value: Any, rows: int) -> bool:
     if _is_tensor(value):
         return value.dim() > 0 and value.shape[0] == rows
     return isinstance(value, list) and len(value) == rows
+
+
+def _live_rows(
+    kwargs: dict[str, Any], requests: int, alive: list[bool], joins: Mapping[str, ArgumentJoin]
+) -> list[int] | None:
+    """The rows of a call of ``requests`` requests that belong to live ones (None: every row runs). A
+    call has a row per request, or two with batched guidance (diffusers' ``cat([negative, positive])``:
+    request ``i`` is rows ``i`` and ``requests + i``); any other layout, or an argument joined per row
+    (an :class:`ArgumentJoin` other than :class:`SameValue`, with a value the call reads) keeps every
+    row, as does a call whose every request is aborted (it stops at its step end)."""
+    if all(alive) or not any(alive) or len(alive) != requests:
+        return None
+    for name, join in joins.items():
+        value = kwargs.get(name)
+        if value is not None and not isinstance(join, SameValue) and join.key(value) != UNUSED:
+            return None
+    rows = _rows_of(kwargs)
+    if rows % requests or rows // requests > 2:
+        return None
+    return [i for i in range(rows) if alive[i % requests]]
+
+
+def _take_rows(
+    kwargs: dict[str, Any], keep: list[int], rows: int, joins: Mapping[str, ArgumentJoin]
+) -> dict[str, Any]:
+    """The call's arguments with only the rows ``keep`` (shared values, and the joined ones
+    :func:`_live_rows` let through, as they are)."""
+    taken: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name in joins:
+            taken[name] = value
+        elif _is_tensor(value) and _per_row(value, rows):
+            import torch
+
+            taken[name] = value.index_select(0, torch.tensor(keep, device=value.device))
+        elif isinstance(value, list) and _per_row(value, rows):
+            taken[name] = [value[i] for i in keep]
+        else:
+            taken[name] = value
+    return taken
+
+
+def _expand(out: Any, keep: list[int], rows: int) -> Any:
+    """A forward's output over the rows ``keep`` as an output over all ``rows``: zeros elsewhere."""
+    if _is_tensor(out):
+        full = out.new_zeros((rows, *out.shape[1:]))
+        full[keep] = out
+        return full
+    if isinstance(out, tuple | list):
+        return type(out)(_expand(item, keep, rows) if _is_tensor(item) else item for item in out)
+    if hasattr(out, "to_tuple"):  # a diffusers BaseOutput
+        return type(out)(**{key: _expand(value, keep, rows) for key, value in out.items()})
+    raise TypeError(f"cannot expand a denoiser output of type {type(out).__name__}")
 
 
 def _signature(call: _Call, joins: Mapping[str, ArgumentJoin]) -> tuple[Any, ...]:

@@ -14,7 +14,7 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.step_batching import RUN_AT_ONCE
+from vllm_omni_plugin.diffusion.step_batching import RUN_AT_ONCE, UNUSED
 from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner, as_pil, image_size
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class SourceImageCacheJoin:
         if layer.mode == "write":
             return RUN_AT_ONCE
         if layer.mode != "read":
-            return "unused"
+            return UNUSED
         return ("read", tuple(tuple(k.shape[1:]) for k in layer.k_caches))
 
     def join(self, values: list[Any], rows: list[int]) -> Any:
