@@ -36,6 +36,12 @@ def test_each_family_counts_the_tokens_a_step_carries(
     assert sd3.runner.step_tokens(ask("g")) == 32
     assert sd3.runner.step_tokens(ask("u", guidance=1.0)) == 16
     assert sd3.runner.step_tokens(ask("l", size=128)) == 128
+    unsized = DiffusionRequest(
+        request_id="n", prompt="a red fox", guidance_scale=4.0
+    )  # the pipeline's own size
+    assert sd3.runner.step_tokens(unsized) == 2 * sd3.runner.memory_shape.image_tokens(
+        *sd3.runner.default_size
+    )
     # FLUX embeds its guidance: one row whatever the scale
     flux = DiffusionEngine(tiny_flux).runner
     assert flux.step_tokens(ask("f")) == flux.step_tokens(ask("f", guidance=1.0)) == 16

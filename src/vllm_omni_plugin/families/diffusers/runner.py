@@ -395,10 +395,15 @@ class DiffusersPipelineRunner(DiffusionRunner):
         }
 
     def step_tokens(self, request: DiffusionRequest) -> int:
-        """Its image tokens, twice with classifier-free guidance (a second row, or a second call)."""
+        """Its image tokens, twice with classifier-free guidance (a second row, or a second call). A
+        request without a size the runner knows (the pipeline draws its own) counts one token."""
         shape = self.memory_shape
         guided = (request.guidance_scale or 0.0) > 1.0 and not shape.guidance_embedded
-        return shape.image_tokens(request.height, request.width) * (2 if guided else 1)
+        height, width = request.height, request.width
+        if (height is None or width is None) and self.default_size is not None:
+            height, width = height or self.default_size[0], width or self.default_size[1]
+        tokens = shape.image_tokens(height, width) if height and width else 1
+        return tokens * (2 if guided else 1)
 
     def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
         """Prompt tokens each row of the batch carries into the transformer."""
