@@ -77,7 +77,8 @@ def diffusers_ceiling(model: str, images: int, threads: int) -> float:
         prompts = [prompt(i) for i in range(images)]
         pipe(prompts, height=SIZE, width=SIZE, num_inference_steps=STEPS, generator=generators)
 
-    call()  # warm-up
+    for _ in range(2):  # warm-up: one call left the first timed rounds 5x slow in some runs
+        call()
     rates = []
     for _ in range(ROUNDS):
         start = time.perf_counter()
