@@ -354,3 +354,10 @@ def spawning_without_main() -> Iterator[None]:
             if _main_users == 0:
                 main.__spec__ = _main_spec
                 _main_spec = None
+
+
+def usable_cores() -> list[int]:
+    """The ids of the cores this process may run on (its affinity: ``taskset``, cgroups), sorted."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))

@@ -35,6 +35,7 @@ from vllm_omni_plugin.config.pipeline import PipelineStage
 from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.schema import StageDeployConfig
+from vllm_omni_plugin.processes import usable_cores
 
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 """vLLM's CPU build: the cores its worker binds its OpenMP threads to (``auto``, ``nobind`` or a list)."""
@@ -94,13 +95,6 @@ class ThreadPlan:
         """What the policy adds to a diffusion stage's worker arguments."""
         threads = self.diffusion.get(stage_id)
         return threads.worker_args() if threads is not None else {}
-
-
-def usable_cores() -> list[int]:
-    """The ids of the cores this process may run on (its affinity: ``taskset``, cgroups), sorted."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
 
 
 def user_omp_threads(environ: Mapping[str, str]) -> str | None:

@@ -99,10 +99,11 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     max_step_tokens: PositiveInt | None = None
     """Diffusion stages: the most latent tokens a denoising step carries, summed over the requests in it
     (each request: its image's tokens times its guidance branches); a request larger than this runs
-    alone. Default: the diffusion worker's (1024 on CPU, 16384 on CUDA)."""
+    alone. Default by device: 1024 on CPU, 16384 on a GPU."""
     batching: Literal["request", "step"] | None = None
     """Diffusion stages: ``request`` (default) batches whole requests; ``step`` lets requests join and
-    leave the running batch at each denoising step (up to ``max_batch_size`` in flight)."""
+    leave the running batch at each denoising step (the requests in flight keep to ``max_step_tokens``
+    and ``max_batch_size``)."""
     batch_wait_ms: NonNegativeFloat | None = None
     """Diffusion stages with ``batching: step``: while requests run, how long a new request waits for
     others to start with it (default 100)."""

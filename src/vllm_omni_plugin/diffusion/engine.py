@@ -64,7 +64,7 @@ made groups of one request under Poisson load (p99 16x whole-request batching's)
 1.5/1.3/1.1x, with closed-loop images/s level with whole-request batching."""
 MAX_STEP_TOKENS = {"cpu": 1024}
 """The default ``max_step_tokens`` by device type, chosen by measurement (``benchmarks/diffusion_engine.py
---step-tokens``): on two CPU cores, tiny SD3's denoiser forward costs about the same per row from 16 rows
+--max-step-tokens``): on two CPU cores, tiny SD3's denoiser forward costs about the same per row from 16 rows
 of 64x64 (256 tokens) on and its images/s at 16 clients stop rising past 1024; a request of a real model at
 512x512 (2048 tokens with guidance) then runs alone, as its forward is compute-bound at one row."""
 GPU_STEP_TOKENS = 16384
@@ -323,9 +323,8 @@ class DiffusionEngine:
 
     def plan(self, requests: Sequence[RunnerRequest]) -> tuple[list[list[int]], dict[int, DiffusionResult]]:
         """Batches of request indices (compatible, at most ``max_batch_size`` and ``max_step_tokens``,
-        within the memory budget)
-        and the requests that failed validation or fit no batch, by index. Batches keep request order
-        within a key; keys in order of first appearance."""
+        within the memory budget) and the requests that failed validation or fit no batch, by index.
+        Batches keep request order within a key; keys in order of first appearance."""
         groups: dict[tuple[Any, ...], list[int]] = {}
         failed: dict[int, DiffusionResult] = {}
         for index, request in enumerate(requests):
@@ -451,7 +450,7 @@ class DiffusionEngine:
             self._counters.queue_wait_seconds += sum(waits)
 
     def close(self) -> None:
-        """Stop the step thread (``batching: step``)."""
+        """Stop the step and decode threads (``batching: step``)."""
         for batcher in (self.step_batcher, self.decode_batcher):
             if batcher is not None:
                 batcher.close()
@@ -528,10 +527,10 @@ class DiffusionEngine:
                 self._progress = progress
                 out = self.runner.run(batch, generators, should_stop=stop)
             else:
-                count = self._group_steps(progress, on_step)
+                count, group = self._group_steps(progress, on_step), " ".join(ids)
                 if is_aborted is not None and len(ids) > 1:  # an aborted request's rows leave the forwards
-                    batcher.track(" ".join(ids), lambda: [not is_aborted(i) for i in ids])
-                out = self.runner.run_rows(batch, generators, stop, batcher, " ".join(ids), count)
+                    batcher.track(group, lambda: [not is_aborted(i) for i in ids])
+                out = self.runner.run_rows(batch, generators, stop, batcher, group, count)
         except BatchAborted as exc:
             self._progress = None
             logger.info("diffusion batch of %d: every request aborted, %s", len(batch), exc)

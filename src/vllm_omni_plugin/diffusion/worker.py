@@ -15,19 +15,13 @@ from typing import Any, ClassVar
 from vllm_omni_plugin.diffusion.engine import DiffusionEngine
 from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.processes import usable_cores
 
 logger = get_logger(__name__)
 
 WORKER_ARGS = ("num_threads", "cpu_cores")
 """Keys of a stage's ``diffusion_args`` that build its worker (``CPUDiffusionWorker``'s arguments), not
 its engine: what the CPU threads policy decided (``config/cpu_threads.py``)."""
-
-
-def _usable_core_count() -> int:
-    """The cores this process may run on (its affinity: ``taskset``, cgroups)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class DiffusionWorker:
@@ -97,7 +91,7 @@ class CPUDiffusionWorker(DiffusionWorker):
             self.num_threads
             or len(self.cpu_cores or ())
             or int(os.environ.get("OMP_NUM_THREADS") or 0)
-            or _usable_core_count()
+            or len(usable_cores())
         )
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
