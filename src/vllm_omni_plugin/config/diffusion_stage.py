@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from vllm_omni_plugin.config.merge import set_fields
 from vllm_omni_plugin.config.pipeline import Pipeline
 from vllm_omni_plugin.config.platform import PlatformInfo
@@ -61,6 +63,8 @@ def diffusion_args(
     for name in DIFFUSION_ENGINE_FIELDS:
         if getattr(stage, name) is not None:
             args[name] = getattr(stage, name)
+    if stage.cache is not None and stage.cache.active:
+        args["cache"] = msgspec.to_builtins(stage.cache.resolved())
     if stage.gpu_memory_utilization is not None and platform.device_env is None:
         report.note_at(
             stage.stage_id,

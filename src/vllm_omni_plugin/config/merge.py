@@ -35,6 +35,8 @@ def merge_stage(base: StageDeployConfig, over: msgspec.Struct) -> StageDeployCon
         current = getattr(base, name)
         if isinstance(value, dict) and isinstance(current, dict):
             value = {**current, **value}
+        elif isinstance(value, msgspec.Struct) and type(current) is type(value):  # a block: field by field
+            value = msgspec.structs.replace(current, **set_fields(value))
         changes[name] = value
     return msgspec.structs.replace(base, **changes)
 

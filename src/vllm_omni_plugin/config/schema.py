@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 Fraction = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -110,6 +112,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     max_loras: PositiveInt | None = None
     """Diffusion stages: LoRA adapters each replica keeps loaded at once (default 4; the least recently
     used leaves first)."""
+    cache: StepCacheSpec | None = None
+    """Diffusion stages: step caching (``policy: fixed`` or ``threshold``, with their settings; off by
+    default); a request's ``cache`` field overrides it field by field."""
     num_threads: PositiveInt | None = None
     """Diffusion stages on CPU: the intra-op threads each replica runs, instead of the CPU threads
     policy's share of the cores (``config/cpu_threads.py``); the replica is then not bound to cores."""
@@ -224,6 +229,7 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "batch_wait_ms",
         "max_loras",
         "num_threads",
+        "cache",
     }
 )
 RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")

@@ -49,6 +49,7 @@ from vllm_omni_plugin.diffusion.runner import (
     ServedDefaults,
 )
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements
+from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
@@ -147,6 +148,7 @@ class DiffusionEngine:
         batching: str = "request",
         batch_wait_ms: float = BATCH_WAIT_MS,
         max_loras: int = MAX_LORAS,
+        cache: StepCacheSpec | dict[str, Any] | None = None,
     ) -> None:
         import torch
 
@@ -207,6 +209,11 @@ class DiffusionEngine:
         if runner.previews:
             runner.on_preview = self._preview
         runner.max_loras = max_loras
+        self.cache = msgspec.convert(cache, StepCacheSpec) if isinstance(cache, dict) else cache
+        """The stage's step caching settings (requests override them field by field); None: off."""
+        if self.cache is not None and self.cache.active and not runner.step_cache:
+            raise ValueError(f"step caching is not available for {runner.label}; remove the cache block")
+        runner.on_cache_counts = self._cache_counted
         self.decode_batcher: StepBatcher | None = None
         """``batching: step``: the groups' VAE decodes, joined where several wait (runners with a
         :meth:`DiffusionRunner.decode_calls`)."""
@@ -243,7 +250,7 @@ class DiffusionEngine:
             logger.debug("diffusion engine: trust_remote_code has no effect on registered pipeline runners")
         logger.info(
             "diffusion engine: %s (%s) on %s, %s, max_batch_size %d, max_step_tokens %d, %s batching%s, "
-            "load %.2f s",
+            "step cache %s, load %.2f s",
             self.model,
             runner.label,
             self.device,
@@ -252,6 +259,7 @@ class DiffusionEngine:
             self.max_step_tokens,
             batching,
             ", batch-invariant" if batch_invariant else "",
+            self.cache.describe() if self.cache is not None else "off",
             self.load_seconds,
         )
 
@@ -295,7 +303,15 @@ class DiffusionEngine:
         ``prepare``)."""
         if request.seed is None:
             request = msgspec.structs.replace(request, seed=self._seeds.randint(0, MAX_SEED))
+        own, stage = request.cache, self.cache
+        if own is not None or (stage is not None and stage.active):
+            request = msgspec.structs.replace(request, cache=(own or StepCacheSpec()).over(stage).resolved())
         return self.runner.prepare(request, self.defaults)
+
+    def _cache_counted(self, computed: int, cached: int) -> None:
+        with self._count_lock:
+            self._counters.computed_blocks += computed
+            self._counters.cached_blocks += cached
 
     @staticmethod
     def _failed(
@@ -329,6 +345,8 @@ class DiffusionEngine:
         failed: dict[int, DiffusionResult] = {}
         for index, request in enumerate(requests):
             try:
+                if request.cache is not None and request.cache.active and not self.runner.step_cache:
+                    raise ValueError(f"{self.runner.label} does not cache steps; leave cache unset")
                 self.runner.validate(request)
                 key = tuple(self.runner.batch_key(request))
                 self._check_fits_alone(request)

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.diffusion.lora import LoraSpec
+from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
 
 class RunnerRequest(msgspec.Struct, kw_only=True, tag_field="kind"):
@@ -26,6 +27,9 @@ class RunnerRequest(msgspec.Struct, kw_only=True, tag_field="kind"):
     partial_images: int = 0
     """Previews to report while it denoises (``DiffusionRunner.on_preview``), at steps spread over its
     denoising (:func:`vllm_omni_plugin.diffusion.runner.preview_steps`); 0: none, and no work for them."""
+    cache: StepCacheSpec | None = None
+    """Step caching settings of this request, over the stage's (``diffusion/step_cache.py``); the engine
+    resolves them (every field set) before the runner sees the request."""
 
 
 class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):
@@ -76,6 +80,11 @@ class DiffusionCounters(msgspec.Struct, kw_only=True):
     """Prompt encoding in those calls (with step batching, waiting for another group's encoding too)."""
     call_seconds: float = 0.0
     """Those calls from start to end: encoding, every step (shared ones whole) and decode."""
+    computed_blocks: int = 0
+    """Denoiser block evaluations its requests ran, counted per request (a forward of B requests' rows
+    counts B times its blocks)."""
+    cached_blocks: int = 0
+    """Block evaluations its requests took from their step caches instead."""
 
     @classmethod
     def total(cls, counters: Iterable[DiffusionCounters]) -> DiffusionCounters:

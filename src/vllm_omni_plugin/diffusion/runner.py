@@ -109,6 +109,11 @@ class DiffusionRunner(abc.ABC):
     """It reports the previews its requests ask for (``partial_images``) through :attr:`on_preview`."""
     lora: ClassVar[bool] = False
     """Its requests may name a LoRA adapter of its denoiser (``DiffusionRequest.lora``), each row its own."""
+    step_cache: bool = False
+    """Its requests may skip denoiser forwards by step caching (``RunnerRequest.cache``), each its own."""
+    on_cache_counts: Callable[[int, int], None] | None = None
+    """Set by the engine: called with the block evaluations a call's requests computed and took from
+    their caches."""
     max_loras: int = MAX_LORAS
     """Set by the engine: adapters it keeps loaded at once."""
     on_preview: PreviewCallback | None = None

@@ -313,6 +313,7 @@ def image_requests(
             generation_params=dict(settings),
             partial_images=getattr(req, "partial_images", 0) if req.stream else 0,
             lora=lora,
+            cache=req.cache,
         )
         for seed in seeds(req.seed, req.n)
     ]

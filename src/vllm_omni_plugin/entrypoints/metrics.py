@@ -31,6 +31,17 @@ DIFFUSION_TIMING = (
     ("omni_diffusion_decode_seconds", "decode_seconds", "Seconds of VAE decode and post-processing"),
     ("omni_diffusion_encode_seconds", "encode_seconds", "Seconds of prompt encoding in those calls"),
     ("omni_diffusion_call_seconds", "call_seconds", "Seconds of those calls: encoding, steps and decode"),
+    (
+        "omni_diffusion_computed_blocks",
+        "computed_blocks",
+        "Denoiser block evaluations run, per request (a forward of B requests' rows counts B times)",
+    ),
+    (
+        "omni_diffusion_cached_blocks",
+        "cached_blocks",
+        "Denoiser block evaluations step caching skipped, per request (cached over computed plus cached: "
+        "the share saved)",
+    ),
 )
 """The diffusion stages' step, queue and decode counters: (Prometheus name, ``DiffusionCounters`` field,
 help). Means are ratios: requests per step ``step_requests / steps``, step time ``step_seconds / steps``,

@@ -32,6 +32,7 @@ from pydantic import (
 
 from vllm_omni_plugin.config.settings import non_finite
 from vllm_omni_plugin.diffusion.runner import MAX_PARTIAL_IMAGES
+from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
@@ -257,6 +258,22 @@ class ImageParams(BaseModel):
         if isinstance(value, str) and value.lstrip().startswith("{"):
             return decode_json(value, "lora", "lora")
         return value
+
+    cache: Any = None
+    """Step caching settings over the deployment's (``{"policy": "fixed", "compute_every": 2}``;
+    ``{"policy": "none"}``: every step computed); a form sends the object as JSON text."""
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, value: Any) -> StepCacheSpec | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = decode_json(value, "cache", "cache")
+        try:
+            return msgspec.convert(value, StepCacheSpec)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"not step caching settings: {exc}") from None
 
     @field_validator("*", mode="before")
     @classmethod

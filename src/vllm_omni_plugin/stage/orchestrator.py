@@ -41,6 +41,7 @@ import msgspec
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.diffusion.lora import LoraSpec
+from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_types import StageCoreOutput, StageDiffusionCoreRequest
@@ -91,6 +92,8 @@ class OmniRequest:
     ``previews``)."""
     lora: LoraSpec | None = None
     """A LoRA adapter its diffusion stage's denoiser runs with (runners with ``lora``)."""
+    cache: StepCacheSpec | None = None
+    """Step caching settings over its diffusion stage's (runners with ``step_cache``)."""
     on_event: EventSink | None = field(default=None, repr=False, compare=False)
     """Where its stages' events go while it runs (AR progress, previews: ``stage/request_events.py``);
     None: nobody streams it."""

@@ -360,6 +360,7 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
         sampling=dit_sampling(context, bool(images)),
         seed=request.seed,
         partial_images=request.partial_images,
+        cache=request.cache,
     )
     return StageDiffusionCoreRequest(
         request_id=request.request_id, stage_id=context.stage_id, diffusion=generation

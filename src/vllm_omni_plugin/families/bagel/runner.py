@@ -33,6 +33,7 @@ from vllm_omni_plugin.diffusion.runner import (
     StopCheck,
     preview_steps,
 )
+from vllm_omni_plugin.diffusion.step_cache import CallCache
 from vllm_omni_plugin.families.bagel.request import (
     RENORM_TYPES,
     BagelContext,
@@ -354,6 +355,7 @@ class BagelGenerationRunner(DiffusionRunner):
 
     step_batching = True
     previews = True
+    step_cache = True
 
     def denoiser(self) -> Any:
         return _Velocity(self.transformer)
@@ -435,17 +437,32 @@ class BagelGenerationRunner(DiffusionRunner):
             for r, request in enumerate(batch):
                 for index, at in enumerate(preview_steps(request.partial_images, len(timesteps))):
                     asked.setdefault(at, []).append((r, index))
+        specs = [r.cache for r in batch]
+        cache = (
+            CallCache(specs, len(timesteps), model.num_layers, self.on_cache_counts)
+            if CallCache.wanted(specs)
+            else None
+        )
         for step in range(len(timesteps)):
-            rows = plan.at(step, bank, self.device)
-            inputs = model.latent_input(x, times[step], positions)
-            velocity = velocity_of(inputs.index_select(0, rows.request_of_row), bank.rows(rows.slots)).float()
-            v = guidance.combine(
-                velocity.index_select(0, rows.cond),
-                velocity.index_select(0, rows.text),
-                velocity.index_select(0, rows.img),
-                rows.guided,
-                rows.image_guided,
-            )
+            compute = cache.begin(x) if cache is not None else None
+            if compute is None or any(compute):
+                rows = plan.at(step, bank, self.device)
+                inputs = model.latent_input(x, times[step], positions)
+                velocity = velocity_of(
+                    inputs.index_select(0, rows.request_of_row), bank.rows(rows.slots)
+                ).float()
+                v = guidance.combine(
+                    velocity.index_select(0, rows.cond),
+                    velocity.index_select(0, rows.text),
+                    velocity.index_select(0, rows.img),
+                    rows.guided,
+                    rows.image_guided,
+                )
+            if cache is not None and compute is not None:
+                # every row runs where one request computes (a subset of the bank's rows is not taken)
+                cache.count([any(compute)] * len(batch))
+                v = cache.velocities(v if any(compute) else None, compute, float(timesteps[step]))
+                cache.step_done()
             if step in asked:  # the clean latents this step estimates: x - t * v
                 self._preview(batch, asked[step], x - v * float(timesteps[step]), previews)
             x = x - v * dts[step]

@@ -75,6 +75,7 @@ def request2diffusion(sources: dict[int, Any], context: ProcessorContext) -> Sta
         images=[_as_array(image) for image in request.images] or None,
         return_latents=request.return_latents,
         partial_images=request.partial_images,
+        cache=request.cache,
         lora=request.lora,
     )
     return StageDiffusionCoreRequest(

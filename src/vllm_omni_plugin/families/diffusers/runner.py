@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.blocks import repeated_blocks
 from vllm_omni_plugin.diffusion.diffusers_registry import (
     CALL_ARGUMENTS,
     call_parameters,
@@ -38,6 +39,7 @@ from vllm_omni_plugin.diffusion.runner import (
     preview_steps,
 )
 from vllm_omni_plugin.diffusion.step_batching import DecodeCalls, GroupVae, SameValue
+from vllm_omni_plugin.diffusion.step_cache import CachedDenoiser, CallCache
 from vllm_omni_plugin.families.diffusers.preview_decoder import PreviewDecoder
 from vllm_omni_plugin.log import get_logger
 
@@ -214,6 +216,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         self.supports_negative_prompt, self.supports_image_to_image = cls.input_support(params)
         self.text_tokens = _default(params, "max_sequence_length", int) or DEFAULT_TEXT_TOKENS
         """Prompt tokens the transformer attends to (the pipeline's ``max_sequence_length`` default)."""
+        self.step_cache = "callback_on_step_end" in self.call_arguments
+        """Caching counts the steps by the pipeline's step-end callback."""
         self.limits = _pipeline_size_limits(pipe)
         """The sizes the pipeline can make, read from it (a pipeline without a step callback never
         calls ``on_step``)."""
@@ -524,8 +528,11 @@ class DiffusersPipelineRunner(DiffusionRunner):
             kwargs[self.guidance_argument] = first.guidance_scale
 
         previews = CallPreviews()
+        pipe, cache = self._cached(pipe, batch)
 
         def on_step_end(caller: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            if cache is not None:
+                cache.step_done()
             # The last step's latents are the denoised ones; its time splits denoise from decode.
             latents_box[:] = [tensors["latents"]]
             step_done[:] = [time.perf_counter()]
@@ -563,6 +570,45 @@ class DiffusersPipelineRunner(DiffusionRunner):
         timings = {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
         timings["encode"] = self._encoding.seconds
         return BatchOutput(list(pixels), latents, timings)
+
+    # --- step caching ----------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def cache_blocks(self) -> int:
+        """The denoiser's repeated blocks (a cached step skips each; one where it has none)."""
+        return len(repeated_blocks(denoiser_of(self.pipe))) or 1
+
+    def cache_passes(self, kwargs: dict[str, Any]) -> bool:
+        """A denoiser call that is no step of the denoising, which caching must leave alone (none)."""
+        return False
+
+    def _cached(self, pipe: Any, batch: list[DiffusionRequest]) -> tuple[Any, CallCache | None]:
+        """``pipe`` with its denoiser behind the batch's step caches (a shallow copy where ``pipe`` is the
+        runner's own), or as it is where no request of the batch caches."""
+        specs = [r.cache for r in batch]
+        if not CallCache.wanted(specs):
+            return pipe, None
+        import copy
+
+        if pipe is self.pipe:
+            pipe = copy.copy(pipe)
+        name = denoiser_attribute(self.pipe)
+        module = denoiser_of(self.pipe)
+        inner = getattr(pipe, name)
+        steps = batch[0].num_inference_steps or self.default_num_inference_steps
+        cache = CallCache(
+            specs, lambda: _timesteps_of(pipe) or steps, self.cache_blocks, self.on_cache_counts
+        )
+        pipe.__dict__[name] = CachedDenoiser(
+            inner,
+            cache,
+            module=module,
+            joins=self.step_joins(),
+            # a step-batched group's proxy and rows with their own adapters keep every row
+            takes_rows=inner is module and not any(r.lora is not None for r in batch),
+            passes=self.cache_passes,
+        )
+        return pipe, cache
 
     # --- previews ---------------------------------------------------------------------------------------
 

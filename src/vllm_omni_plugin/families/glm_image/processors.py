@@ -235,6 +235,7 @@ def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDif
         prior_token_ids=torch.from_numpy(upsample_prior(large, th, tw)),
         return_latents=request.return_latents,
         partial_images=request.partial_images,
+        cache=request.cache,
         lora=request.lora,
     )
     if image_to_image:

@@ -175,6 +175,11 @@ class GlmImageRunner(DiffusersPipelineRunner):
     def step_joins(self) -> dict[str, ArgumentJoin]:
         return {**super().step_joins(), "kv_caches": SourceImageCacheJoin()}
 
+    def cache_passes(self, kwargs: dict[str, Any]) -> bool:
+        """An edit's first call writes its source images' K/V: no step, never cached."""
+        caches = kwargs.get("kv_caches")
+        return caches is not None and caches[0].mode == "write"
+
     def call_key(self, request: GlmImageRequest) -> tuple[Any, ...]:
         import torch
 
