@@ -872,3 +872,47 @@ def test_bagel_context_export_needs_a_cross_process_connector(tiny_bagel: Path, 
     )
     with pytest.raises(ConfigError, match="context export runs in the vLLM worker process"):
         resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=GPU)
+
+
+def test_a_stage_cache_block_resolves_with_its_defaults_and_platforms_merge_it_field_by_field(
+    tmp_path: Path,
+) -> None:
+    path = write(
+        tmp_path,
+        """
+        pipeline: diffusion
+        stages:
+          - stage_id: 0
+            cache: {policy: fixed, compute_every: 3}
+        platforms:
+          cpu:
+            stages:
+              - stage_id: 0
+                cache: {warmup_steps: 4}
+        """,
+    )
+    stage = resolve_deployment(diffusers_dir(tmp_path, "FluxPipeline"), deploy_config=str(path), platform=CPU)
+    assert stage.stage(0).diffusion_args["cache"] == {
+        "policy": "fixed",
+        "compute_every": 3,
+        "threshold": 0.1,
+        "max_cached_steps": 3,
+        "warmup_steps": 4,
+        "final_steps": 1,
+        "extrapolate": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ("{policy: often}", "deploy.yaml:4: stages[0].cache.policy: Invalid enum value 'often'"),
+        ("{compute_every: 0}", "deploy.yaml:4: stages[0].cache.compute_every: expected int >= 1, got 0"),
+        ("{every: 2}", "deploy.yaml:4: stages[0].cache.every: unknown field"),
+    ],
+)
+def test_a_bad_cache_block_is_one_config_error(tmp_path: Path, block: str, message: str) -> None:
+    path = write(tmp_path, f"pipeline: diffusion\nstages:\n  - stage_id: 0\n    cache: {block}\n")
+    with pytest.raises(ConfigError) as caught:
+        resolve_deployment(diffusers_dir(tmp_path, "FluxPipeline"), deploy_config=str(path), platform=CPU)
+    assert message in str(caught.value)

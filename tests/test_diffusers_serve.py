@@ -205,6 +205,34 @@ def test_edits_where_the_model_takes_an_image(served: Served) -> None:
     assert_within_one_level(decode(result.data[0].b64_json), served.reference("make it blue", 21, [source]))
 
 
+def test_a_request_caches_steps_as_its_cache_field_says(served: Served) -> None:
+    """Step caching per request over HTTP (the stage has none): of 8 steps, warm-up 1 and one in 2 compute
+    steps 0, 1, 3, 5 and the last: 3 cached, whatever the model's blocks and calls per step; ``/metrics``
+    counts them. A bad setting is a 400 naming the field."""
+    if served.edits:
+        return
+    cache = {"policy": "fixed", "compute_every": 2, "warmup_steps": 1, "final_steps": 1}
+    body = {"num_inference_steps": 8, "guidance_scale": served.guidance, "seed": 4}
+
+    def image(extra: dict[str, object]) -> np.ndarray:
+        result = served.client.images.generate(prompt="a red fox", size="64x64", extra_body={**body, **extra})
+        return decode(result.data[0].b64_json)
+
+    uncached = image({})
+    computed = served.server.metric("omni_diffusion_computed_blocks_total")
+    cached = served.server.metric("omni_diffusion_cached_blocks_total")
+    assert cached == 0
+    stepped = image({"cache": cache})
+    computed = served.server.metric("omni_diffusion_computed_blocks_total") - computed
+    cached = served.server.metric("omni_diffusion_cached_blocks_total") - cached
+    assert cached > 0 and cached * 5 == computed * 3
+    assert stepped.std() > 10 and not np.array_equal(stepped, uncached)
+    assert np.array_equal(image({"cache": {"policy": "none"}}), uncached)
+    with pytest.raises(openai.BadRequestError) as caught:
+        image({"cache": {"policy": "often"}})
+    assert "cache" in str(caught.value) and "often" in str(caught.value)
+
+
 def test_models_and_health(served: Served) -> None:
     assert [m.id for m in served.client.models.list().data] == [served.name]
     body = httpx.get(served.server.base_url + "/health", timeout=10).json()
