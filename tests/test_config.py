@@ -916,3 +916,38 @@ def test_a_bad_cache_block_is_one_config_error(tmp_path: Path, block: str, messa
     with pytest.raises(ConfigError) as caught:
         resolve_deployment(diffusers_dir(tmp_path, "FluxPipeline"), deploy_config=str(path), platform=CPU)
     assert message in str(caught.value)
+
+
+def test_a_stage_compile_block_reaches_the_diffusion_engine_as_written(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        pipeline: diffusion
+        stages:
+          - stage_id: 0
+            compile: {blocks: true, warmup_sizes: [[512, 768]]}
+        """,
+    )
+    stage = resolve_deployment(diffusers_dir(tmp_path, "FluxPipeline"), deploy_config=str(path), platform=CPU)
+    assert stage.stage(0).diffusion_args["compile"] == {"blocks": True, "warmup_sizes": [(512, 768)]}
+    path.write_text("pipeline: diffusion\nstages:\n  - stage_id: 0\n    compile: {blocks: false}\n")
+    stage = resolve_deployment(str(tmp_path / "model"), deploy_config=str(path), platform=CPU)
+    assert "compile" not in stage.stage(0).diffusion_args
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ("{blocks: true, shapes: bucketed}", "deploy.yaml:4: stages[0].compile.shapes: Invalid enum value"),
+        (
+            "{blocks: true, warmup_sizes: [[0, 64]]}",
+            "stages[0].compile.warmup_sizes[0][0]: expected int >= 1",
+        ),
+        ("{block: true}", "deploy.yaml:4: stages[0].compile.block: unknown field"),
+    ],
+)
+def test_a_bad_compile_block_is_one_config_error(tmp_path: Path, block: str, message: str) -> None:
+    path = write(tmp_path, f"pipeline: diffusion\nstages:\n  - stage_id: 0\n    compile: {block}\n")
+    with pytest.raises(ConfigError) as caught:
+        resolve_deployment(diffusers_dir(tmp_path, "FluxPipeline"), deploy_config=str(path), platform=CPU)
+    assert message in str(caught.value)

@@ -65,6 +65,8 @@ def diffusion_args(
             args[name] = getattr(stage, name)
     if stage.cache is not None and stage.cache.active:
         args["cache"] = msgspec.to_builtins(stage.cache.resolved())
+    if stage.compile is not None and stage.compile.active:
+        args["compile"] = msgspec.to_builtins(stage.compile)
     if stage.gpu_memory_utilization is not None and platform.device_env is None:
         report.note_at(
             stage.stage_id,

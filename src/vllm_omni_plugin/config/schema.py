@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -115,6 +116,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     cache: StepCacheSpec | None = None
     """Diffusion stages: step caching (``policy: fixed`` or ``threshold``, with their settings; off by
     default); a request's ``cache`` field overrides it field by field."""
+    compile: CompileSpec | None = None
+    """Diffusion stages: regional ``torch.compile`` of the denoiser's repeated blocks (``blocks: true``),
+    compiled and warmed up at start-up (off by default)."""
     num_threads: PositiveInt | None = None
     """Diffusion stages on CPU: the intra-op threads each replica runs, instead of the CPU threads
     policy's share of the cores (``config/cpu_threads.py``); the replica is then not bound to cores."""
@@ -230,6 +234,7 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "max_loras",
         "num_threads",
         "cache",
+        "compile",
     }
 )
 RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")

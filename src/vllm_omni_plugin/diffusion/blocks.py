@@ -3,7 +3,41 @@ regional compilation compiles (one graph serves every block of a class)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+Shapes = Literal["dynamic", "automatic", "static"]
+Side = Annotated[int, Meta(ge=1)]
+
+
+class CompileSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A diffusion stage's ``compile`` block: regional ``torch.compile`` of its denoiser's repeated blocks
+    (``diffusion/compiled_blocks.py``), compiled and warmed up at start-up."""
+
+    blocks: bool | None = None
+    """Compile the repeated blocks (default false: eager)."""
+    mode: CompileMode | None = None
+    """``torch.compile``'s mode (default ``default``)."""
+    shapes: Shapes | None = None
+    """``dynamic`` (default): graphs symbolic in the batch and image size from the first, so a block class
+    compiles twice (batch 1, which Dynamo always specialises, and every other size); ``automatic``:
+    ``torch.compile``'s own choice (a static graph first, symbolic ones after: up to five per class);
+    ``static``: one graph per shape, up to Dynamo's recompile limit (then the block runs eagerly)."""
+    warmup_sizes: list[tuple[Side, Side]] | None = None
+    """``[height, width]`` pairs warmed up at start-up, each at a denoiser batch of 1 and of more (default:
+    the stage's default size)."""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.blocks)
+
+    @property
+    def dynamic(self) -> bool | None:
+        """``torch.compile``'s ``dynamic`` argument for :attr:`shapes`."""
+        return {"dynamic": True, "automatic": None, "static": False}[self.shapes or "dynamic"]
 
 
 def repeated_blocks(model: Any) -> list[Any]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.memory import (
@@ -149,6 +150,7 @@ class DiffusionEngine:
         batch_wait_ms: float = BATCH_WAIT_MS,
         max_loras: int = MAX_LORAS,
         cache: StepCacheSpec | dict[str, Any] | None = None,
+        compile: CompileSpec | dict[str, Any] | None = None,  # noqa: A002 (the stage field's name)
     ) -> None:
         import torch
 
@@ -214,6 +216,11 @@ class DiffusionEngine:
         if self.cache is not None and self.cache.active and not runner.step_cache:
             raise ValueError(f"step caching is not available for {runner.label}; remove the cache block")
         runner.on_cache_counts = self._cache_counted
+        self.compile = msgspec.convert(compile, CompileSpec) if isinstance(compile, dict) else compile
+        """Regional compilation of the denoiser's blocks (None: eager); compiled and warmed up here."""
+        self.compile_seconds = 0.0
+        if self.compile is not None and self.compile.active:
+            self._compile(self.compile)
         self.decode_batcher: StepBatcher | None = None
         """``batching: step``: the groups' VAE decodes, joined where several wait (runners with a
         :meth:`DiffusionRunner.decode_calls`)."""
@@ -307,6 +314,37 @@ class DiffusionEngine:
         if own is not None or (stage is not None and stage.active):
             request = msgspec.structs.replace(request, cache=(own or StepCacheSpec()).over(stage).resolved())
         return self.runner.prepare(request, self.defaults)
+
+    def _compile(self, spec: CompileSpec) -> None:
+        """Compile the blocks, then run the warm-up requests: each size as two guided requests (the
+        denoiser's batch-symbolic graph) and one unguided (its batch-1 graph), so that no request compiles."""
+        import torch
+
+        from vllm_omni_plugin.diffusion.compiled_blocks import compile_count, compile_unavailable_reason
+
+        reason = compile_unavailable_reason(self.device)
+        if reason is not None:
+            raise ValueError(f"compile: {reason}; remove the compile block")
+        start, graphs = time.perf_counter(), compile_count()
+        blocks = self.runner.compile_blocks(spec)
+        sizes = spec.warmup_sizes or ([(self.height, self.width)] if self.height and self.width else [])
+        for height, width in sizes:
+            for count, guided in ((2, True), (1, False)):
+                warm = self.runner.warmup_requests(height, width, count, guided=guided)
+                batch = [self._resolve(r) for r in warm]
+                generators = [torch.Generator("cpu").manual_seed(i) for i in range(count)]
+                self.runner.run(batch, generators)
+        self.compile_seconds = time.perf_counter() - start
+        logger.info(
+            "diffusion engine: compiled %d denoiser blocks (%s, %s shapes), warmed up at %s in %.1f s "
+            "(%d graphs)",
+            blocks,
+            spec.mode or "default",
+            spec.shapes or "dynamic",
+            ", ".join(f"{h}x{w}" for h, w in sizes) or "no size (none known: set warmup_sizes)",
+            self.compile_seconds,
+            compile_count() - graphs,
+        )
 
     def _cache_counted(self, computed: int, cached: int) -> None:
         with self._count_lock:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.params import RunnerRequest
 
@@ -198,6 +199,15 @@ class DiffusionRunner(abc.ABC):
         leaves it after its last step), so they share forwards with other groups running at once, and
         ``on_step`` called after each step instead of :attr:`on_step` (runners with ``step_batching``)."""
         raise NotImplementedError(f"{type(self).__name__} does not batch step by step")
+
+    def compile_blocks(self, spec: CompileSpec) -> int:
+        """Compile its denoiser's repeated blocks as ``spec`` says; how many (``compile: {blocks: true}``)."""
+        raise ValueError(f"{self.label} cannot compile its denoiser's blocks; remove the compile block")
+
+    def warmup_requests(self, height: int, width: int, count: int, *, guided: bool) -> list[Any]:
+        """``count`` requests of this size, two steps each, with guidance or without (a denoiser batch of
+        one): what a start-up warm-up runs."""
+        raise NotImplementedError(f"{type(self).__name__} has no warm-up requests")
 
     def steps_of(self, request: Any) -> int | None:
         """How many denoising steps the request runs (for progress logs; None: not known before)."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
-from vllm_omni_plugin.diffusion.blocks import repeated_blocks
+from vllm_omni_plugin.diffusion.blocks import CompileSpec, repeated_blocks
 from vllm_omni_plugin.diffusion.diffusers_registry import (
     CALL_ARGUMENTS,
     call_parameters,
@@ -577,6 +577,30 @@ class DiffusersPipelineRunner(DiffusionRunner):
     def cache_blocks(self) -> int:
         """The denoiser's repeated blocks (a cached step skips each; one where it has none)."""
         return len(repeated_blocks(denoiser_of(self.pipe))) or 1
+
+    def compile_blocks(self, spec: CompileSpec) -> int:
+        from vllm_omni_plugin.diffusion.compiled_blocks import compile_blocks
+
+        count = compile_blocks(denoiser_of(self.pipe), mode=spec.mode or "default", dynamic=spec.dynamic)
+        if not count:
+            raise ValueError(
+                f"{self.label}'s denoiser has no repeated blocks to compile; remove the compile block"
+            )
+        return count
+
+    def warmup_requests(self, height: int, width: int, count: int, *, guided: bool) -> list[DiffusionRequest]:
+        unguided = 1.0 if self.guidance_argument in self.call_arguments else None  # 1.0: no second branch
+        return [
+            DiffusionRequest(
+                request_id=f"warm-up-{i}",
+                prompt="warm-up",
+                height=height,
+                width=width,
+                num_inference_steps=2,
+                guidance_scale=None if guided else unguided,
+            )
+            for i in range(count)
+        ]
 
     def cache_passes(self, kwargs: dict[str, Any]) -> bool:
         """A denoiser call that is no step of the denoising, which caching must leave alone (none)."""

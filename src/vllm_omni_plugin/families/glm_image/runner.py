@@ -71,6 +71,24 @@ class GlmImageRunner(DiffusersPipelineRunner):
         """Pixels per DiT token side: VAE scale x patch size (16)."""
         return int(self.pipe.vae_scale_factor * self.pipe.transformer.config.patch_size)
 
+    def warmup_requests(self, height: int, width: int, count: int, *, guided: bool) -> list[GlmImageRequest]:
+        """Text-to-image requests with all-zero prior tokens (the DiT takes any ids)."""
+        import torch
+
+        tokens = (height // self.token_pixels) * (width // self.token_pixels)
+        return [
+            GlmImageRequest(
+                request_id=f"warm-up-{i}",
+                prompt="warm-up",
+                height=height,
+                width=width,
+                num_inference_steps=2,
+                guidance_scale=None if guided else 1.0,
+                prior_token_ids=torch.zeros(tokens, dtype=torch.long),
+            )
+            for i in range(count)
+        ]
+
     def glyph_length(self, prompt: str) -> int:
         """How many glyph embeddings the pipeline makes for ``prompt`` (mirrors ``_get_glyph_embeds``)."""
         texts = [t for pattern in self._GLYPH_PATTERNS for t in re.findall(pattern, prompt)] or [""]

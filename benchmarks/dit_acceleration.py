@@ -1,0 +1,150 @@
+"""DiT acceleration in the diffusion stage's engine, in one run: tiny SD3, FLUX and GLM-Image at 28 steps
+(64x64, guided), uncached (the baseline) against each step-caching policy and against compiled blocks.
+
+    python benchmarks/dit_acceleration.py [--models sd3 flux glm-image] [--steps 28] [--rounds 3]
+                                          [--variants uncached fixed half fixed-3 threshold compiled]
+
+Each variant is a ``DiffusionEngine`` as the stage builds it (``cache`` / ``compile`` as a deploy file's
+stage would set them), in this process with one thread. Concurrency 1: one request at a time; 8: eight
+requests handed over at once (one batch). Figures are medians of ``--rounds`` timed rounds after a
+warm-up round; ratios are against ``uncached`` at the same concurrency; ``blocks`` is the share of block
+evaluations computed (the engine's counters: computed / (computed + cached)).
+
+Targets on CPU: >= 1.5x at concurrency 1 with the policy that computes about half the steps (``half``:
+warm-up 2, then one in 2: 15 of 28); compiled not slower than eager (>= 1.0x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE = 64
+VARIANTS: dict[str, dict[str, Any]] = {
+    "uncached": {},
+    "fixed": {"cache": {"policy": "fixed"}},
+    "half": {"cache": {"policy": "fixed", "final_steps": 0}},
+    "fixed-3": {"cache": {"policy": "fixed", "compute_every": 3}},
+    "threshold": {"cache": {"policy": "threshold", "threshold": 0.1}},
+    "compiled": {"compile": {"blocks": True, "warmup_sizes": [(SIZE, SIZE)]}},
+}
+"""Engine arguments of each variant (what a stage's ``cache`` / ``compile`` block resolves to)."""
+HALF = "half"
+"""The policy that computes about half the steps (warm-up 2, then one in 2, no final step: 15 of 28):
+the 1.5x target is its. ``fixed`` is the defaults (16 of 28), ``fixed-3`` one in 3 (12 of 28)."""
+CONCURRENCY = (1, 8)
+
+
+def requests(model: str, count: int, steps: int, offset: int) -> list[Any]:
+    """``count`` 64x64 requests of ``model`` (GLM-Image's with random prior tokens: its DiT takes any)."""
+    import torch
+
+    from vllm_omni_plugin.diffusion import DiffusionRequest
+
+    made = []
+    for i in range(offset, offset + count):
+        fields: dict[str, Any] = {
+            "request_id": f"r{i}",
+            "prompt": f"a red fox number {i} in the snow",
+            "height": SIZE,
+            "width": SIZE,
+            "num_inference_steps": steps,
+            "seed": i,
+        }
+        if model == "glm-image":
+            from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
+
+            ids = torch.randint(0, 16384, ((SIZE // 16) ** 2,), generator=torch.Generator().manual_seed(i))
+            made.append(GlmImageRequest(**fields, prior_token_ids=ids))
+        else:
+            made.append(DiffusionRequest(**fields))
+    return made
+
+
+def measure(engine: Any, model: str, steps: int, concurrency: int, rounds: int) -> float:
+    """Median images/s over ``rounds`` (after one warm-up round)."""
+    rates = []
+    for round_ in range(rounds + 1):
+        start = time.perf_counter()
+        if concurrency == 1:
+            for i in range(2):
+                results = engine.generate(requests(model, 1, steps, 100 * round_ + i))
+        else:
+            results = engine.generate(requests(model, concurrency, steps, 100 * round_))
+        if not all(r.ok for r in results):
+            raise RuntimeError(f"{model}: {[r.error for r in results if not r.ok]}")
+        images = 2 if concurrency == 1 else concurrency
+        if round_:
+            rates.append(images / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=["sd3", "flux", "glm-image"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    import torch
+
+    from vllm_omni_plugin.diffusion import DiffusionEngine
+    from vllm_omni_plugin.testing.tiny import build
+
+    torch.set_num_threads(1)
+    cache_dir = Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", ROOT / ".cache" / "tiny_models"))
+    variants = ["uncached", *(v for v in args.variants if v != "uncached")]
+    rows: list[tuple[str, str, dict[int, float], float, float]] = []
+    for model in args.models:
+        path = build(model, cache_dir / model)
+        for variant in variants:
+            start = time.perf_counter()
+            engine = DiffusionEngine(path, max_batch_size=8, **VARIANTS[variant])
+            ready = time.perf_counter() - start
+            try:
+                rates = {c: measure(engine, model, args.steps, c, args.rounds) for c in CONCURRENCY}
+                counts = engine.counters()
+            finally:
+                engine.close()
+            done = counts.computed_blocks + counts.cached_blocks
+            share = counts.computed_blocks / done if done else 1.0
+            rows.append((model, variant, rates, share, ready))
+            print(f"{model:10s} {variant:10s} " + " ".join(f"c={c}: {r:6.2f} img/s" for c, r in rates.items())
+                  + f"  blocks computed {share:.2f}  start-up {ready:.1f} s", flush=True)  # fmt: skip
+    print("\nimages/s (x uncached at the same concurrency), share of block evaluations computed")
+    print(
+        f"{'model':10s} {'variant':10s} "
+        + " ".join(f"{'c=' + str(c):>16s}" for c in CONCURRENCY)
+        + "  blocks"
+    )
+    base = {(m, c): r[c] for m, v, r, _, _ in rows if v == "uncached" for c in CONCURRENCY}
+    verdicts = []
+    for model, variant, rates, share, _ in rows:
+        ratios = {c: rates[c] / base[(model, c)] for c in CONCURRENCY}
+        cells = " ".join(f"{rates[c]:7.2f} ({ratios[c]:4.2f}x)" for c in CONCURRENCY)
+        print(f"{model:10s} {variant:10s} {cells}  {share:.2f}")
+        if variant == HALF:
+            verdicts.append((f"{model} {HALF} c=1 >= 1.5x", ratios[1] >= 1.5, ratios[1]))
+        if variant == "compiled":
+            worst = min(ratios.values())
+            verdicts.append((f"{model} compiled >= 1.0x eager", worst >= 1.0, worst))
+    print()
+    for name, met, value in verdicts:
+        print(f"{'met' if met else 'NOT met'}: {name} ({value:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""DiT acceleration on a CUDA device (``scripts/gpu_check.sh`` runs these; they skip without one): a
+step-cached request and a compiled tiny SD3 deployment on ``cuda``, float32 so that the images compare
+with the eager, uncached ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
+from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
+
+pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+STEPS = 12
+FIXED_COMPUTED = 8
+"""Of 12 steps, the fixed policy's defaults compute 0, 1, 2, 4, 6, 8, 10 and 11."""
+
+
+def requests(count: int, cache: StepCacheSpec | None = None) -> list[DiffusionRequest]:
+    return [
+        DiffusionRequest(
+            request_id=f"r{i}",
+            prompt=f"a red fox number {i}",
+            height=64,
+            width=64,
+            num_inference_steps=STEPS,
+            seed=i,
+            cache=cache,
+        )
+        for i in range(count)
+    ]
+
+
+def test_cached_and_compiled_tiny_sd3_on_cuda(tiny_sd3: Path) -> None:
+    eager = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4)
+    plain = [r.image for r in eager.generate(requests(3))]
+    before = eager.counters()
+    cached = eager.generate(requests(3, StepCacheSpec(policy="fixed")))
+    counts = eager.counters()
+    blocks = 2  # the tiny SD3's transformer blocks
+    assert counts.computed_blocks - before.computed_blocks == 3 * blocks * FIXED_COMPUTED
+    assert counts.cached_blocks - before.cached_blocks == 3 * blocks * (STEPS - FIXED_COMPUTED)
+    for result, image in zip(cached, plain, strict=True):
+        assert result.ok and np.abs(result.image.astype(np.int16) - image).mean() <= 10.0
+    eager.close()
+
+    compiled = DiffusionEngine(
+        tiny_sd3,
+        device="cuda",
+        dtype="float32",
+        max_batch_size=4,
+        compile={"blocks": True},
+        height=64,
+        width=64,
+    )
+    try:
+        for batch in (1, 3):  # a batch size the warm-up did not run
+            for result, image in zip(compiled.generate(requests(batch)), plain, strict=False):
+                assert result.ok
+                assert np.abs(result.image.astype(np.int16) - image).max() <= 2
+    finally:
+        compiled.close()
