@@ -322,6 +322,9 @@ class DiffusionEngine:
 
         from vllm_omni_plugin.diffusion.compiled_blocks import compile_count, compile_unavailable_reason
 
+        if not self.runner.compiles_blocks:
+            label = self.runner.label
+            raise ValueError(f"{label} cannot compile its denoiser's blocks; remove the compile block")
         reason = compile_unavailable_reason(self.device)
         if reason is not None:
             raise ValueError(f"compile: {reason}; remove the compile block")

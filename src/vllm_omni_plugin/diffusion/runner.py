@@ -110,6 +110,8 @@ class DiffusionRunner(abc.ABC):
     """It reports the previews its requests ask for (``partial_images``) through :attr:`on_preview`."""
     lora: ClassVar[bool] = False
     """Its requests may name a LoRA adapter of its denoiser (``DiffusionRequest.lora``), each row its own."""
+    compiles_blocks: ClassVar[bool] = False
+    """It compiles its denoiser's repeated blocks (:meth:`compile_blocks`, a stage's ``compile`` block)."""
     step_cache: bool = False
     """Its requests may skip denoiser forwards by step caching (``RunnerRequest.cache``), each its own."""
     on_cache_counts: Callable[[int, int], None] | None = None
@@ -201,8 +203,9 @@ class DiffusionRunner(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not batch step by step")
 
     def compile_blocks(self, spec: CompileSpec) -> int:
-        """Compile its denoiser's repeated blocks as ``spec`` says; how many (``compile: {blocks: true}``)."""
-        raise ValueError(f"{self.label} cannot compile its denoiser's blocks; remove the compile block")
+        """Compile its denoiser's repeated blocks as ``spec`` says; how many (runners with
+        :attr:`compiles_blocks`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not compile its denoiser's blocks")
 
     def warmup_requests(self, height: int, width: int, count: int, *, guided: bool) -> list[Any]:
         """``count`` requests of this size, two steps each, with guidance or without (a denoiser batch of

@@ -578,6 +578,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """The denoiser's repeated blocks (a cached step skips each; one where it has none)."""
         return len(repeated_blocks(denoiser_of(self.pipe))) or 1
 
+    compiles_blocks = True
+
     def compile_blocks(self, spec: CompileSpec) -> int:
         from vllm_omni_plugin.diffusion.compiled_blocks import compile_blocks
 
