@@ -1,6 +1,6 @@
 """DiT acceleration on a CUDA device (``scripts/gpu_check.sh`` runs these; they skip without one): a
-step-cached request and a compiled tiny SD3 deployment on ``cuda``, float32 so that the images compare
-with the eager, uncached ones."""
+step-cached request, a compiled tiny SD3 deployment and (with two devices) a CFG-parallel one on ``cuda``,
+float32 so that the images compare with the eager, uncached, single-device ones."""
 
 from __future__ import annotations
 
@@ -63,3 +63,22 @@ def test_cached_and_compiled_tiny_sd3_on_cuda(tiny_sd3: Path) -> None:
                 assert np.abs(result.image.astype(np.int16) - image).max() <= 2
     finally:
         compiled.close()
+
+
+def test_cfg_parallel_tiny_sd3_over_two_cuda_devices(tiny_sd3: Path) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("CFG parallelism needs two CUDA devices")
+    plain = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4)
+    expected = [r.image for r in plain.generate(requests(2))]
+    plain.close()
+    engine = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4, cfg_parallel_size=2)
+    try:
+        results = engine.generate(requests(2))
+        assert engine.runner.row_parallel.split_calls == STEPS
+        assert engine.parallel is not None and engine.parallel.failed is None
+    finally:
+        engine.close()
+    for result, image in zip(results, expected, strict=True):
+        assert result.ok and np.abs(result.image.astype(np.int16) - image).max() <= 2

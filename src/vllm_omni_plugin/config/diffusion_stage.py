@@ -27,6 +27,7 @@ DIFFUSION_ENGINE_FIELDS = (
     "batch_wait_ms",
     "max_loras",
     "max_step_tokens",
+    "cfg_parallel_size",
 )
 """Further stage fields handed to the diffusion engine as they are."""
 
@@ -53,12 +54,21 @@ def diffusion_args(
     fixed = pipeline.stage(stage.stage_id)
     if fixed is not None and fixed.diffusion_runner:
         args["runner_cls"] = fixed.diffusion_runner
-        if stage.batching == "step" and not import_object(fixed.diffusion_runner).step_batching:
+        runner_cls = import_object(fixed.diffusion_runner)
+        runner_name = fixed.diffusion_runner.rsplit(".", 1)[-1]
+        if stage.batching == "step" and not runner_cls.step_batching:
             raise report.error(
                 f"step batching is not available for {pipeline.name}'s diffusion runner "
-                f"({fixed.diffusion_runner.rsplit('.', 1)[-1]}); use batching: request",
+                f"({runner_name}); use batching: request",
                 stage.stage_id,
                 "batching",
+            )
+        if (stage.cfg_parallel_size or 1) > 1 and not runner_cls.cfg_parallel:
+            raise report.error(
+                f"CFG parallelism is not available for {pipeline.name}'s diffusion runner ({runner_name}); "
+                "remove cfg_parallel_size",
+                stage.stage_id,
+                "cfg_parallel_size",
             )
     for name in DIFFUSION_ENGINE_FIELDS:
         if getattr(stage, name) is not None:

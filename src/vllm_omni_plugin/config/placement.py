@@ -28,8 +28,10 @@ def replicas(
     platform: PlatformInfo,
     backend: Backend,
     report: Reporter,
+    width_field: str = "tensor_parallel_size",
 ) -> list[ResolvedReplica]:
-    """The stage's replicas, each with its devices (one set per replica, or one set shared by all)."""
+    """The stage's replicas, each with its devices (one set per replica, or one set shared by all);
+    ``tp`` devices each (the stage's ``width_field``)."""
     n = stage.num_replicas or 1
     env = {**(extra_env or {}), **(stage.env or {})}
     devices = [d.strip() for d in (stage.devices or "").split(",") if d.strip()]
@@ -53,7 +55,7 @@ def replicas(
     else:
         raise report.error(
             f"{len(devices)} device(s) {','.join(devices)} cannot hold {n} replica(s) of "
-            f"tensor_parallel_size {tp}: give {n * tp} device ids (one set per replica) or {tp} "
+            f"{width_field} {tp}: give {n * tp} device ids (one set per replica) or {tp} "
             "(shared by all replicas)",
             stage.stage_id,
             "devices",
@@ -82,6 +84,8 @@ def ray_placement(
     if platform.device_env is not None:  # a GPU platform: each replica's devices
         devices = float(
             engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
+            if engine_args
+            else stage.cfg_parallel_size or 1
         )
     if stage.num_gpus is not None and stage.num_gpus > 1 and not float(stage.num_gpus).is_integer():
         raise report.error(

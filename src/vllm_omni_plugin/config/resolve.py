@@ -153,9 +153,10 @@ def resolve_stage(
     if is_ar:
         runner, why, runner_env = model_runner(stage, fixed, platform, report)
         runner_env.update(context_export_cpu_env(stage, fixed, platform))
-    stage_replicas = replicas(
-        stage, engine_args.get("tensor_parallel_size", 1), runner_env, platform, backend, report
-    )
+    # Devices per replica: an AR stage's tensor parallel group, a diffusion stage's CFG-parallel one.
+    width = engine_args.get("tensor_parallel_size", 1) if is_ar else stage.cfg_parallel_size or 1
+    field = "tensor_parallel_size" if is_ar else "cfg_parallel_size"
+    stage_replicas = replicas(stage, width, runner_env, platform, backend, report, field)
     if is_ar:  # the CPU threads policy's cores for each replica's worker (config/cpu_threads.py)
         stage_replicas = [
             msgspec.structs.replace(r, env={**threads.ar_env(fixed.stage_id, r.replica_id), **r.env})

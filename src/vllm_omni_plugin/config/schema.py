@@ -119,6 +119,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     compile: CompileSpec | None = None
     """Diffusion stages: regional ``torch.compile`` of the denoiser's repeated blocks (``blocks: true``),
     compiled and warmed up at start-up (off by default)."""
+    cfg_parallel_size: PositiveInt | None = None
+    """Diffusion stages: the devices (processes) each replica spans, its denoiser forwards' rows cut over
+    them: with batched guidance, each guidance branch on its own device (default 1)."""
     num_threads: PositiveInt | None = None
     """Diffusion stages on CPU: the intra-op threads each replica runs, instead of the CPU threads
     policy's share of the cores (``config/cpu_threads.py``); the replica is then not bound to cores."""
@@ -235,6 +238,7 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "num_threads",
         "cache",
         "compile",
+        "cfg_parallel_size",
     }
 )
 RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")

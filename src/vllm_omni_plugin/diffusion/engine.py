@@ -41,6 +41,7 @@ from vllm_omni_plugin.diffusion.memory import (
     gib,
     tensor_bytes,
 )
+from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, RowParallelDenoiser
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
@@ -151,6 +152,7 @@ class DiffusionEngine:
         max_loras: int = MAX_LORAS,
         cache: StepCacheSpec | dict[str, Any] | None = None,
         compile: CompileSpec | dict[str, Any] | None = None,  # noqa: A002 (the stage field's name)
+        cfg_parallel_size: int = 1,
     ) -> None:
         import torch
 
@@ -216,6 +218,11 @@ class DiffusionEngine:
         if self.cache is not None and self.cache.active and not runner.step_cache:
             raise ValueError(f"step caching is not available for {runner.label}; remove the cache block")
         runner.on_cache_counts = self._cache_counted
+        self.parallel: DenoiserGroup | None = None
+        """A CFG-parallel replica's group (``cfg_parallel_size`` > 1): its peers compute their share of
+        every denoiser forward's rows."""
+        if cfg_parallel_size > 1:
+            self.parallel = self._start_group(cfg_parallel_size)
         self.compile = msgspec.convert(compile, CompileSpec) if isinstance(compile, dict) else compile
         """Regional compilation of the denoiser's blocks (None: eager); compiled and warmed up here."""
         self.compile_seconds = 0.0
@@ -234,7 +241,7 @@ class DiffusionEngine:
                 why = "batch_invariant runs requests alone" if batch_invariant else f"{runner.label} cannot"
                 raise ValueError(f"batching: step is not available: {why}; use batching: request")
             self.step_batcher = StepBatcher(
-                runner.denoiser(),
+                runner.row_parallel or runner.denoiser(),
                 max_rows=2 * max_batch_size,
                 joins=runner.step_joins(),
                 on_boundary=self._boundary_done,
@@ -314,6 +321,39 @@ class DiffusionEngine:
         if own is not None or (stage is not None and stage.active):
             request = msgspec.structs.replace(request, cache=(own or StepCacheSpec()).over(stage).resolved())
         return self.runner.prepare(request, self.defaults)
+
+    def _start_group(self, size: int) -> DenoiserGroup:
+        """Start the peers of a CFG-parallel replica (rank ``r`` on this replica's ``r``-th device; on CPU
+        the ranks share the replica's threads) and route the runner's denoiser forwards through them."""
+        import torch
+
+        runner = self.runner
+        if not runner.cfg_parallel:
+            raise ValueError(f"cfg_parallel_size: {runner.label} cannot run CFG-parallel; remove it")
+        if self.device.type == "cpu":
+            threads = max(1, torch.get_num_threads() // size)
+            torch.set_num_threads(threads)
+            devices = ["cpu"] * size
+        else:
+            module = getattr(torch, self.device.type)
+            first = self.device.index or 0
+            if module.device_count() < first + size:
+                raise ValueError(
+                    f"cfg_parallel_size {size} needs {size} {self.device.type} devices from index {first}; "
+                    f"this replica sees {module.device_count()} (give the stage {size} devices per replica)"
+                )
+            threads = None
+            devices = [f"{self.device.type}:{first + rank}" for rank in range(size)]
+        start = time.perf_counter()
+        group = DenoiserGroup(size, [runner.peer_spec(self.model, d, threads) for d in devices[1:]])
+        runner.row_parallel = RowParallelDenoiser(runner.denoiser(), group, runner.step_joins())
+        logger.info(
+            "diffusion engine: CFG-parallel over %d ranks (%s) ready in %.1f s",
+            size,
+            ", ".join(devices),
+            time.perf_counter() - start,
+        )
+        return group
 
     def _compile(self, spec: CompileSpec) -> None:
         """Compile the blocks, then run the warm-up requests: each size as two guided requests (the
@@ -509,10 +549,12 @@ class DiffusionEngine:
             self._counters.queue_wait_seconds += sum(waits)
 
     def close(self) -> None:
-        """Stop the step and decode threads (``batching: step``)."""
+        """Stop the step and decode threads (``batching: step``) and a CFG-parallel replica's peers."""
         for batcher in (self.step_batcher, self.decode_batcher):
             if batcher is not None:
                 batcher.close()
+        if self.parallel is not None:
+            self.parallel.close()
 
     def _preview(self, request_id: str, index: int, image: Any) -> None:
         if self.on_preview is not None:

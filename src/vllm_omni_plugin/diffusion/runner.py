@@ -21,6 +21,7 @@ from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.params import RunnerRequest
 
 if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.parallel import PeerSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, DecodeCalls, StepBatcher
 
 
@@ -110,6 +111,11 @@ class DiffusionRunner(abc.ABC):
     """It reports the previews its requests ask for (``partial_images``) through :attr:`on_preview`."""
     lora: ClassVar[bool] = False
     """Its requests may name a LoRA adapter of its denoiser (``DiffusionRequest.lora``), each row its own."""
+    cfg_parallel: ClassVar[bool] = False
+    """Its denoiser can run over a CFG-parallel group (:meth:`peer_spec`, ``cfg_parallel_size``)."""
+    row_parallel: Any = None
+    """Set by the engine of a CFG-parallel replica: the denoiser as its pipelines call it
+    (``diffusion/parallel.py: RowParallelDenoiser``)."""
     compiles_blocks: ClassVar[bool] = False
     """It compiles its denoiser's repeated blocks (:meth:`compile_blocks`, a stage's ``compile`` block)."""
     step_cache: bool = False
@@ -206,6 +212,11 @@ class DiffusionRunner(abc.ABC):
         """Compile its denoiser's repeated blocks as ``spec`` says; how many (runners with
         :attr:`compiles_blocks`)."""
         raise NotImplementedError(f"{type(self).__name__} does not compile its denoiser's blocks")
+
+    def peer_spec(self, model: str, device: str, num_threads: int | None) -> PeerSpec:
+        """What a CFG-parallel peer on ``device`` loads: this runner's denoiser alone (runners with
+        :attr:`cfg_parallel`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no CFG-parallel denoiser")
 
     def warmup_requests(self, height: int, width: int, count: int, *, guided: bool) -> list[Any]:
         """``count`` requests of this size, two steps each, with guidance or without (a denoiser batch of

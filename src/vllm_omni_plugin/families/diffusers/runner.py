@@ -44,6 +44,7 @@ from vllm_omni_plugin.families.diffusers.preview_decoder import PreviewDecoder
 from vllm_omni_plugin.log import get_logger
 
 if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.parallel import PeerSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
@@ -528,6 +529,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             kwargs[self.guidance_argument] = first.guidance_scale
 
         previews = CallPreviews()
+        pipe = self._row_parallel(pipe)
         pipe, cache = self._cached(pipe, batch)
 
         def on_step_end(caller: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -578,6 +580,24 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """The denoiser's repeated blocks (a cached step skips each; one where it has none)."""
         return len(repeated_blocks(denoiser_of(self.pipe))) or 1
 
+    cfg_parallel = True
+
+    def peer_spec(self, model: str, device: str, num_threads: int | None) -> PeerSpec:
+        from vllm_omni_plugin.diffusion.parallel import PeerSpec
+
+        module, name = denoiser_of(self.pipe), denoiser_attribute(self.pipe)
+        if name is None:
+            raise ValueError(f"{self.label} has no denoiser to run CFG-parallel")
+        return PeerSpec(
+            model=model,
+            subfolder=name,
+            module=type(module).__module__,
+            qualname=type(module).__qualname__,
+            dtype=str(module.dtype),
+            device=device,
+            num_threads=num_threads,
+        )
+
     compiles_blocks = True
 
     def compile_blocks(self, spec: CompileSpec) -> int:
@@ -608,6 +628,20 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """A denoiser call that is no step of the denoising, which caching must leave alone (none)."""
         return False
 
+    def _row_parallel(self, pipe: Any) -> Any:
+        """``pipe`` with its denoiser's forwards cut over the CFG-parallel group (a shallow copy where
+        ``pipe`` is the runner's own); as it is without a group, or where a step batcher's proxy stands
+        in for the denoiser (the batcher's forwards are the group's then)."""
+        name = denoiser_attribute(self.pipe)
+        if self.row_parallel is None or name is None or getattr(pipe, name) is not denoiser_of(self.pipe):
+            return pipe
+        import copy
+
+        if pipe is self.pipe:
+            pipe = copy.copy(pipe)
+        pipe.__dict__[name] = self.row_parallel
+        return pipe
+
     def _cached(self, pipe: Any, batch: list[DiffusionRequest]) -> tuple[Any, CallCache | None]:
         """``pipe`` with its denoiser behind the batch's step caches (a shallow copy where ``pipe`` is the
         runner's own), or as it is where no request of the batch caches."""
@@ -631,7 +665,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             module=module,
             joins=self.step_joins(),
             # a step-batched group's proxy and rows with their own adapters keep every row
-            takes_rows=inner is module and not any(r.lora is not None for r in batch),
+            takes_rows=inner in (module, self.row_parallel) and not any(r.lora is not None for r in batch),
             passes=self.cache_passes,
         )
         return pipe, cache

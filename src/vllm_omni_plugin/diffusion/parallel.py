@@ -1,0 +1,437 @@
+"""CFG-parallel denoising: a diffusion replica that spans ``cfg_parallel_size`` devices, one process each.
+
+The replica's own process (rank 0) runs the engine and the pipelines as before; each other rank is a peer
+process that holds only the denoiser, loaded from the same model directory onto its own device. Every
+denoiser forward the pipelines make is cut into contiguous row ranges, one per rank: the peers' ranges go
+out over a gloo process group, rank 0 computes its own meanwhile, and the outputs come back in row order.
+With diffusers' batched guidance (``cat([negative, positive])``) the first half of a call's rows is its
+unconditional branch and the second half its conditional one, so with two ranks each device computes one
+guidance branch of every request at once: CFG parallelism. An unguided call's rows split the same way.
+
+The transport is gloo on every device type, tensors staged through host memory (a step's latents and
+text states: a few MiB for a 1024x1024 image), so the code that runs on a GPU host is the code tested on
+CPU. What stays on rank 0 alone: a call whose rows cannot be taken apart (an argument joined per row by
+step batching, such as GLM-Image's source-image cache), a call with a forward hook inside the denoiser
+(LoRA adapters: the peers do not hold them), and every call once a peer has failed (logged once; the
+replica then computes all rows itself, so no request is lost to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import inspect
+import json
+import logging
+import pickle
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm_omni_plugin.diffusion.step_batching import (
+    UNUSED,
+    ArgumentJoin,
+    SameValue,
+    _by_name,
+    _is_tensor,
+    _rows_of,
+    _take_rows,
+)
+
+logger = logging.getLogger(__name__)
+
+PEER_START_TIMEOUT_S = 600.0
+"""How long rank 0 waits for its peers to load their denoisers and join the group."""
+FORWARD_TIMEOUT_S = 600.0
+"""The group's timeout for one exchange: a peer that neither answers nor dies within it has failed."""
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """What a peer process loads: the denoiser's class and where its weights are."""
+
+    model: str
+    subfolder: str
+    module: str
+    qualname: str
+    dtype: str
+    device: str
+    num_threads: int | None
+    trust_remote_code: bool = False
+
+
+def split_rows(rows: int, ranks: int) -> list[range]:
+    """Contiguous row ranges, one per rank, as even as they go (earlier ranks take the remainder)."""
+    size, extra = divmod(rows, ranks)
+    ranges, start = [], 0
+    for rank in range(ranks):
+        end = start + size + (1 if rank < extra else 0)
+        ranges.append(range(start, end))
+        start = end
+    return ranges
+
+
+class DenoiserGroup:
+    """Rank 0's side: starts the peers, hands each its rows of a forward, and stops them."""
+
+    def __init__(
+        self, size: int, spec_of_rank: list[PeerSpec], *, timeout_s: float = FORWARD_TIMEOUT_S
+    ) -> None:
+        import torch.distributed as dist
+
+        if size < 2 or len(spec_of_rank) != size - 1:
+            raise ValueError(
+                f"a denoiser group of {size} needs {size - 1} peer specs, got {len(spec_of_rank)}"
+            )
+        self.size = size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.failed: str | None = None
+        """Why the peers are no longer used (None: they are)."""
+        self._lock = threading.Lock()
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=PEER_START_TIMEOUT_S),
+            wait_for_workers=False,
+        )  # fmt: skip
+        # A fresh interpreter per peer (not multiprocessing's spawn, which re-imports the parent's main
+        # module): its output goes where the replica's goes.
+        self.processes = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    __name__,
+                    json.dumps(asdict(spec)),
+                    str(rank),
+                    str(self._store.port),
+                    str(size),
+                ]  # fmt: skip
+            )
+            for rank, spec in enumerate(spec_of_rank, start=1)
+        ]
+        self._group = self._join()
+        self._group.set_timeout(self.timeout)
+
+    def _join(self) -> Any:
+        """The group, once every peer has loaded its denoiser and joined; a peer that exits first (it
+        could not load) stops the wait at once."""
+        joined: list[Any] = []
+        failed: list[BaseException] = []
+
+        def connect() -> None:
+            try:
+                joined.append(
+                    _gloo_group(self._store, 0, self.size, datetime.timedelta(seconds=PEER_START_TIMEOUT_S))
+                )
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=connect, name="dit-cfg-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            dead = [
+                (rank, p.poll()) for rank, p in enumerate(self.processes, start=1) if p.poll() is not None
+            ]
+            if dead and thread.is_alive():
+                self.failed = "start-up"
+                self._stop_peers()
+                codes = ", ".join(f"rank {rank} exited with code {code}" for rank, code in dead)
+                raise RuntimeError(f"cfg-parallel peers did not start: {codes} (the log above says why)")
+        if failed or not joined:
+            self.failed = "start-up"
+            self._stop_peers()
+            raise RuntimeError(f"cfg-parallel peers did not join: {failed[0] if failed else 'no group'}")
+        return joined[0]
+
+    def forward(
+        self, module: Any, kwargs: dict[str, Any], ranges: list[range], joins: Mapping[str, ArgumentJoin]
+    ) -> Any:
+        """``module(**kwargs)`` with rank ``r`` computing the rows ``ranges[r]``; the outputs in row order."""
+        rows = _rows_of(kwargs)
+        with self._lock:  # one exchange at a time: the group's messages are matched in order
+            if self.failed is None:
+                try:
+                    for rank in range(1, self.size):
+                        _send(self._group, rank, _take_rows(kwargs, list(ranges[rank]), rows, joins))
+                    own = module(**_take_rows(kwargs, list(ranges[0]), rows, joins))
+                    parts = [own, *(_recv_reply(self._group, rank) for rank in range(1, self.size))]
+                    return _cat(parts)
+                except _PeerError as exc:
+                    self._fail(str(exc))
+                except RuntimeError as exc:  # gloo: a closed connection, a timeout
+                    self._fail(f"the exchange with its peers failed: {exc}")
+        return module(**kwargs)
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        logger.error("cfg-parallel: %s; this replica computes every row itself from now on", why)
+        self._stop_peers()
+
+    def _stop_peers(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+
+    def close(self) -> None:
+        """Stops the peers (a stop message, then a kill for any that did not leave)."""
+        if self.failed is None and getattr(self, "_group", None) is not None:
+            with contextlib.suppress(Exception), self._lock:
+                for rank in range(1, self.size):
+                    _send(self._group, rank, None)
+            for process in self.processes:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=10)
+        self.failed = self.failed or "closed"
+        self._stop_peers()
+
+    @property
+    def alive(self) -> bool:
+        return self.failed is None and all(p.poll() is None for p in self.processes)
+
+
+class RowParallelDenoiser:
+    """The denoiser as the pipelines call it on a CFG-parallel replica: each forward's rows cut over the
+    group's ranks (:class:`DenoiserGroup`), or computed here where they cannot be."""
+
+    def __init__(
+        self, module: Any, group: DenoiserGroup, joins: Mapping[str, ArgumentJoin] | None = None
+    ) -> None:
+        self._module = module
+        self._group = group
+        self._joins: Mapping[str, ArgumentJoin] = joins or {}
+        self._inner = [m for m in module.modules() if m is not module]
+        self.split_calls = 0
+        """Forwards whose rows went over the group (tests count them)."""
+
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.signature(self._module.forward)
+
+    def _hooked(self) -> bool:
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self._inner)
+
+    def _splittable(self, kwargs: dict[str, Any]) -> bool:
+        for name, join in self._joins.items():
+            value = kwargs.get(name)
+            if value is not None and not isinstance(join, SameValue) and join.key(value) != UNUSED:
+                return False
+        return True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        named = _by_name(self._signature, args, kwargs)
+        rows = _rows_of(named)
+        group = self._group
+        if rows < 2 or group.failed is not None or self._hooked() or not self._splittable(named):
+            return self._module(**named)
+        self.split_calls += 1
+        return group.forward(self._module, named, split_rows(rows, group.size), self._joins)
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        """diffusers' ``CacheMixin.cache_context`` (Qwen-Image's pipelines enter it around each branch)."""
+        with self._module.cache_context(name):
+            yield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+# --- the wire ------------------------------------------------------------------------------------------
+
+
+class _PeerError(Exception):
+    """A peer's forward raised: its message, as the peer sent it."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor of a message lies in its data: ``nbytes`` from ``offset``, then viewed as
+    ``dtype`` in ``shape``."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+ALIGN = 16
+"""Each tensor's bytes start at a multiple of this (a view as a wider dtype needs its offset aligned)."""
+
+
+def _strip(value: Any, tensors: list[Any], offset: list[int]) -> Any:
+    """``value`` with its tensors replaced by slots (their host copies appended to ``tensors``)."""
+    if _is_tensor(value):
+        import torch
+
+        raw = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        slot = _Slot(offset[0], raw.numel(), tuple(value.shape), value.dtype)
+        pad = -raw.numel() % ALIGN
+        tensors.append(raw if not pad else torch.cat([raw, raw.new_zeros(pad)]))
+        offset[0] += raw.numel() + pad
+        return slot
+    if type(value) is dict:
+        return {k: _strip(v, tensors, offset) for k, v in value.items()}
+    if type(value) in (tuple, list):
+        return type(value)(_strip(v, tensors, offset) for v in value)
+    if hasattr(value, "to_tuple"):  # a diffusers BaseOutput
+        return (type(value), {k: _strip(v, tensors, offset) for k, v in value.items()})
+    return value
+
+
+def _fill(value: Any, data: Any, device: Any) -> Any:
+    if isinstance(value, _Slot):
+        tensor = data[value.offset : value.offset + value.nbytes].view(value.dtype).reshape(value.shape)
+        return tensor if device is None else tensor.to(device)
+    if isinstance(value, dict):
+        return {k: _fill(v, data, device) for k, v in value.items()}
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], type)
+        and hasattr(value[0], "to_tuple")
+    ):
+        return value[0](**_fill(value[1], data, device))
+    if isinstance(value, tuple | list):
+        return type(value)(_fill(v, data, device) for v in value)
+    return value
+
+
+def _send(group: Any, rank: int, value: Any) -> None:
+    """One message: its length, then its header (the structure, tensors as slots) and the tensors' bytes
+    in one buffer (two gloo sends, whatever the call's arguments)."""
+    import torch
+
+    tensors: list[Any] = []
+    header = pickle.dumps(_strip(value, tensors, [0]))
+    start = 8 + len(header)
+    pad = -start % ALIGN
+    prefix = torch.frombuffer(
+        bytearray(len(header).to_bytes(8, "little") + header + bytes(pad)), dtype=torch.uint8
+    )
+    message = torch.cat([prefix, *tensors]) if tensors else prefix
+    _wait(group.send([torch.tensor([message.numel()], dtype=torch.int64)], rank, 0))
+    _wait(group.send([message], rank, 0))
+
+
+def _recv(group: Any, rank: int, device: Any = None) -> Any:
+    import torch
+
+    length = torch.empty(1, dtype=torch.int64)
+    _wait(group.recv([length], rank, 0))
+    message = torch.empty(int(length.item()), dtype=torch.uint8)
+    _wait(group.recv([message], rank, 0))
+    size = int.from_bytes(message[:8].numpy().tobytes(), "little")
+    structure = pickle.loads(message[8 : 8 + size].numpy().tobytes())
+    start = 8 + size
+    return _fill(structure, message[start + (-start % ALIGN) :], device)
+
+
+def _recv_reply(group: Any, rank: int) -> Any:
+    reply = _recv(group, rank)
+    if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
+        raise _PeerError(f"rank {rank}'s forward failed: {reply[1]}")
+    return reply[1]
+
+
+def _wait(work: Any) -> None:
+    work.wait()
+
+
+def _cat(parts: list[Any]) -> Any:
+    """The outputs of consecutive row ranges as one output over all rows (the inverse of a split)."""
+    import torch
+
+    first = parts[0]
+    if _is_tensor(first):
+        return torch.cat([p.to(first.device) for p in parts], dim=0)
+    if isinstance(first, tuple | list):
+        return type(first)(
+            _cat([p[i] for p in parts]) if _is_tensor(item) else item for i, item in enumerate(first)
+        )
+    if hasattr(first, "to_tuple"):
+        return type(first)(**{key: _cat([p[key] for p in parts]) for key in first.keys()})
+    raise TypeError(f"cannot join denoiser outputs of type {type(first).__name__}")
+
+
+def _gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, size, timeout)
+
+
+# --- a peer --------------------------------------------------------------------------------------------
+
+
+def _exit_with_parent() -> None:
+    """A peer outlives no rank 0: a SIGKILLed replica leaves no peer holding a device."""
+    import os
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dit-cfg-parent", daemon=True).start()
+
+
+def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
+    """A peer process: load the denoiser, join the group, answer forwards until told to stop."""
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    _exit_with_parent()
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    cls = importlib.import_module(spec.module)
+    for part in spec.qualname.split("."):
+        cls = getattr(cls, part)
+    dtype = getattr(torch, spec.dtype.removeprefix("torch."))
+    device = torch.device(spec.device)
+    module = cls.from_pretrained(spec.model, subfolder=spec.subfolder, torch_dtype=dtype)
+    module = module.to(device).eval()
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=PEER_START_TIMEOUT_S)
+    )
+    group = _gloo_group(store, rank, size, datetime.timedelta(seconds=PEER_START_TIMEOUT_S))
+    group.set_timeout(datetime.timedelta(days=365))  # idle between requests for as long as the replica is
+    while True:
+        try:
+            kwargs = _recv(group, 0, device)
+        except RuntimeError:  # rank 0 is gone
+            return
+        if kwargs is None:
+            return
+        try:
+            with torch.no_grad():
+                reply: tuple[str, Any] = ("ok", module(**kwargs))
+        except Exception as exc:
+            reply = ("error", f"{type(exc).__name__}: {exc}")
+        try:
+            _send(group, 0, reply)
+        except RuntimeError:
+            return
+
+
+if __name__ == "__main__":
+    # Run as ``python -m``: this file is ``__main__`` here, so the peer runs the package module's copy,
+    # whose classes are the ones rank 0's pickles name.
+    from vllm_omni_plugin.diffusion import parallel
+
+    spec = parallel.PeerSpec(**json.loads(sys.argv[1]))
+    parallel._peer_main(spec, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

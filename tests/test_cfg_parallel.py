@@ -1,0 +1,240 @@
+"""CFG parallelism (``diffusion/parallel.py``) over two processes with gloo, on tiny SD3 (batched guidance),
+FLUX (embedded guidance: rows split as data) and Qwen-Image (true CFG, two calls a step): every image
+equals the single-process engine's within one level of 255 (the ranks compute different row counts than
+one process does, and a matmul's float sums depend on its rows); rank 0 computes only its share of each
+forward (counted by a pre-hook on its denoiser); caching and step batching go through the group; a peer
+that dies costs no request; a peer that cannot load stops start-up in one line; closing leaves no peer."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from test_step_batching import ask, assert_within_one_level
+from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, PeerSpec, split_rows
+from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
+from vllm_omni_plugin.families.diffusers.runner import denoiser_of
+
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
+
+STEPS = 4
+ROWS_PER_REQUEST = {"sd3": 2, "flux": 1, "qwen_image": 1}
+"""Rows a guided request puts in one denoiser call: SD3 batches its guidance pair; FLUX embeds guidance;
+Qwen-Image calls once per branch."""
+
+
+def test_rows_split_contiguously_and_evenly() -> None:
+    assert split_rows(4, 2) == [range(0, 2), range(2, 4)]
+    assert split_rows(3, 2) == [range(0, 2), range(2, 3)]
+    assert split_rows(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert split_rows(1, 2) == [range(0, 1), range(1, 1)]
+
+
+class Pair:
+    """A family's single-process engine and its two-rank CFG-parallel engine, loaded once; rank 0's
+    denoiser rows per forward recorded by a pre-hook on the denoiser itself (a hook on the top module
+    leaves the forwards split; one inside it would keep them on rank 0, as LoRA's do)."""
+
+    def __init__(self, model: Path, **kwargs: Any) -> None:
+        self.plain = DiffusionEngine(model, max_batch_size=4, **kwargs)
+        self.parallel = DiffusionEngine(model, max_batch_size=4, cfg_parallel_size=2, **kwargs)
+        self.rows: list[int] = []
+        denoiser = denoiser_of(self.parallel.runner.pipe)
+        self._hook = denoiser.register_forward_pre_hook(
+            lambda module, args, kwargs: self.rows.append(int(kwargs["hidden_states"].shape[0])),
+            with_kwargs=True,
+        )
+
+    def close(self) -> None:
+        self._hook.remove()
+        self.plain.close()
+        self.parallel.close()
+
+
+@pytest.fixture(scope="module")
+def pairs(request: pytest.FixtureRequest) -> Iterator[dict[str, Pair]]:
+    loaded: dict[str, Pair] = {}
+
+    class Lazy(dict):
+        def __missing__(self, family: str) -> Pair:
+            loaded[family] = Pair(request.getfixturevalue(f"tiny_{family}"))
+            return loaded[family]
+
+    yield Lazy()
+    for pair in loaded.values():
+        pair.close()
+
+
+def _images(results: list[Any]) -> list[np.ndarray]:
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [r.image for r in results]
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+def test_a_cfg_parallel_engine_gives_the_single_process_images(pairs: dict[str, Pair], family: str) -> None:
+    pair = pairs[family]
+    batch = [ask(f"{family}-{i}", seed=i, steps=STEPS, family=family) for i in range(2)]
+    expected = _images(pair.plain.generate(batch))
+    pair.rows.clear()
+    split_before = pair.parallel.runner.row_parallel.split_calls
+    got = _images(pair.parallel.generate(batch))
+    for a, b in zip(got, expected, strict=True):
+        assert_within_one_level(a, b)
+    # Two requests: rank 0 computed half of every forward's rows (SD3: the unconditional branch of both).
+    calls = len(pair.rows)
+    assert calls > 0 and pair.rows == [ROWS_PER_REQUEST[family]] * calls
+    assert pair.parallel.runner.row_parallel.split_calls - split_before == calls
+
+
+def test_an_unguided_request_alone_runs_on_rank_0(pairs: dict[str, Pair]) -> None:
+    pair = pairs["sd3"]
+    request = ask("alone", seed=5, steps=STEPS, guidance=1.0)
+    expected = _images(pair.plain.generate([request]))
+    pair.rows.clear()
+    split_before = pair.parallel.runner.row_parallel.split_calls
+    got = _images(pair.parallel.generate([request]))
+    assert np.array_equal(got[0], expected[0])  # one row: nothing to split, the same forward
+    assert pair.rows == [1] * STEPS
+    assert pair.parallel.runner.row_parallel.split_calls == split_before
+
+
+def test_cached_requests_split_the_steps_they_compute(pairs: dict[str, Pair]) -> None:
+    pair = pairs["sd3"]
+    fixed = StepCacheSpec(policy="fixed", warmup_steps=1, final_steps=0).resolved()
+    computed = sum(fixed_plan(fixed, STEPS))
+    assert computed < STEPS
+    batch = [ask(f"cached-{i}", seed=i, steps=STEPS, cache=fixed) for i in range(2)]
+    expected = _images(pair.plain.generate(batch))
+    pair.rows.clear()
+    got = _images(pair.parallel.generate(batch))
+    for a, b in zip(got, expected, strict=True):
+        assert_within_one_level(a, b)
+    assert pair.rows == [2] * computed  # the steps no request computes skip the forward whole
+
+
+def test_a_step_batched_group_goes_through_the_group(tiny_sd3: Path) -> None:
+    plain = DiffusionEngine(tiny_sd3, max_batch_size=4)
+    batch = [ask(f"step-{i}", seed=i, steps=STEPS) for i in range(2)]
+    expected = _images(plain.generate(batch))
+    plain.close()
+    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, batching="step", cfg_parallel_size=2)
+    try:
+        groups, failed = engine.admit(batch)
+        assert not failed and len(groups) == 1
+        results: list[Any] = []
+        thread = threading.Thread(target=lambda: results.extend(engine.run_group(groups[0])))
+        thread.start()
+        thread.join(timeout=300)
+        got = _images(results)
+        assert engine.runner.row_parallel.split_calls == STEPS
+    finally:
+        engine.close()
+    for a, b in zip(got, expected, strict=True):
+        assert_within_one_level(a, b)
+
+
+def test_a_dead_peer_costs_no_request_and_closing_leaves_no_peer(
+    tiny_sd3: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, cfg_parallel_size=2)
+    group = engine.parallel
+    assert group is not None and group.alive
+    batch = [ask(f"dead-{i}", seed=i, steps=STEPS) for i in range(2)]
+    try:
+        expected = _images(engine.generate(batch))
+        peer = group.processes[0]
+        peer.kill()
+        peer.wait(timeout=30)
+        with caplog.at_level("ERROR"):
+            got = _images(engine.generate(batch))
+        assert group.failed is not None and not group.alive
+        assert "computes every row itself from now on" in caplog.text
+        for a, b in zip(got, expected, strict=True):
+            assert_within_one_level(a, b)
+    finally:
+        engine.close()
+    healthy = DiffusionEngine(tiny_sd3, max_batch_size=4, cfg_parallel_size=2)
+    processes = healthy.parallel.processes
+    assert all(p.poll() is None for p in processes)
+    healthy.close()
+    assert all(p.poll() is not None for p in processes)
+
+
+def test_a_peer_that_cannot_load_stops_start_up_in_one_line(tmp_path: Path) -> None:
+    spec = PeerSpec(
+        model=str(tmp_path / "no-such-model"),
+        subfolder="transformer",
+        module="diffusers",
+        qualname="SD3Transformer2DModel",
+        dtype="float32",
+        device="cpu",
+        num_threads=1,
+    )
+    with pytest.raises(RuntimeError, match=r"cfg-parallel peers did not start: rank 1 exited with code 1"):
+        DenoiserGroup(2, [spec])
+
+
+@pytest.mark.parametrize("family", ["glm_image", "bagel"])
+def test_runners_without_cfg_parallelism_refuse_it(request: pytest.FixtureRequest, family: str) -> None:
+    from test_step_batching import BAGEL_RUNNER
+
+    model = request.getfixturevalue(f"tiny_{family}")
+    runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
+    with pytest.raises(ValueError, match="cannot run CFG-parallel; remove it"):
+        DiffusionEngine(model, cfg_parallel_size=2, **runner)
+
+
+def _peers() -> list[int]:
+    """The pids of every CFG-parallel group's peer processes on this machine."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    lines = [line.split(None, 1) for line in out.splitlines()[1:]]
+    return [int(pid) for pid, args in lines if "-m vllm_omni_plugin.diffusion.parallel" in args]
+
+
+@pytest.mark.server
+def test_a_served_cfg_parallel_stage_gives_diffusers_images_and_stops_its_peer(
+    tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """``vllm serve --omni`` with ``cfg_parallel_size: 2``: the stage's replica starts its peer, the
+    images equal a stock diffusers call's, and stopping the server leaves no peer."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image
+
+    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
+    from vllm_omni_plugin.testing.reference.diffusers import reference_image
+
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("pipeline: diffusion\nstages:\n  - {stage_id: 0, cfg_parallel_size: 2}\n")
+    before = set(_peers())  # this module's in-process engines have theirs
+    port = free_port()
+    server = ServerProcess(
+        [bin_script("vllm"), "serve", str(tiny_sd3), "--omni", "--deploy-config", str(deploy),
+         "--port", str(port), "--host", "127.0.0.1"],
+        port=port,
+        log_path=tmp_path / "server.log",
+    )  # fmt: skip
+    with server:
+        server.wait_ready(timeout=300)
+        started = set(_peers()) - before
+        assert len(started) == 1
+        body = {"prompt": "a red fox", "size": "64x64", "n": 2, "num_inference_steps": STEPS,
+                "guidance_scale": 3.0, "seed": 21}  # fmt: skip
+        answer = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
+        answer.raise_for_status()
+        for i, item in enumerate(answer.json()["data"]):
+            image = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+            expected = reference_image(
+                tiny_sd3, prompt="a red fox", seed=21 + i, height=64, width=64, steps=STEPS, guidance=3.0
+            )
+            assert_within_one_level(image, expected)
+    assert not set(_peers()) & started
