@@ -903,21 +903,6 @@ def test_a_stage_cache_block_resolves_with_its_defaults_and_platforms_merge_it_f
     }
 
 
-@pytest.mark.parametrize(
-    ("block", "message"),
-    [
-        ("{policy: often}", "deploy.yaml:4: stages[0].cache.policy: Invalid enum value 'often'"),
-        ("{compute_every: 0}", "deploy.yaml:4: stages[0].cache.compute_every: expected int >= 1, got 0"),
-        ("{every: 2}", "deploy.yaml:4: stages[0].cache.every: unknown field"),
-    ],
-)
-def test_a_bad_cache_block_is_one_config_error(tmp_path: Path, block: str, message: str) -> None:
-    path = write(tmp_path, f"pipeline: diffusion\nstages:\n  - stage_id: 0\n    cache: {block}\n")
-    with pytest.raises(ConfigError) as caught:
-        resolve_deployment(diffusers_dir(tmp_path, "FluxPipeline"), deploy_config=str(path), platform=CPU)
-    assert message in str(caught.value)
-
-
 def test_a_stage_compile_block_reaches_the_diffusion_engine_as_written(tmp_path: Path) -> None:
     path = write(
         tmp_path,
@@ -936,18 +921,32 @@ def test_a_stage_compile_block_reaches_the_diffusion_engine_as_written(tmp_path:
 
 
 @pytest.mark.parametrize(
-    ("block", "message"),
+    ("field", "block", "message"),
     [
-        ("{blocks: true, shapes: bucketed}", "deploy.yaml:4: stages[0].compile.shapes: Invalid enum value"),
+        ("cache", "{policy: often}", "deploy.yaml:4: stages[0].cache.policy: Invalid enum value 'often'"),
         (
-            "{blocks: true, warmup_sizes: [[0, 64]]}",
-            "stages[0].compile.warmup_sizes[0][0]: expected int >= 1",
+            "cache",
+            "{compute_every: 0}",
+            "deploy.yaml:4: stages[0].cache.compute_every: expected int >= 1, got 0",
         ),
-        ("{block: true}", "deploy.yaml:4: stages[0].compile.block: unknown field"),
+        ("cache", "{every: 2}", "deploy.yaml:4: stages[0].cache.every: unknown field"),
+        (
+            "compile",
+            "{blocks: true, shapes: bucketed}",
+            "deploy.yaml:4: stages[0].compile.shapes: Invalid enum",
+        ),
+        (
+            "compile",
+            "{blocks: true, warmup_sizes: [[0, 64]]}",
+            "compile.warmup_sizes[0][0]: expected int >= 1",
+        ),
+        ("compile", "{block: true}", "deploy.yaml:4: stages[0].compile.block: unknown field"),
     ],
 )
-def test_a_bad_compile_block_is_one_config_error(tmp_path: Path, block: str, message: str) -> None:
-    path = write(tmp_path, f"pipeline: diffusion\nstages:\n  - stage_id: 0\n    compile: {block}\n")
+def test_a_bad_acceleration_block_is_one_config_error(
+    tmp_path: Path, field: str, block: str, message: str
+) -> None:
+    path = write(tmp_path, f"pipeline: diffusion\nstages:\n  - stage_id: 0\n    {field}: {block}\n")
     with pytest.raises(ConfigError) as caught:
         resolve_deployment(diffusers_dir(tmp_path, "FluxPipeline"), deploy_config=str(path), platform=CPU)
     assert message in str(caught.value)
