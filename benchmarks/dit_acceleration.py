@@ -14,6 +14,12 @@ second process (one more core: the ranks take one thread each); GLM-Image's runn
 
 Targets on CPU: >= 1.5x at concurrency 1 with the policy that computes about half the steps (``half``:
 warm-up 2, then one in 2: 15 of 28); compiled not slower than eager (>= 1.0x).
+
+On a GPU, the work a GPU does (SD3 medium's DiT and VAE at their real shapes, random weights, bfloat16,
+1024x1024; the model is built first, 4 GB)::
+
+    python benchmarks/dit_acceleration.py --device cuda --dtype bfloat16 --models sd3-medium-shape \
+        --size 1024 --concurrency 1 4 --rounds 1 --variants uncached half fixed-3 compiled
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 64
+"""The default image size (``--size``)."""
 VARIANTS: dict[str, dict[str, Any]] = {
     "uncached": {},
     "fixed": {"cache": {"policy": "fixed"}},
     "half": {"cache": {"policy": "fixed", "final_steps": 0}},
     "fixed-3": {"cache": {"policy": "fixed", "compute_every": 3}},
     "threshold": {"cache": {"policy": "threshold", "threshold": 0.1}},
-    "compiled": {"compile": {"blocks": True, "warmup_sizes": [(SIZE, SIZE)]}},
+    "compiled": {"compile": {"blocks": True}},  # warm-up at --size
     "cfg-parallel": {"cfg_parallel_size": 2},
 }
 """Engine arguments of each variant (what a stage's ``cache`` / ``compile`` block resolves to)."""
@@ -46,10 +53,11 @@ HALF = "half"
 """The policy that computes about half the steps (warm-up 2, then one in 2, no final step: 15 of 28):
 the 1.5x target is its. ``fixed`` is the defaults (16 of 28), ``fixed-3`` one in 3 (12 of 28)."""
 CONCURRENCY = (1, 8)
+"""The default concurrencies (``--concurrency``)."""
 
 
-def requests(model: str, count: int, steps: int, offset: int) -> list[Any]:
-    """``count`` 64x64 requests of ``model`` (GLM-Image's with random prior tokens: its DiT takes any)."""
+def requests(model: str, count: int, steps: int, offset: int, size: int = SIZE) -> list[Any]:
+    """``count`` square requests of ``model`` (GLM-Image's with random prior tokens: its DiT takes any)."""
     import torch
 
     from vllm_omni_plugin.diffusion import DiffusionRequest
@@ -59,31 +67,31 @@ def requests(model: str, count: int, steps: int, offset: int) -> list[Any]:
         fields: dict[str, Any] = {
             "request_id": f"r{i}",
             "prompt": f"a red fox number {i} in the snow",
-            "height": SIZE,
-            "width": SIZE,
+            "height": size,
+            "width": size,
             "num_inference_steps": steps,
             "seed": i,
         }
         if model == "glm-image":
             from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 
-            ids = torch.randint(0, 16384, ((SIZE // 16) ** 2,), generator=torch.Generator().manual_seed(i))
+            ids = torch.randint(0, 16384, ((size // 16) ** 2,), generator=torch.Generator().manual_seed(i))
             made.append(GlmImageRequest(**fields, prior_token_ids=ids))
         else:
             made.append(DiffusionRequest(**fields))
     return made
 
 
-def measure(engine: Any, model: str, steps: int, concurrency: int, rounds: int) -> float:
+def measure(engine: Any, model: str, steps: int, concurrency: int, rounds: int, size: int) -> float:
     """Median images/s over ``rounds`` (after one warm-up round)."""
     rates = []
     for round_ in range(rounds + 1):
         start = time.perf_counter()
         if concurrency == 1:
             for i in range(2):
-                results = engine.generate(requests(model, 1, steps, 100 * round_ + i))
+                results = engine.generate(requests(model, 1, steps, 100 * round_ + i, size))
         else:
-            results = engine.generate(requests(model, concurrency, steps, 100 * round_))
+            results = engine.generate(requests(model, concurrency, steps, 100 * round_, size))
         if not all(r.ok for r in results):
             raise RuntimeError(f"{model}: {[r.error for r in results if not r.ok]}")
         images = 2 if concurrency == 1 else concurrency
@@ -100,28 +108,46 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--size", type=int, default=SIZE, help="image height and width in pixels")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--device", default="cpu", help="the engines' device (cuda: its first GPU)")
+    parser.add_argument("--dtype", default=None, help="the engines' dtype (default: the engine's own)")
     args = parser.parse_args()
     import torch
 
     from vllm_omni_plugin.diffusion import DiffusionEngine
     from vllm_omni_plugin.testing.tiny import build
 
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    else:
+        print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    concurrency = tuple(args.concurrency)
+    device_args: dict[str, Any] = {"device": args.device, "max_batch_size": max(concurrency)}
+    if args.dtype:
+        device_args["dtype"] = args.dtype
     cache_dir = Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", ROOT / ".cache" / "tiny_models"))
     variants = ["uncached", *(v for v in args.variants if v != "uncached")]
     rows: list[tuple[str, str, dict[int, float], float, float]] = []
     for model in args.models:
+        start = time.perf_counter()
         path = build(model, cache_dir / model)
+        print(f"{model}: built in {time.perf_counter() - start:.1f} s", flush=True)
         for variant in variants:
             start = time.perf_counter()
+            engine_args = {**device_args, **VARIANTS[variant]}
+            if "compile" in engine_args:
+                engine_args.update(height=args.size, width=args.size)
             try:
-                engine = DiffusionEngine(path, max_batch_size=8, **VARIANTS[variant])
+                engine = DiffusionEngine(path, **engine_args)
             except ValueError as exc:  # a runner without it
                 print(f"{model:10s} {variant:10s} not available: {exc}", flush=True)
                 continue
             ready = time.perf_counter() - start
             try:
-                rates = {c: measure(engine, model, args.steps, c, args.rounds) for c in CONCURRENCY}
+                rates = {
+                    c: measure(engine, model, args.steps, c, args.rounds, args.size) for c in concurrency
+                }
                 counts = engine.counters()
             finally:
                 engine.close()
@@ -133,16 +159,16 @@ def main() -> int:
     print("\nimages/s (x uncached at the same concurrency), share of block evaluations computed")
     print(
         f"{'model':10s} {'variant':10s} "
-        + " ".join(f"{'c=' + str(c):>16s}" for c in CONCURRENCY)
+        + " ".join(f"{'c=' + str(c):>16s}" for c in concurrency)
         + "  blocks"
     )
-    base = {(m, c): r[c] for m, v, r, _, _ in rows if v == "uncached" for c in CONCURRENCY}
+    base = {(m, c): r[c] for m, v, r, _, _ in rows if v == "uncached" for c in concurrency}
     verdicts = []
     for model, variant, rates, share, _ in rows:
-        ratios = {c: rates[c] / base[(model, c)] for c in CONCURRENCY}
-        cells = " ".join(f"{rates[c]:7.2f} ({ratios[c]:4.2f}x)" for c in CONCURRENCY)
+        ratios = {c: rates[c] / base[(model, c)] for c in concurrency}
+        cells = " ".join(f"{rates[c]:7.2f} ({ratios[c]:4.2f}x)" for c in concurrency)
         print(f"{model:10s} {variant:10s} {cells}  {share:.2f}")
-        if variant == HALF:
+        if variant == HALF and 1 in ratios:
             verdicts.append((f"{model} {HALF} c=1 >= 1.5x", ratios[1] >= 1.5, ratios[1]))
         if variant == "compiled":
             worst = min(ratios.values())

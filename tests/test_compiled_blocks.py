@@ -9,6 +9,7 @@ pipeline per model, compiled once per module."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
+from torch._inductor.async_compile import AsyncCompile
 
 from vllm_omni_plugin.diffusion.blocks import repeated_blocks
 from vllm_omni_plugin.diffusion.compiled_blocks import (
@@ -247,6 +250,9 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
     eager = DiffusionEngine(tiny_sd3, max_batch_size=4, height=SIZE, width=SIZE)
     plain = eager.generate(requests())
     eager.close()
+    # the pool of compile workers a GPU host's compile starts (this CPU's compiles run in-process)
+    AsyncCompile.process_pool()
+    assert wait_for(lambda: bool(inductor_workers()))
     engine = DiffusionEngine(tiny_sd3, max_batch_size=4, height=SIZE, width=SIZE, compile={"blocks": True})
     try:
         assert engine.compile_seconds > 0
@@ -258,10 +264,28 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
         assert compile_count() == graphs
     finally:
         engine.close()
+    assert wait_for(lambda: not inductor_workers()), "closing the engine left inductor's compile workers"
     for results in (served, together):
         for got, want in zip(results, plain, strict=True):
             assert got.ok and want.ok
             assert np.abs(np.asarray(got.image, np.int16) - np.asarray(want.image, np.int16)).max() <= 1
+
+
+def inductor_workers() -> list[psutil.Process]:
+    return [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if any("compile_worker" in part for part in child.cmdline())
+    ]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_a_runner_that_cannot_compile_refuses_the_compile_block(tiny_bagel: Path) -> None:

@@ -1,6 +1,6 @@
 """DiT acceleration on a CUDA device (``scripts/gpu_check.sh`` runs these; they skip without one): a
 step-cached request, a compiled tiny SD3 deployment and (with two devices) a CFG-parallel one on ``cuda``,
-float32 so that the images compare with the eager, uncached, single-device ones."""
+float32 so that the images compare with the CPU's cached ones and the eager, single-device ones."""
 
 from __future__ import annotations
 
@@ -43,9 +43,16 @@ def test_cached_and_compiled_tiny_sd3_on_cuda(tiny_sd3: Path) -> None:
     blocks = 2  # the tiny SD3's transformer blocks
     assert counts.computed_blocks - before.computed_blocks == 3 * blocks * FIXED_COMPUTED
     assert counts.cached_blocks - before.cached_blocks == 3 * blocks * (STEPS - FIXED_COMPUTED)
-    for result, image in zip(cached, plain, strict=True):
-        assert result.ok and np.abs(result.image.astype(np.int16) - image).mean() <= 10.0
     eager.close()
+    # how far caching moves an image is the CPU tests' business (tests/test_step_cache.py); here the
+    # cached requests give on the device what they give on the CPU
+    on_cpu = DiffusionEngine(tiny_sd3, device="cpu", dtype="float32", max_batch_size=4)
+    try:
+        expected = [r.image for r in on_cpu.generate(requests(3, StepCacheSpec(policy="fixed")))]
+    finally:
+        on_cpu.close()
+    for result, image in zip(cached, expected, strict=True):
+        assert result.ok and np.abs(result.image.astype(np.int16) - image).mean() <= 1.0
 
     compiled = DiffusionEngine(
         tiny_sd3,

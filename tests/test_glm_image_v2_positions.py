@@ -91,7 +91,7 @@ def random_batch(seed: int, idx_dtype: torch.dtype) -> dict[str, Any]:
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])  # vLLM 0.31 / 0.32+
 def test_positions_follow_the_plan_then_run_on(idx_dtype: torch.dtype) -> None:
-    from vllm_omni_plugin.runners.planned_positions import planned_mrope_positions
+    from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
 
     batch = random_batch(0, idx_dtype)
     got = planned_mrope_positions(**batch)
@@ -112,7 +112,7 @@ def test_positions_follow_the_plan_then_run_on(idx_dtype: torch.dtype) -> None:
 
 
 def test_positions_go_into_the_runners_buffer() -> None:
-    from vllm_omni_plugin.runners.planned_positions import planned_mrope_positions
+    from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
 
     batch = random_batch(1, torch.int64)
     buffer = torch.full((3, 65), -7, dtype=torch.int64)  # the runner's buffer: max_num_tokens + 1 wide
@@ -126,7 +126,7 @@ def test_positions_go_into_the_runners_buffer() -> None:
 
 def test_positions_read_no_device_value_on_the_host() -> None:
     """On the meta device every host read of a tensor's value raises, so the function would too."""
-    from vllm_omni_plugin.runners.planned_positions import planned_mrope_positions
+    from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
 
     batch = random_batch(2, torch.int64)
     meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -143,7 +143,7 @@ def test_positions_read_no_device_value_on_the_host() -> None:
 def test_positions_are_captured_in_a_cuda_graph() -> None:
     """On the device the function runs inside a CUDA graph (a host read would fail the capture), and a
     replay over new inputs written in place gives what the CPU gives."""
-    from vllm_omni_plugin.runners.planned_positions import planned_mrope_positions
+    from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
 
     first, second = random_batch(3, torch.int64), random_batch(4, torch.int64)
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in first.items()}

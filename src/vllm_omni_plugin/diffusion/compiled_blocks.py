@@ -177,3 +177,14 @@ def warm_up(
         for batch in batch_sizes:
             run_at_batch(batch)
     return time.perf_counter() - start, compile_count() - graphs
+
+
+def release_compile_workers() -> None:
+    """Stops inductor's pool of compile worker processes (one per core: 16 on a GPU host), which outlives
+    every compile in its process; an engine that compiled calls it when it closes, so that a stopped
+    engine leaves no process behind (a later compile starts the pool again)."""
+    from torch._inductor import async_compile
+
+    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
+    if shutdown is not None:
+        shutdown()

@@ -549,12 +549,17 @@ class DiffusionEngine:
             self._counters.queue_wait_seconds += sum(waits)
 
     def close(self) -> None:
-        """Stop the step and decode threads (``batching: step``) and a CFG-parallel replica's peers."""
+        """Stop the step and decode threads (``batching: step``), a CFG-parallel replica's peers and, where
+        it compiled, inductor's compile workers."""
         for batcher in (self.step_batcher, self.decode_batcher):
             if batcher is not None:
                 batcher.close()
         if self.parallel is not None:
             self.parallel.close()
+        if self.compile is not None and self.compile.active:
+            from vllm_omni_plugin.diffusion.compiled_blocks import release_compile_workers
+
+            release_compile_workers()
 
     def _preview(self, request_id: str, index: int, image: Any) -> None:
         if self.on_preview is not None:

@@ -6,7 +6,9 @@ runner takes them through ``OmniModelRunnerMixin._calc_mrope_positions``; V2 kee
 ``RopeState`` and gives every token after the prefill ``num_computed + delta`` (linear), so without this
 module the plan is silently ignored there. V2's per-model seam is ``model.get_model_state_cls()``:
 :class:`PlannedMRopeModelState` is vLLM's ``DefaultModelState`` whose table holds the whole plan (clipped
-to the table's width, ``max_model_len``) and whose positions come from :func:`planned_mrope_positions`.
+to the table's width, ``max_model_len``) and whose positions come from
+:func:`~vllm_omni_plugin.runners.planned_mrope.planned_mrope_positions` (plain torch, in a module of its
+own so that it runs, and is checked inside a CUDA graph, where vLLM is not installed).
 
 Only V2 imports this module (through the model's ``get_model_state_cls``); the V1 runner and the CPU
 platform never do.
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_omni_plugin.compat import resolve
+from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,54 +32,6 @@ if TYPE_CHECKING:
 
 DefaultModelState = resolve("DefaultModelState")
 UvaBackedTensor = resolve("UvaBackedTensor")
-
-
-def planned_mrope_positions(
-    plans: torch.Tensor,
-    planned_lens: torch.Tensor,
-    deltas: torch.Tensor,
-    idx_mapping: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    num_computed_tokens: torch.Tensor,
-    num_tokens: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """M-RoPE positions ``[num_dims, num_tokens]`` (int64) of a batch's scheduled tokens.
-
-    The token at sequence index ``p = num_computed_tokens[slot] + offset`` of request slot ``slot`` gets
-    ``plans[slot, :, p]`` while ``p < planned_lens[slot]``, else ``p + deltas[slot]`` on every axis.
-
-    - ``plans`` ``[num_slots, num_dims, width]``: the planned positions per request slot;
-    - ``planned_lens``, ``deltas``, ``num_computed_tokens`` ``[num_slots]``;
-    - ``idx_mapping`` ``[num_reqs]``: batch row -> request slot (int32 or int64);
-    - ``query_start_loc`` ``[>= num_reqs + 1]``: the rows' token offsets (entries past ``num_reqs`` are
-      padding and ignored);
-    - ``out`` ``[num_dims, >= num_tokens]``: written in place when given (the runner's persistent
-      buffer); tokens past ``num_tokens`` are left as they are.
-
-    Runs on the device every step, so it reads no tensor value on the host: only ``num_tokens`` (which
-    the runner knows on the host) and shapes decide the work.
-    """
-    num_reqs = idx_mapping.shape[0]
-    num_dims = plans.shape[1]
-    device = plans.device
-    if num_tokens == 0 or num_reqs == 0:
-        result = torch.empty((num_dims, 0), dtype=torch.int64, device=device)
-        return result if out is None else out[:, :0]
-    token = torch.arange(num_tokens, dtype=torch.int64, device=device)
-    starts = query_start_loc[: num_reqs + 1].to(torch.int64)
-    row = torch.searchsorted(starts[1:], token, right=True).clamp_(max=num_reqs - 1)
-    slot = idx_mapping.to(torch.int64)[row]
-    pos = num_computed_tokens.to(torch.int64)[slot] + (token - starts[row])
-    planned = plans[slot, :, pos.clamp(0, plans.shape[2] - 1)].T.to(torch.int64)
-    in_plan = pos < planned_lens.to(torch.int64)[slot]
-    linear = pos + deltas.to(torch.int64)[slot]
-    result = torch.where(in_plan, planned, linear)
-    if out is None:
-        return result
-    target = out[:, :num_tokens]
-    target.copy_(result)
-    return target
 
 
 class PlannedMRopeModelState(DefaultModelState):

@@ -12,8 +12,10 @@ Kinds: ``text`` (Qwen2 with a ChatML tokenizer), ``glm-image`` (the diffusers GL
 upstream repository layout: AR model, processor, DiT, VAE, glyph T5, scheduler; 64x64 images in seconds),
 ``bagel`` (BAGEL-7B-MoT's hub layout: both MoT experts, NaViT SigLIP, FLUX autoencoder; see ``bagel``)
 and the single-stage diffusers pipelines ``sd3``, ``flux``, ``qwen-image`` and ``qwen-image-edit`` (the
-real component classes of each family; see ``sd3``, ``flux``, ``qwen_image``). One module per family in
-this package, imported only when its kind is built; their shared parts are in ``components``.
+real component classes of each family; see ``sd3``, ``flux``, ``qwen_image``). ``sd3-medium-shape`` is
+not tiny: SD3 medium's DiT and VAE at their real shapes (random, 4 GB), for measuring on a GPU. One module
+per family in this package, imported only when its kind is built; their shared parts are in
+``components``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ BUILDERS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[Path, dict[str
     "glm-image": (_lazy("glm_image", "glm_image_config"), _lazy("glm_image", "build_glm_image")),
     "bagel": (_lazy("bagel", "bagel_config"), _lazy("bagel", "build_bagel")),
     "sd3": (_lazy("sd3", "sd3_config"), _lazy("sd3", "build_sd3")),
+    "sd3-medium-shape": (_lazy("sd3", "sd3_medium_shape_config"), _lazy("sd3", "build_sd3")),
     "flux": (_lazy("flux", "flux_config"), _lazy("flux", "build_flux")),
     "qwen-image": (_lazy("qwen_image", "qwen_image_config"), _lazy("qwen_image", "build_qwen_image")),
     "qwen-image-edit": (

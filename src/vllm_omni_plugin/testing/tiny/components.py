@@ -309,7 +309,7 @@ def autoencoder_kl(cfg: dict[str, Any], generator: Any) -> Any:
         down_block_types=("DownEncoderBlock2D",) * len(blocks),
         up_block_types=("UpDecoderBlock2D",) * len(blocks),
         block_out_channels=blocks,
-        layers_per_block=1,
+        layers_per_block=cfg.get("layers_per_block", 1),
         latent_channels=cfg["latent_channels"],
         norm_num_groups=cfg["norm_num_groups"],
         sample_size=64,

@@ -52,6 +52,34 @@ def sd3_config() -> dict[str, Any]:
     }
 
 
+def sd3_medium_shape_config() -> dict[str, Any]:
+    """Stable Diffusion 3 medium's transformer (24 blocks, 1536 wide, 24 heads of 64, 2.0B parameters) and
+    VAE at their real shapes, random weights stored in bfloat16, with the tiny text encoders: what a GPU
+    spends a 1024x1024 image on (the DiT's 4096 image tokens and the VAE), for measuring acceleration on
+    a device (``benchmarks/dit_acceleration.py --models sd3-medium-shape``); its prompts are as short as
+    the real model's (77 CLIP + 256 T5 tokens)."""
+    cfg = sd3_config()
+    cfg["transformer"] = {
+        "sample_size": 128,
+        "patch_size": 2,
+        "in_channels": 16,
+        "out_channels": 16,
+        "num_layers": 24,
+        "attention_head_dim": 64,
+        "num_attention_heads": 24,
+        "caption_projection_dim": 1536,
+        "pos_embed_max_size": 192,
+    }
+    cfg["vae"] = {
+        **cfg["vae"],
+        "block_out_channels": [128, 256, 512, 512],
+        "layers_per_block": 2,
+        "norm_num_groups": 32,
+    }
+    cfg["dtype"] = "bfloat16"
+    return cfg
+
+
 def build_sd3(outdir: Path, cfg: dict[str, Any]) -> None:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -92,6 +120,9 @@ def build_sd3(outdir: Path, cfg: dict[str, Any]) -> None:
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
+    if "dtype" in cfg:  # the shape models: half the bytes to write and read
+        pipe.transformer.to(getattr(torch, cfg["dtype"]))
+        pipe.vae.to(getattr(torch, cfg["dtype"]))
     pipe.save_pretrained(outdir, safe_serialization=True)
     (outdir / "README.md").write_text(
         "# tiny Stable Diffusion 3\n\nRandom weights in the StableDiffusion3Pipeline layout, built offline "
