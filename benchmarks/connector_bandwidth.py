@@ -1,8 +1,8 @@
 """Connector bandwidth, put in one process and get in another, against an in-process memcpy and bare
 transfers of each pulling transport (NIXL, Mooncake's transfer engine over TCP).
 
-    python benchmarks/connector_bandwidth.py [--min-size 1K] [--max-size 256M] [--seconds 0.25]
-                                             [--repeats 2] [--connectors shm,nixl,mooncake]
+    python benchmarks/connector_bandwidth.py [--min-size 1K] [--max-size 256M] [--seconds 0.15]
+                                             [--repeats 5] [--connectors shm,nixl,mooncake]
 
 For each size, the parent puts one tensor after another and sends each handle (msgpack, over a pipe) to a
 spawned receiver process, which gets it, checks two bytes, drops it and acknowledges; a rate counts bytes
@@ -385,8 +385,8 @@ def main() -> None:
     parser.add_argument("--min-size", default="1K")
     parser.add_argument("--max-size", default="256M")
     parser.add_argument("--step", type=int, default=4, help="size multiplier between rows")
-    parser.add_argument("--seconds", type=float, default=0.25, help="measuring time per rate")
-    parser.add_argument("--repeats", type=int, default=2, help="rates per cell; the best is shown")
+    parser.add_argument("--seconds", type=float, default=0.15, help="measuring time per rate")
+    parser.add_argument("--repeats", type=int, default=5, help="rates per cell; the best is shown")
     parser.add_argument("--connectors", default=",".join(CONNECTORS), help="comma-separated labels")
     args = parser.parse_args()
     torch.set_num_threads(1)
