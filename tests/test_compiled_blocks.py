@@ -27,6 +27,7 @@ from vllm_omni_plugin.diffusion.compiled_blocks import (
     compile_blocks,
     compile_count,
     compile_unavailable_reason,
+    release_compile_workers,
     uncompile_blocks,
     warm_up,
 )
@@ -252,19 +253,24 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
     eager.close()
     # the pool of compile workers a GPU host's compile starts (this CPU's compiles run in-process)
     AsyncCompile.process_pool()
-    assert wait_for(lambda: bool(inductor_workers()))
-    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, height=SIZE, width=SIZE, compile={"blocks": True})
     try:
-        assert engine.compile_seconds > 0
-        assert all("forward" in vars(block) for block in repeated_blocks(engine.runner.pipe.transformer))
-        graphs = compile_count()
-        # One at a time (denoiser batches 2, 2, 1), then all three in one call (5 rows).
-        served = [r for one in requests() for r in engine.generate([one])]
-        together = engine.generate(requests())
-        assert compile_count() == graphs
+        assert wait_for(lambda: bool(inductor_workers()))
+        engine = DiffusionEngine(
+            tiny_sd3, max_batch_size=4, height=SIZE, width=SIZE, compile={"blocks": True}
+        )
+        try:
+            assert engine.compile_seconds > 0
+            assert all("forward" in vars(b) for b in repeated_blocks(engine.runner.pipe.transformer))
+            graphs = compile_count()
+            # One at a time (denoiser batches 2, 2, 1), then all three in one call (5 rows).
+            served = [r for one in requests() for r in engine.generate([one])]
+            together = engine.generate(requests())
+            assert compile_count() == graphs
+        finally:
+            engine.close()
+        assert wait_for(lambda: not inductor_workers()), "closing the engine left inductor's compile workers"
     finally:
-        engine.close()
-    assert wait_for(lambda: not inductor_workers()), "closing the engine left inductor's compile workers"
+        release_compile_workers()  # also where the test failed before the engine closed
     for results in (served, together):
         for got, want in zip(results, plain, strict=True):
             assert got.ok and want.ok
@@ -272,11 +278,14 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
 
 
 def inductor_workers() -> list[psutil.Process]:
-    return [
-        child
-        for child in psutil.Process().children(recursive=True)
-        if any("compile_worker" in part for part in child.cmdline())
-    ]
+    workers = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("compile_worker" in part for part in child.cmdline()):
+                workers.append(child)
+        except psutil.Error:  # gone, or a zombie another test's process left for its parent to reap
+            pass
+    return workers
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
