@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -404,3 +405,11 @@ def serve_model(
     with ServerProcess(argv, port=port, env=cpu_test_env(env), log_path=directory / "server.log") as server:
         server.wait_ready(timeout=300)
         yield server
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
+    """Polls ``condition`` until it holds; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

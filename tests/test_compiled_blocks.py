@@ -9,7 +9,6 @@ pipeline per model, compiled once per module."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import pytest
 import torch
 from torch._inductor.async_compile import AsyncCompile
 
+from helpers import wait_for
 from vllm_omni_plugin.diffusion.blocks import repeated_blocks
 from vllm_omni_plugin.diffusion.compiled_blocks import (
     compile_blocks,
@@ -254,7 +254,7 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
     # the pool of compile workers a GPU host's compile starts (this CPU's compiles run in-process)
     AsyncCompile.process_pool()
     try:
-        assert wait_for(lambda: bool(inductor_workers()))
+        wait_for(lambda: bool(inductor_workers()), 30, "inductor's compile workers to start")
         engine = DiffusionEngine(
             tiny_sd3, max_batch_size=4, height=SIZE, width=SIZE, compile={"blocks": True}
         )
@@ -268,7 +268,7 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
             assert compile_count() == graphs
         finally:
             engine.close()
-        assert wait_for(lambda: not inductor_workers()), "closing the engine left inductor's compile workers"
+        wait_for(lambda: not inductor_workers(), 30, "the closed engine to stop inductor's compile workers")
     finally:
         release_compile_workers()  # also where the test failed before the engine closed
     for results in (served, together):
@@ -286,15 +286,6 @@ def inductor_workers() -> list[psutil.Process]:
         except psutil.Error:  # gone, or a zombie another test's process left for its parent to reap
             pass
     return workers
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def test_a_runner_that_cannot_compile_refuses_the_compile_block(tiny_bagel: Path) -> None:

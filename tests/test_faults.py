@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import wait_for
 from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
 from vllm_omni_plugin.testing.harness.soak import Deployment, SoakSettings, run_soak
 
@@ -57,13 +58,6 @@ def health(server: ServerProcess) -> dict[str, Any]:
 
 def replica(server: ServerProcess, stage: str) -> dict[str, Any]:
     return health(server)["stages"][stage]["replicas"][0]
-
-
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def body(i: int) -> dict[str, Any]:
