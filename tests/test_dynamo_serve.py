@@ -102,7 +102,7 @@ def wait_model(frontend: ServerProcess, name: str, worker: ServerProcess, timeou
         models = httpx.get(frontend.base_url + "/v1/models", timeout=5).json()["data"]
         return any(m["id"] == name for m in models)
 
-    frontend.wait_until(listed, timeout)
+    frontend.wait_until(listed, timeout, stop=False)  # the module's frontend: later tests use it
 
 
 @pytest.fixture(scope="module")

@@ -181,12 +181,16 @@ def deploy_stages(site: DynamoSite, argv: list[str], dits: int, reference: np.nd
     stages.wait_joined(0, 1)
     stages.wait_joined(1, dits)
     frontend = site.processes[0]
-    frontend.wait_until(
-        lambda: any(
-            m["id"] == GLM for m in httpx.get(frontend.base_url + "/v1/models", timeout=5).json()["data"]
-        ),
-        120,
-    )
+    try:
+        frontend.wait_until(
+            lambda: any(
+                m["id"] == GLM for m in httpx.get(frontend.base_url + "/v1/models", timeout=5).json()["data"]
+            ),
+            600,
+            stop=False,  # the module's frontend: the other classes' deployments use it
+        )
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}\nthe router's log tail:\n{router.log_text()[-4000:]}") from None
     return stages
 
 

@@ -150,14 +150,37 @@ def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
     except FileNotFoundError:
         return False
     known = tracker_name(name)
-    if known is not None:
+    if known is not None and _tracker_runs():
         from multiprocessing import resource_tracker
 
-        tracker = getattr(resource_tracker, "_resource_tracker", None)
-        if getattr(tracker, "_fd", None) is not None:  # only one that runs: never start a tracker for this
-            with best_effort("unregistering removed segments from the resource tracker", logger):
-                resource_tracker.unregister(*known)
+        with best_effort("unregistering removed segments from the resource tracker", logger):
+            resource_tracker.unregister(*known)
     return True
+
+
+def own_resource_tracker() -> int | None:
+    """The pid of the resource tracker this process started (None: it started none): a child that is
+    not a stage's, which ignores SIGTERM and ends with this process."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    return getattr(tracker, "_pid", None) if getattr(tracker, "_fd", None) is not None else None
+
+
+def _tracker_runs() -> bool:
+    """Whether this process shares a resource tracker that still runs. Never start one to unregister a
+    segment, nor talk to a dead one: multiprocessing would start a new tracker, which prints a traceback
+    for every name it was never told of."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    if getattr(tracker, "_fd", None) is None:
+        return False
+    pid = getattr(tracker, "_pid", None)  # None: inherited from the process that started it
+    if pid is None:
+        return True
+    stat = _stat(pid)
+    return stat is not None and stat[2] not in ("Z", "X")
 
 
 def unmapped(names: list[str], shm_dir: str = SHM_DIR) -> list[str]:

@@ -104,9 +104,9 @@ class DynamoSite:
         port = free_port()
         argv = [sys.executable, "-m", "vllm_omni_plugin.dynamo.frontend", "--http-host", "127.0.0.1",
                 "--http-port", str(port), "--namespace", self.namespace]  # fmt: skip
-        return self._start(
-            ServerProcess(argv, port=port, log_path=self.directory / f"{name}.log", env=self.env())
-        )
+        # info: what it discovers and builds, which a test that waits for a model to be listed shows
+        env = self.env({"DYN_LOG": "info,dynamo_llm::http=warn,dynamo_runtime::pipeline=warn"})
+        return self._start(ServerProcess(argv, port=port, log_path=self.directory / f"{name}.log", env=env))
 
     def worker(
         self, model: Path | str, *flags: str, name: str, env: Mapping[str, str] | None = None

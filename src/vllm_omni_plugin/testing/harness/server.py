@@ -181,7 +181,9 @@ class ServerProcess:
         """Until the server's log contains ``text`` (servers without HTTP, e.g. headless workers)."""
         self.wait_until(lambda: text in self.log_text(), timeout)
 
-    def wait_until(self, ready: Callable[[], bool], timeout: float) -> None:
+    def wait_until(self, ready: Callable[[], bool], timeout: float, *, stop: bool = True) -> None:
+        """Until ``ready()``; at the timeout, the server is stopped (``stop``: a server other tests share
+        stays up for them) and TimeoutError says its log's tail."""
         assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -196,7 +198,8 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
+        if stop:
+            self.stop()
         raise TimeoutError(f"server not ready after {timeout:.0f}s; log tail:\n" + self.log_text()[-4000:])
 
     def stop(self, grace: float = 30.0) -> int | None:

@@ -30,7 +30,7 @@ from vllm_omni_plugin.config.resolved import ResolvedEdge
 from vllm_omni_plugin.config.schema import ConnectorSpec
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import best_effort, get_logger
-from vllm_omni_plugin.processes import ProcessTree, descendants
+from vllm_omni_plugin.processes import ProcessTree, descendants, own_resource_tracker
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import (
     StageAbort,
@@ -245,8 +245,10 @@ class StageReplicaActor:
         # The engine's processes are this actor's only children: ending them ends the build at once (a
         # build that waits for them fails), where it might otherwise load for minutes yet.
         children = ProcessTree(self.label)
+        tracker = own_resource_tracker()  # the actor's, not the engine's: it unlinks what it tracks
         for pid in descendants(os.getpid()):
-            children.record(pid)
+            if pid != tracker:
+                children.record(pid)
         for member in children.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(member.pid, signal.SIGTERM)
