@@ -1,16 +1,18 @@
 """DiT acceleration in the diffusion stage's engine, in one run: tiny SD3, FLUX and GLM-Image at 28 steps
-(64x64, guided), uncached (the baseline) against each step-caching policy, compiled blocks, and CFG
-parallelism over two processes.
+(64x64, guided), uncached (the baseline) against each step-caching policy, compiled blocks, and CFG and
+sequence parallelism over two processes.
 
     python benchmarks/dit_acceleration.py [--models sd3 flux glm-image] [--steps 28] [--rounds 3]
-                          [--variants uncached fixed half fixed-3 threshold compiled cfg-parallel]
+                          [--variants uncached fixed half fixed-3 threshold compiled cfg-parallel
+                                      sequence-parallel]
 
 Each variant is a ``DiffusionEngine`` as the stage builds it (``cache`` / ``compile`` as a deploy file's
 stage would set them), in this process with one thread. Concurrency 1: one request at a time; 8: eight
 requests handed over at once (one batch). Figures are medians of ``--rounds`` timed rounds after a
 warm-up round; ratios are against ``uncached`` at the same concurrency; ``blocks`` is the share of block
-evaluations computed (the engine's counters: computed / (computed + cached)). ``cfg-parallel`` runs a
-second process (one more core: the ranks take one thread each); GLM-Image's runner refuses it.
+evaluations computed (the engine's counters: computed / (computed + cached)). ``cfg-parallel`` and
+``sequence-parallel`` run a second process (one more core: the ranks take one thread each); GLM-Image's
+runner refuses both, and sequence parallelism covers SD3 only (FLUX refuses it).
 
 Targets on CPU: >= 1.5x at concurrency 1 with the policy that computes about half the steps (``half``:
 warm-up 2, then one in 2: 15 of 28); compiled not slower than eager (>= 1.0x).
@@ -47,6 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "threshold": {"cache": {"policy": "threshold", "threshold": 0.1}},
     "compiled": {"compile": {"blocks": True}},  # warm-up at --size
     "cfg-parallel": {"cfg_parallel_size": 2},
+    "sequence-parallel": {"sequence_parallel_size": 2},
 }
 """Engine arguments of each variant (what a stage's ``cache`` / ``compile`` block resolves to)."""
 HALF = "half"

@@ -83,14 +83,14 @@ def test_a_cfg_parallel_engine_gives_the_single_process_images(pairs: dict[str, 
     batch = [ask(f"{family}-{i}", seed=i, steps=STEPS, family=family) for i in range(2)]
     expected = _images(pair.plain.generate(batch))
     pair.rows.clear()
-    split_before = pair.parallel.runner.row_parallel.split_calls
+    split_before = pair.parallel.runner.parallel_denoiser.split_calls
     got = _images(pair.parallel.generate(batch))
     for a, b in zip(got, expected, strict=True):
         assert_within_one_level(a, b)
     # Two requests: rank 0 computed half of every forward's rows (SD3: the unconditional branch of both).
     calls = len(pair.rows)
     assert calls > 0 and pair.rows == [ROWS_PER_REQUEST[family]] * calls
-    assert pair.parallel.runner.row_parallel.split_calls - split_before == calls
+    assert pair.parallel.runner.parallel_denoiser.split_calls - split_before == calls
 
 
 def test_an_unguided_request_alone_runs_on_rank_0(pairs: dict[str, Pair]) -> None:
@@ -98,11 +98,11 @@ def test_an_unguided_request_alone_runs_on_rank_0(pairs: dict[str, Pair]) -> Non
     request = ask("alone", seed=5, steps=STEPS, guidance=1.0)
     expected = _images(pair.plain.generate([request]))
     pair.rows.clear()
-    split_before = pair.parallel.runner.row_parallel.split_calls
+    split_before = pair.parallel.runner.parallel_denoiser.split_calls
     got = _images(pair.parallel.generate([request]))
     assert np.array_equal(got[0], expected[0])  # one row: nothing to split, the same forward
     assert pair.rows == [1] * STEPS
-    assert pair.parallel.runner.row_parallel.split_calls == split_before
+    assert pair.parallel.runner.parallel_denoiser.split_calls == split_before
 
 
 def test_cached_requests_split_the_steps_they_compute(pairs: dict[str, Pair]) -> None:
@@ -133,7 +133,7 @@ def test_a_step_batched_group_goes_through_the_group(tiny_sd3: Path) -> None:
         thread.start()
         thread.join(timeout=300)
         got = _images(results)
-        assert engine.runner.row_parallel.split_calls == STEPS
+        assert engine.runner.parallel_denoiser.split_calls == STEPS
     finally:
         engine.close()
     for a, b in zip(got, expected, strict=True):
@@ -155,7 +155,7 @@ def test_a_dead_peer_costs_no_request_and_closing_leaves_no_peer(
         with caplog.at_level("ERROR"):
             got = _images(engine.generate(batch))
         assert group.failed is not None and not group.alive
-        assert "computes every row itself from now on" in caplog.text
+        assert "computes every forward whole from now on" in caplog.text
         for a, b in zip(got, expected, strict=True):
             assert_within_one_level(a, b)
     finally:
@@ -177,18 +177,23 @@ def test_a_peer_that_cannot_load_stops_start_up_in_one_line(tmp_path: Path) -> N
         device="cpu",
         num_threads=1,
     )
-    with pytest.raises(RuntimeError, match=r"cfg-parallel peers did not start: rank 1 exited with code 1"):
+    with pytest.raises(
+        RuntimeError, match=r"the denoiser group's peers did not start: rank 1 exited with code 1"
+    ):
         DenoiserGroup(2, [spec])
 
 
 @pytest.mark.parametrize("family", ["glm_image", "bagel"])
-def test_runners_without_cfg_parallelism_refuse_it(request: pytest.FixtureRequest, family: str) -> None:
+@pytest.mark.parametrize(("field", "what"), [("cfg", "CFG-parallel"), ("sequence", "sequence-parallel")])
+def test_runners_without_a_denoiser_group_refuse_one(
+    request: pytest.FixtureRequest, family: str, field: str, what: str
+) -> None:
     from test_step_batching import BAGEL_RUNNER
 
     model = request.getfixturevalue(f"tiny_{family}")
     runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
-    with pytest.raises(ValueError, match="cannot run CFG-parallel; remove it"):
-        DiffusionEngine(model, cfg_parallel_size=2, **runner)
+    with pytest.raises(ValueError, match=f"{field}_parallel_size: .* cannot run {what}; remove it"):
+        DiffusionEngine(model, **{f"{field}_parallel_size": 2}, **runner)
 
 
 def _peers() -> list[int]:
@@ -199,11 +204,13 @@ def _peers() -> list[int]:
 
 
 @pytest.mark.server
-def test_a_served_cfg_parallel_stage_gives_diffusers_images_and_stops_its_peer(
-    tiny_sd3: Path, tmp_path: Path
+@pytest.mark.parametrize("field", ["cfg_parallel_size", "sequence_parallel_size"])
+def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
+    tiny_sd3: Path, tmp_path: Path, field: str
 ) -> None:
-    """``vllm serve --omni`` with ``cfg_parallel_size: 2``: the stage's replica starts its peer, the
-    images equal a stock diffusers call's, and stopping the server leaves no peer."""
+    """``vllm serve --omni`` with ``cfg_parallel_size: 2`` or ``sequence_parallel_size: 2``: the stage's
+    replica starts its peer, the images equal a stock diffusers call's, and stopping the server leaves
+    no peer."""
     import base64
     import io
 
@@ -214,7 +221,7 @@ def test_a_served_cfg_parallel_stage_gives_diffusers_images_and_stops_its_peer(
     from vllm_omni_plugin.testing.reference.diffusers import reference_image
 
     deploy = tmp_path / "deploy.yaml"
-    deploy.write_text("pipeline: diffusion\nstages:\n  - {stage_id: 0, cfg_parallel_size: 2}\n")
+    deploy.write_text(f"pipeline: diffusion\nstages:\n  - {{stage_id: 0, {field}: 2}}\n")
     before = set(_peers())  # this module's in-process engines have theirs
     port = free_port()
     server = ServerProcess(

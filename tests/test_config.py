@@ -952,36 +952,53 @@ def test_a_bad_acceleration_block_is_one_config_error(
     assert message in str(caught.value)
 
 
-def test_cfg_parallel_size_gives_each_diffusion_replica_that_many_devices(tmp_path: Path) -> None:
+@pytest.mark.parametrize("field", ["cfg_parallel_size", "sequence_parallel_size"])
+def test_a_parallel_size_gives_each_diffusion_replica_that_many_devices(tmp_path: Path, field: str) -> None:
     path = write(
         tmp_path,
-        """
+        f"""
         pipeline: diffusion
         stages:
-          - {stage_id: 0, cfg_parallel_size: 2, num_replicas: 2, devices: "0,1,2,3"}
+          - {{stage_id: 0, {field}: 2, num_replicas: 2, devices: "0,1,2,3"}}
         """,
     )
     model = diffusers_dir(tmp_path, "StableDiffusion3Pipeline")
     stage = resolve_deployment(model, deploy_config=str(path), platform=GPU).stage(0)
-    assert stage.diffusion_args["cfg_parallel_size"] == 2
+    assert stage.diffusion_args[field] == 2
     assert [r.devices for r in stage.replicas] == ["0,1", "2,3"]
-    path.write_text(
-        "pipeline: diffusion\nstages:\n  - {stage_id: 0, cfg_parallel_size: 2, devices: '0,1,2'}\n"
-    )
-    with pytest.raises(ConfigError, match=r"cannot hold 1 replica\(s\) of cfg_parallel_size 2"):
+    path.write_text(f"pipeline: diffusion\nstages:\n  - {{stage_id: 0, {field}: 2, devices: '0,1,2'}}\n")
+    with pytest.raises(ConfigError, match=rf"cannot hold 1 replica\(s\) of {field} 2"):
         resolve_deployment(model, deploy_config=str(path), platform=GPU)
-    path.write_text("pipeline: diffusion\nbackend: ray\nstages:\n  - {stage_id: 0, cfg_parallel_size: 2}\n")
+    path.write_text(f"pipeline: diffusion\nbackend: ray\nstages:\n  - {{stage_id: 0, {field}: 2}}\n")
     placement = resolve_deployment(model, deploy_config=str(path), platform=GPU).stage(0).placement
     assert placement is not None and placement.num_gpus == 2.0 and placement.placement_group
 
 
-def test_cfg_parallel_size_on_a_runner_without_it_is_one_config_error(
-    tmp_path: Path, tiny_bagel: Path
+@pytest.mark.parametrize(
+    ("field", "what"), [("cfg_parallel_size", "CFG"), ("sequence_parallel_size", "sequence")]
+)
+def test_a_parallel_size_on_a_runner_without_it_is_one_config_error(
+    tmp_path: Path, tiny_bagel: Path, field: str, what: str
 ) -> None:
-    path = write(tmp_path, "pipeline: bagel\nstages:\n  - {stage_id: 1, cfg_parallel_size: 2}\n")
+    path = write(tmp_path, f"pipeline: bagel\nstages:\n  - {{stage_id: 1, {field}: 2}}\n")
     with pytest.raises(ConfigError) as caught:
         resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=CPU)
     assert (
-        "deploy.yaml:3: stages[stage_id=1].cfg_parallel_size: CFG parallelism is not available for "
-        "bagel's diffusion runner (BagelGenerationRunner); remove cfg_parallel_size" in str(caught.value)
+        f"deploy.yaml:3: stages[stage_id=1].{field}: {what} parallelism is not available for "
+        f"bagel's diffusion runner (BagelGenerationRunner); remove {field}" in str(caught.value)
+    )
+
+
+def test_cfg_and_sequence_parallelism_together_are_one_config_error(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "pipeline: diffusion\nstages:\n  - {stage_id: 0, cfg_parallel_size: 2, sequence_parallel_size: 2}\n",
+    )
+    with pytest.raises(ConfigError) as caught:
+        resolve_deployment(
+            diffusers_dir(tmp_path, "StableDiffusion3Pipeline"), deploy_config=str(path), platform=GPU
+        )
+    assert (
+        "deploy.yaml:3: stages[stage_id=0].sequence_parallel_size: cfg_parallel_size and sequence_parallel_size "
+        "cannot be combined; choose one" in str(caught.value)
     )

@@ -83,7 +83,7 @@ def test_cfg_parallel_tiny_sd3_over_two_cuda_devices(tiny_sd3: Path) -> None:
     engine = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4, cfg_parallel_size=2)
     try:
         results = engine.generate(requests(2))
-        assert engine.runner.row_parallel.split_calls == STEPS
+        assert engine.runner.parallel_denoiser.split_calls == STEPS
         assert engine.parallel is not None and engine.parallel.failed is None
     finally:
         engine.close()

@@ -28,6 +28,7 @@ DIFFUSION_ENGINE_FIELDS = (
     "max_loras",
     "max_step_tokens",
     "cfg_parallel_size",
+    "sequence_parallel_size",
 )
 """Further stage fields handed to the diffusion engine as they are."""
 
@@ -63,13 +64,20 @@ def diffusion_args(
                 stage.stage_id,
                 "batching",
             )
-        if (stage.cfg_parallel_size or 1) > 1 and not runner_cls.cfg_parallel:
-            raise report.error(
-                f"CFG parallelism is not available for {pipeline.name}'s diffusion runner ({runner_name}); "
-                "remove cfg_parallel_size",
-                stage.stage_id,
-                "cfg_parallel_size",
-            )
+        for field, what in (("cfg_parallel_size", "CFG"), ("sequence_parallel_size", "sequence")):
+            if (getattr(stage, field) or 1) > 1 and not runner_cls.cfg_parallel:
+                raise report.error(
+                    f"{what} parallelism is not available for {pipeline.name}'s diffusion runner "
+                    f"({runner_name}); remove {field}",
+                    stage.stage_id,
+                    field,
+                )
+    if (stage.cfg_parallel_size or 1) > 1 and (stage.sequence_parallel_size or 1) > 1:
+        raise report.error(
+            "cfg_parallel_size and sequence_parallel_size cannot be combined; choose one",
+            stage.stage_id,
+            "sequence_parallel_size",
+        )
     for name in DIFFUSION_ENGINE_FIELDS:
         if getattr(stage, name) is not None:
             args[name] = getattr(stage, name)

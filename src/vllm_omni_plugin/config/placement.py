@@ -21,6 +21,13 @@ VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 """What a vLLM engine takes of its device when ``gpu_memory_utilization`` is not set."""
 
 
+def diffusion_devices(stage: StageDeployConfig) -> tuple[int, str]:
+    """The devices (processes) a diffusion replica spans, and the field that sets them."""
+    if (stage.sequence_parallel_size or 1) > 1:
+        return stage.sequence_parallel_size or 1, "sequence_parallel_size"
+    return stage.cfg_parallel_size or 1, "cfg_parallel_size"
+
+
 def replicas(
     stage: StageDeployConfig,
     tp: int,
@@ -85,7 +92,7 @@ def ray_placement(
         devices = float(
             engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
             if engine_args
-            else stage.cfg_parallel_size or 1
+            else diffusion_devices(stage)[0]
         )
     if stage.num_gpus is not None and stage.num_gpus > 1 and not float(stage.num_gpus).is_integer():
         raise report.error(

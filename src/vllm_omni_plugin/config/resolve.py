@@ -30,7 +30,13 @@ from vllm_omni_plugin.config.loader import LoadedConfig
 from vllm_omni_plugin.config.merge import set_fields
 from vllm_omni_plugin.config.model_runner import context_export_cpu_env, model_runner
 from vllm_omni_plugin.config.pipeline import Pipeline, PipelineStage
-from vllm_omni_plugin.config.placement import check_shared_devices, ray_placement, ray_settings, replicas
+from vllm_omni_plugin.config.placement import (
+    check_shared_devices,
+    diffusion_devices,
+    ray_placement,
+    ray_settings,
+    replicas,
+)
 from vllm_omni_plugin.config.platform import PlatformInfo, current_platform
 from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedHead, ResolvedStage
@@ -153,9 +159,12 @@ def resolve_stage(
     if is_ar:
         runner, why, runner_env = model_runner(stage, fixed, platform, report)
         runner_env.update(context_export_cpu_env(stage, fixed, platform))
-    # Devices per replica: an AR stage's tensor parallel group, a diffusion stage's CFG-parallel one.
-    width = engine_args.get("tensor_parallel_size", 1) if is_ar else stage.cfg_parallel_size or 1
-    field = "tensor_parallel_size" if is_ar else "cfg_parallel_size"
+    # Devices per replica: an AR stage's tensor parallel group, a diffusion stage's CFG- or
+    # sequence-parallel one.
+    if is_ar:
+        width, field = engine_args.get("tensor_parallel_size", 1), "tensor_parallel_size"
+    else:
+        width, field = diffusion_devices(stage)
     stage_replicas = replicas(stage, width, runner_env, platform, backend, report, field)
     if is_ar:  # the CPU threads policy's cores for each replica's worker (config/cpu_threads.py)
         stage_replicas = [

@@ -122,6 +122,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     cfg_parallel_size: PositiveInt | None = None
     """Diffusion stages: the devices (processes) each replica spans, its denoiser forwards' rows cut over
     them: with batched guidance, each guidance branch on its own device (default 1)."""
+    sequence_parallel_size: PositiveInt | None = None
+    """Diffusion stages: the devices (processes) each replica spans, each computing its share of every
+    denoiser forward's image tokens (SD3's transformer; default 1)."""
     num_threads: PositiveInt | None = None
     """Diffusion stages on CPU: the intra-op threads each replica runs, instead of the CPU threads
     policy's share of the cores (``config/cpu_threads.py``); the replica is then not bound to cores."""
@@ -239,6 +242,7 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "cache",
         "compile",
         "cfg_parallel_size",
+        "sequence_parallel_size",
     }
 )
 RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")

@@ -41,7 +41,12 @@ from vllm_omni_plugin.diffusion.memory import (
     gib,
     tensor_bytes,
 )
-from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, RowParallelDenoiser
+from vllm_omni_plugin.diffusion.parallel import (
+    DenoiserGroup,
+    RowParallelDenoiser,
+    SequenceParallelDenoiser,
+    sequence_plan,
+)
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
@@ -153,6 +158,7 @@ class DiffusionEngine:
         cache: StepCacheSpec | dict[str, Any] | None = None,
         compile: CompileSpec | dict[str, Any] | None = None,  # noqa: A002 (the stage field's name)
         cfg_parallel_size: int = 1,
+        sequence_parallel_size: int = 1,
     ) -> None:
         import torch
 
@@ -219,12 +225,20 @@ class DiffusionEngine:
             raise ValueError(f"step caching is not available for {runner.label}; remove the cache block")
         runner.on_cache_counts = self._cache_counted
         self.parallel: DenoiserGroup | None = None
-        """A CFG-parallel replica's group (``cfg_parallel_size`` > 1): its peers compute their share of
-        every denoiser forward's rows."""
-        if cfg_parallel_size > 1:
-            self.parallel = self._start_group(cfg_parallel_size)
+        """A CFG- or sequence-parallel replica's group (``cfg_parallel_size`` or ``sequence_parallel_size``
+        > 1): its peers compute their share of every denoiser forward's rows, or of its image tokens."""
         self.compile = msgspec.convert(compile, CompileSpec) if isinstance(compile, dict) else compile
         """Regional compilation of the denoiser's blocks (None: eager); compiled and warmed up here."""
+        if cfg_parallel_size > 1 and sequence_parallel_size > 1:
+            raise ValueError("cfg_parallel_size and sequence_parallel_size cannot be combined; choose one")
+        if sequence_parallel_size > 1 and self.compile is not None and self.compile.active:
+            raise ValueError(
+                "sequence_parallel_size: compiled blocks would trace its exchanges; remove the compile block"
+            )
+        if cfg_parallel_size > 1:
+            self.parallel = self._start_group(cfg_parallel_size, "cfg")
+        elif sequence_parallel_size > 1:
+            self.parallel = self._start_group(sequence_parallel_size, "sequence")
         self.compile_seconds = 0.0
         if self.compile is not None and self.compile.active:
             self._compile(self.compile)
@@ -241,7 +255,7 @@ class DiffusionEngine:
                 why = "batch_invariant runs requests alone" if batch_invariant else f"{runner.label} cannot"
                 raise ValueError(f"batching: step is not available: {why}; use batching: request")
             self.step_batcher = StepBatcher(
-                runner.row_parallel or runner.denoiser(),
+                runner.parallel_denoiser or runner.denoiser(),
                 max_rows=2 * max_batch_size,
                 joins=runner.step_joins(),
                 on_boundary=self._boundary_done,
@@ -322,14 +336,18 @@ class DiffusionEngine:
             request = msgspec.structs.replace(request, cache=(own or StepCacheSpec()).over(stage).resolved())
         return self.runner.prepare(request, self.defaults)
 
-    def _start_group(self, size: int) -> DenoiserGroup:
-        """Start the peers of a CFG-parallel replica (rank ``r`` on this replica's ``r``-th device; on CPU
-        the ranks share the replica's threads) and route the runner's denoiser forwards through them."""
+    def _start_group(self, size: int, kind: str) -> DenoiserGroup:
+        """Start the peers of a CFG- or sequence-parallel replica (``kind``; rank ``r`` on this replica's
+        ``r``-th device; on CPU the ranks share the replica's threads) and route the runner's denoiser
+        forwards through them."""
         import torch
 
         runner = self.runner
+        field = f"{kind}_parallel_size"
         if not runner.cfg_parallel:
-            raise ValueError(f"cfg_parallel_size: {runner.label} cannot run CFG-parallel; remove it")
+            what = "CFG-parallel" if kind == "cfg" else "sequence-parallel"
+            raise ValueError(f"{field}: {runner.label} cannot run {what}; remove it")
+        plan = sequence_plan(runner.denoiser()) if kind == "sequence" else None
         if self.device.type == "cpu":
             threads = max(1, torch.get_num_threads() // size)
             torch.set_num_threads(threads)
@@ -339,16 +357,20 @@ class DiffusionEngine:
             first = self.device.index or 0
             if module.device_count() < first + size:
                 raise ValueError(
-                    f"cfg_parallel_size {size} needs {size} {self.device.type} devices from index {first}; "
+                    f"{field} {size} needs {size} {self.device.type} devices from index {first}; "
                     f"this replica sees {module.device_count()} (give the stage {size} devices per replica)"
                 )
             threads = None
             devices = [f"{self.device.type}:{first + rank}" for rank in range(size)]
         start = time.perf_counter()
         group = DenoiserGroup(size, [runner.peer_spec(self.model, d, threads) for d in devices[1:]])
-        runner.row_parallel = RowParallelDenoiser(runner.denoiser(), group, runner.step_joins())
+        if plan is not None:
+            runner.parallel_denoiser = SequenceParallelDenoiser(runner.denoiser(), group, plan)
+        else:
+            runner.parallel_denoiser = RowParallelDenoiser(runner.denoiser(), group, runner.step_joins())
         logger.info(
-            "diffusion engine: CFG-parallel over %d ranks (%s) ready in %.1f s",
+            "diffusion engine: %s over %d ranks (%s) ready in %.1f s",
+            "CFG-parallel" if plan is None else "sequence-parallel",
             size,
             ", ".join(devices),
             time.perf_counter() - start,

@@ -14,6 +14,15 @@ CPU. What stays on rank 0 alone: a call whose rows cannot be taken apart (an arg
 step batching, such as GLM-Image's source-image cache), a call with a forward hook inside the denoiser
 (LoRA adapters: the peers do not hold them), and every call once a peer has failed (logged once; the
 replica then computes all rows itself, so no request is lost to it).
+
+Sequence parallelism (``sequence_parallel_size``) uses the same group the other way round: every rank
+runs the whole forward on its contiguous share of the image tokens (:class:`SequencePlan`). The image
+tokens are cut where the patch embedding hands them to the blocks; each self-attention's keys and values
+of the image tokens are all-gathered from the ranks (gloo's ``allgather``; the text tokens every rank
+holds whole), so each rank's queries attend to the whole image; the image tokens are gathered again where
+the final norm takes them. That is K/V all-gather attention rather than Ulysses (an all-to-all of heads,
+which gloo lacks) or Ring (which passes K/V blocks with an online softmax): one rank's attention memory
+still grows with the whole image's keys, but its queries, MLPs and projections shrink with the rank count.
 """
 
 from __future__ import annotations
@@ -140,11 +149,15 @@ class DenoiserGroup:
                 self.failed = "start-up"
                 self._stop_peers()
                 codes = ", ".join(f"rank {rank} exited with code {code}" for rank, code in dead)
-                raise RuntimeError(f"cfg-parallel peers did not start: {codes} (the log above says why)")
+                raise RuntimeError(
+                    f"the denoiser group's peers did not start: {codes} (the log above says why)"
+                )
         if failed or not joined:
             self.failed = "start-up"
             self._stop_peers()
-            raise RuntimeError(f"cfg-parallel peers did not join: {failed[0] if failed else 'no group'}")
+            raise RuntimeError(
+                f"the denoiser group's peers did not join: {failed[0] if failed else 'no group'}"
+            )
         return joined[0]
 
     def forward(
@@ -156,7 +169,9 @@ class DenoiserGroup:
             if self.failed is None:
                 try:
                     for rank in range(1, self.size):
-                        _send(self._group, rank, _take_rows(kwargs, list(ranges[rank]), rows, joins))
+                        _send(
+                            self._group, rank, ("rows", _take_rows(kwargs, list(ranges[rank]), rows, joins))
+                        )
                     own = module(**_take_rows(kwargs, list(ranges[0]), rows, joins))
                     parts = [own, *(_recv_reply(self._group, rank) for rank in range(1, self.size))]
                     return _cat(parts)
@@ -166,9 +181,27 @@ class DenoiserGroup:
                     self._fail(f"the exchange with its peers failed: {exc}")
         return module(**kwargs)
 
+    def forward_sequence(self, module: Any, kwargs: dict[str, Any], plan: SequencePlan) -> Any:
+        """``module(**kwargs)`` with every rank computing its share of the image tokens (``plan``)."""
+        with self._lock:
+            if self.failed is None:
+                try:
+                    for rank in range(1, self.size):
+                        _send(self._group, rank, ("sequence", kwargs))
+                    own = sequence_call(module, plan, kwargs, self._group, 0, self.size)
+                    for rank in range(1, self.size):
+                        _recv_reply(self._group, rank)
+                    return own
+                except _PeerError as exc:
+                    self._fail(str(exc))
+                except Exception as exc:  # gloo (a closed connection, a timeout), or this rank's forward
+                    # The peers may wait inside a collective of the forward: they cannot be used again.
+                    self._fail(f"a sequence-parallel forward failed: {type(exc).__name__}: {exc}")
+            return module(**kwargs)
+
     def _fail(self, why: str) -> None:
         self.failed = why
-        logger.error("cfg-parallel: %s; this replica computes every row itself from now on", why)
+        logger.error("denoiser group: %s; this replica computes every forward whole from now on", why)
         self._stop_peers()
 
     def _stop_peers(self) -> None:
@@ -247,6 +280,138 @@ class RowParallelDenoiser:
         return getattr(self._module, name)
 
 
+@dataclass(frozen=True)
+class SequencePlan:
+    """Where a denoiser's image tokens are cut over the ranks and joined again: the module whose output
+    is the blocks' image tokens (``(batch, tokens, dim)``), the linear projections whose outputs (image
+    keys and values of a self-attention, token by token) every rank needs whole, the module whose input
+    is the blocks' last image tokens, and how many image tokens a call has."""
+
+    embed: Any
+    projections: tuple[Any, ...]
+    final: Any
+    tokens: Any
+    """``tokens(kwargs)``: the image tokens of a call (None: not known; the call then runs on rank 0)."""
+
+
+def sequence_plan(module: Any) -> SequencePlan:
+    """``module``'s plan, or ValueError saying why it has none. SD3's transformer qualifies: no
+    positional rotation of queries and keys (its positions are added to the tokens before the blocks),
+    and its attentions take the image's keys and values from the image tokens alone (``to_k``/``to_v``;
+    the text's come from ``add_k_proj``/``add_v_proj``). FLUX, Qwen-Image and GLM-Image rotate queries
+    and keys by their positions inside the attention, so a rank's queries and the gathered keys would
+    need different rotary tables: their attention processors would have to be rewritten."""
+    name = type(module).__name__
+    if name != "SD3Transformer2DModel":
+        raise ValueError(
+            f"sequence parallelism covers SD3's transformer (SD3Transformer2DModel), not {name}; "
+            "remove sequence_parallel_size"
+        )
+    projections: list[Any] = []
+    for block in module.transformer_blocks:
+        for attn in (block.attn, getattr(block, "attn2", None)):
+            if attn is not None:
+                projections += [attn.to_k, attn.to_v]
+    patch = int(module.config.patch_size)
+
+    def tokens(kwargs: dict[str, Any]) -> int | None:
+        latents = kwargs.get("hidden_states")
+        if not _is_tensor(latents) or latents.dim() != 4:
+            return None
+        return (int(latents.shape[-2]) // patch) * (int(latents.shape[-1]) // patch)
+
+    return SequencePlan(
+        embed=module.pos_embed, projections=tuple(projections), final=module.norm_out, tokens=tokens
+    )
+
+
+def sequence_call(
+    module: Any, plan: SequencePlan, kwargs: dict[str, Any], group: Any, rank: int, size: int
+) -> Any:
+    """One rank's part of a sequence-parallel forward (every rank calls it with the same arguments):
+    hooks cut the image tokens after ``plan.embed``, gather the projections' outputs and the final
+    tokens, and are removed again."""
+
+    def cut(_module: Any, _args: Any, output: Any) -> Any:
+        return output.chunk(size, dim=1)[rank].contiguous()
+
+    def gather(_module: Any, _args: Any, output: Any) -> Any:
+        return _all_gather_tokens(group, output, size)
+
+    def gather_input(_module: Any, args: Any, kwargs: Any) -> Any:
+        return (_all_gather_tokens(group, args[0], size), *args[1:]), kwargs
+
+    handles = [
+        plan.embed.register_forward_hook(cut),
+        plan.final.register_forward_pre_hook(gather_input, with_kwargs=True),
+    ]
+    handles += [p.register_forward_hook(gather) for p in plan.projections]
+    try:
+        return module(**kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _all_gather_tokens(group: Any, tensor: Any, size: int) -> Any:
+    """Every rank's ``(batch, tokens, dim)`` share, joined along the tokens in rank order (staged
+    through host memory, as every exchange of the group is)."""
+    import torch
+
+    local = tensor.detach().to("cpu").contiguous()
+    parts = [torch.empty_like(local) for _ in range(size)]
+    _wait(group.allgather([parts], [local]))
+    return torch.cat(parts, dim=1).to(tensor.device)
+
+
+class SequenceParallelDenoiser:
+    """The denoiser as the pipelines call it on a sequence-parallel replica: each forward's image tokens
+    cut over the group's ranks (:meth:`DenoiserGroup.forward_sequence`), or the forward computed here
+    where they cannot be (a token count the ranks do not divide, a hook inside the denoiser)."""
+
+    def __init__(self, module: Any, group: DenoiserGroup, plan: SequencePlan) -> None:
+        self._module = module
+        self._group = group
+        self._plan = plan
+        self._inner = [m for m in module.modules() if m is not module]
+        self.split_calls = 0
+        """Forwards whose tokens went over the group (tests count them)."""
+
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.signature(self._module.forward)
+
+    def _splittable(self, kwargs: dict[str, Any]) -> bool:
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return False
+        if any(m._forward_hooks or m._forward_pre_hooks for m in self._inner):
+            return False  # a LoRA adapter's or a cache's: the peers hold neither
+        tokens = self._plan.tokens(kwargs)
+        return tokens is not None and tokens % self._group.size == 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        named = _by_name(self._signature, args, kwargs)
+        group = self._group
+        # Every forward holds the group's lock: a forward here must not run into another's hooks.
+        with group._lock:
+            local = group.failed is not None or not self._splittable(named)
+        if local:
+            with group._lock:
+                return self._module(**named)
+        self.split_calls += 1
+        return group.forward_sequence(self._module, named, self._plan)
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        with self._module.cache_context(name):
+            yield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
 # --- the wire ------------------------------------------------------------------------------------------
 
 
@@ -274,7 +439,10 @@ def _strip(value: Any, tensors: list[Any], offset: list[int]) -> Any:
     if _is_tensor(value):
         import torch
 
-        raw = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        flat = value.detach().to("cpu").reshape(-1)
+        if flat.stride() != (1,):  # an expanded tensor (a step's timestep for every row): stride 0
+            flat = torch.empty_like(flat, memory_format=torch.contiguous_format).copy_(flat)
+        raw = flat.view(torch.uint8)
         slot = _Slot(offset[0], raw.numel(), tuple(value.shape), value.dtype)
         pad = -raw.numel() % ALIGN
         tensors.append(raw if not pad else torch.cat([raw, raw.new_zeros(pad)]))
@@ -391,6 +559,7 @@ def _exit_with_parent() -> None:
 def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
     """A peer process: load the denoiser, join the group, answer forwards until told to stop."""
     import importlib
+    import os
 
     import torch
     import torch.distributed as dist
@@ -410,17 +579,29 @@ def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
     )
     group = _gloo_group(store, rank, size, datetime.timedelta(seconds=PEER_START_TIMEOUT_S))
     group.set_timeout(datetime.timedelta(days=365))  # idle between requests for as long as the replica is
+    plan: SequencePlan | None = None
     while True:
         try:
-            kwargs = _recv(group, 0, device)
+            message = _recv(group, 0, device)
         except RuntimeError:  # rank 0 is gone
             return
-        if kwargs is None:
+        if message is None:
             return
+        mode, kwargs = message
         try:
             with torch.no_grad():
-                reply: tuple[str, Any] = ("ok", module(**kwargs))
+                if mode == "sequence":
+                    plan = plan or sequence_plan(module)
+                    sequence_call(module, plan, kwargs, group, rank, size)
+                    reply: tuple[str, Any] = ("ok", None)
+                else:
+                    reply = ("ok", module(**kwargs))
         except Exception as exc:
+            if mode == "sequence":
+                # Rank 0 may wait in a collective this rank will not reach: leaving closes the group's
+                # connections, which ends that wait with an error, and rank 0 goes on alone.
+                logger.error("sequence-parallel rank %d: %s: %s; leaving", rank, type(exc).__name__, exc)
+                os._exit(1)
             reply = ("error", f"{type(exc).__name__}: {exc}")
         try:
             _send(group, 0, reply)

@@ -112,10 +112,12 @@ class DiffusionRunner(abc.ABC):
     lora: ClassVar[bool] = False
     """Its requests may name a LoRA adapter of its denoiser (``DiffusionRequest.lora``), each row its own."""
     cfg_parallel: ClassVar[bool] = False
-    """Its denoiser can run over a CFG-parallel group (:meth:`peer_spec`, ``cfg_parallel_size``)."""
-    row_parallel: Any = None
-    """Set by the engine of a CFG-parallel replica: the denoiser as its pipelines call it
-    (``diffusion/parallel.py: RowParallelDenoiser``)."""
+    """Its denoiser can run over a group of processes (:meth:`peer_spec`): CFG-parallel
+    (``cfg_parallel_size``), and sequence-parallel (``sequence_parallel_size``) where the denoiser has a
+    sequence plan (``diffusion/parallel.py: sequence_plan``)."""
+    parallel_denoiser: Any = None
+    """Set by the engine of a CFG- or sequence-parallel replica: the denoiser as its pipelines call it
+    (``diffusion/parallel.py``: ``RowParallelDenoiser``, ``SequenceParallelDenoiser``)."""
     compiles_blocks: ClassVar[bool] = False
     """It compiles its denoiser's repeated blocks (:meth:`compile_blocks`, a stage's ``compile`` block)."""
     step_cache: bool = False

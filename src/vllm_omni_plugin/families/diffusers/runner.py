@@ -529,7 +529,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             kwargs[self.guidance_argument] = first.guidance_scale
 
         previews = CallPreviews()
-        pipe = self._row_parallel(pipe)
+        pipe = self._parallel_denoiser(pipe)
         pipe, cache = self._cached(pipe, batch)
 
         def on_step_end(caller: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -628,18 +628,22 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """A denoiser call that is no step of the denoising, which caching must leave alone (none)."""
         return False
 
-    def _row_parallel(self, pipe: Any) -> Any:
+    def _parallel_denoiser(self, pipe: Any) -> Any:
         """``pipe`` with its denoiser's forwards cut over the CFG-parallel group (a shallow copy where
         ``pipe`` is the runner's own); as it is without a group, or where a step batcher's proxy stands
         in for the denoiser (the batcher's forwards are the group's then)."""
         name = denoiser_attribute(self.pipe)
-        if self.row_parallel is None or name is None or getattr(pipe, name) is not denoiser_of(self.pipe):
+        if (
+            self.parallel_denoiser is None
+            or name is None
+            or getattr(pipe, name) is not denoiser_of(self.pipe)
+        ):
             return pipe
         import copy
 
         if pipe is self.pipe:
             pipe = copy.copy(pipe)
-        pipe.__dict__[name] = self.row_parallel
+        pipe.__dict__[name] = self.parallel_denoiser
         return pipe
 
     def _cached(self, pipe: Any, batch: list[DiffusionRequest]) -> tuple[Any, CallCache | None]:
@@ -665,7 +669,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
             module=module,
             joins=self.step_joins(),
             # a step-batched group's proxy and rows with their own adapters keep every row
-            takes_rows=inner in (module, self.row_parallel) and not any(r.lora is not None for r in batch),
+            takes_rows=inner in (module, self.parallel_denoiser)
+            and not any(r.lora is not None for r in batch),
             passes=self.cache_passes,
         )
         return pipe, cache

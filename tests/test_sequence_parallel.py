@@ -1,0 +1,150 @@
+"""Sequence parallelism (``diffusion/parallel.py``: ``SequenceParallelDenoiser``) over two processes with
+gloo, on the tiny SD3: every image equals the single-process engine's within one level of 255 (each rank
+projects its own tokens: a matmul over other rows may round differently); rank 0's blocks see half of each
+forward's image tokens (counted by a pre-hook on its first block); a forward the ranks cannot share (a
+token count they do not divide, a hook inside the denoiser) runs on rank 0 whole; a dead peer costs no
+request; denoisers without a sequence plan, and compiled blocks, refuse it at start-up in one line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from test_step_batching import ask, assert_within_one_level
+from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.families.diffusers.runner import denoiser_of
+
+pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
+
+STEPS = 4
+TOKENS_64 = (64 // 16) ** 2
+"""Image tokens of a 64x64 SD3 request: latents of 8x8 in patches of 2."""
+
+
+class Engines:
+    """The tiny SD3 as one process and as two sequence-parallel ranks, loaded once; the image tokens rank
+    0's first block takes in each forward, recorded by its forward."""
+
+    def __init__(self, model: Path) -> None:
+        self.plain = DiffusionEngine(model, max_batch_size=4)
+        self.parallel = DiffusionEngine(model, max_batch_size=4, sequence_parallel_size=2)
+        self.tokens: list[int] = []
+        # A wrapped forward, not a hook: a hook inside the denoiser keeps its forwards on rank 0.
+        self._first = denoiser_of(self.parallel.runner.pipe).transformer_blocks[0]
+        forward = self._first.forward
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.tokens.append(int(kwargs["hidden_states"].shape[1]))
+            return forward(*args, **kwargs)
+
+        self._first.forward = counted
+
+    @property
+    def split_calls(self) -> int:
+        return self.parallel.runner.parallel_denoiser.split_calls
+
+    def close(self) -> None:
+        del self._first.forward
+        self.plain.close()
+        self.parallel.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_sd3: Path) -> Iterator[Engines]:
+    loaded = Engines(tiny_sd3)
+    yield loaded
+    loaded.close()
+
+
+def _images(results: list[Any]) -> list[np.ndarray]:
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [r.image for r in results]
+
+
+def test_a_sequence_parallel_engine_gives_the_single_process_images(engines: Engines) -> None:
+    batch = [ask(f"sp-{i}", seed=i, steps=STEPS) for i in range(2)]
+    expected = _images(engines.plain.generate(batch))
+    engines.tokens.clear()
+    before = engines.split_calls
+    got = _images(engines.parallel.generate(batch))
+    for a, b in zip(got, expected, strict=True):
+        assert_within_one_level(a, b)
+    # every forward (both requests' guidance pairs in one) went over the group, rank 0 with half the tokens
+    assert engines.split_calls - before == STEPS
+    assert engines.tokens == [TOKENS_64 // 2] * STEPS
+
+
+def test_an_unguided_request_shares_its_tokens_too(engines: Engines) -> None:
+    request = ask("sp-unguided", seed=7, steps=STEPS, guidance=1.0)
+    expected = _images(engines.plain.generate([request]))
+    engines.tokens.clear()
+    got = _images(engines.parallel.generate([request]))
+    assert_within_one_level(got[0], expected[0])
+    assert engines.tokens == [TOKENS_64 // 2] * STEPS  # one row: CFG parallelism could not split it
+
+
+def test_a_token_count_the_ranks_do_not_divide_runs_on_rank_0(engines: Engines) -> None:
+    request = ask("sp-odd", seed=3, steps=STEPS, height=48, width=48)  # 3x3 patches: 9 tokens
+    expected = _images(engines.plain.generate([request]))
+    engines.tokens.clear()
+    before = engines.split_calls
+    got = _images(engines.parallel.generate([request]))
+    assert np.array_equal(got[0], expected[0])  # the same forward, on one process
+    assert engines.tokens == [9] * STEPS
+    assert engines.split_calls == before
+
+
+def test_a_hook_inside_the_denoiser_keeps_its_forwards_on_rank_0(engines: Engines) -> None:
+    """A LoRA adapter's hooks live in rank 0's denoiser only: such a forward is not shared."""
+    module = denoiser_of(engines.parallel.runner.pipe)
+    calls: list[int] = []
+    hook = module.transformer_blocks[-1].register_forward_hook(lambda *_: calls.append(1))
+    try:
+        engines.tokens.clear()
+        before = engines.split_calls
+        _images(engines.parallel.generate([ask("sp-hooked", seed=4, steps=STEPS)]))
+    finally:
+        hook.remove()
+    assert calls == [1] * STEPS
+    assert engines.tokens == [TOKENS_64] * STEPS and engines.split_calls == before
+
+
+def test_a_dead_peer_costs_no_request(tiny_sd3: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, sequence_parallel_size=2)
+    group = engine.parallel
+    assert group is not None and group.alive
+    batch = [ask(f"sp-dead-{i}", seed=i, steps=STEPS) for i in range(2)]
+    try:
+        expected = _images(engine.generate(batch))
+        peer = group.processes[0]
+        peer.kill()
+        peer.wait(timeout=30)
+        with caplog.at_level("ERROR"):
+            got = _images(engine.generate(batch))
+        assert group.failed is not None and not group.alive
+        assert "computes every forward whole from now on" in caplog.text
+        for a, b in zip(got, expected, strict=True):
+            assert_within_one_level(a, b)
+    finally:
+        engine.close()
+    assert all(p.poll() is not None for p in group.processes)
+
+
+def test_a_denoiser_without_a_sequence_plan_refuses_it_before_starting_peers(tiny_flux: Path) -> None:
+    with pytest.raises(ValueError) as caught:
+        DiffusionEngine(tiny_flux, sequence_parallel_size=2)
+    assert str(caught.value) == (
+        "sequence parallelism covers SD3's transformer (SD3Transformer2DModel), not FluxTransformer2DModel; "
+        "remove sequence_parallel_size"
+    )
+
+
+def test_compiled_blocks_and_sequence_parallelism_refuse_each_other(tiny_sd3: Path) -> None:
+    with pytest.raises(ValueError, match="sequence_parallel_size: compiled blocks would trace its exchanges"):
+        DiffusionEngine(tiny_sd3, sequence_parallel_size=2, compile={"blocks": True})
+    with pytest.raises(ValueError, match="cfg_parallel_size and sequence_parallel_size cannot be combined"):
+        DiffusionEngine(tiny_sd3, sequence_parallel_size=2, cfg_parallel_size=2)
