@@ -72,15 +72,16 @@ def test_cached_and_compiled_tiny_sd3_on_cuda(tiny_sd3: Path) -> None:
         compiled.close()
 
 
-def test_cfg_parallel_tiny_sd3_over_two_cuda_devices(tiny_sd3: Path) -> None:
+@pytest.mark.parametrize("field", ["cfg_parallel_size", "sequence_parallel_size"])
+def test_a_parallel_tiny_sd3_over_two_cuda_devices(tiny_sd3: Path, field: str) -> None:
     import torch
 
     if torch.cuda.device_count() < 2:
-        pytest.skip("CFG parallelism needs two CUDA devices")
+        pytest.skip(f"{field} 2 needs two CUDA devices")
     plain = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4)
     expected = [r.image for r in plain.generate(requests(2))]
     plain.close()
-    engine = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4, cfg_parallel_size=2)
+    engine = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4, **{field: 2})
     try:
         results = engine.generate(requests(2))
         assert engine.runner.parallel_denoiser.split_calls == STEPS
