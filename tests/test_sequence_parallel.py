@@ -16,18 +16,20 @@ import pytest
 
 from test_step_batching import ask, assert_within_one_level
 from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.diffusion.sequence_parallel import sequence_plan
+from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
 from vllm_omni_plugin.families.diffusers.runner import denoiser_of
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 
 STEPS = 4
 TOKENS_64 = (64 // 16) ** 2
-"""Image tokens of a 64x64 SD3 request: latents of 8x8 in patches of 2."""
+"""Image tokens of a 64x64 request (SD3, FLUX, Qwen-Image): latents of 8x8 in patches of 2."""
 
 
 class Engines:
-    """The tiny SD3 as one process and as two sequence-parallel ranks, loaded once; the image tokens rank
-    0's first block takes in each forward, recorded by its forward."""
+    """A family's single-process engine and its two sequence-parallel ranks, loaded once; the image
+    tokens rank 0's first block takes in each forward, recorded by its forward."""
 
     def __init__(self, model: Path) -> None:
         self.plain = DiffusionEngine(model, max_batch_size=4)
@@ -54,10 +56,22 @@ class Engines:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_sd3: Path) -> Iterator[Engines]:
-    loaded = Engines(tiny_sd3)
-    yield loaded
-    loaded.close()
+def families(request: pytest.FixtureRequest) -> Iterator[dict[str, Engines]]:
+    loaded: dict[str, Engines] = {}
+
+    class Lazy(dict):
+        def __missing__(self, family: str) -> Engines:
+            loaded[family] = Engines(request.getfixturevalue(f"tiny_{family}"))
+            return loaded[family]
+
+    yield Lazy()
+    for engines in loaded.values():
+        engines.close()
+
+
+@pytest.fixture
+def engines(families: dict[str, Engines]) -> Engines:
+    return families["sd3"]
 
 
 def _images(results: list[Any]) -> list[np.ndarray]:
@@ -65,17 +79,33 @@ def _images(results: list[Any]) -> list[np.ndarray]:
     return [r.image for r in results]
 
 
-def test_a_sequence_parallel_engine_gives_the_single_process_images(engines: Engines) -> None:
-    batch = [ask(f"sp-{i}", seed=i, steps=STEPS) for i in range(2)]
+CALLS_PER_STEP = {"sd3": 1, "flux": 1, "qwen_image": 2}
+"""Denoiser calls a guided step makes: SD3 batches its guidance pair; FLUX embeds guidance; Qwen-Image
+calls once per branch."""
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+def test_a_sequence_parallel_engine_gives_the_single_process_images(
+    families: dict[str, Engines], family: str
+) -> None:
+    engines = families[family]
+    batch = [
+        ask("sp-0", seed=0, steps=STEPS, family=family),
+        # a longer prompt: Qwen-Image's attention then masks the shorter one's text padding
+        ask(
+            "sp-1", seed=1, steps=STEPS, family=family, prompt="a small red house by a lake, at dawn, in oils"
+        ),
+    ]
     expected = _images(engines.plain.generate(batch))
     engines.tokens.clear()
     before = engines.split_calls
     got = _images(engines.parallel.generate(batch))
     for a, b in zip(got, expected, strict=True):
         assert_within_one_level(a, b)
-    # every forward (both requests' guidance pairs in one) went over the group, rank 0 with half the tokens
-    assert engines.split_calls - before == STEPS
-    assert engines.tokens == [TOKENS_64 // 2] * STEPS
+    # every forward (both requests in one) went over the group, rank 0 with half the tokens
+    calls = STEPS * CALLS_PER_STEP[family]
+    assert engines.split_calls - before == calls
+    assert engines.tokens == [TOKENS_64 // 2] * calls
 
 
 def test_an_unguided_request_shares_its_tokens_too(engines: Engines) -> None:
@@ -85,6 +115,19 @@ def test_an_unguided_request_shares_its_tokens_too(engines: Engines) -> None:
     got = _images(engines.parallel.generate([request]))
     assert_within_one_level(got[0], expected[0])
     assert engines.tokens == [TOKENS_64 // 2] * STEPS  # one row: CFG parallelism could not split it
+
+
+def test_cached_requests_share_the_tokens_of_the_steps_they_compute(engines: Engines) -> None:
+    fixed = StepCacheSpec(policy="fixed", warmup_steps=1, final_steps=0).resolved()
+    computed = sum(fixed_plan(fixed, STEPS))
+    assert computed < STEPS
+    batch = [ask(f"sp-cached-{i}", seed=i, steps=STEPS, cache=fixed) for i in range(2)]
+    expected = _images(engines.plain.generate(batch))
+    engines.tokens.clear()
+    got = _images(engines.parallel.generate(batch))
+    for a, b in zip(got, expected, strict=True):
+        assert_within_one_level(a, b)
+    assert engines.tokens == [TOKENS_64 // 2] * computed  # the cached steps skip the forward whole
 
 
 def test_a_token_count_the_ranks_do_not_divide_runs_on_rank_0(engines: Engines) -> None:
@@ -134,12 +177,15 @@ def test_a_dead_peer_costs_no_request(tiny_sd3: Path, caplog: pytest.LogCaptureF
     assert all(p.poll() is not None for p in group.processes)
 
 
-def test_a_denoiser_without_a_sequence_plan_refuses_it_before_starting_peers(tiny_flux: Path) -> None:
+def test_a_denoiser_without_a_sequence_plan_refuses_it(tiny_glm_image: Path) -> None:
+    from diffusers.models.transformers.transformer_glm_image import GlmImageTransformer2DModel
+
+    dit = GlmImageTransformer2DModel.from_pretrained(tiny_glm_image, subfolder="transformer")
     with pytest.raises(ValueError) as caught:
-        DiffusionEngine(tiny_flux, sequence_parallel_size=2)
+        sequence_plan(dit)
     assert str(caught.value) == (
-        "sequence parallelism covers SD3's transformer (SD3Transformer2DModel), not FluxTransformer2DModel; "
-        "remove sequence_parallel_size"
+        "sequence parallelism covers FluxTransformer2DModel, QwenImageTransformer2DModel, "
+        "SD3Transformer2DModel, not GlmImageTransformer2DModel; remove sequence_parallel_size"
     )
 
 

@@ -41,12 +41,7 @@ from vllm_omni_plugin.diffusion.memory import (
     gib,
     tensor_bytes,
 )
-from vllm_omni_plugin.diffusion.parallel import (
-    DenoiserGroup,
-    RowParallelDenoiser,
-    SequenceParallelDenoiser,
-    sequence_plan,
-)
+from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, RowParallelDenoiser
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
@@ -55,6 +50,7 @@ from vllm_omni_plugin.diffusion.runner import (
     RequestDefaults,
     ServedDefaults,
 )
+from vllm_omni_plugin.diffusion.sequence_parallel import SequenceParallelDenoiser, sequence_plan
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 from vllm_omni_plugin.dotted import import_object

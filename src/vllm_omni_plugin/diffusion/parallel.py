@@ -15,14 +15,9 @@ step batching, such as GLM-Image's source-image cache), a call with a forward ho
 (LoRA adapters: the peers do not hold them), and every call once a peer has failed (logged once; the
 replica then computes all rows itself, so no request is lost to it).
 
-Sequence parallelism (``sequence_parallel_size``) uses the same group the other way round: every rank
-runs the whole forward on its contiguous share of the image tokens (:class:`SequencePlan`). The image
-tokens are cut where the patch embedding hands them to the blocks; each self-attention's keys and values
-of the image tokens are all-gathered from the ranks (gloo's ``allgather``; the text tokens every rank
-holds whole), so each rank's queries attend to the whole image; the image tokens are gathered again where
-the final norm takes them. That is K/V all-gather attention rather than Ulysses (an all-to-all of heads,
-which gloo lacks) or Ring (which passes K/V blocks with an online softmax): one rank's attention memory
-still grows with the whole image's keys, but its queries, MLPs and projections shrink with the rank count.
+Sequence parallelism (``sequence_parallel_size``, ``sequence_parallel.py``) uses the same group the other
+way round: every rank runs the whole forward on its share of the image tokens, and the ranks all-gather
+each attention's image keys and values.
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_omni_plugin.diffusion.step_batching import (
     UNUSED,
@@ -50,6 +45,9 @@ from vllm_omni_plugin.diffusion.step_batching import (
     _rows_of,
     _take_rows,
 )
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.sequence_parallel import SequencePlan
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +181,8 @@ class DenoiserGroup:
 
     def forward_sequence(self, module: Any, kwargs: dict[str, Any], plan: SequencePlan) -> Any:
         """``module(**kwargs)`` with every rank computing its share of the image tokens (``plan``)."""
+        from vllm_omni_plugin.diffusion.sequence_parallel import sequence_call
+
         with self._lock:
             if self.failed is None:
                 try:
@@ -273,138 +273,6 @@ class RowParallelDenoiser:
     @contextlib.contextmanager
     def cache_context(self, name: str) -> Iterator[None]:
         """diffusers' ``CacheMixin.cache_context`` (Qwen-Image's pipelines enter it around each branch)."""
-        with self._module.cache_context(name):
-            yield
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-
-@dataclass(frozen=True)
-class SequencePlan:
-    """Where a denoiser's image tokens are cut over the ranks and joined again: the module whose output
-    is the blocks' image tokens (``(batch, tokens, dim)``), the linear projections whose outputs (image
-    keys and values of a self-attention, token by token) every rank needs whole, the module whose input
-    is the blocks' last image tokens, and how many image tokens a call has."""
-
-    embed: Any
-    projections: tuple[Any, ...]
-    final: Any
-    tokens: Any
-    """``tokens(kwargs)``: the image tokens of a call (None: not known; the call then runs on rank 0)."""
-
-
-def sequence_plan(module: Any) -> SequencePlan:
-    """``module``'s plan, or ValueError saying why it has none. SD3's transformer qualifies: no
-    positional rotation of queries and keys (its positions are added to the tokens before the blocks),
-    and its attentions take the image's keys and values from the image tokens alone (``to_k``/``to_v``;
-    the text's come from ``add_k_proj``/``add_v_proj``). FLUX, Qwen-Image and GLM-Image rotate queries
-    and keys by their positions inside the attention, so a rank's queries and the gathered keys would
-    need different rotary tables: their attention processors would have to be rewritten."""
-    name = type(module).__name__
-    if name != "SD3Transformer2DModel":
-        raise ValueError(
-            f"sequence parallelism covers SD3's transformer (SD3Transformer2DModel), not {name}; "
-            "remove sequence_parallel_size"
-        )
-    projections: list[Any] = []
-    for block in module.transformer_blocks:
-        for attn in (block.attn, getattr(block, "attn2", None)):
-            if attn is not None:
-                projections += [attn.to_k, attn.to_v]
-    patch = int(module.config.patch_size)
-
-    def tokens(kwargs: dict[str, Any]) -> int | None:
-        latents = kwargs.get("hidden_states")
-        if not _is_tensor(latents) or latents.dim() != 4:
-            return None
-        return (int(latents.shape[-2]) // patch) * (int(latents.shape[-1]) // patch)
-
-    return SequencePlan(
-        embed=module.pos_embed, projections=tuple(projections), final=module.norm_out, tokens=tokens
-    )
-
-
-def sequence_call(
-    module: Any, plan: SequencePlan, kwargs: dict[str, Any], group: Any, rank: int, size: int
-) -> Any:
-    """One rank's part of a sequence-parallel forward (every rank calls it with the same arguments):
-    hooks cut the image tokens after ``plan.embed``, gather the projections' outputs and the final
-    tokens, and are removed again."""
-
-    def cut(_module: Any, _args: Any, output: Any) -> Any:
-        return output.chunk(size, dim=1)[rank].contiguous()
-
-    def gather(_module: Any, _args: Any, output: Any) -> Any:
-        return _all_gather_tokens(group, output, size)
-
-    def gather_input(_module: Any, args: Any, kwargs: Any) -> Any:
-        return (_all_gather_tokens(group, args[0], size), *args[1:]), kwargs
-
-    handles = [
-        plan.embed.register_forward_hook(cut),
-        plan.final.register_forward_pre_hook(gather_input, with_kwargs=True),
-    ]
-    handles += [p.register_forward_hook(gather) for p in plan.projections]
-    try:
-        return module(**kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _all_gather_tokens(group: Any, tensor: Any, size: int) -> Any:
-    """Every rank's ``(batch, tokens, dim)`` share, joined along the tokens in rank order (staged
-    through host memory, as every exchange of the group is)."""
-    import torch
-
-    local = tensor.detach().to("cpu").contiguous()
-    parts = [torch.empty_like(local) for _ in range(size)]
-    _wait(group.allgather([parts], [local]))
-    return torch.cat(parts, dim=1).to(tensor.device)
-
-
-class SequenceParallelDenoiser:
-    """The denoiser as the pipelines call it on a sequence-parallel replica: each forward's image tokens
-    cut over the group's ranks (:meth:`DenoiserGroup.forward_sequence`), or the forward computed here
-    where they cannot be (a token count the ranks do not divide, a hook inside the denoiser)."""
-
-    def __init__(self, module: Any, group: DenoiserGroup, plan: SequencePlan) -> None:
-        self._module = module
-        self._group = group
-        self._plan = plan
-        self._inner = [m for m in module.modules() if m is not module]
-        self.split_calls = 0
-        """Forwards whose tokens went over the group (tests count them)."""
-
-    @functools.cached_property
-    def _signature(self) -> inspect.Signature:
-        return inspect.signature(self._module.forward)
-
-    def _splittable(self, kwargs: dict[str, Any]) -> bool:
-        from torch.nn.modules import module as nn_module
-
-        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            return False
-        if any(m._forward_hooks or m._forward_pre_hooks for m in self._inner):
-            return False  # a LoRA adapter's or a cache's: the peers hold neither
-        tokens = self._plan.tokens(kwargs)
-        return tokens is not None and tokens % self._group.size == 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        named = _by_name(self._signature, args, kwargs)
-        group = self._group
-        # Every forward holds the group's lock: a forward here must not run into another's hooks.
-        with group._lock:
-            local = group.failed is not None or not self._splittable(named)
-        if local:
-            with group._lock:
-                return self._module(**named)
-        self.split_calls += 1
-        return group.forward_sequence(self._module, named, self._plan)
-
-    @contextlib.contextmanager
-    def cache_context(self, name: str) -> Iterator[None]:
         with self._module.cache_context(name):
             yield
 
@@ -579,6 +447,8 @@ def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
     )
     group = _gloo_group(store, rank, size, datetime.timedelta(seconds=PEER_START_TIMEOUT_S))
     group.set_timeout(datetime.timedelta(days=365))  # idle between requests for as long as the replica is
+    from vllm_omni_plugin.diffusion.sequence_parallel import sequence_call, sequence_plan
+
     plan: SequencePlan | None = None
     while True:
         try:
