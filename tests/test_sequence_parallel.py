@@ -108,6 +108,25 @@ def test_a_sequence_parallel_engine_gives_the_single_process_images(
     assert engines.tokens == [TOKENS_64 // 2] * calls
 
 
+def test_an_edit_shares_its_noise_and_source_image_tokens(families: dict[str, Engines]) -> None:
+    """Qwen-Image-Edit's source image enters as tokens after the noise's: both are cut over the ranks."""
+    from test_diffusers_runners import source_image
+
+    engines = families["qwen_image_edit"]
+    batch = [
+        ask(f"sp-edit-{i}", seed=i, steps=STEPS, family="qwen_image_edit", images=[source_image(64, seed=i)])
+        for i in range(2)
+    ]
+    expected = _images(engines.plain.generate(batch))
+    engines.tokens.clear()
+    got = _images(engines.parallel.generate(batch))
+    for a, b in zip(got, expected, strict=True):
+        assert_within_one_level(a, b)
+    calls = STEPS * CALLS_PER_STEP["qwen_image"]
+    # the pipeline resizes the source image to about a megapixel: 1024x1024, 4096 tokens after the noise's
+    assert engines.tokens == [(TOKENS_64 + (1024 // 16) ** 2) // 2] * calls
+
+
 def test_an_unguided_request_shares_its_tokens_too(engines: Engines) -> None:
     request = ask("sp-unguided", seed=7, steps=STEPS, guidance=1.0)
     expected = _images(engines.plain.generate([request]))
