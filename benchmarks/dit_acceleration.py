@@ -12,7 +12,7 @@ requests handed over at once (one batch). Figures are medians of ``--rounds`` ti
 warm-up round; ratios are against ``uncached`` at the same concurrency; ``blocks`` is the share of block
 evaluations computed (the engine's counters: computed / (computed + cached)). ``cfg-parallel`` and
 ``sequence-parallel`` run a second process (one more core: the ranks take one thread each); GLM-Image's
-runner refuses both.
+runner refuses CFG parallelism.
 
 Targets on CPU: >= 1.5x at concurrency 1 with the policy that computes about half the steps (``half``:
 warm-up 2, then one in 2: 15 of 28); compiled not slower than eager (>= 1.0x).

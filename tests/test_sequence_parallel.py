@@ -40,7 +40,10 @@ class Engines:
         forward = self._first.forward
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.tokens.append(int(kwargs["hidden_states"].shape[1]))
+            tokens = (
+                kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            )  # GLM-Image: by position
+            self.tokens.append(int(tokens.shape[1]))
             return forward(*args, **kwargs)
 
         self._first.forward = counted
@@ -127,6 +130,33 @@ def test_an_edit_shares_its_noise_and_source_image_tokens(families: dict[str, En
     assert engines.tokens == [(TOKENS_64 + (1024 // 16) ** 2) // 2] * calls
 
 
+def test_glm_image_shares_text_to_image_and_an_edits_unconditional_calls(
+    families: dict[str, Engines],
+) -> None:
+    """GLM-Image's DiT (two calls a guided step): a text-to-image request's calls are all shared; an
+    edit's conditional calls, which write or read its source image's cached keys and values, stay on
+    rank 0 whole, and its unconditional ones (the cache skipped) are shared."""
+    from test_step_batching import token_ids
+
+    engines = families["glm_image"]
+    grid = [1, 64 // 16, 64 // 16]
+    image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    edit = ask(
+        "sp-glm-edit", seed=30, steps=STEPS, family="glm_image", images=[image],
+        prior_token_image_ids=[token_ids(grid[1] * grid[2], 130)], source_image_grid_thw=[grid],
+    )  # fmt: skip
+    for request, tokens in (
+        (ask("sp-glm", seed=31, steps=STEPS, family="glm_image"), [TOKENS_64 // 2] * (2 * STEPS)),
+        # the first call writes the source image's cache; then each step reads it, and skips it
+        (edit, [TOKENS_64] + [TOKENS_64, TOKENS_64 // 2] * STEPS),
+    ):
+        expected = _images(engines.plain.generate([request]))
+        engines.tokens.clear()
+        got = _images(engines.parallel.generate([request]))
+        assert_within_one_level(got[0], expected[0])
+        assert engines.tokens == tokens
+
+
 def test_an_unguided_request_shares_its_tokens_too(engines: Engines) -> None:
     request = ask("sp-unguided", seed=7, steps=STEPS, guidance=1.0)
     expected = _images(engines.plain.generate([request]))
@@ -196,16 +226,25 @@ def test_a_dead_peer_costs_no_request(tiny_sd3: Path, caplog: pytest.LogCaptureF
     assert all(p.poll() is not None for p in group.processes)
 
 
-def test_a_denoiser_without_a_sequence_plan_refuses_it(tiny_glm_image: Path) -> None:
-    from diffusers.models.transformers.transformer_glm_image import GlmImageTransformer2DModel
+def test_a_denoiser_without_a_sequence_plan_refuses_it(tiny_sd3: Path) -> None:
+    from diffusers import AutoencoderKL
 
-    dit = GlmImageTransformer2DModel.from_pretrained(tiny_glm_image, subfolder="transformer")
+    vae = AutoencoderKL.from_pretrained(tiny_sd3, subfolder="vae")
     with pytest.raises(ValueError) as caught:
-        sequence_plan(dit)
+        sequence_plan(vae)
     assert str(caught.value) == (
-        "sequence parallelism covers FluxTransformer2DModel, QwenImageTransformer2DModel, "
-        "SD3Transformer2DModel, not GlmImageTransformer2DModel; remove sequence_parallel_size"
+        "sequence parallelism covers FluxTransformer2DModel, GlmImageTransformer2DModel, "
+        "QwenImageTransformer2DModel, SD3Transformer2DModel, not AutoencoderKL; remove sequence_parallel_size"
     )
+
+
+def test_bagel_refuses_it_in_one_line(tiny_bagel: Path) -> None:
+    from test_step_batching import BAGEL_RUNNER
+
+    with pytest.raises(
+        ValueError, match=r"sequence_parallel_size: .* cannot run sequence-parallel; remove it"
+    ):
+        DiffusionEngine(tiny_bagel, sequence_parallel_size=2, runner_cls=BAGEL_RUNNER)
 
 
 def test_compiled_blocks_and_sequence_parallelism_refuse_each_other(tiny_sd3: Path) -> None:

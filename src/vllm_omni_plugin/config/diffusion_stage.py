@@ -64,8 +64,11 @@ def diffusion_args(
                 stage.stage_id,
                 "batching",
             )
-        for field, what in (("cfg_parallel_size", "CFG"), ("sequence_parallel_size", "sequence")):
-            if (getattr(stage, field) or 1) > 1 and not runner_cls.cfg_parallel:
+        for field, what, able in (
+            ("cfg_parallel_size", "CFG", runner_cls.cfg_parallel),
+            ("sequence_parallel_size", "sequence", runner_cls.sequence_parallel),
+        ):
+            if (getattr(stage, field) or 1) > 1 and not able:
                 raise report.error(
                     f"{what} parallelism is not available for {pipeline.name}'s diffusion runner "
                     f"({runner_name}); remove {field}",

@@ -124,7 +124,7 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     them: with batched guidance, each guidance branch on its own device (default 1)."""
     sequence_parallel_size: PositiveInt | None = None
     """Diffusion stages: the devices (processes) each replica spans, each computing its share of every
-    denoiser forward's image tokens (SD3, FLUX, Qwen-Image; default 1)."""
+    denoiser forward's image tokens (SD3, FLUX, Qwen-Image, GLM-Image; default 1)."""
     num_threads: PositiveInt | None = None
     """Diffusion stages on CPU: the intra-op threads each replica runs, instead of the CPU threads
     policy's share of the cores (``config/cpu_threads.py``); the replica is then not bound to cores."""

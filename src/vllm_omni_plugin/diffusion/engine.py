@@ -340,7 +340,7 @@ class DiffusionEngine:
 
         runner = self.runner
         field = f"{kind}_parallel_size"
-        if not runner.cfg_parallel:
+        if not (runner.cfg_parallel if kind == "cfg" else runner.sequence_parallel):
             what = "CFG-parallel" if kind == "cfg" else "sequence-parallel"
             raise ValueError(f"{field}: {runner.label} cannot run {what}; remove it")
         plan = sequence_plan(runner.denoiser()) if kind == "sequence" else None

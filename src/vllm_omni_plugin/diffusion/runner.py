@@ -112,9 +112,11 @@ class DiffusionRunner(abc.ABC):
     lora: ClassVar[bool] = False
     """Its requests may name a LoRA adapter of its denoiser (``DiffusionRequest.lora``), each row its own."""
     cfg_parallel: ClassVar[bool] = False
-    """Its denoiser can run over a group of processes (:meth:`peer_spec`): CFG-parallel
-    (``cfg_parallel_size``), and sequence-parallel (``sequence_parallel_size``) where the denoiser has a
-    sequence plan (``diffusion/parallel.py: sequence_plan``)."""
+    """Its denoiser can run over a CFG-parallel group of processes (:meth:`peer_spec`,
+    ``cfg_parallel_size``)."""
+    sequence_parallel: ClassVar[bool] = False
+    """Its denoiser can run over a sequence-parallel group of processes (:meth:`peer_spec`,
+    ``sequence_parallel_size``), where it has a sequence plan (``diffusion/sequence_parallel.py``)."""
     parallel_denoiser: Any = None
     """Set by the engine of a CFG- or sequence-parallel replica: the denoiser as its pipelines call it
     (``diffusion/parallel.py``: ``RowParallelDenoiser``, ``SequenceParallelDenoiser``)."""

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 class SequencePlan:
     """Where a denoiser's image tokens are cut over the ranks and joined again."""
 
-    embed: Any
-    """The module whose output is the blocks' image tokens, ``(batch, tokens, dim)``: cut."""
+    embeds: tuple[Any, ...]
+    """The modules whose outputs are (added up to) the blocks' image tokens, ``(batch, tokens, dim)``: cut."""
     final: Any
     """The module whose first argument is the blocks' last image tokens: gathered."""
     tokens: Callable[[dict[str, Any]], int | None]
@@ -77,16 +77,11 @@ def _sd3_plan(module: Any) -> SequencePlan:
         for attn in (block.attn, getattr(block, "attn2", None)):
             if attn is not None:
                 projections += [attn.to_k, attn.to_v]
-    patch = int(module.config.patch_size)
-
-    def tokens(kwargs: dict[str, Any]) -> int | None:
-        latents = kwargs.get("hidden_states")
-        if not _is_tensor(latents) or latents.dim() != 4:
-            return None
-        return (int(latents.shape[-2]) // patch) * (int(latents.shape[-1]) // patch)
-
     return SequencePlan(
-        embed=module.pos_embed, final=module.norm_out, tokens=tokens, projections=tuple(projections)
+        embeds=(module.pos_embed,),
+        final=module.norm_out,
+        tokens=_latent_tokens(int(module.config.patch_size)),
+        projections=tuple(projections),
     )
 
 
@@ -108,7 +103,7 @@ def _flux_plan(module: Any) -> SequencePlan:
         return tuple(_cut_after(t, text, rank, size, dim=0) for t in output)
 
     return SequencePlan(
-        embed=module.x_embedder,
+        embeds=(module.x_embedder,),
         final=module.norm_out,
         tokens=_packed_tokens,
         rope=module.pos_embed,
@@ -131,10 +126,45 @@ def _qwen_image_plan(module: Any) -> SequencePlan:
         return "zero_cond_t" if getattr(module, "zero_cond_t", False) else None
 
     return SequencePlan(
-        embed=module.img_in,
+        embeds=(module.img_in,),
         final=module.norm_out,
         tokens=_packed_tokens,
         rope=module.pos_embed,
+        cut_rope=cut_rope,
+        text_tokens=_text_tokens,
+        local=local,
+    )
+
+
+def _latent_tokens(patch: int) -> Callable[[dict[str, Any]], int | None]:
+    def tokens(kwargs: dict[str, Any]) -> int | None:
+        latents = kwargs.get("hidden_states")
+        if not _is_tensor(latents) or latents.dim() != 4:
+            return None
+        return (int(latents.shape[-2]) // patch) * (int(latents.shape[-1]) // patch)
+
+    return tokens
+
+
+def _glm_image_plan(module: Any) -> SequencePlan:
+    """GLM-Image's DiT: image tokens are the patches' projection plus the prior tokens' (both cut); the
+    rotary table covers the image positions alone; every attention runs over [glyph text, image]. An
+    edit's calls that write or read its source images' cached keys and values stay on rank 0: the cache
+    holds whole images."""
+    _gather_in_attention(module)
+
+    def cut_rope(output: Any, text: int, rank: int, size: int) -> Any:
+        return tuple(t.chunk(size, dim=0)[rank] for t in output)
+
+    def local(module: Any, kwargs: dict[str, Any]) -> str | None:
+        caches = kwargs.get("kv_caches")
+        return "source-image cache" if caches is not None and caches[0].mode in ("write", "read") else None
+
+    return SequencePlan(
+        embeds=(module.image_projector, module.prior_projector),
+        final=module.norm_out,
+        tokens=_latent_tokens(int(module.config.patch_size)),
+        rope=module.rope,
         cut_rope=cut_rope,
         text_tokens=_text_tokens,
         local=local,
@@ -145,6 +175,7 @@ _PLANNERS: dict[str, Callable[[Any], SequencePlan]] = {
     "SD3Transformer2DModel": _sd3_plan,
     "FluxTransformer2DModel": _flux_plan,
     "QwenImageTransformer2DModel": _qwen_image_plan,
+    "GlmImageTransformer2DModel": _glm_image_plan,
 }
 """The denoisers with a plan, by class name."""
 
@@ -187,7 +218,7 @@ def sequence_call(
         return (_all_gather(group, args[0], size, dim=1), *args[1:]), kwargs
 
     handles = [
-        plan.embed.register_forward_hook(cut),
+        *(embed.register_forward_hook(cut) for embed in plan.embeds),
         plan.final.register_forward_pre_hook(gather_input, with_kwargs=True),
         *(p.register_forward_hook(gather) for p in plan.projections),
     ]

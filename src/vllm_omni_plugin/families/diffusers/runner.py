@@ -581,6 +581,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         return len(repeated_blocks(denoiser_of(self.pipe))) or 1
 
     cfg_parallel = True
+    sequence_parallel = True
 
     def peer_spec(self, model: str, device: str, num_threads: int | None) -> PeerSpec:
         from vllm_omni_plugin.diffusion.parallel import PeerSpec
