@@ -11,8 +11,7 @@ stage would set them), in this process with one thread. Concurrency 1: one reque
 requests handed over at once (one batch). Figures are medians of ``--rounds`` timed rounds after a
 warm-up round; ratios are against ``uncached`` at the same concurrency; ``blocks`` is the share of block
 evaluations computed (the engine's counters: computed / (computed + cached)). ``cfg-parallel`` and
-``sequence-parallel`` run a second process (one more core: the ranks take one thread each); GLM-Image's
-runner refuses CFG parallelism.
+``sequence-parallel`` run a second process (one more core: the ranks take one thread each).
 
 Targets on CPU: >= 1.5x at concurrency 1 with the policy that computes about half the steps (``half``:
 warm-up 2, then one in 2: 15 of 28); compiled not slower than eager (>= 1.0x).

@@ -1,5 +1,6 @@
 """CFG parallelism (``diffusion/parallel.py``) over two processes with gloo, on tiny SD3 (batched guidance),
-FLUX (embedded guidance: rows split as data) and Qwen-Image (true CFG, two calls a step): every image
+FLUX (embedded guidance: rows split as data), Qwen-Image (true CFG) and GLM-Image (two calls a step: rank 1
+computes each step's second call while rank 0 computes the first): every image
 equals the single-process engine's within one level of 255 (the ranks compute different row counts than
 one process does, and a matmul's float sums depend on its rows); rank 0 computes only its share of each
 forward (counted by a pre-hook on its denoiser); caching and step batching go through the group; a peer
@@ -87,10 +88,51 @@ def test_a_cfg_parallel_engine_gives_the_single_process_images(pairs: dict[str, 
     got = _images(pair.parallel.generate(batch))
     for a, b in zip(got, expected, strict=True):
         assert_within_one_level(a, b)
+    split = pair.parallel.runner.parallel_denoiser.split_calls - split_before
+    if family == "qwen_image":
+        # Its branches are two calls a step: the first step's are cut by rows (one of each call's two
+        # here); then rank 0 computes each step's first call whole while rank 1 computes the second.
+        assert pair.rows == [1, 1] + [2] * (STEPS - 1) and split == 2
+        return
     # Two requests: rank 0 computed half of every forward's rows (SD3: the unconditional branch of both).
     calls = len(pair.rows)
     assert calls > 0 and pair.rows == [ROWS_PER_REQUEST[family]] * calls
-    assert pair.parallel.runner.parallel_denoiser.split_calls - split_before == calls
+    assert split == calls
+
+
+@pytest.mark.parametrize("family", ["qwen_image", "glm_image"])
+def test_a_request_whose_branches_are_two_calls_has_its_second_call_computed_on_rank_1(
+    pairs: dict[str, Pair], family: str
+) -> None:
+    """Qwen-Image's true CFG and GLM-Image make a guided step's branches as two calls of one row: after
+    the first step (where rank 0 learns what the branches share), rank 1 computes each step's second call
+    while rank 0 computes the first."""
+    pair = pairs[family]
+    request = ask(f"{family}-paired", seed=11, steps=STEPS, family=family)
+    expected = _images(pair.plain.generate([request]))
+    pair.rows.clear()
+    got = _images(pair.parallel.generate([request]))
+    assert_within_one_level(got[0], expected[0])
+    assert pair.rows == [1] * (2 + (STEPS - 1))  # the first step's two calls, then one a step
+
+
+def test_a_glm_image_edit_pairs_its_branches_around_its_source_image_cache(pairs: dict[str, Pair]) -> None:
+    """An edit's first call writes its source image's keys and values (rank 0), each step's first call
+    reads them (rank 0), and its second skips them: rank 1 computes that one, without the cache."""
+    from test_step_batching import token_ids
+
+    pair = pairs["glm_image"]
+    grid = [1, 64 // 16, 64 // 16]
+    image = np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    request = ask(
+        "glm-edit-paired", seed=12, steps=STEPS, family="glm_image", images=[image],
+        prior_token_image_ids=[token_ids(grid[1] * grid[2], 112)], source_image_grid_thw=[grid],
+    )  # fmt: skip
+    expected = _images(pair.plain.generate([request]))
+    pair.rows.clear()
+    got = _images(pair.parallel.generate([request]))
+    assert_within_one_level(got[0], expected[0])
+    assert pair.rows == [1] * (1 + 2 + (STEPS - 1))
 
 
 def test_an_unguided_request_alone_runs_on_rank_0(pairs: dict[str, Pair]) -> None:
@@ -183,14 +225,11 @@ def test_a_peer_that_cannot_load_stops_start_up_in_one_line(tmp_path: Path) -> N
         DenoiserGroup(2, [spec])
 
 
-@pytest.mark.parametrize("family", ["glm_image", "bagel"])
-def test_runners_without_cfg_parallelism_refuse_it(request: pytest.FixtureRequest, family: str) -> None:
+def test_bagel_refuses_cfg_parallelism_in_one_line(tiny_bagel: Path) -> None:
     from test_step_batching import BAGEL_RUNNER
 
-    model = request.getfixturevalue(f"tiny_{family}")
-    runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
     with pytest.raises(ValueError, match="cfg_parallel_size: .* cannot run CFG-parallel; remove it"):
-        DiffusionEngine(model, cfg_parallel_size=2, **runner)
+        DiffusionEngine(tiny_bagel, cfg_parallel_size=2, runner_cls=BAGEL_RUNNER)
 
 
 def _peers() -> list[int]:

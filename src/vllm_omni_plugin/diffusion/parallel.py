@@ -280,6 +280,158 @@ class RowParallelDenoiser:
         return getattr(self._module, name)
 
 
+class PairedBranches:
+    """One pipeline call's denoiser on a CFG-parallel replica whose pipeline makes a guided step's two
+    branches as two calls in turn (GLM-Image; Qwen-Image's true CFG), each of the request's rows alone:
+    cutting rows cannot split them. The first step's pair shows which arguments differ between the
+    branches (the prompt's embeddings, the dropped prior tokens, a cache the second branch skips) and
+    which are the step's (the latents, the timestep). From then on, each step's first call sends the
+    second call as it will be to rank 1 and computes the first here meanwhile; when the second call comes
+    it takes rank 1's output, if the call is what was sent (else it computes it here: nothing is assumed).
+    """
+
+    def __init__(
+        self,
+        rows: RowParallelDenoiser,
+        passes: Any,
+        joins: Mapping[str, ArgumentJoin],
+        latents: str = "hidden_states",
+    ) -> None:
+        self._rows = rows
+        self._group = rows._group
+        self._passes = passes
+        """``passes(kwargs)``: a call that is no step (an edit's cache write): left alone."""
+        self._joins = joins
+        self._latents = latents
+        self._first_pair: list[dict[str, Any]] = []
+        self._shared: set[str] | None = None
+        """Arguments both branches take as they are (None: not learnt yet)."""
+        self._second: dict[str, Any] = {}
+        """The second branch's own arguments (the first step's)."""
+        self._sent: dict[str, Any] | None = None
+        """The second call rank 1 computes (the group's lock is held until its output is taken)."""
+        self.paired_calls = 0
+        """Second calls whose output came from rank 1 (tests count them)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rows = self._rows
+        named = _by_name(rows._signature, args, kwargs)
+        if self._sent is not None:
+            return self._take_second(named)
+        if self._passes(named) or rows._hooked() or self._group.failed is not None or self._shared == set():
+            return rows(**named)
+        own = self._own(named)
+        if self._shared is None:  # the first step: learn what the branches share
+            self._first_pair.append(own)
+            if len(self._first_pair) == 2:
+                self._learn(*self._first_pair)
+            return rows(**named)
+        second = {name: own[name] for name in self._shared} | self._second
+        group = self._group
+        group._lock.acquire()
+        try:
+            _send(group._group, 1, ("rows", second))
+        except RuntimeError as exc:
+            group._lock.release()
+            group._fail(f"the exchange with its peers failed: {exc}")
+            return rows(**named)
+        self._sent = second
+        try:
+            return rows._module(**named)
+        except BaseException:
+            self.close()
+            raise
+
+    def _own(self, named: dict[str, Any]) -> dict[str, Any]:
+        """``named`` as a peer takes it: an argument the call leaves unused (a cache it skips) is None."""
+        return {
+            name: None
+            if name in self._joins and value is not None and self._joins[name].key(value) == UNUSED
+            else value
+            for name, value in named.items()
+        }
+
+    def _learn(self, first: dict[str, Any], second: dict[str, Any]) -> None:
+        shared = {name for name in first if name in second and _same(first[name], second[name])}
+        if self._latents not in shared or set(second) - set(first):
+            self._shared = set()  # not a pair of branches: no pairing in this call
+            return
+        self._shared = shared
+        self._second = {name: value for name, value in second.items() if name not in shared}
+
+    def _take_second(self, named: dict[str, Any]) -> Any:
+        sent, self._sent = self._sent, None
+        assert sent is not None
+        group = self._group
+        try:
+            output = _recv_reply(group._group, 1)
+        except _PeerError as exc:
+            group._fail(str(exc))
+            output = None
+        except RuntimeError as exc:
+            group._fail(f"the exchange with its peers failed: {exc}")
+            output = None
+        finally:
+            group._lock.release()
+        own = self._own(named)
+        if output is not None and own.keys() == sent.keys() and all(_same(own[k], sent[k]) for k in own):
+            self.paired_calls += 1
+            return _to_device(output, _device_of(named))
+        return self._rows(**named)
+
+    def close(self) -> None:
+        """After the pipeline call: a second call that never came still has rank 1's output to take."""
+        if self._sent is None:
+            return
+        self._sent = None
+        try:
+            _recv_reply(self._group._group, 1)
+        except (_PeerError, RuntimeError) as exc:
+            self._group._fail(f"the exchange with its peers failed: {exc}")
+        finally:
+            self._group._lock.release()
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        with self._rows._module.cache_context(name):
+            yield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rows._module, name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same argument: one object, or equal tensors (a timestep each call computes again)."""
+    if a is b:
+        return True
+    if _is_tensor(a) and _is_tensor(b):
+        import torch
+
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+    if isinstance(a, (int, float, str, bool, type(None))) and type(a) is type(b):
+        return a == b
+    return False
+
+
+def _device_of(named: dict[str, Any]) -> Any:
+    for value in named.values():
+        if _is_tensor(value):
+            return value.device
+    return None
+
+
+def _to_device(value: Any, device: Any) -> Any:
+    if device is None:
+        return value
+    if _is_tensor(value):
+        return value.to(device)
+    if isinstance(value, tuple | list):
+        return type(value)(_to_device(v, device) for v in value)
+    if hasattr(value, "to_tuple"):
+        return type(value)(**{k: _to_device(v, device) for k, v in value.items()})
+    return value
+
+
 # --- the wire ------------------------------------------------------------------------------------------
 
 

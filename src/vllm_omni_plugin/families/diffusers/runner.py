@@ -44,7 +44,7 @@ from vllm_omni_plugin.families.diffusers.preview_decoder import PreviewDecoder
 from vllm_omni_plugin.log import get_logger
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.parallel import PeerSpec
+    from vllm_omni_plugin.diffusion.parallel import PairedBranches, PeerSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
@@ -529,7 +529,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             kwargs[self.guidance_argument] = first.guidance_scale
 
         previews = CallPreviews()
-        pipe = self._parallel_denoiser(pipe)
+        pipe, pairs = self._parallel_denoiser(pipe, batch)
         pipe, cache = self._cached(pipe, batch)
 
         def on_step_end(caller: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -557,8 +557,12 @@ class DiffusersPipelineRunner(DiffusionRunner):
             self._preview_steps(pipe, batch, previews)
         self._encoding.seconds = 0.0
         start = time.perf_counter()
-        with previews, self._adapter_rows(batch, denoiser_of(self.pipe)).applied():
-            out = pipe(**kwargs, **self.call_kwargs(batch))
+        try:
+            with previews, self._adapter_rows(batch, denoiser_of(self.pipe)).applied():
+                out = pipe(**kwargs, **self.call_kwargs(batch))
+        finally:
+            if pairs is not None:
+                pairs.close()
         end = time.perf_counter()
         denoised = step_done[0] if step_done else end
         # diffusers' own float -> uint8 conversion (numpy_to_pil), so arrays equal its PIL output.
@@ -629,23 +633,33 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """A denoiser call that is no step of the denoising, which caching must leave alone (none)."""
         return False
 
-    def _parallel_denoiser(self, pipe: Any) -> Any:
-        """``pipe`` with its denoiser's forwards cut over the CFG-parallel group (a shallow copy where
-        ``pipe`` is the runner's own); as it is without a group, or where a step batcher's proxy stands
-        in for the denoiser (the batcher's forwards are the group's then)."""
+    def _parallel_denoiser(
+        self, pipe: Any, batch: list[DiffusionRequest]
+    ) -> tuple[Any, PairedBranches | None]:
+        """``pipe`` with its denoiser's forwards over the CFG- or sequence-parallel group (a shallow copy
+        where ``pipe`` is the runner's own), and, where the pipeline makes a guided step's branches as two
+        calls in turn, the call's :class:`PairedBranches` (closed after the call); as it is without a
+        group, or where a step batcher's proxy stands in for the denoiser (the batcher's forwards are the
+        group's then)."""
         name = denoiser_attribute(self.pipe)
         if (
             self.parallel_denoiser is None
             or name is None
             or getattr(pipe, name) is not denoiser_of(self.pipe)
         ):
-            return pipe
+            return pipe, None
         import copy
+
+        from vllm_omni_plugin.diffusion.parallel import PairedBranches, RowParallelDenoiser
 
         if pipe is self.pipe:
             pipe = copy.copy(pipe)
-        pipe.__dict__[name] = self.parallel_denoiser
-        return pipe
+        denoiser, pairs = self.parallel_denoiser, None
+        guided = (batch[0].guidance_scale or self.default_guidance_scale or 0.0) > 1.0
+        if isinstance(denoiser, RowParallelDenoiser) and not self.batched_guidance and guided:
+            denoiser = pairs = PairedBranches(denoiser, self.cache_passes, self.step_joins())
+        pipe.__dict__[name] = denoiser
+        return pipe, pairs
 
     def _cached(self, pipe: Any, batch: list[DiffusionRequest]) -> tuple[Any, CallCache | None]:
         """``pipe`` with its denoiser behind the batch's step caches (a shallow copy where ``pipe`` is the

@@ -59,9 +59,9 @@ class GlmImageRunner(DiffusersPipelineRunner):
     max_images = None
     size_required = True  # the AR stage drew its tokens for one size
     batched_guidance = False  # the unconditional pass is a second transformer call
-    cfg_parallel = False
-    """Its guidance branches are two transformer calls in turn, so a group would only split the rows of
-    each; CFG-parallel needs the pipeline's step to issue both at once (not built)."""
+    cfg_parallel = True
+    """Its guidance branches are two transformer calls in turn: on a CFG-parallel replica rank 1 computes
+    each step's second call while rank 0 computes the first (``diffusion/parallel.py: PairedBranches``)."""
     glyph_max_length: ClassVar[int] = 2048  # the pipeline's max_sequence_length default
     _GLYPH_PATTERNS = (r"'([^']*)'", r"\u201c([^\u201c\u201d]*)\u201d", r'"([^"]*)"', r"「([^「」]*)」")
 
