@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from test_step_batching import ask, assert_within_one_level
+from test_step_batching import ask, assert_within_one_level, glm_edit
 from vllm_omni_plugin.diffusion import DiffusionEngine
 from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, PeerSpec, split_rows
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
@@ -119,15 +119,8 @@ def test_a_request_whose_branches_are_two_calls_has_its_second_call_computed_on_
 def test_a_glm_image_edit_pairs_its_branches_around_its_source_image_cache(pairs: dict[str, Pair]) -> None:
     """An edit's first call writes its source image's keys and values (rank 0), each step's first call
     reads them (rank 0), and its second skips them: rank 1 computes that one, without the cache."""
-    from test_step_batching import token_ids
-
     pair = pairs["glm_image"]
-    grid = [1, 64 // 16, 64 // 16]
-    image = np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    request = ask(
-        "glm-edit-paired", seed=12, steps=STEPS, family="glm_image", images=[image],
-        prior_token_image_ids=[token_ids(grid[1] * grid[2], 112)], source_image_grid_thw=[grid],
-    )  # fmt: skip
+    request = glm_edit("glm-edit-paired", seed=12, steps=STEPS)
     expected = _images(pair.plain.generate([request]))
     pair.rows.clear()
     got = _images(pair.parallel.generate([request]))
@@ -182,10 +175,11 @@ def test_a_step_batched_group_goes_through_the_group(tiny_sd3: Path) -> None:
         assert_within_one_level(a, b)
 
 
+@pytest.mark.parametrize("field", ["cfg_parallel_size", "sequence_parallel_size"])
 def test_a_dead_peer_costs_no_request_and_closing_leaves_no_peer(
-    tiny_sd3: Path, caplog: pytest.LogCaptureFixture
+    tiny_sd3: Path, caplog: pytest.LogCaptureFixture, field: str
 ) -> None:
-    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, cfg_parallel_size=2)
+    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, **{field: 2})
     group = engine.parallel
     assert group is not None and group.alive
     batch = [ask(f"dead-{i}", seed=i, steps=STEPS) for i in range(2)]
@@ -202,7 +196,7 @@ def test_a_dead_peer_costs_no_request_and_closing_leaves_no_peer(
             assert_within_one_level(a, b)
     finally:
         engine.close()
-    healthy = DiffusionEngine(tiny_sd3, max_batch_size=4, cfg_parallel_size=2)
+    healthy = DiffusionEngine(tiny_sd3, max_batch_size=4, **{field: 2})
     processes = healthy.parallel.processes
     assert all(p.poll() is None for p in processes)
     healthy.close()

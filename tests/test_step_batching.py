@@ -81,6 +81,16 @@ def ask(
     return GlmImageRequest(**fields)
 
 
+def glm_edit(request_id: str, seed: int, steps: int = 4) -> DiffusionRequest:
+    """A 64x64 GLM-Image edit of a random source image (its prior tokens random too)."""
+    image = np.random.default_rng(seed).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    grid = [1, SIZE // 16, SIZE // 16]
+    return ask(
+        request_id, seed, steps=steps, family="glm_image", images=[image],
+        prior_token_image_ids=[token_ids(grid[1] * grid[2], seed + 100)], source_image_grid_thw=[grid],
+    )  # fmt: skip
+
+
 def token_ids(count: int, seed: int) -> Any:
     import torch
 
@@ -282,21 +292,7 @@ def test_glm_image_edits_join_with_their_own_source_images(
 ) -> None:
     """Each edit's denoiser reads the K/V its own source image wrote: joined per row, in row order."""
     stepped, whole = engines("glm_image")
-    rng = np.random.default_rng(0)
-
-    def edit(request_id: str, seed: int) -> DiffusionRequest:
-        image = rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
-        grid = [1, SIZE // 16, SIZE // 16]
-        return ask(
-            request_id,
-            seed,
-            family="glm_image",
-            images=[image],
-            prior_token_image_ids=[token_ids(grid[1] * grid[2], seed + 100)],
-            source_image_grid_thw=[grid],
-        )
-
-    requests = [edit("e0", 30), edit("e1", 31), ask("t", 32, family="glm_image")]
+    requests = [glm_edit("e0", 30), glm_edit("e1", 31), ask("t", 32, family="glm_image")]
     forwards = join_after_the_first_step(stepped, whole, requests)
     assert any({"e0", "e1"} <= set(calls) for calls in forwards), forwards
 

@@ -229,30 +229,48 @@ class DenoiserGroup:
         return self.failed is None and all(p.poll() is None for p in self.processes)
 
 
-class RowParallelDenoiser:
-    """The denoiser as the pipelines call it on a CFG-parallel replica: each forward's rows cut over the
-    group's ranks (:class:`DenoiserGroup`), or computed here where they cannot be."""
+class DenoiserStandIn:
+    """What stands in for a denoiser in a pipeline (its other attributes are the denoiser's): the calls
+    go over a denoiser group."""
 
-    def __init__(
-        self, module: Any, group: DenoiserGroup, joins: Mapping[str, ArgumentJoin] | None = None
-    ) -> None:
+    def __init__(self, module: Any, group: DenoiserGroup) -> None:
         self._module = module
         self._group = group
-        self._joins: Mapping[str, ArgumentJoin] = joins or {}
         self._inner = [m for m in module.modules() if m is not module]
-        self.split_calls = 0
-        """Forwards whose rows went over the group (tests count them)."""
 
     @functools.cached_property
     def _signature(self) -> inspect.Signature:
         return inspect.signature(self._module.forward)
 
     def _hooked(self) -> bool:
+        """A hook inside the denoiser (a LoRA adapter's, a cache's): the peers hold neither."""
         from torch.nn.modules import module as nn_module
 
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._inner)
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str) -> Iterator[None]:
+        """diffusers' ``CacheMixin.cache_context`` (Qwen-Image's pipelines enter it around each branch)."""
+        with self._module.cache_context(name):
+            yield
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class RowParallelDenoiser(DenoiserStandIn):
+    """The denoiser as the pipelines call it on a CFG-parallel replica: each forward's rows cut over the
+    group's ranks (:class:`DenoiserGroup`), or computed here where they cannot be."""
+
+    def __init__(
+        self, module: Any, group: DenoiserGroup, joins: Mapping[str, ArgumentJoin] | None = None
+    ) -> None:
+        super().__init__(module, group)
+        self._joins: Mapping[str, ArgumentJoin] = joins or {}
+        self.split_calls = 0
+        """Forwards whose rows went over the group (tests count them)."""
 
     def _splittable(self, kwargs: dict[str, Any]) -> bool:
         for name, join in self._joins.items():
@@ -270,17 +288,8 @@ class RowParallelDenoiser:
         self.split_calls += 1
         return group.forward(self._module, named, split_rows(rows, group.size), self._joins)
 
-    @contextlib.contextmanager
-    def cache_context(self, name: str) -> Iterator[None]:
-        """diffusers' ``CacheMixin.cache_context`` (Qwen-Image's pipelines enter it around each branch)."""
-        with self._module.cache_context(name):
-            yield
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-
-class PairedBranches:
+class PairedBranches(DenoiserStandIn):
     """One pipeline call's denoiser on a CFG-parallel replica whose pipeline makes a guided step's two
     branches as two calls in turn (GLM-Image; Qwen-Image's true CFG), each of the request's rows alone:
     cutting rows cannot split them. The first step's pair shows which arguments differ between the
@@ -297,8 +306,8 @@ class PairedBranches:
         joins: Mapping[str, ArgumentJoin],
         latents: str = "hidden_states",
     ) -> None:
+        super().__init__(rows._module, rows._group)
         self._rows = rows
-        self._group = rows._group
         self._passes = passes
         """``passes(kwargs)``: a call that is no step (an edit's cache write): left alone."""
         self._joins = joins
@@ -315,10 +324,10 @@ class PairedBranches:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rows = self._rows
-        named = _by_name(rows._signature, args, kwargs)
+        named = _by_name(self._signature, args, kwargs)
         if self._sent is not None:
             return self._take_second(named)
-        if self._passes(named) or rows._hooked() or self._group.failed is not None or self._shared == set():
+        if self._passes(named) or self._hooked() or self._group.failed is not None or self._shared == set():
             return rows(**named)
         own = self._own(named)
         if self._shared is None:  # the first step: learn what the branches share
@@ -337,7 +346,7 @@ class PairedBranches:
             return rows(**named)
         self._sent = second
         try:
-            return rows._module(**named)
+            return self._module(**named)
         except BaseException:
             self.close()
             raise
@@ -390,14 +399,6 @@ class PairedBranches:
             self._group._fail(f"the exchange with its peers failed: {exc}")
         finally:
             self._group._lock.release()
-
-    @contextlib.contextmanager
-    def cache_context(self, name: str) -> Iterator[None]:
-        with self._rows._module.cache_context(name):
-            yield
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._rows._module, name)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -20,19 +20,15 @@ but its queries, projections and MLPs shrink with the rank count.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, DenoiserStandIn, _wait
 from vllm_omni_plugin.diffusion.step_batching import _by_name, _is_tensor
-
-if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.parallel import DenoiserGroup
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,8 @@ class SequencePlan:
     """``cut_rope(output, text_tokens, rank, size)``: ``rope``'s output with this rank's image rows."""
     text_tokens: Callable[[dict[str, Any]], int] | None = None
     """The text tokens of a call, which precede the image tokens in its attentions (gathered there)."""
-    local: Callable[[Any, dict[str, Any]], str | None] = lambda module, kwargs: None
-    """Why a call cannot be shared (None: it can)."""
+    local: Callable[[Any, dict[str, Any]], str | None] = lambda _module, _kwargs: None
+    """``local(module, kwargs)``: why a call cannot be shared (None: it can)."""
 
 
 def sequence_plan(module: Any) -> SequencePlan:
@@ -67,6 +63,16 @@ def sequence_plan(module: Any) -> SequencePlan:
             "remove sequence_parallel_size"
         )
     return planner(module)
+
+
+def _latent_tokens(patch: int) -> Callable[[dict[str, Any]], int | None]:
+    def tokens(kwargs: dict[str, Any]) -> int | None:
+        latents = kwargs.get("hidden_states")
+        if not _is_tensor(latents) or latents.dim() != 4:
+            return None
+        return (int(latents.shape[-2]) // patch) * (int(latents.shape[-1]) // patch)
+
+    return tokens
 
 
 def _sd3_plan(module: Any) -> SequencePlan:
@@ -94,28 +100,41 @@ def _text_tokens(kwargs: dict[str, Any]) -> int:
     return int(kwargs["encoder_hidden_states"].shape[1])
 
 
+def _rotating_plan(
+    module: Any,
+    embeds: tuple[Any, ...],
+    rope: Any,
+    cut_rope: Callable[[Any, int, int, int], Any],
+    tokens: Callable[[dict[str, Any]], int | None] = _packed_tokens,
+    local: Callable[[Any, dict[str, Any]], str | None] | None = None,
+) -> SequencePlan:
+    """A plan for a denoiser that rotates queries and keys inside its attentions, each over [text,
+    image]: keys and values gathered at the attention call, the final norm's input gathered."""
+    _gather_in_attention(module)
+    return SequencePlan(
+        embeds=embeds,
+        final=module.norm_out,
+        tokens=tokens,
+        rope=rope,
+        cut_rope=cut_rope,
+        text_tokens=_text_tokens,
+        local=local or SequencePlan.local,
+    )
+
+
 def _flux_plan(module: Any) -> SequencePlan:
     """FLUX: packed image tokens after ``x_embedder``; one rotary table (cos, sin) for the text then the
     image positions; every attention (double- and single-stream) runs over [text, image]."""
-    _gather_in_attention(module)
 
     def cut_rope(output: Any, text: int, rank: int, size: int) -> Any:
         return tuple(_cut_after(t, text, rank, size, dim=0) for t in output)
 
-    return SequencePlan(
-        embeds=(module.x_embedder,),
-        final=module.norm_out,
-        tokens=_packed_tokens,
-        rope=module.pos_embed,
-        cut_rope=cut_rope,
-        text_tokens=_text_tokens,
-    )
+    return _rotating_plan(module, (module.x_embedder,), module.pos_embed, cut_rope)
 
 
 def _qwen_image_plan(module: Any) -> SequencePlan:
     """Qwen-Image (and its edit pipelines, whose source images' tokens follow the noise's): image tokens
     after ``img_in``; rotary tables (image, text) apart; every attention runs over [text, image]."""
-    _gather_in_attention(module)
 
     def cut_rope(output: Any, text: int, rank: int, size: int) -> Any:
         image, text_freqs = output
@@ -125,25 +144,7 @@ def _qwen_image_plan(module: Any) -> SequencePlan:
         # A per-token modulation index over the whole sequence (Qwen-Image-Edit-2511's zero_cond_t).
         return "zero_cond_t" if getattr(module, "zero_cond_t", False) else None
 
-    return SequencePlan(
-        embeds=(module.img_in,),
-        final=module.norm_out,
-        tokens=_packed_tokens,
-        rope=module.pos_embed,
-        cut_rope=cut_rope,
-        text_tokens=_text_tokens,
-        local=local,
-    )
-
-
-def _latent_tokens(patch: int) -> Callable[[dict[str, Any]], int | None]:
-    def tokens(kwargs: dict[str, Any]) -> int | None:
-        latents = kwargs.get("hidden_states")
-        if not _is_tensor(latents) or latents.dim() != 4:
-            return None
-        return (int(latents.shape[-2]) // patch) * (int(latents.shape[-1]) // patch)
-
-    return tokens
+    return _rotating_plan(module, (module.img_in,), module.pos_embed, cut_rope, local=local)
 
 
 def _glm_image_plan(module: Any) -> SequencePlan:
@@ -151,7 +152,6 @@ def _glm_image_plan(module: Any) -> SequencePlan:
     rotary table covers the image positions alone; every attention runs over [glyph text, image]. An
     edit's calls that write or read its source images' cached keys and values stay on rank 0: the cache
     holds whole images."""
-    _gather_in_attention(module)
 
     def cut_rope(output: Any, text: int, rank: int, size: int) -> Any:
         return tuple(t.chunk(size, dim=0)[rank] for t in output)
@@ -160,15 +160,9 @@ def _glm_image_plan(module: Any) -> SequencePlan:
         caches = kwargs.get("kv_caches")
         return "source-image cache" if caches is not None and caches[0].mode in ("write", "read") else None
 
-    return SequencePlan(
-        embeds=(module.image_projector, module.prior_projector),
-        final=module.norm_out,
-        tokens=_latent_tokens(int(module.config.patch_size)),
-        rope=module.rope,
-        cut_rope=cut_rope,
-        text_tokens=_text_tokens,
-        local=local,
-    )
+    embeds = (module.image_projector, module.prior_projector)
+    tokens = _latent_tokens(int(module.config.patch_size))
+    return _rotating_plan(module, embeds, module.rope, cut_rope, tokens=tokens, local=local)
 
 
 _PLANNERS: dict[str, Callable[[Any], SequencePlan]] = {
@@ -250,8 +244,6 @@ def _all_gather(group: Any, tensor: Any, rank: int, size: int, dim: int) -> Any:
     as every exchange of the group is). Each pair of ranks swaps its shares by send and receive, posted
     together: gloo's ``allgather`` took 0.5-0.7 ms for 1 KiB between two processes here, a swap 0.1 ms."""
     import torch
-
-    from vllm_omni_plugin.diffusion.parallel import _wait
 
     local = tensor.detach().to("cpu").contiguous()
     parts = [local if peer == rank else torch.empty_like(local) for peer in range(size)]
@@ -345,32 +337,20 @@ def _gathering_class(processor: type) -> type[_GatheringProcessor]:
 # --- the denoiser as the pipelines call it -----------------------------------------------------------------
 
 
-class SequenceParallelDenoiser:
+class SequenceParallelDenoiser(DenoiserStandIn):
     """The denoiser as the pipelines call it on a sequence-parallel replica: each forward's image tokens
     cut over the group's ranks (:meth:`DenoiserGroup.forward_sequence`), or the forward computed here
     where they cannot be (a token count the ranks do not divide, a hook inside the denoiser, a call the
     plan keeps local)."""
 
     def __init__(self, module: Any, group: DenoiserGroup, plan: SequencePlan) -> None:
-        self._module = module
-        self._group = group
+        super().__init__(module, group)
         self._plan = plan
-        self._inner = [m for m in module.modules() if m is not module]
         self.split_calls = 0
         """Forwards whose tokens went over the group (tests count them)."""
 
-    @functools.cached_property
-    def _signature(self) -> inspect.Signature:
-        return inspect.signature(self._module.forward)
-
     def _splittable(self, kwargs: dict[str, Any]) -> bool:
-        from torch.nn.modules import module as nn_module
-
-        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            return False
-        if any(m._forward_hooks or m._forward_pre_hooks for m in self._inner):
-            return False  # a LoRA adapter's or a cache's: the peers hold neither
-        if self._plan.local(self._module, kwargs) is not None:
+        if self._hooked() or self._plan.local(self._module, kwargs) is not None:
             return False
         tokens = self._plan.tokens(kwargs)
         return tokens is not None and tokens % self._group.size == 0
@@ -386,12 +366,3 @@ class SequenceParallelDenoiser:
                 return self._module(**named)
         self.split_calls += 1
         return group.forward_sequence(self._module, named, self._plan)
-
-    @contextlib.contextmanager
-    def cache_context(self, name: str) -> Iterator[None]:
-        """diffusers' ``CacheMixin.cache_context`` (Qwen-Image's pipelines enter it around each branch)."""
-        with self._module.cache_context(name):
-            yield
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
