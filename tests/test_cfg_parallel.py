@@ -8,7 +8,6 @@ that dies costs no request; a peer that cannot load stops start-up in one line; 
 
 from __future__ import annotations
 
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from vllm_omni_plugin.diffusion import DiffusionEngine
 from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, PeerSpec, split_rows
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
 from vllm_omni_plugin.families.diffusers.runner import denoiser_of
+from vllm_omni_plugin.processes import ProcessId, cmdline, descendants
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 
@@ -226,11 +226,14 @@ def test_bagel_refuses_cfg_parallelism_in_one_line(tiny_bagel: Path) -> None:
         DiffusionEngine(tiny_bagel, cfg_parallel_size=2, runner_cls=BAGEL_RUNNER)
 
 
-def _peers() -> list[int]:
-    """The pids of every CFG-parallel group's peer processes on this machine."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    lines = [line.split(None, 1) for line in out.splitlines()[1:]]
-    return [int(pid) for pid, args in lines if "-m vllm_omni_plugin.diffusion.parallel" in args]
+def _peers(root: int) -> list[ProcessId]:
+    """The denoiser groups' peer processes under ``root`` (not another user's of the machine)."""
+    found = [
+        ProcessId.of(pid)
+        for pid in descendants(root)
+        if "-m vllm_omni_plugin.diffusion.parallel" in cmdline(pid)
+    ]
+    return [p for p in found if p is not None]
 
 
 @pytest.mark.server
@@ -252,7 +255,6 @@ def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
 
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text(f"pipeline: diffusion\nstages:\n  - {{stage_id: 0, {field}: 2}}\n")
-    before = set(_peers())  # this module's in-process engines have theirs
     port = free_port()
     server = ServerProcess(
         [bin_script("vllm"), "serve", str(tiny_sd3), "--omni", "--deploy-config", str(deploy),
@@ -262,7 +264,8 @@ def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
     )  # fmt: skip
     with server:
         server.wait_ready(timeout=300)
-        started = set(_peers()) - before
+        assert server.proc is not None
+        started = _peers(server.proc.pid)
         assert len(started) == 1
         body = {"prompt": "a red fox", "size": "64x64", "n": 2, "num_inference_steps": STEPS,
                 "guidance_scale": 3.0, "seed": 21}  # fmt: skip
@@ -274,4 +277,4 @@ def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
                 tiny_sd3, prompt="a red fox", seed=21 + i, height=64, width=64, steps=STEPS, guidance=3.0
             )
             assert_within_one_level(image, expected)
-    assert not set(_peers()) & started
+    assert not any(p.alive() for p in started)
