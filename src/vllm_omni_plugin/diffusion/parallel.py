@@ -340,9 +340,13 @@ class PairedBranches(DenoiserStandIn):
         group._lock.acquire()
         try:
             _send(group._group, 1, ("rows", second))
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # gloo: a closed connection, a timeout
             group._lock.release()
             group._fail(f"the exchange with its peers failed: {exc}")
+            return rows(**named)
+        except Exception:  # an argument the wire cannot carry (raised before anything is sent)
+            group._lock.release()
+            self._shared = set()
             return rows(**named)
         self._sent = second
         try:
