@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_omni_plugin.log import best_effort, get_logger
 
@@ -161,26 +162,29 @@ def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
 def own_resource_tracker() -> int | None:
     """The pid of the resource tracker this process started (None: it started none): a child that is
     not a stage's, which ignores SIGTERM and ends with this process."""
+    tracker = _resource_tracker()
+    return None if tracker is None else tracker._pid
+
+
+def _resource_tracker() -> Any:
+    """multiprocessing's resource tracker of this process, if it is connected to one (None: not)."""
     from multiprocessing import resource_tracker
 
     tracker = getattr(resource_tracker, "_resource_tracker", None)
-    return getattr(tracker, "_pid", None) if getattr(tracker, "_fd", None) is not None else None
+    return tracker if getattr(tracker, "_fd", None) is not None else None
 
 
 def _tracker_runs() -> bool:
     """Whether this process shares a resource tracker that still runs. Never start one to unregister a
     segment, nor talk to a dead one: multiprocessing would start a new tracker, which prints a traceback
     for every name it was never told of."""
-    from multiprocessing import resource_tracker
-
-    tracker = getattr(resource_tracker, "_resource_tracker", None)
-    if getattr(tracker, "_fd", None) is None:
+    tracker = _resource_tracker()
+    if tracker is None:
         return False
-    pid = getattr(tracker, "_pid", None)  # None: inherited from the process that started it
-    if pid is None:
+    if tracker._pid is None:  # inherited from the process that started it
         return True
-    stat = _stat(pid)
-    return stat is not None and stat[2] not in ("Z", "X")
+    process = ProcessId.of(tracker._pid)
+    return process is not None and process.alive()
 
 
 def unmapped(names: list[str], shm_dir: str = SHM_DIR) -> list[str]:

@@ -199,6 +199,34 @@ class DenoiserGroup:
                     self._fail(f"a sequence-parallel forward failed: {type(exc).__name__}: {exc}")
             return module(**kwargs)
 
+    def send_call(self, kwargs: dict[str, Any]) -> bool:
+        """Hand rank 1 a whole call to compute; the group's other exchanges wait until :meth:`take_call`
+        takes its output. False: not sent (the group has failed, or failed now; or an argument the wire
+        cannot carry, found before anything is sent), and nothing to take."""
+        self._lock.acquire()
+        try:
+            if self.failed is None:
+                _send(self._group, 1, ("rows", kwargs))
+                return True
+        except RuntimeError as exc:  # gloo: a closed connection, a timeout
+            self._fail(f"the exchange with its peers failed: {exc}")
+        except Exception:  # pickling an argument
+            pass
+        self._lock.release()
+        return False
+
+    def take_call(self, device: Any = None) -> Any | None:
+        """The output of the call :meth:`send_call` handed over (on ``device``); None if rank 1 failed."""
+        try:
+            return _recv_reply(self._group, 1, device)
+        except _PeerError as exc:
+            self._fail(str(exc))
+        except RuntimeError as exc:
+            self._fail(f"the exchange with its peers failed: {exc}")
+        finally:
+            self._lock.release()
+        return None
+
     def _fail(self, why: str) -> None:
         self.failed = why
         logger.error("denoiser group: %s; this replica computes every forward whole from now on", why)
@@ -336,17 +364,8 @@ class PairedBranches(DenoiserStandIn):
                 self._learn(*self._first_pair)
             return rows(**named)
         second = {name: own[name] for name in self._shared} | self._second
-        group = self._group
-        group._lock.acquire()
-        try:
-            _send(group._group, 1, ("rows", second))
-        except RuntimeError as exc:  # gloo: a closed connection, a timeout
-            group._lock.release()
-            group._fail(f"the exchange with its peers failed: {exc}")
-            return rows(**named)
-        except Exception:  # an argument the wire cannot carry (raised before anything is sent)
-            group._lock.release()
-            self._shared = set()
+        if not self._group.send_call(second):
+            self._shared = set()  # not paired in this call from now on
             return rows(**named)
         self._sent = second
         try:
@@ -375,34 +394,18 @@ class PairedBranches(DenoiserStandIn):
     def _take_second(self, named: dict[str, Any]) -> Any:
         sent, self._sent = self._sent, None
         assert sent is not None
-        group = self._group
-        try:
-            output = _recv_reply(group._group, 1)
-        except _PeerError as exc:
-            group._fail(str(exc))
-            output = None
-        except RuntimeError as exc:
-            group._fail(f"the exchange with its peers failed: {exc}")
-            output = None
-        finally:
-            group._lock.release()
+        output = self._group.take_call(named[self._latents].device)
         own = self._own(named)
         if output is not None and own.keys() == sent.keys() and all(_same(own[k], sent[k]) for k in own):
             self.paired_calls += 1
-            return _to_device(output, _device_of(named))
+            return output
         return self._rows(**named)
 
     def close(self) -> None:
         """After the pipeline call: a second call that never came still has rank 1's output to take."""
-        if self._sent is None:
-            return
-        self._sent = None
-        try:
-            _recv_reply(self._group._group, 1)
-        except (_PeerError, RuntimeError) as exc:
-            self._group._fail(f"the exchange with its peers failed: {exc}")
-        finally:
-            self._group._lock.release()
+        if self._sent is not None:
+            self._sent = None
+            self._group.take_call()
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -416,25 +419,6 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float, str, bool, type(None))) and type(a) is type(b):
         return a == b
     return False
-
-
-def _device_of(named: dict[str, Any]) -> Any:
-    for value in named.values():
-        if _is_tensor(value):
-            return value.device
-    return None
-
-
-def _to_device(value: Any, device: Any) -> Any:
-    if device is None:
-        return value
-    if _is_tensor(value):
-        return value.to(device)
-    if isinstance(value, tuple | list):
-        return type(value)(_to_device(v, device) for v in value)
-    if hasattr(value, "to_tuple"):
-        return type(value)(**{k: _to_device(v, device) for k, v in value.items()})
-    return value
 
 
 # --- the wire ------------------------------------------------------------------------------------------
@@ -530,8 +514,8 @@ def _recv(group: Any, rank: int, device: Any = None) -> Any:
     return _fill(structure, message[start + (-start % ALIGN) :], device)
 
 
-def _recv_reply(group: Any, rank: int) -> Any:
-    reply = _recv(group, rank)
+def _recv_reply(group: Any, rank: int, device: Any = None) -> Any:
+    reply = _recv(group, rank, device)
     if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
         raise _PeerError(f"rank {rank}'s forward failed: {reply[1]}")
     return reply[1]

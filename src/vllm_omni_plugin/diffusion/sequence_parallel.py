@@ -7,11 +7,12 @@ of the final norm), and how each attention gets the keys and values of the whole
 
 - SD3 adds positions to the tokens before the blocks and projects the image's keys and values from the
   image tokens alone (``to_k``/``to_v``), so those projections' outputs are all-gathered.
-- FLUX and Qwen-Image rotate queries and keys inside the attention, so a rank's queries need its own
-  rotary rows and the gathered keys everyone's: the keys and values are gathered after the rotation, at
-  the attention call. Their processors run as diffusers wrote them, with ``dispatch_attention_fn`` bound,
-  for that processor alone, to one that all-gathers the image part (after the text, which every rank
-  holds whole) of the keys, the values and a mask, and is diffusers' own outside a sequence-parallel call.
+- FLUX, Qwen-Image and GLM-Image rotate queries and keys inside the attention, so a rank's queries need
+  its own rotary rows and the gathered keys everyone's: the keys and values are gathered after the
+  rotation, at the attention call. Their processors run as diffusers wrote them, with
+  ``dispatch_attention_fn`` bound, for that processor alone, to one that all-gathers the image part
+  (after the text, which every rank holds whole) of the keys, the values and a mask, and is diffusers'
+  own outside a sequence-parallel call.
 
 That is K/V all-gather attention rather than Ulysses (an all-to-all of heads, which gloo lacks) or Ring
 (K/V blocks passed around with an online softmax): a rank's attention still holds the whole image's keys,
@@ -360,9 +361,7 @@ class SequenceParallelDenoiser(DenoiserStandIn):
         group = self._group
         # Every forward holds the group's lock: a forward here must not run into another's hooks.
         with group._lock:
-            local = group.failed is not None or not self._splittable(named)
-        if local:
-            with group._lock:
+            if group.failed is not None or not self._splittable(named):
                 return self._module(**named)
         self.split_calls += 1
         return group.forward_sequence(self._module, named, self._plan)
