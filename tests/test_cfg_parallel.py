@@ -16,10 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from test_step_batching import ask, assert_within_one_level, glm_edit
+from test_bagel_dit import STEPS as BAGEL_STEPS
+from test_bagel_dit import edit, t2i
+from test_step_batching import BAGEL_RUNNER, ask, assert_within_one_level, glm_edit
 from vllm_omni_plugin.diffusion import DiffusionEngine
 from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, PeerSpec, split_rows
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
+from vllm_omni_plugin.families.bagel.transformer import AttentionRows
 from vllm_omni_plugin.families.diffusers.runner import denoiser_of
 from vllm_omni_plugin.processes import ProcessId, cmdline, descendants
 
@@ -219,11 +222,121 @@ def test_a_peer_that_cannot_load_stops_start_up_in_one_line(tmp_path: Path) -> N
         DenoiserGroup(2, [spec])
 
 
-def test_bagel_refuses_cfg_parallelism_in_one_line(tiny_bagel: Path) -> None:
-    from test_step_batching import BAGEL_RUNNER
+# --- BAGEL: rows are (request, branch) pairs over their own contexts, which a peer keeps for the batch ---
 
-    with pytest.raises(ValueError, match="cfg_parallel_size: .* cannot run CFG-parallel; remove it"):
-        DiffusionEngine(tiny_bagel, cfg_parallel_size=2, runner_cls=BAGEL_RUNNER)
+
+class BagelRanks:
+    """BAGEL's single-process engine and a CFG-parallel one of ``size`` ranks; the rows rank 0 computes
+    per velocity forward, and the contexts rank 0 sends (one ``wire_state`` per rank and row set)."""
+
+    def __init__(self, model: Path, size: int, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> None:
+        self.plain = DiffusionEngine(model, max_batch_size=4, runner_cls=BAGEL_RUNNER)
+        self.parallel = DiffusionEngine(
+            model, max_batch_size=4, runner_cls=BAGEL_RUNNER, cfg_parallel_size=size, **kwargs
+        )
+        self.rows: list[int] = []
+        self.sent: list[int] = []
+        model_of = self.parallel.runner.transformer
+        velocity = model_of.velocity
+
+        def counted(latents: Any, rows: Any) -> Any:
+            self.rows.append(int(latents.shape[0]))
+            return velocity(latents, rows)
+
+        monkeypatch.setattr(model_of, "velocity", counted)
+        wire_state = AttentionRows.wire_state
+
+        def sent(rows: AttentionRows) -> Any:
+            self.sent.append(len(rows.lengths))
+            return wire_state(rows)
+
+        monkeypatch.setattr(AttentionRows, "wire_state", sent)
+
+    def compare(self, batch: list[Any]) -> None:
+        expected = _images(self.plain.generate(batch))
+        self.rows.clear()
+        self.sent.clear()
+        got = _images(self.parallel.generate(batch))
+        for a, b in zip(got, expected, strict=True):
+            assert_within_one_level(a, b)
+
+    def close(self) -> None:
+        self.plain.close()
+        self.parallel.close()
+
+
+@pytest.fixture
+def bagel_pair(tiny_bagel: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[BagelRanks]:
+    ranks = BagelRanks(tiny_bagel, 2, monkeypatch)
+    yield ranks
+    ranks.close()
+
+
+def test_bagel_guidance_branches_split_over_two_ranks_with_contexts_sent_once_per_batch(
+    bagel_pair: BagelRanks,
+) -> None:
+    """Two text-to-image requests (cond and no-text rows each) and two edits (cond, no-text and no-image
+    rows each): rank 0 computes half the rows of each forward (rounded up); rank 1's rows' contexts go
+    to it once for each set of rows, not once a step."""
+    forwards = BAGEL_STEPS - 1
+    bagel_pair.compare([t2i("t0", 1), t2i("t1", 2)])
+    # guidance runs at the steps with t > 0.4 (text-to-image's interval): 4 rows, then the 2 cond rows
+    guided = sum(bagel_pair.rows[i] == 2 for i in range(forwards))
+    assert bagel_pair.rows == [2] * guided + [1] * (forwards - guided) and 0 < guided < forwards
+    assert bagel_pair.sent == [2, 1]  # rank 1's two no-text rows, then its one cond row
+    bagel_pair.compare([edit("e0", 3, image_len=40), edit("e1", 4, image_len=24, text_len=5)])
+    assert bagel_pair.rows == [3] * forwards and bagel_pair.sent == [3]
+
+
+def test_bagel_edit_branches_run_one_per_rank_over_three_ranks(
+    tiny_bagel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cfg_parallel_size: 3``: an edit's three branches (cond, no text, no image) on three ranks."""
+    ranks = BagelRanks(tiny_bagel, 3, monkeypatch)
+    try:
+        ranks.compare([edit("e", 5)])
+        assert ranks.rows == [1] * (BAGEL_STEPS - 1) and ranks.sent == [1, 1]
+        # fewer rows than ranks at the unguided steps: rank 2 gets no call
+        ranks.compare([t2i("t", 6)])
+        assert set(ranks.rows) == {1} and ranks.sent == [1]
+    finally:
+        ranks.close()
+
+
+def test_a_bagel_step_batched_group_splits_and_a_dead_peer_costs_no_request(
+    tiny_bagel: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ranks = BagelRanks(tiny_bagel, 2, monkeypatch, batching="step")
+    engine = ranks.parallel
+    batch = [edit("s0", 7), edit("s1", 8, image_len=24)]
+    try:
+        expected = _images(ranks.plain.generate(batch))
+        groups, failed = engine.admit(batch)
+        assert not failed and len(groups) == 1
+        results: list[Any] = []
+        thread = threading.Thread(target=lambda: results.extend(engine.run_group(groups[0])))
+        thread.start()
+        thread.join(timeout=300)
+        for a, b in zip(_images(results), expected, strict=True):
+            assert_within_one_level(a, b)
+        assert ranks.rows == [3] * (BAGEL_STEPS - 1)
+        group = engine.parallel
+        assert group is not None
+        group.processes[0].kill()
+        group.processes[0].wait(timeout=30)
+        ranks.rows.clear()
+        with caplog.at_level("ERROR"):
+            groups, failed = engine.admit(batch)
+            results.clear()
+            thread = threading.Thread(target=lambda: results.extend(engine.run_group(groups[0])))
+            thread.start()
+            thread.join(timeout=300)
+        assert "computes every forward whole from now on" in caplog.text and not group.alive
+        for a, b in zip(_images(results), expected, strict=True):
+            assert_within_one_level(a, b)
+        assert ranks.rows[-1] == 6  # every row on rank 0 now
+    finally:
+        ranks.close()
 
 
 def _peers(root: int) -> list[ProcessId]:
@@ -277,4 +390,67 @@ def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
                 tiny_sd3, prompt="a red fox", seed=21 + i, height=64, width=64, steps=STEPS, guidance=3.0
             )
             assert_within_one_level(image, expected)
+    assert not any(p.alive() for p in started)
+
+
+@pytest.mark.server
+def test_a_served_bagel_with_a_cfg_parallel_dit_gives_the_reference_images(
+    tiny_bagel: Path, tmp_path: Path
+) -> None:
+    """``vllm serve`` of BAGEL with ``cfg_parallel_size: 2`` on its DiT stage: the DiT replica starts one
+    peer, text-to-image and an edit (three branches over two ranks) equal BAGEL's own inference, and
+    stopping the server leaves no peer."""
+    import base64
+    import io
+
+    import openai
+    import yaml
+    from PIL import Image
+
+    from test_bagel_server import DEPLOY, assert_close, image_of, png
+    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
+    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+
+    config = yaml.safe_load(Path(DEPLOY).read_text())
+    config["stages"][1]["cfg_parallel_size"] = 2
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump(config))
+    port = free_port()
+    server = ServerProcess(
+        [bin_script("vllm"), "serve", str(tiny_bagel), "--omni", "--deploy-config", str(deploy),
+         "--port", str(port), "--host", "127.0.0.1"],
+        port=port,
+        log_path=tmp_path / "server.log",
+    )  # fmt: skip
+    reference = BagelReference(str(tiny_bagel))
+    steps = {"num_inference_steps": 6}
+    with server:
+        server.wait_ready(timeout=300)
+        assert server.proc is not None
+        started = _peers(server.proc.pid)
+        assert len(started) == 1
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        model = client.models.list().data[0].id
+        made = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "a red fox in the snow"}],
+            extra_body={"modalities": ["image"], "height": 64, "width": 64, "seed": 11, **steps},
+        )
+        expected = reference.interleave(
+            ["a red fox in the snow"], height=64, width=64, seed=11, cfg_text_scale=4.0, cfg_img_scale=1.0,
+            **steps,
+        )  # fmt: skip
+        assert_close(np.asarray(image_of(made.choices[0].message.content)), expected.image)
+        edited = client.images.edit(
+            model=model,
+            image=("in.png", png(seed=9), "image/png"),
+            prompt="make it blue",
+            extra_body={"seed": 12, **steps},
+        )
+        expected = reference.interleave(
+            [Image.open(io.BytesIO(png(seed=9))), "make it blue"], seed=12, cfg_text_scale=4.0,
+            cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel", **steps,
+        )  # fmt: skip
+        image = np.asarray(Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json))))
+        assert_close(image, expected.image)
     assert not any(p.alive() for p in started)

@@ -974,19 +974,19 @@ def test_a_parallel_size_gives_each_diffusion_replica_that_many_devices(tmp_path
     assert placement is not None and placement.num_gpus == 2.0 and placement.placement_group
 
 
-@pytest.mark.parametrize(
-    ("field", "what"), [("cfg_parallel_size", "CFG"), ("sequence_parallel_size", "sequence")]
-)
-def test_a_parallel_size_on_a_runner_without_it_is_one_config_error(
-    tmp_path: Path, tiny_bagel: Path, field: str, what: str
-) -> None:
-    path = write(tmp_path, f"pipeline: bagel\nstages:\n  - {{stage_id: 1, {field}: 2}}\n")
+def test_a_parallel_size_on_a_runner_without_it_is_one_config_error(tmp_path: Path, tiny_bagel: Path) -> None:
+    """BAGEL's DiT runs CFG-parallel (its guidance rows split), not sequence-parallel."""
+    path = write(tmp_path, "pipeline: bagel\nstages:\n  - {stage_id: 1, sequence_parallel_size: 2}\n")
     with pytest.raises(ConfigError) as caught:
         resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=CPU)
     assert (
-        f"deploy.yaml:3: stages[stage_id=1].{field}: {what} parallelism is not available for "
-        f"bagel's diffusion runner (BagelGenerationRunner); remove {field}" in str(caught.value)
+        "deploy.yaml:3: stages[stage_id=1].sequence_parallel_size: sequence parallelism is not available "
+        "for bagel's diffusion runner (BagelGenerationRunner); remove sequence_parallel_size"
+        in str(caught.value)
     )
+    path.write_text("pipeline: bagel\nstages:\n  - {stage_id: 1, cfg_parallel_size: 3}\n")
+    stage = resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=CPU).stage(1)
+    assert stage.diffusion_args["cfg_parallel_size"] == 3
 
 
 def test_cfg_and_sequence_parallelism_together_are_one_config_error(tmp_path: Path) -> None:

@@ -15,6 +15,12 @@ step batching, such as GLM-Image's source-image cache), a call with a forward ho
 (LoRA adapters: the peers do not hold them), and every call once a peer has failed (logged once; the
 replica then computes all rows itself, so no request is lost to it).
 
+BAGEL's rows are (request, guidance branch) pairs, each attending to its own context's keys and values:
+its rows argument is a :class:`SplittableJoin` (cut by row range like a tensor), and the rows' contexts
+are :class:`PeerKept`: a peer receives its rows' context once and keeps it while the calls name it, so
+each step sends only the latents (a batch's contexts are fixed across its steps; sent every step they
+would be most of the traffic).
+
 Sequence parallelism (``sequence_parallel_size``, ``sequence_parallel.py``) uses the same group the other
 way round: every rank runs the whole forward on its share of the image tokens, and the ranks all-gather
 each attention's image keys and values.
@@ -32,9 +38,9 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from vllm_omni_plugin.diffusion.step_batching import (
     UNUSED,
@@ -71,6 +77,33 @@ class PeerSpec:
     trust_remote_code: bool = False
 
 
+@runtime_checkable
+class SplittableJoin(Protocol):
+    """An :class:`ArgumentJoin` whose values can also be cut by rows (BAGEL's attention rows), so a call
+    with one still splits over the group."""
+
+    def take(self, value: Any, rows: range) -> Any:
+        """``value`` for the rows ``rows`` of its call only."""
+
+
+class PeerKept:
+    """An argument a peer keeps between forwards: sent whole the first time a call names it, named by
+    :attr:`wire_key` after that while consecutive calls to that peer keep naming it (a peer holds exactly
+    the kept values of its last call)."""
+
+    wire_key: Hashable
+    """Equal for one value for as long as it lives (never reused by another)."""
+
+    def wire_state(self) -> Any:
+        """The value as the wire carries it: tensors in tuples, lists and dicts."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_wire(cls, state: Any, device: Any) -> PeerKept:
+        """The value again, on the peer (``state``'s tensors are on ``device`` already)."""
+        raise NotImplementedError
+
+
 def split_rows(rows: int, ranks: int) -> list[range]:
     """Contiguous row ranges, one per rank, as even as they go (earlier ranks take the remainder)."""
     size, extra = divmod(rows, ranks)
@@ -98,6 +131,8 @@ class DenoiserGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.failed: str | None = None
         """Why the peers are no longer used (None: they are)."""
+        self._held: list[set[Hashable]] = [set() for _ in range(size)]
+        """Per rank, the :class:`PeerKept` values it holds (those its last call named)."""
         self._lock = threading.Lock()
         self._store = dist.TCPStore(
             "127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=PEER_START_TIMEOUT_S),
@@ -166,13 +201,12 @@ class DenoiserGroup:
         with self._lock:  # one exchange at a time: the group's messages are matched in order
             if self.failed is None:
                 try:
-                    for rank in range(1, self.size):
-                        _send(
-                            self._group, rank, ("rows", _take_rows(kwargs, list(ranges[rank]), rows, joins))
-                        )
-                    own = module(**_take_rows(kwargs, list(ranges[0]), rows, joins))
-                    parts = [own, *(_recv_reply(self._group, rank) for rank in range(1, self.size))]
-                    return _cat(parts)
+                    busy = [rank for rank in range(1, self.size) if ranges[rank]]  # fewer rows than ranks
+                    for rank in busy:
+                        taken = _rows_taken(kwargs, ranges[rank], rows, joins)
+                        _send(self._group, rank, ("rows", *self._kept(rank, taken)))
+                    own = module(**_rows_taken(kwargs, ranges[0], rows, joins))
+                    return _cat([own, *(_recv_reply(self._group, rank) for rank in busy)])
                 except _PeerError as exc:
                     self._fail(str(exc))
                 except RuntimeError as exc:  # gloo: a closed connection, a timeout
@@ -187,7 +221,7 @@ class DenoiserGroup:
             if self.failed is None:
                 try:
                     for rank in range(1, self.size):
-                        _send(self._group, rank, ("sequence", kwargs))
+                        _send(self._group, rank, ("sequence", kwargs, {}))
                     own = sequence_call(module, plan, kwargs, self._group, 0, self.size)
                     for rank in range(1, self.size):
                         _recv_reply(self._group, rank)
@@ -206,7 +240,7 @@ class DenoiserGroup:
         self._lock.acquire()
         try:
             if self.failed is None:
-                _send(self._group, 1, ("rows", kwargs))
+                _send(self._group, 1, ("rows", kwargs, {}))
                 return True
         except RuntimeError as exc:  # gloo: a closed connection, a timeout
             self._fail(f"the exchange with its peers failed: {exc}")
@@ -226,6 +260,22 @@ class DenoiserGroup:
         finally:
             self._lock.release()
         return None
+
+    def _kept(self, rank: int, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``kwargs`` without their :class:`PeerKept` values, and those as ``rank`` gets them: the key
+        alone where it holds the value, else the key, the class and the value's state."""
+        held, named = self._held[rank], set()
+        plain: dict[str, Any] = {}
+        kept: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            if not isinstance(value, PeerKept):
+                plain[name] = value
+                continue
+            key = value.wire_key
+            named.add(key)
+            kept[name] = (key,) if key in held else (key, type(value), value.wire_state())
+        self._held[rank] = named
+        return plain, kept
 
     def _fail(self, why: str) -> None:
         self.failed = why
@@ -264,7 +314,8 @@ class DenoiserStandIn:
     def __init__(self, module: Any, group: DenoiserGroup) -> None:
         self._module = module
         self._group = group
-        self._inner = [m for m in module.modules() if m is not module]
+        modules = getattr(module, "modules", None)  # BAGEL's velocity is no torch module
+        self._inner = [m for m in modules() if m is not module] if modules is not None else []
 
     @functools.cached_property
     def _signature(self) -> inspect.Signature:
@@ -303,7 +354,11 @@ class RowParallelDenoiser(DenoiserStandIn):
     def _splittable(self, kwargs: dict[str, Any]) -> bool:
         for name, join in self._joins.items():
             value = kwargs.get(name)
-            if value is not None and not isinstance(join, SameValue) and join.key(value) != UNUSED:
+            if (
+                value is not None
+                and not isinstance(join, SameValue | SplittableJoin)
+                and join.key(value) != UNUSED
+            ):
                 return False
         return True
 
@@ -406,6 +461,17 @@ class PairedBranches(DenoiserStandIn):
         if self._sent is not None:
             self._sent = None
             self._group.take_call()
+
+
+def _rows_taken(
+    kwargs: dict[str, Any], keep: range, rows: int, joins: Mapping[str, ArgumentJoin]
+) -> dict[str, Any]:
+    """The call's arguments for the rows ``keep`` (a :class:`SplittableJoin`'s value cut by its join)."""
+    taken = _take_rows(kwargs, list(keep), rows, joins)
+    for name, join in joins.items():
+        if isinstance(join, SplittableJoin) and taken.get(name) is not None:
+            taken[name] = join.take(taken[name], keep)
+    return taken
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -581,8 +647,11 @@ def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
         cls = getattr(cls, part)
     dtype = getattr(torch, spec.dtype.removeprefix("torch."))
     device = torch.device(spec.device)
-    module = cls.from_pretrained(spec.model, subfolder=spec.subfolder, torch_dtype=dtype)
-    module = module.to(device).eval()
+    if hasattr(cls, "load_peer"):  # a denoiser of ours (BAGEL's velocity), not a diffusers model
+        module = cls.load_peer(spec.model, dtype=dtype, device=device)
+    else:
+        module = cls.from_pretrained(spec.model, subfolder=spec.subfolder, torch_dtype=dtype)
+        module = module.to(device).eval()
     store = dist.TCPStore(
         "127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=PEER_START_TIMEOUT_S)
     )
@@ -591,6 +660,8 @@ def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
     from vllm_omni_plugin.diffusion.sequence_parallel import sequence_call, sequence_plan
 
     plan: SequencePlan | None = None
+    held: dict[Hashable, PeerKept] = {}
+    """The kept values the last call named (:class:`PeerKept`)."""
     while True:
         try:
             message = _recv(group, 0, device)
@@ -598,8 +669,13 @@ def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
             return
         if message is None:
             return
-        mode, kwargs = message
+        mode, kwargs, kept = message
         try:
+            now = {}
+            for name, (key, *sent) in kept.items():
+                now[key] = held[key] if not sent else sent[0].from_wire(sent[1], device)
+                kwargs[name] = now[key]
+            held = now
             with torch.no_grad():
                 if mode == "sequence":
                     plan = plan or sequence_plan(module)

@@ -48,6 +48,7 @@ from vllm_omni_plugin.models.bagel.transforms import unpatchify
 from vllm_omni_plugin.models.bagel.weights import CheckpointReader
 
 if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.parallel import PeerSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
@@ -347,18 +348,38 @@ class BagelGenerationRunner(DiffusionRunner):
         if len(keys) != 1:
             raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
         start = time.perf_counter()
+        denoiser = self.parallel_denoiser
+        velocity = (
+            self.transformer.velocity
+            if denoiser is None
+            else lambda latents, rows: denoiser(latents=latents, rows=rows)
+        )
         with CallPreviews() as previews:
-            latents = self._denoise(
-                batch, generators, should_stop, self.transformer.velocity, self.on_step, None, previews
-            )
+            latents = self._denoise(batch, generators, should_stop, velocity, self.on_step, None, previews)
             return self._decoded(latents, batch, start)
 
     step_batching = True
     previews = True
     step_cache = True
+    cfg_parallel = True
+    """Rows (a request's guidance branches) split over the ranks; each peer keeps its rows' contexts for
+    the batch (``diffusion/parallel.py``)."""
+
+    def peer_spec(self, model: str, device: str, num_threads: int | None) -> PeerSpec:
+        from vllm_omni_plugin.diffusion.parallel import PeerSpec
+
+        return PeerSpec(
+            model=model,
+            subfolder="",
+            module=BagelVelocity.__module__,
+            qualname=BagelVelocity.__qualname__,
+            dtype=str(self.dtype),
+            device=device,
+            num_threads=num_threads,
+        )
 
     def denoiser(self) -> Any:
-        return _Velocity(self.transformer)
+        return BagelVelocity(self.transformer)
 
     def step_joins(self) -> dict[str, ArgumentJoin]:
         return {"rows": AttentionRowsJoin()}
@@ -620,11 +641,19 @@ class _Guidance:
         return torch.where(guided[:, None, None], out, v)
 
 
-class _Velocity:
-    """The generation expert's velocity forward as the module a step batcher calls (by keyword)."""
+class BagelVelocity:
+    """The generation expert's velocity forward as the module a step batcher or a denoiser group calls
+    (by keyword)."""
 
     def __init__(self, model: GenerationTransformer) -> None:
         self.model = model
+
+    @classmethod
+    def load_peer(cls, model_dir: str, *, dtype: torch.dtype, device: torch.device) -> BagelVelocity:
+        """A CFG-parallel peer's: the generation weights alone (no autoencoder)."""
+        cfg = load_bagel_config(model_dir)
+        with CheckpointReader(cfg.llm_weights) as reader:
+            return cls(GenerationTransformer.load(cfg, reader, dtype=dtype, device=device))
 
     def forward(self, latents: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
         return self.model.velocity(latents, rows)
@@ -640,6 +669,10 @@ class AttentionRowsJoin:
 
     def __init__(self) -> None:
         self._cached: tuple[list[AttentionRows], AttentionRows] | None = None
+
+    def take(self, value: AttentionRows, rows: range) -> AttentionRows:
+        """A CFG-parallel rank's rows (``diffusion/parallel.py``'s ``SplittableJoin``)."""
+        return value.take(rows.start, rows.stop)
 
     def key(self, value: AttentionRows) -> Hashable:
         layers, _, _, kv_heads, _, head_dim = value.buffer.shape

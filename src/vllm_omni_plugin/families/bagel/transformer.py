@@ -15,6 +15,7 @@ rows of similar length form contiguous groups that attend over their own (shorte
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vllm_omni_plugin.diffusion.parallel import PeerKept
 from vllm_omni_plugin.models.bagel.config import BagelConfig, BagelConfigError
 from vllm_omni_plugin.models.bagel.transforms import flattened_position_ids
 from vllm_omni_plugin.models.bagel.weights import CheckpointReader
@@ -274,8 +276,14 @@ class _Group:
     mask: torch.Tensor | None
 
 
-class AttentionRows:
-    """The K/V buffers, masks and RoPE of one set of active rows (a view of the bank, or a copy)."""
+_ROWS_IDS = itertools.count()
+
+
+class AttentionRows(PeerKept):
+    """The K/V buffers, masks and RoPE of one set of active rows (a view of the bank, or a copy).
+
+    On a CFG-parallel replica a peer keeps the rows it computes (:class:`PeerKept`): their contexts go
+    over the wire once per batch, not once per step."""
 
     def __init__(
         self,
@@ -291,6 +299,8 @@ class AttentionRows:
         self.block = block
         self.cos, self.sin = cos, sin
         self.kv_heads = kv_heads
+        self.wire_key = next(_ROWS_IDS)
+        self._taken: dict[tuple[int, int], AttentionRows] = {}
         self.groups: list[_Group] = []
         start = 0
         while start < len(lengths):
@@ -306,6 +316,40 @@ class AttentionRows:
                 mask = (torch.arange(longest, device=buffer.device)[None] < limit[:, None])[:, None, None]
             self.groups.append(_Group(start, end, longest, mask))
             start = end
+
+    def take(self, start: int, end: int) -> AttentionRows:
+        """The rows ``start:end`` (a view of this buffer: the same object for as long as this one lives,
+        so a peer that holds it is sent no context again)."""
+        if (start, end) == (0, len(self.lengths)):
+            return self
+        taken = self._taken.get((start, end))
+        if taken is None:
+            lengths = self.lengths[start:end]
+            buffer = self.buffer[:, :, start:end, :, : self.block + max(lengths, default=0)]
+            taken = AttentionRows(
+                buffer, lengths, self.block, self.cos[start:end], self.sin[start:end], self.kv_heads
+            )
+            self._taken[(start, end)] = taken
+        return taken
+
+    def wire_state(self) -> dict[str, Any]:
+        """The contexts (not the block's slots: :meth:`attend` writes them before it reads them)."""
+        return {
+            "contexts": self.buffer[:, :, :, :, self.block :],
+            "lengths": self.lengths,
+            "block": self.block,
+            "cos": self.cos,
+            "sin": self.sin,
+            "kv_heads": self.kv_heads,
+        }
+
+    @classmethod
+    def from_wire(cls, state: dict[str, Any], device: Any) -> AttentionRows:
+        contexts, block = state["contexts"], state["block"]
+        layers, two, rows, kv_heads, longest, dim = contexts.shape
+        buffer = contexts.new_empty((layers, two, rows, kv_heads, block + longest, dim))
+        buffer[:, :, :, :, block:] = contexts
+        return cls(buffer, state["lengths"], block, state["cos"], state["sin"], state["kv_heads"])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Block ``q [rows, Q, heads, D]``, ``k, v [rows, Q, kv_heads, D]`` -> ``[rows, Q, heads * D]``."""
