@@ -1,6 +1,7 @@
 """DiT acceleration in the diffusion stage's engine, in one run: tiny SD3, FLUX and GLM-Image at 28 steps
 (64x64, guided), uncached (the baseline) against each step-caching policy, compiled blocks, and CFG and
-sequence parallelism over two processes.
+sequence parallelism over two processes. ``--models bagel bagel-edit`` adds BAGEL's DiT (text to image,
+and edits with three guidance branches) on random contexts of the thinker's shapes.
 
     python benchmarks/dit_acceleration.py [--models sd3 flux glm-image] [--steps 28] [--rounds 3]
                           [--variants uncached fixed half fixed-3 threshold compiled cfg-parallel
@@ -58,12 +59,64 @@ CONCURRENCY = (1, 8)
 """The default concurrencies (``--concurrency``)."""
 
 
-def requests(model: str, count: int, steps: int, offset: int, size: int = SIZE) -> list[Any]:
+BAGEL_RUNNER = "vllm_omni_plugin.families.bagel.runner.BagelGenerationRunner"
+BAGEL_MODELS = {"bagel": "text-to-image", "bagel-edit": "edit"}
+"""BAGEL's DiT stage (the tiny BAGEL) on random contexts shaped as the thinker sends them: text to image
+(cond and no-text rows) or an edit (cond, no-text and no-image rows: three branches)."""
+
+
+def bagel_requests(path: Path, kind: str, count: int, steps: int, offset: int, size: int) -> list[Any]:
+    """``count`` BAGEL generation requests; an edit's source image adds its VAE and ViT tokens."""
+    import msgspec
+    import torch
+
+    from vllm_omni_plugin.families.bagel import (
+        EDIT_DEFAULTS,
+        T2I_DEFAULTS,
+        BagelContext,
+        BagelGenerationRequest,
+    )
+    from vllm_omni_plugin.models.bagel.config import load_bagel_config
+
+    llm = load_bagel_config(str(path)).llm
+
+    def context(seed: int, length: int, rope: int) -> Any:
+        shape = (llm.num_layers, 2, length, llm.num_kv_heads, llm.head_dim)
+        kv = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        return BagelContext(kv=kv, kv_len=length, rope=rope)
+
+    text, image = 12, (size // 16) ** 2 + (size // 14) ** 2 + 4
+    made = []
+    for i in range(offset, offset + count):
+        if kind == "edit":
+            source, prompt = context(2 * i, image, 2), context(2 * i + 1, text, text)
+            joined = torch.cat([source.kv, prompt.kv], dim=2)
+            contexts = (BagelContext(kv=joined, kv_len=image + text, rope=2 + text), source, prompt)
+            defaults = EDIT_DEFAULTS
+        else:
+            cond = context(i, text, text)
+            contexts, defaults = (cond, BagelContext.empty(), cond), T2I_DEFAULTS
+        made.append(
+            BagelGenerationRequest(
+                request_id=f"r{i}", cond=contexts[0], cfg_text=contexts[1], cfg_img=contexts[2],
+                height=size, width=size, seed=i,
+                sampling=msgspec.structs.replace(defaults, num_inference_steps=steps),
+            )
+        )  # fmt: skip
+    return made
+
+
+def requests(
+    model: str, count: int, steps: int, offset: int, size: int = SIZE, path: Path | None = None
+) -> list[Any]:
     """``count`` square requests of ``model`` (GLM-Image's with random prior tokens: its DiT takes any)."""
     import torch
 
     from vllm_omni_plugin.diffusion import DiffusionRequest
 
+    if model in BAGEL_MODELS:
+        assert path is not None
+        return bagel_requests(path, BAGEL_MODELS[model], count, steps, offset, size)
     made = []
     for i in range(offset, offset + count):
         fields: dict[str, Any] = {
@@ -84,16 +137,18 @@ def requests(model: str, count: int, steps: int, offset: int, size: int = SIZE) 
     return made
 
 
-def measure(engine: Any, model: str, steps: int, concurrency: int, rounds: int, size: int) -> float:
+def measure(
+    engine: Any, model: str, steps: int, concurrency: int, rounds: int, size: int, path: Path
+) -> float:
     """Median images/s over ``rounds`` (after one warm-up round)."""
     rates = []
     for round_ in range(rounds + 1):
         start = time.perf_counter()
         if concurrency == 1:
             for i in range(2):
-                results = engine.generate(requests(model, 1, steps, 100 * round_ + i, size))
+                results = engine.generate(requests(model, 1, steps, 100 * round_ + i, size, path))
         else:
-            results = engine.generate(requests(model, concurrency, steps, 100 * round_, size))
+            results = engine.generate(requests(model, concurrency, steps, 100 * round_, size, path))
         if not all(r.ok for r in results):
             raise RuntimeError(f"{model}: {[r.error for r in results if not r.ok]}")
         images = 2 if concurrency == 1 else concurrency
@@ -133,11 +188,14 @@ def main() -> int:
     rows: list[tuple[str, str, dict[int, float], float, float]] = []
     for model in args.models:
         start = time.perf_counter()
-        path = build(model, cache_dir / model)
+        kind = "bagel" if model in BAGEL_MODELS else model
+        path = build(kind, cache_dir / kind)
         print(f"{model}: built in {time.perf_counter() - start:.1f} s", flush=True)
         for variant in variants:
             start = time.perf_counter()
             engine_args = {**device_args, **VARIANTS[variant]}
+            if model in BAGEL_MODELS:
+                engine_args["runner_cls"] = BAGEL_RUNNER
             if "compile" in engine_args:
                 engine_args.update(height=args.size, width=args.size)
             try:
@@ -148,7 +206,8 @@ def main() -> int:
             ready = time.perf_counter() - start
             try:
                 rates = {
-                    c: measure(engine, model, args.steps, c, args.rounds, args.size) for c in concurrency
+                    c: measure(engine, model, args.steps, c, args.rounds, args.size, path)
+                    for c in concurrency
                 }
                 counts = engine.counters()
             finally:

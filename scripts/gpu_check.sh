@@ -4,7 +4,8 @@
 #      installs into that interpreter instead, one that already holds a CUDA build of torch; pip's own
 #      PIP_FIND_LINKS / PIP_NO_INDEX serve an offline host);
 #   2. runs the tests marked `cuda` (skipped everywhere else; among them a step-cached, a compiled and, on
-#      a host with two devices, CFG- and sequence-parallel tiny SD3 deployments: tests/test_dit_acceleration_cuda.py);
+#      a host with two devices, CFG- and sequence-parallel tiny SD3 and a CFG-parallel tiny BAGEL:
+#      tests/test_dit_acceleration_cuda.py);
 #   3. serves the tiny GLM-Image and the tiny BAGEL with vLLM's defaults (CUDA graphs and async scheduling
 #      on), once with the model runner the plugin chooses and once with VLLM_USE_V2_MODEL_RUNNER=1, and
 #      compares every image with a reference computed on this host's CPU (vllm_omni_plugin.testing.harness.gpu_check);

@@ -1,6 +1,7 @@
 """CFG parallelism (``diffusion/parallel.py``) over two processes with gloo, on tiny SD3 (batched guidance),
-FLUX (embedded guidance: rows split as data), Qwen-Image (true CFG) and GLM-Image (two calls a step: rank 1
-computes each step's second call while rank 0 computes the first): every image
+FLUX (embedded guidance: rows split as data), Qwen-Image (true CFG), GLM-Image (two calls a step: rank 1
+computes each step's second call while rank 0 computes the first) and BAGEL (rows of request x branch over
+their own contexts, which a peer keeps for the batch; also over three processes): every image
 equals the single-process engine's within one level of 255 (the ranks compute different row counts than
 one process does, and a matmul's float sums depend on its rows); rank 0 computes only its share of each
 forward (counted by a pre-hook on its denoiser); caching and step batching go through the group; a peer

@@ -1,6 +1,7 @@
 """DiT acceleration on a CUDA device (``scripts/gpu_check.sh`` runs these; they skip without one): a
-step-cached request, a compiled tiny SD3 deployment and (with two devices) a CFG-parallel one on ``cuda``,
-float32 so that the images compare with the CPU's cached ones and the eager, single-device ones."""
+step-cached request, a compiled tiny SD3 deployment and (with two devices) CFG- and sequence-parallel
+tiny SD3 and a CFG-parallel tiny BAGEL on ``cuda``, float32 so that the images compare with the CPU's
+cached ones and the eager, single-device ones."""
 
 from __future__ import annotations
 
@@ -90,3 +91,28 @@ def test_a_parallel_tiny_sd3_over_two_cuda_devices(tiny_sd3: Path, field: str) -
         engine.close()
     for result, image in zip(results, expected, strict=True):
         assert result.ok and np.abs(result.image.astype(np.int16) - image).max() <= 2
+
+
+def test_a_cfg_parallel_tiny_bagel_over_two_cuda_devices(tiny_bagel: Path) -> None:
+    """BAGEL's edit branches on two devices: rank 1 keeps its row's context on ``cuda:1``."""
+    import torch
+
+    from test_bagel_dit import edit, t2i
+    from test_step_batching import BAGEL_RUNNER
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("cfg_parallel_size 2 needs two CUDA devices")
+    batch = [edit("e", 1), t2i("t", 2)]
+    args = {"device": "cuda", "dtype": "float32", "max_batch_size": 4, "runner_cls": BAGEL_RUNNER}
+    plain = DiffusionEngine(tiny_bagel, **args)
+    expected = [[r.image for r in plain.generate([request])] for request in batch]
+    plain.close()
+    engine = DiffusionEngine(tiny_bagel, cfg_parallel_size=2, **args)
+    try:
+        got = [engine.generate([request]) for request in batch]
+        assert engine.runner.parallel_denoiser.split_calls > 0
+        assert engine.parallel is not None and engine.parallel.failed is None
+    finally:
+        engine.close()
+    for results, images in zip(got, expected, strict=True):
+        assert results[0].ok and np.abs(results[0].image.astype(np.int16) - images[0]).max() <= 2
