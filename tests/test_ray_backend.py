@@ -90,6 +90,14 @@ stages:
 """
 """A second deployment beside the served one (no CPU of the cluster is free): its AR engine core holds
 at ``ar.load`` in its start-up (the hold directory reaches the actor through the stage's env)."""
+CFG_PARALLEL = """
+pipeline: diffusion
+backend: ray
+ray: {{namespace: {namespace}, placement_timeout_s: 600}}
+stages:
+  - {{stage_id: 0, num_cpus: 0, cfg_parallel_size: 2}}
+"""
+"""A CFG-parallel diffusion stage beside the served deployment: its actor starts the replica's peer."""
 REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
 SLOW_REQUEST = {**REQUEST, "seed": 12, "num_inference_steps": 400}
 """Long enough in the DiT for its actor to be killed while it works on it."""
@@ -396,4 +404,54 @@ def test_a_server_interrupted_while_its_ar_engine_loads_leaves_no_actor_process_
     assert left == [], f"engine processes {left} outlived the stop"
     assert sorted(n for n in segments if os.path.exists(f"/dev/shm/{n}")) == [], "shared memory left"
     assert set(stage_actors()) == before  # its actors are gone, the served deployment's stay
+    assert served.health()[0] == 200
+
+
+def test_a_cfg_parallel_stage_on_ray_gives_the_diffusers_images_and_its_peer_ends_with_it(
+    served: Served, tiny_sd3: Path, tmp_path: Path
+) -> None:
+    """A diffusion stage with ``cfg_parallel_size: 2`` as a Ray actor: the actor's replica starts its
+    peer process, the images equal a stock diffusers call's, and stopping the server ends the peer."""
+    from ray.util.state import list_actors
+
+    from vllm_omni_plugin.processes import ProcessId, cmdline, descendants
+    from vllm_omni_plugin.testing.reference.diffusers import reference_image
+
+    deploy = tmp_path / "cfg.yaml"
+    deploy.write_text(CFG_PARALLEL.format(namespace=NAMESPACE))
+    port = free_port()
+    before = set(stage_actors())
+    server = ServerProcess(
+        serve_argv(tiny_sd3, deploy, port), port=port, log_path=tmp_path / "server.log",
+        env=cpu_test_env({"RAY_ADDRESS": served.cluster.cluster.address}),
+    )  # fmt: skip
+    with server:
+        server.wait_ready(timeout=600)
+        new = set(stage_actors()) - before
+        assert len(new) == 1, new
+        actor = list_actors(filters=[("name", "=", new.pop())], detail=True)[0]
+        peers = [
+            p
+            for p in map(ProcessId.of, descendants(actor.pid))
+            if p is not None and "-m vllm_omni_plugin.diffusion.parallel" in cmdline(p.pid)
+        ]
+        assert len(peers) == 1, peers
+        body = {"prompt": "a red fox", "size": "64x64", "n": 2, "num_inference_steps": 4,
+                "guidance_scale": 3.0, "seed": 21}  # fmt: skip
+        answer = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
+        assert answer.status_code == 200, answer.text
+        for i, item in enumerate(answer.json()["data"]):
+            image = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+            expected = reference_image(
+                tiny_sd3, prompt="a red fox", seed=21 + i, height=64, width=64, steps=4, guidance=3.0
+            )
+            diff = np.abs(image.astype(np.int16) - expected.astype(np.int16))
+            assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+        log = server.log_text()
+    assert "Traceback" not in log, log[-4000:]
+    deadline = time.monotonic() + 60
+    while any(p.alive() for p in peers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(p.alive() for p in peers), "the peer outlived its stage"
+    assert set(stage_actors()) == before
     assert served.health()[0] == 200
