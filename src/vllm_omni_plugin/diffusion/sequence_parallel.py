@@ -2,26 +2,33 @@
 wire are ``parallel.py``'s): every rank runs the whole forward on its contiguous share of the image tokens.
 
 A denoiser's :class:`SequencePlan` says where its image tokens are cut (the output of the module that
-hands them to the blocks, and the image part of its rotary table), where they are joined again (the input
-of the final norm), and how each attention gets the keys and values of the whole image:
+hands them to the blocks, and the image part of its rotary table) and where they are joined again (the
+input of the final norm). Its attentions exchange at the attention call itself, after the projections,
+norms and rotation, each running its own share of the tokens: every attention processor runs as diffusers
+wrote it, with the attention function it calls bound, for that processor class alone (no global patch;
+diffusers' own outside a sequence-parallel call), to one that exchanges: ``dispatch_attention_fn`` (FLUX,
+Qwen-Image, GLM-Image: ``(batch, tokens, heads, dim)``, [text, image]) or, for SD3's
+``JointAttnProcessor2_0``, which calls ``F.scaled_dot_product_attention`` directly, that (through its own
+``F``: ``(batch, heads, tokens, dim)``, [image, text]). The text tokens every rank holds whole.
 
-- SD3 adds positions to the tokens before the blocks and projects the image's keys and values from the
-  image tokens alone (``to_k``/``to_v``), so those projections' outputs are all-gathered.
-- FLUX, Qwen-Image and GLM-Image rotate queries and keys inside the attention, so a rank's queries need
-  its own rotary rows and the gathered keys everyone's: the keys and values are gathered after the
-  rotation, at the attention call. Their processors run as diffusers wrote them, with
-  ``dispatch_attention_fn`` bound, for that processor alone, to one that all-gathers the image part
-  (after the text, which every rank holds whole) of the keys, the values and a mask, and is diffusers'
-  own outside a sequence-parallel call.
+- Ulysses (DeepSpeed's all-to-all attention), where every attention's head count divides by the ranks:
+  an all-to-all gives each rank the whole image's queries, keys and values for its share of the heads (the
+  text's it slices itself), it attends over [text, whole image] (a key mask gathered over the image), and
+  a second all-to-all returns each rank its tokens' outputs over all heads.
+- K/V all-gather otherwise (and for a call whose mask differs between queries or heads): each rank's
+  queries, all heads, against the image keys and values (and mask) gathered from every rank.
 
-That is K/V all-gather attention rather than Ulysses (an all-to-all of heads, which gloo lacks) or Ring
-(K/V blocks passed around with an online softmax): a rank's attention still holds the whole image's keys,
-but its queries, projections and MLPs shrink with the rank count.
+Which one a replica uses it logs at start. Both compute the same attention; on two CPU processes with
+the tiny models, Ulysses' second exchange an attention costs about what its smaller attention saves: it
+is built for more ranks (its exchanges shrink with them, the all-gather's do not) and many heads. gloo
+has all-to-all (``alltoall_base``), but the ranks exchange by send and receive posted together
+(:func:`_swap`), which measured as fast or faster at these sizes.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import types
 from collections.abc import Callable
@@ -30,6 +37,8 @@ from typing import Any
 
 from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, DenoiserStandIn, _wait
 from vllm_omni_plugin.diffusion.step_batching import _by_name, _is_tensor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,14 +51,16 @@ class SequencePlan:
     """The module whose first argument is the blocks' last image tokens: gathered."""
     tokens: Callable[[dict[str, Any]], int | None]
     """The image tokens of a call (None: not known; the call then runs on rank 0)."""
-    projections: tuple[Any, ...] = ()
-    """Linear projections whose outputs (image keys and values, token by token) are gathered."""
+    heads: tuple[int, ...] = ()
+    """The head counts of its attentions (0: not known), which :func:`attention_method` splits."""
+    text_first: bool = True
+    """Whether its attentions' text tokens precede the image's (SD3's follow them)."""
     rope: Any = None
     """The module whose output is the rotary table of the text and image positions: its image rows cut."""
     cut_rope: Callable[[Any, int, int, int], Any] | None = None
     """``cut_rope(output, text_tokens, rank, size)``: ``rope``'s output with this rank's image rows."""
     text_tokens: Callable[[dict[str, Any]], int] | None = None
-    """The text tokens of a call, which precede the image tokens in its attentions (gathered there)."""
+    """The text tokens of a call, which precede the image's rotary rows in ``rope``'s output."""
     local: Callable[[Any, dict[str, Any]], str | None] = lambda _module, _kwargs: None
     """``local(module, kwargs)``: why a call cannot be shared (None: it can)."""
 
@@ -77,18 +88,14 @@ def _latent_tokens(patch: int) -> Callable[[dict[str, Any]], int | None]:
 
 
 def _sd3_plan(module: Any) -> SequencePlan:
-    """SD3 (and SD3.5): positions added before the blocks; each attention's image keys and values come
-    from the image tokens alone (``to_k``/``to_v``; the text's from ``add_k_proj``/``add_v_proj``)."""
-    projections: list[Any] = []
-    for block in module.transformer_blocks:
-        for attn in (block.attn, getattr(block, "attn2", None)):
-            if attn is not None:
-                projections += [attn.to_k, attn.to_v]
+    """SD3 (and SD3.5): positions added before the blocks; each joint attention runs over [image, text]
+    (SD3.5's second one over the image alone), through ``F.scaled_dot_product_attention``."""
     return SequencePlan(
         embeds=(module.pos_embed,),
         final=module.norm_out,
         tokens=_latent_tokens(int(module.config.patch_size)),
-        projections=tuple(projections),
+        heads=_exchange_in_attention(module),
+        text_first=False,
     )
 
 
@@ -110,12 +117,12 @@ def _rotating_plan(
     local: Callable[[Any, dict[str, Any]], str | None] | None = None,
 ) -> SequencePlan:
     """A plan for a denoiser that rotates queries and keys inside its attentions, each over [text,
-    image]: keys and values gathered at the attention call, the final norm's input gathered."""
-    _gather_in_attention(module)
+    image]: the image's rotary rows cut with its tokens."""
     return SequencePlan(
         embeds=embeds,
         final=module.norm_out,
         tokens=tokens,
+        heads=_exchange_in_attention(module),
         rope=rope,
         cut_rope=cut_rope,
         text_tokens=_text_tokens,
@@ -178,15 +185,23 @@ _PLANNERS: dict[str, Callable[[Any], SequencePlan]] = {
 # --- a call ----------------------------------------------------------------------------------------------
 
 
+def attention_method(plan: SequencePlan, size: int) -> str:
+    """``"ulysses"`` where every attention's head count divides by ``size`` (the ranks), else
+    ``"all-gather"`` (each rank's queries against the whole image's gathered keys and values)."""
+    return "ulysses" if plan.heads and all(h > 0 and h % size == 0 for h in plan.heads) else "all-gather"
+
+
 @dataclass(frozen=True)
 class _Exchange:
-    """The sequence-parallel call running on this thread: its group, this rank, the ranks, and the text
-    tokens ahead of the image tokens in its attentions."""
+    """The sequence-parallel call running on this thread: its group, this rank, the ranks, this rank's
+    image tokens in each attention, whether they precede the text there, and the attention method."""
 
     group: Any
     rank: int
     size: int
-    text: int
+    image: int
+    text_first: bool
+    ulysses: bool
 
 
 _current = threading.local()
@@ -196,8 +211,11 @@ def sequence_call(
     module: Any, plan: SequencePlan, kwargs: dict[str, Any], group: Any, rank: int, size: int
 ) -> Any:
     """One rank's part of a sequence-parallel forward (every rank calls it with the same arguments):
-    hooks cut the image tokens (and their rotary rows) and gather what the plan gathers, for this call."""
+    hooks cut the image tokens (and their rotary rows) and gather the blocks' output, for this call; the
+    attentions exchange through :func:`_exchanging`."""
     text = plan.text_tokens(kwargs) if plan.text_tokens is not None else 0
+    tokens = plan.tokens(kwargs)
+    assert tokens is not None and tokens % size == 0
 
     def cut(_module: Any, _args: Any, output: Any) -> Any:
         return output.chunk(size, dim=1)[rank].contiguous()
@@ -206,20 +224,17 @@ def sequence_call(
         assert plan.cut_rope is not None
         return plan.cut_rope(output, text, rank, size)
 
-    def gather(_module: Any, _args: Any, output: Any) -> Any:
-        return _all_gather(group, output, rank, size, dim=1)
-
     def gather_input(_module: Any, args: Any, kwargs: Any) -> Any:
         return (_all_gather(group, args[0], rank, size, dim=1), *args[1:]), kwargs
 
     handles = [
         *(embed.register_forward_hook(cut) for embed in plan.embeds),
         plan.final.register_forward_pre_hook(gather_input, with_kwargs=True),
-        *(p.register_forward_hook(gather) for p in plan.projections),
     ]
     if plan.rope is not None:
         handles.append(plan.rope.register_forward_hook(cut_rope))
-    _current.exchange = _Exchange(group, rank, size, text)
+    ulysses = attention_method(plan, size) == "ulysses"
+    _current.exchange = _Exchange(group, rank, size, tokens // size, plan.text_first, ulysses)
     try:
         return module(**kwargs)
     finally:
@@ -240,71 +255,169 @@ EXCHANGE_TAG = 1
 """The tag of the ranks' exchanges inside a forward (the wire's messages are tag 0)."""
 
 
+def _swap(group: Any, sends: Any, received: Any, rank: int, size: int) -> None:
+    """``sends[peer]`` (contiguous host tensors) to every peer, into ``received[peer]`` of each, this rank's
+    own row left to the caller. Sends and receives are posted together, then awaited: measured between two
+    processes here, a swap took 0.10-0.18 ms up to 2 MiB where gloo's ``alltoall_base`` took 0.13-0.22 ms
+    (and ``allgather`` 0.3-0.7 ms); only at 8 MiB was ``alltoall_base`` faster, by a tenth."""
+    works = []
+    for peer in range(size):
+        if peer != rank:
+            works.append(group.send([sends[peer]], peer, EXCHANGE_TAG))
+            works.append(group.recv([received[peer]], peer, EXCHANGE_TAG))
+    for work in works:
+        _wait(work)
+
+
+def _all_to_all(group: Any, rows: Any, rank: int, size: int) -> Any:
+    """``rows[peer]`` to every peer; row ``peer`` of the result is what that peer sent this rank (staged
+    through host memory, as every exchange of the group is)."""
+    import torch
+
+    local = rows.detach().to("cpu").contiguous()
+    received = torch.empty_like(local)
+    received[rank] = local[rank]
+    _swap(group, local, received, rank, size)
+    return received.to(rows.device)
+
+
 def _all_gather(group: Any, tensor: Any, rank: int, size: int, dim: int) -> Any:
-    """Every rank's share of ``tensor``, joined along ``dim`` in rank order (staged through host memory,
-    as every exchange of the group is). Each pair of ranks swaps its shares by send and receive, posted
-    together: gloo's ``allgather`` took 0.5-0.7 ms for 1 KiB between two processes here, a swap 0.1 ms."""
+    """Every rank's share of ``tensor``, joined along ``dim`` in rank order."""
     import torch
 
     local = tensor.detach().to("cpu").contiguous()
     parts = [local if peer == rank else torch.empty_like(local) for peer in range(size)]
-    works = []
-    for peer in range(size):
-        if peer != rank:
-            works.append(group.send([local], peer, EXCHANGE_TAG))
-            works.append(group.recv([parts[peer]], peer, EXCHANGE_TAG))
-    for work in works:
-        _wait(work)
+    _swap(group, [local] * size, parts, rank, size)
     return torch.cat(parts, dim=dim).to(tensor.device)
 
 
-def _gathering_dispatch(dispatch: Callable[..., Any]) -> Callable[..., Any]:
-    """diffusers' ``dispatch_attention_fn`` (``query``/``key``/``value``: ``(batch, tokens, heads, dim)``,
-    text tokens first) with, inside a sequence-parallel call, the image part of the keys, the values and
-    the mask's key axis gathered from every rank."""
+def _split(tensor: Any, image: int, text_first: bool, dim: int) -> tuple[Any, Any]:
+    """``tensor``'s text and image parts along ``dim`` (``image`` entries, after or before the text)."""
+    text = tensor.shape[dim] - image
+    if text < 0:
+        raise ValueError(
+            f"sequence parallelism: an attention over {tensor.shape[dim]} tokens, not {image} images"
+        )
+    if text_first:
+        return tensor.narrow(dim, 0, text), tensor.narrow(dim, text, image)
+    return tensor.narrow(dim, image, text), tensor.narrow(dim, 0, image)
 
-    @functools.wraps(dispatch)
-    def gathered(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
-        exchange: _Exchange | None = getattr(_current, "exchange", None)
-        if exchange is None:
-            return dispatch(query, key, value, *args, **kwargs)
-        text, group, rank, size = exchange.text, exchange.group, exchange.rank, exchange.size
-        import torch
 
-        def whole(tensor: Any, dim: int) -> Any:
-            own = tensor.narrow(dim, text, tensor.shape[dim] - text)
-            return torch.cat([tensor.narrow(dim, 0, text), _all_gather(group, own, rank, size, dim)], dim=dim)
+def _join(text: Any, image: Any, text_first: bool, dim: int) -> Any:
+    import torch
 
-        if key.shape == value.shape and key.dtype == value.dtype:  # both in one exchange
-            pair = whole(torch.stack([key, value]), 2)
-            key, value = pair[0], pair[1]
+    return torch.cat([text, image] if text_first else [image, text], dim=dim)
+
+
+def _key_mask(mask: Any) -> bool:
+    """Whether ``mask`` (None, or with a batch and a key axis, any between them of one entry) masks keys
+    alone: the same for every query and head, so that it holds for a rank's whole-image queries too."""
+    return mask is None or (mask.dim() >= 2 and all(n == 1 for n in mask.shape[1:-1]))
+
+
+def _ulysses(attend: Callable[..., Any], query: Any, key: Any, value: Any, mask: Any, ex: _Exchange) -> Any:
+    """Attention of ``(batch, tokens, heads, dim)`` inputs (one shape and dtype) by all-to-all: every rank
+    sends each rank the image part of its queries, keys and values for that rank's share of the heads
+    (and the mask's image keys); attends over the text (its own slice of the heads) and the whole image;
+    and sends each rank its tokens' outputs for those heads, with the text's (which every rank needs), so
+    that each rank gets its tokens over all heads. Two exchanges an attention."""
+    import torch
+
+    size, rank, image, first = ex.size, ex.rank, ex.image, ex.text_first
+    batch, _seq, heads, dim = query.shape
+    share = heads // size
+    text_part, image_part = _split(torch.stack([query, key, value]), image, first, 2)
+    # row p: the image tokens' heads of rank p, (3, batch, image, share, dim)
+    rows = image_part.unflatten(3, (size, share)).movedim(3, 0).reshape(size, -1)
+    width = rows.shape[1]
+    keys = None if mask is None or mask.shape[-1] == 1 else _split(mask, image, first, mask.dim() - 1)
+    carried = keys is not None and mask.dtype in (torch.bool, query.dtype)  # exact in the rows' dtype
+    if carried:
+        rows = torch.cat([rows, keys[1].reshape(1, -1).to(rows.dtype).expand(size, -1)], dim=1)
+    got = _all_to_all(ex.group, rows, rank, size)
+    whole_image = got[:, :width].reshape(size, 3, batch, image, share, dim).movedim(0, 2)
+    own_text = text_part.narrow(3, rank * share, share)
+    q, k, v = _join(own_text, whole_image.reshape(3, batch, size * image, share, dim), first, 2)
+    if keys is not None:
+        if carried:
+            gathered = torch.cat(list(got[:, width:].reshape(size, *keys[1].shape)), dim=-1).to(mask.dtype)
         else:
-            key, value = whole(key, 1), whole(value, 1)
-        mask = kwargs.get("attn_mask")
-        if mask is not None and mask.shape[-1] > 1:  # one entry per key (a single one broadcasts)
-            kwargs["attn_mask"] = whole(mask, mask.dim() - 1)
-        return dispatch(query, key, value, *args, **kwargs)
+            gathered = _all_gather(ex.group, keys[1], rank, size, mask.dim() - 1)
+        mask = _join(keys[0], gathered, first, mask.dim() - 1)
+    out_text, out_image = _split(attend(q, k, v, mask), size * image, first, 1)
+    # row p: the text and rank p's image tokens, this rank's heads
+    back = _join(
+        out_text.expand(size, *out_text.shape), out_image.unflatten(1, (size, image)).movedim(1, 0), first, 2
+    )
+    got = _all_to_all(ex.group, back, rank, size)  # row p: this rank's tokens, rank p's heads
+    return got.movedim(0, 2).reshape(batch, got.shape[2], heads, dim)
 
-    return gathered
+
+def _gathered(attend: Callable[..., Any], query: Any, key: Any, value: Any, mask: Any, ex: _Exchange) -> Any:
+    """Attention of ``(batch, tokens, heads, dim)`` inputs with the image part of the keys, the values
+    and the mask's key axis gathered from every rank: this rank's queries, all heads."""
+    import torch
+
+    def whole(tensor: Any, dim: int) -> Any:
+        text, own = _split(tensor, ex.image, ex.text_first, dim)
+        return _join(text, _all_gather(ex.group, own, ex.rank, ex.size, dim), ex.text_first, dim)
+
+    if key.shape == value.shape and key.dtype == value.dtype:  # both in one exchange
+        key, value = whole(torch.stack([key, value]), 2)
+    else:
+        key, value = whole(key, 1), whole(value, 1)
+    if mask is not None and mask.shape[-1] > 1:  # one entry per key (a single one broadcasts)
+        mask = whole(mask, mask.dim() - 1)
+    return attend(query, key, value, mask)
 
 
-def _gather_in_attention(module: Any) -> None:
-    """Give every attention of ``module`` a processor that gathers keys and values at the attention call
-    (:func:`_gathering_dispatch`); once per module (a peer plans again after rank 0)."""
+def _exchanging(attend: Callable[..., Any], heads_first: bool) -> Callable[..., Any]:
+    """``attend`` (diffusers' ``dispatch_attention_fn``, inputs ``(batch, tokens, heads, dim)``, or
+    torch's ``scaled_dot_product_attention``, ``(batch, heads, tokens, dim)``: ``heads_first``) as it is
+    outside a sequence-parallel call and for an attention onto other tokens than its queries' (keys every
+    rank holds whole); inside one, by :func:`_ulysses`, or :func:`_gathered` where that cannot split the
+    heads or the mask."""
+
+    def flip(tensor: Any) -> Any:
+        return tensor.transpose(1, 2) if heads_first else tensor
+
+    @functools.wraps(attend)
+    def exchanged(query: Any, key: Any, value: Any, attn_mask: Any = None, *args: Any, **kwargs: Any) -> Any:
+        ex: _Exchange | None = getattr(_current, "exchange", None)
+        seq = 2 if heads_first else 1
+        if ex is None or not query.shape[seq] == key.shape[seq] == value.shape[seq]:
+            return attend(query, key, value, attn_mask, *args, **kwargs)
+
+        def inner(q: Any, k: Any, v: Any, mask: Any) -> Any:
+            return flip(attend(flip(q), flip(k), flip(v), mask, *args, **kwargs))
+
+        query, key, value = flip(query), flip(key), flip(value)
+        heads = query.shape[2]
+        alike = query.shape == key.shape == value.shape and query.dtype == key.dtype == value.dtype
+        if ex.ulysses and heads % ex.size == 0 and alike and _key_mask(attn_mask):
+            return flip(_ulysses(inner, query, key, value, attn_mask, ex))
+        return flip(_gathered(inner, query, key, value, attn_mask, ex))
+
+    return exchanged
+
+
+def _exchange_in_attention(module: Any) -> tuple[int, ...]:
+    """Give every attention of ``module`` a processor whose attention exchanges (:func:`_exchanging`);
+    once per module (a peer plans again after rank 0). The attentions' head counts (0: not known)."""
+    heads = []
     for attn in module.modules():
         processor = getattr(attn, "processor", None)
-        if (
-            processor is None
-            or isinstance(processor, _GatheringProcessor)
-            or not hasattr(attn, "set_processor")
-        ):
+        if processor is None or not hasattr(attn, "set_processor"):
             continue
-        attn.set_processor(_gathering_class(type(processor))(processor))
+        heads.append(int(getattr(attn, "heads", 0) or 0))
+        if not isinstance(processor, _ExchangingProcessor):
+            attn.set_processor(_exchanging_class(type(processor))(processor))
+    return tuple(heads)
 
 
-class _GatheringProcessor:
-    """An attention processor run as its class wrote it, with ``dispatch_attention_fn`` gathering (a
-    subclass per processor class: :func:`_gathering_class`)."""
+class _ExchangingProcessor:
+    """An attention processor run as its class wrote it, with its attention function exchanging (a
+    subclass per processor class: :func:`_exchanging_class`)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -313,26 +426,48 @@ class _GatheringProcessor:
         return getattr(self._inner, name)
 
 
+class _Functional:
+    """``torch.nn.functional`` with its ``scaled_dot_product_attention`` exchanging: the ``F`` of a
+    processor that calls it directly (SD3's ``JointAttnProcessor2_0``), for that processor alone."""
+
+    def __init__(self) -> None:
+        self.scaled_dot_product_attention = _exchanging(self._sdpa, heads_first=True)
+
+    @staticmethod
+    def _sdpa(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch.nn.functional, name)
+
+
 @functools.cache
-def _gathering_class(processor: type) -> type[_GatheringProcessor]:
+def _exchanging_class(processor: type) -> type[_ExchangingProcessor]:
     call = processor.__call__
-    if "dispatch_attention_fn" not in call.__code__.co_names:
+    names = dict(call.__globals__)
+    if "dispatch_attention_fn" in call.__code__.co_names:
+        names["dispatch_attention_fn"] = _exchanging(names["dispatch_attention_fn"], heads_first=False)
+    elif {"F", "scaled_dot_product_attention"} <= set(call.__code__.co_names):
+        names["F"] = _Functional()
+    else:
         raise ValueError(
             f"sequence parallelism: {processor.__name__} computes attention without diffusers' "
-            "dispatch_attention_fn; remove sequence_parallel_size"
+            "dispatch_attention_fn or F.scaled_dot_product_attention; remove sequence_parallel_size"
         )
-    names = dict(call.__globals__)
-    names["dispatch_attention_fn"] = _gathering_dispatch(names["dispatch_attention_fn"])
     rebound = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__, call.__closure__)
     rebound.__kwdefaults__ = call.__kwdefaults__
 
     # wraps: the signature is the processor's own (diffusers passes a processor only the keyword
     # arguments its __call__ names)
     @functools.wraps(call)
-    def __call__(self: _GatheringProcessor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self: _ExchangingProcessor, *args: Any, **kwargs: Any) -> Any:
         return rebound(self._inner, *args, **kwargs)
 
-    return type(f"Gathering{processor.__name__}", (_GatheringProcessor,), {"__call__": __call__})
+    return type(f"Exchanging{processor.__name__}", (_ExchangingProcessor,), {"__call__": __call__})
 
 
 # --- the denoiser as the pipelines call it -----------------------------------------------------------------
@@ -349,6 +484,12 @@ class SequenceParallelDenoiser(DenoiserStandIn):
         self._plan = plan
         self.split_calls = 0
         """Forwards whose tokens went over the group (tests count them)."""
+        if attention_method(plan, group.size) == "ulysses":
+            how = "Ulysses attention (an all-to-all of heads)"
+        else:
+            heads = sorted(set(plan.heads))
+            how = f"K/V all-gather attention (head counts {heads} do not divide by {group.size})"
+        logger.info("sequence parallelism over %d ranks: %s", group.size, how)
 
     def _splittable(self, kwargs: dict[str, Any]) -> bool:
         if self._hooked() or self._plan.local(self._module, kwargs) is not None:
