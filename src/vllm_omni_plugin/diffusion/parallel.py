@@ -156,7 +156,7 @@ class DenoiserGroup:
         ]
         self._group = self._join()
         self._group.set_timeout(self.timeout)
-        self._inboxes = {rank: _Inbox(self._group, rank) for rank in range(1, size)}
+        self._links = {rank: _Link(self._group, rank) for rank in range(1, size)}
 
     def _join(self) -> Any:
         """The group, once every peer has loaded its denoiser and joined; a peer that exits first (it
@@ -205,7 +205,7 @@ class DenoiserGroup:
                     busy = [rank for rank in range(1, self.size) if ranges[rank]]  # fewer rows than ranks
                     for rank in busy:
                         taken = _rows_taken(kwargs, ranges[rank], rows, joins)
-                        _send(self._group, rank, ("rows", *self._kept(rank, taken)))
+                        self._links[rank].send(("rows", *self._kept(rank, taken)))
                     own = module(**_rows_taken(kwargs, ranges[0], rows, joins))
                     return _cat([own, *(self._reply(rank) for rank in busy)])
                 except _PeerError as exc:
@@ -222,7 +222,7 @@ class DenoiserGroup:
             if self.failed is None:
                 try:
                     for rank in range(1, self.size):
-                        _send(self._group, rank, ("sequence", kwargs, {}))
+                        self._links[rank].send(("sequence", kwargs, {}))
                     own = sequence_call(module, plan, kwargs, self._group, 0, self.size)
                     for rank in range(1, self.size):
                         self._reply(rank)
@@ -241,7 +241,7 @@ class DenoiserGroup:
         self._lock.acquire()
         try:
             if self.failed is None:
-                _send(self._group, 1, ("rows", kwargs, {}))
+                self._links[1].send(("rows", kwargs, {}))
                 return True
         except RuntimeError as exc:  # gloo: a closed connection, a timeout
             self._fail(f"the exchange with its peers failed: {exc}")
@@ -264,7 +264,7 @@ class DenoiserGroup:
 
     def _reply(self, rank: int, device: Any = None) -> Any:
         """Rank ``rank``'s answer to the call it was sent (:class:`_PeerError` where its forward raised)."""
-        reply = self._inboxes[rank].take(device)
+        reply = self._links[rank].take(device)
         if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
             raise _PeerError(f"rank {rank}'s forward failed: {reply[1]}")
         return reply[1]
@@ -303,7 +303,7 @@ class DenoiserGroup:
         if self.failed is None and getattr(self, "_group", None) is not None:
             with contextlib.suppress(Exception), self._lock:
                 for rank in range(1, self.size):
-                    _send(self._group, rank, None)
+                    self._links[rank].send(None)
             for process in self.processes:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=10)
@@ -559,50 +559,61 @@ def _fill(value: Any, data: Any, device: Any) -> Any:
 
 
 FIRST_PART = 64 * 1024
-"""Bytes of every message's first part, sent whole (padded): the receiver has its receive posted before the
-sender sends it. gloo takes a slow path for a message that arrives before its receive is posted: a round
-trip of two small messages took 3.2 ms on our 2-core machines that way, and 0.25 ms with the receives
-posted first. A message longer than the first part's room follows it whole, in a second send."""
+"""The least size of a message's first part, which is sent whole (padded): the receiver has its receive
+posted before the sender sends it. gloo takes a slow path for a message that arrives before its receive
+is posted: a round trip of two small messages took 3.2 ms on our 2-core machines that way, and 0.25 ms
+with the receives posted first."""
+LARGEST_FIRST_PART = 8 * 1024 * 1024
+"""The most a first part grows to (a longer message follows its first part whole, in a second send)."""
 
 
-def _send(group: Any, rank: int, value: Any) -> None:
-    """One message: its header (the structure, tensors as slots) and the tensors' bytes in one buffer,
-    inside the first part after its length where it fits, else after it (one or two gloo sends, whatever
-    the call's arguments)."""
-    import torch
-
-    tensors: list[Any] = []
-    header = pickle.dumps(_strip(value, tensors, [0]))
-    start = 8 + len(header)
-    pad = -start % ALIGN
-    prefix = torch.frombuffer(
-        bytearray(len(header).to_bytes(8, "little") + header + bytes(pad)), dtype=torch.uint8
-    )
-    message = torch.cat([prefix, *tensors]) if tensors else prefix
-    length = message.numel()
-    inline = length <= FIRST_PART - ALIGN
-    first = torch.zeros(FIRST_PART, dtype=torch.uint8)
-    first[:ALIGN] = torch.frombuffer(bytearray(length.to_bytes(ALIGN, "little")), dtype=torch.uint8)
-    if inline:
-        first[ALIGN : ALIGN + length] = message
-    _wait(group.send([first], rank, 0))
-    if not inline:
-        _wait(group.send([message], rank, 0))
+def _first_part(length: int) -> int:
+    """The size of the first part after a message of ``length`` bytes, on both ends of a link: a quarter
+    over it, in whole :data:`FIRST_PART` units (a step's messages keep their size; the next fits whole)."""
+    wanted = length + length // 4 + ALIGN
+    return min(LARGEST_FIRST_PART, max(FIRST_PART, -(-wanted // FIRST_PART) * FIRST_PART))
 
 
-class _Inbox:
-    """The messages one rank sends this one, in order, with the receive of the next one's first part
-    always posted (:data:`FIRST_PART`)."""
+class _Link:
+    """The messages between this rank and one other, in order each way. A message is its header (the
+    structure, tensors as slots) and its tensors' bytes in one buffer, within a first part after its length
+    where it fits, else after that part; the receive of the next first part is always posted, its size
+    following the last message's the same way on both ends (:func:`_first_part`), so that a step's
+    message, whatever its size, is one gloo send into a waiting receive."""
 
     def __init__(self, group: Any, rank: int) -> None:
         self._group = group
         self._rank = rank
+        self._sending = FIRST_PART
+        self._receiving = FIRST_PART
         self._post()
+
+    def send(self, value: Any) -> None:
+        import torch
+
+        tensors: list[Any] = []
+        header = pickle.dumps(_strip(value, tensors, [0]))
+        start = 8 + len(header)
+        pad = -start % ALIGN
+        prefix = torch.frombuffer(
+            bytearray(len(header).to_bytes(8, "little") + header + bytes(pad)), dtype=torch.uint8
+        )
+        message = torch.cat([prefix, *tensors]) if tensors else prefix
+        length = message.numel()
+        inline = length <= self._sending - ALIGN
+        first = torch.zeros(self._sending, dtype=torch.uint8)
+        first[:ALIGN] = torch.frombuffer(bytearray(length.to_bytes(ALIGN, "little")), dtype=torch.uint8)
+        if inline:
+            first[ALIGN : ALIGN + length] = message
+        self._sending = _first_part(length)
+        _wait(self._group.send([first], self._rank, 0))
+        if not inline:
+            _wait(self._group.send([message], self._rank, 0))
 
     def _post(self) -> None:
         import torch
 
-        self._first = torch.empty(FIRST_PART, dtype=torch.uint8)
+        self._first = torch.empty(self._receiving, dtype=torch.uint8)
         self._work = self._group.recv([self._first], self._rank, 0)
 
     def take(self, device: Any = None) -> Any:
@@ -612,11 +623,12 @@ class _Inbox:
         _wait(self._work)
         first = self._first
         length = int.from_bytes(first[:8].numpy().tobytes(), "little")
-        if length <= FIRST_PART - ALIGN:
+        if length <= first.numel() - ALIGN:
             message = first[ALIGN : ALIGN + length]
         else:
             message = torch.empty(length, dtype=torch.uint8)
             _wait(self._group.recv([message], self._rank, 0))
+        self._receiving = _first_part(length)
         self._post()  # a new buffer: the tensors of this message stay views of the old one
         size = int.from_bytes(message[:8].numpy().tobytes(), "little")
         structure = pickle.loads(message[8 : 8 + size].numpy().tobytes())
@@ -696,13 +708,13 @@ def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
     group.set_timeout(datetime.timedelta(days=365))  # idle between requests for as long as the replica is
     from vllm_omni_plugin.diffusion.sequence_parallel import sequence_call, sequence_plan
 
-    inbox = _Inbox(group, 0)
+    link = _Link(group, 0)
     plan: SequencePlan | None = None
     held: dict[Hashable, PeerKept] = {}
     """The kept values the last call named (:class:`PeerKept`)."""
     while True:
         try:
-            message = inbox.take(device)
+            message = link.take(device)
         except RuntimeError:  # rank 0 is gone
             return
         if message is None:
@@ -729,7 +741,7 @@ def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
                 os._exit(1)
             reply = ("error", f"{type(exc).__name__}: {exc}")
         try:
-            _send(group, 0, reply)
+            link.send(reply)
         except RuntimeError:
             return
 
