@@ -94,10 +94,16 @@ CFG_PARALLEL = """
 pipeline: diffusion
 backend: ray
 ray: {{namespace: {namespace}, placement_timeout_s: 600}}
+connectors:
+  mooncake: {{name: MooncakeTransferEngineConnector, extra: {{protocol: tcp, transfer_timeout_s: 30}}}}
+  shm: {{name: SharedMemoryConnector}}
+edges:
+  - {{from: 0, to: router, same_node_connector: shm}}
 stages:
-  - {{stage_id: 0, num_cpus: 0, cfg_parallel_size: 2}}
+  - {{stage_id: 0, num_cpus: 0, cfg_parallel_size: 2, output_connectors: {{to_stage_router: mooncake}}}}
 """
-"""A CFG-parallel diffusion stage beside the served deployment: its actor starts the replica's peer."""
+"""A CFG-parallel diffusion stage beside the served deployment: its actor starts the replica's peer. Ray
+places it on any node (no CPU is free), so its images reach the API server as the DiT replicas' do."""
 REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
 SLOW_REQUEST = {**REQUEST, "seed": 12, "num_inference_steps": 400}
 """Long enough in the DiT for its actor to be killed while it works on it."""
