@@ -107,28 +107,14 @@ def serve(model: Path, deploy: Path, name: str, log_dir: Path) -> ServerProcess:
     )  # fmt: skip
 
 
-def bf16_kv_handoff_refusal() -> str | None:
-    """Why this CPU cannot hand a bf16 thinker's KV cache to the DiT, or None: on AMX CPUs vLLM keeps a bf16
-    cache of 32-token blocks (the tiny BAGEL's; CPU attention needs multiples of 32) in the amx kernels'
-    packed layout, which the handoff refuses (``runners/paged_kv.py``)."""
-    import torch
-
-    from vllm_omni_plugin.compat import resolve
-    from vllm_omni_plugin.runners.paged_kv import CPU_ISAS
-
-    isa = resolve("cpu_attn_isa")(torch.bfloat16, 32, 32)
-    if isa in CPU_ISAS:
-        return None
-    return f"vLLM's CPU attention keeps a bf16 cache in its {isa} layout here, which the KV handoff refuses"
-
-
 @pytest.fixture(scope="module")
 def servers(
     tiny_glm_image: Path, tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, ServerProcess | str]]:
-    """Both models' servers, started together so that their start-ups overlap (a model this machine cannot
-    serve in bf16 maps to why); stopped at the end of the module, leaving nothing in /dev/shm."""
-    started: dict[str, ServerProcess | str] = {}
+) -> Iterator[dict[str, ServerProcess]]:
+    """Both models' servers, started together so that their start-ups overlap (on an AMX CPU the bf16
+    thinker's KV cache is in the amx kernels' packed layout, which the handoff reads); stopped at the end of
+    the module, leaving nothing in /dev/shm."""
+    started: dict[str, ServerProcess] = {}
     watches: list[LeakWatch] = []
 
     def watched(server: ServerProcess) -> ServerProcess:
@@ -141,21 +127,18 @@ def servers(
         started["glm"] = watched(
             serve(tiny_glm_image, GLM_DEPLOY, GLM_MODEL, tmp_path_factory.mktemp("glm_bf16"))
         )
-        refusal, logs = bf16_kv_handoff_refusal(), tmp_path_factory.mktemp("bagel_bf16")
-        started["bagel"] = refusal or watched(serve(tiny_bagel, BAGEL_DEPLOY, BAGEL_MODEL, logs))
+        logs = tmp_path_factory.mktemp("bagel_bf16")
+        started["bagel"] = watched(serve(tiny_bagel, BAGEL_DEPLOY, BAGEL_MODEL, logs))
         yield started
     finally:
         for server in started.values():
-            if isinstance(server, ServerProcess):
-                server.stop()
+            server.stop()
     assert [name for watch in watches for name in our_segments_left(watch)] == []
 
 
-def client(servers: dict[str, ServerProcess | str], name: str) -> openai.OpenAI:
-    """A client of the ``name`` server once it is ready (the test is skipped where it cannot run)."""
+def client(servers: dict[str, ServerProcess], name: str) -> openai.OpenAI:
+    """A client of the ``name`` server once it is ready."""
     server = servers[name]
-    if isinstance(server, str):
-        pytest.skip(server)
     server.wait_ready(timeout=300)
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
 
@@ -186,7 +169,7 @@ def glm_close(ours: np.ndarray, reference: np.ndarray) -> bool:
 
 
 @pytest.fixture(scope="module")
-def glm_client(servers: dict[str, ServerProcess | str]) -> openai.OpenAI:
+def glm_client(servers: dict[str, ServerProcess]) -> openai.OpenAI:
     return client(servers, "glm")
 
 
@@ -291,7 +274,7 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
 
 
 @pytest.fixture(scope="module")
-def bagel_client(servers: dict[str, ServerProcess | str]) -> openai.OpenAI:
+def bagel_client(servers: dict[str, ServerProcess]) -> openai.OpenAI:
     return client(servers, "bagel")
 
 

@@ -373,12 +373,36 @@ def cpu_spec(config: Any, layer: Any) -> Any:
     return layer.attn_backend.customize_spec(layer.get_kv_cache_spec(config))
 
 
+def has_amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 @pytest.mark.parametrize("isa", ["vec", "vec16"])
 @pytest.mark.parametrize("head_size", [32, 80])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cpu_attn_reads_what_its_kernels_write(
     tiny_text_model: Any, dtype: torch.dtype, head_size: int, isa: str
 ) -> None:
+    expected_reads(tiny_text_model, dtype, head_size, isa, views_too=True)
+
+
+@pytest.mark.skipif(not has_amx(), reason="this CPU has no AMX: vLLM never picks its amx kernels here")
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+def test_cpu_attn_amx_blocks_read_back_exactly(tiny_text_model: Any, head_size: int) -> None:
+    """The amx kernels pack each bfloat16 block for the matrix units: the reader gathers the places vLLM's
+    own write uses, learnt once per geometry, and those places are a permutation of the block."""
+    assert resolve("cpu_attn_isa")(torch.bfloat16, BLOCK, head_size) == "amx"
+    expected_reads(tiny_text_model, torch.bfloat16, head_size, "amx", views_too=False)
+    places = paged_kv.cpu_packed_positions("amx", torch.bfloat16, KV_HEADS, BLOCK, head_size)
+    assert torch.equal(places.flatten().sort().values, torch.arange(places.numel()))
+    plain = paged_kv.cpu_packed_positions("vec", torch.bfloat16, KV_HEADS, BLOCK, head_size)
+    assert not torch.equal(places, plain), "amx's blocks are laid out as the vec kernels' (nothing learnt)"
+
+
+def expected_reads(
+    tiny_text_model: Any, dtype: torch.dtype, head_size: int, isa: str, *, views_too: bool
+) -> None:
+    """Tokens written by CPU_ATTN's ``isa`` kernels (vLLM's own cache update) read back exactly."""
     config, layers = cpu_layers(tiny_text_model, dtype, head_size)
     first = layers[LAYERS[0]]
     assert first.attn_backend.get_name() == "CPU_ATTN"
@@ -394,23 +418,38 @@ def test_cpu_attn_reads_what_its_kernels_write(
     for index, (name, cache) in enumerate(views.items()):
         expected = known(index, NUM_TOKENS, KV_HEADS, head_size, dtype)
         what = f"CPU_ATTN {isa} {name}"
+        isa_read = paged_kv.layer_cpu_isa(layers[name], cache)
+        assert isa_read == isa
         assert_reads(
-            paged_kv.read_tokens(cache, "CPU_ATTN", head_size, REQUEST_BLOCKS, NUM_TOKENS), expected, what
+            paged_kv.read_tokens(cache, "CPU_ATTN", head_size, REQUEST_BLOCKS, NUM_TOKENS, cpu_isa=isa_read),
+            expected,
+            what,
         )
-        keys, values = paged_kv.key_value_blocks(cache, layers[name].attn_backend, head_size)
-        assert_reads(paged_kv.gather_tokens(keys, values, REQUEST_BLOCKS, NUM_TOKENS), expected, what)
+        backend = layers[name].attn_backend
+        if views_too:
+            keys, values = paged_kv.key_value_blocks(cache, backend, head_size, cpu_isa=isa_read)
+            assert_reads(paged_kv.gather_tokens(keys, values, REQUEST_BLOCKS, NUM_TOKENS), expected, what)
+        else:
+            with pytest.raises(UnsupportedKVLayoutError, match="no token-major view"):
+                paged_kv.key_value_blocks(cache, backend, head_size, cpu_isa=isa_read)
 
 
-def test_cpu_attn_packed_kernels_are_refused(tiny_text_model: Any) -> None:
+def test_cpu_attn_kernels_that_cannot_write_the_cache_are_refused(tiny_text_model: Any) -> None:
+    """A layer whose CPU kernels cannot write its blocks (neon's on this x86 CPU; any whose write is not a
+    placement of each value) is refused at start-up in one line naming the layer, never read wrongly."""
     config, layers = cpu_layers(tiny_text_model, torch.bfloat16, 32)
     views = layer_views(cpu_spec(config, layers[LAYERS[0]]), resolve("KVCacheLayout").LBHNC)
     for layer in layers.values():
-        layer.isa = "amx"
+        layer.isa = "neon"
     with pytest.raises(UnsupportedKVLayoutError) as refused:
         paged_kv.check_kv_caches(views, layers, BLOCK)
     message = str(refused.value)
     assert "\n" not in message
-    assert f"layer {LAYERS[0]}: CPU_ATTN's amx kernels" in message and "--dtype float32" in message
+    assert f"layer {LAYERS[0]}: CPU_ATTN's neon kernels cannot write a 32-token block" in message
+    for layer in layers.values():
+        layer.isa = None
+    with pytest.raises(UnsupportedKVLayoutError, match="picked no CPU_ATTN kernels"):
+        paged_kv.check_kv_cache(views[LAYERS[0]], "CPU_ATTN", 32, cpu_isa=None)
 
 
 # --- refusals ------------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # paged KV cache layouts (runners/paged_kv.py and its tests)
     "AttentionBackendEnum": ("vllm.v1.attention.backends.registry:AttentionBackendEnum",),
     "cpu_attn_isa": ("vllm.v1.attention.backends.cpu_attn:_get_attn_isa",),
+    "cpu_attn_reshape_and_cache": ("vllm._custom_ops:cpu_attn_reshape_and_cache",),
     "KVCacheLayout": ("vllm.v1.kv_cache_layout:KVCacheLayout",),
     "KVCacheTensor": ("vllm.v1.kv_cache_interface:KVCacheTensor",),
     "FullAttentionSpec": ("vllm.v1.kv_cache_interface:FullAttentionSpec",),
@@ -177,16 +178,40 @@ def vllm_release() -> tuple[int, int] | None:
         return None
 
 
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+"""vLLM's V1 model runner (``GPUModelRunner``; ``CPUModelRunner`` subclasses it): deleted in vLLM 0.34."""
+
+
+def vllm_has_v1_runner() -> bool:
+    """Whether the installed vLLM still ships its V1 model runner, read from vLLM itself (the module is
+    located, not imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(V1_RUNNER_MODULE) is not None
+    except ImportError:
+        return False
+
+
+def uses_v2_model_runner(vllm_config: Any) -> bool:
+    """Whether the workers of the engine configured by ``vllm_config`` build vLLM's V2 model runner, as
+    vLLM decides it: always where V1 is gone (0.34+, which has no ``use_v2_model_runner`` either), else
+    ``VllmConfig.use_v2_model_runner`` (0.31-0.33 read ``VLLM_USE_V2_MODEL_RUNNER`` and the platform)."""
+    if not vllm_has_v1_runner():
+        return True
+    return bool(vllm_config.use_v2_model_runner)
+
+
 V1_RUNNER_DEFAULT_RELEASES = ((0, 31), (0, 33))
 """vLLM releases (first, last) whose CUDA default is the V2 model runner while the V1 runner, which the
 omni AR hooks and the CPU test suite use, still exists; there resolution picks V1 for AR stages."""
 
 
 def picks_v1_runner() -> bool:
-    """Whether the installed vLLM is one of ``V1_RUNNER_DEFAULT_RELEASES``."""
+    """Whether the installed vLLM is one of ``V1_RUNNER_DEFAULT_RELEASES`` and still has the V1 runner."""
     release = vllm_release()
     first, last = V1_RUNNER_DEFAULT_RELEASES
-    return release is not None and first <= release <= last
+    return release is not None and first <= release <= last and vllm_has_v1_runner()
 
 
 def __getattr__(name: str) -> Any:

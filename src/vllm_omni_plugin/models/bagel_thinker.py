@@ -82,7 +82,7 @@ from vllm_omni_plugin.models.bagel.transforms import (
     normalized_tensor,
     patchify,
 )
-from vllm_omni_plugin.runners.paged_kv import read_tokens
+from vllm_omni_plugin.runners.paged_kv import layer_cpu_isa, read_tokens
 
 VAE_KWARG = "bagel_vae"
 """``mm_processor_kwargs`` key: False sends an image as a ViT block only (understanding)."""
@@ -196,18 +196,18 @@ class ImageBlockAttention:
         head_dim: int,
         scale: float,
     ) -> torch.Tensor:
-        kv_cache = backend = None
+        kv_cache = backend = isa = None
         for run in self.runs:
             keys = k[run.query_start : run.end].view(-1, num_kv_heads, head_dim)
             values = v[run.query_start : run.end].view(-1, num_kv_heads, head_dim)
             if run.cached > 0:
                 if kv_cache is None:
                     _, layer, kv_cache, _ = resolve("get_attention_context")(layer_name)
-                    backend = layer.attn_backend
+                    backend, isa = layer.attn_backend, layer_cpu_isa(layer, kv_cache)
                 assert self.block_tables is not None and backend is not None
                 # the attention metadata's block table holds kernel block ids: no manager block size
                 cached_k, cached_v = read_tokens(
-                    kv_cache, backend, head_dim, self.block_tables[run.request], run.cached
+                    kv_cache, backend, head_dim, self.block_tables[run.request], run.cached, cpu_isa=isa
                 )
                 keys = torch.cat([cached_k.to(keys.dtype), keys])
                 values = torch.cat([cached_v.to(values.dtype), values])

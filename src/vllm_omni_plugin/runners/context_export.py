@@ -48,7 +48,7 @@ from vllm_omni_plugin.ar_channel import (
 )
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.runners.paged_kv import check_kv_caches, read_tokens
+from vllm_omni_plugin.runners.paged_kv import check_kv_caches, layer_cpu_isa, read_tokens
 
 if TYPE_CHECKING:
     from vllm_omni_plugin.connectors.base import OmniConnector
@@ -114,7 +114,7 @@ class ContextExportConnector(KVConnectorBase_V1):
         self._stage_outputs: dict[str, dict[str, Any]] = {}
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
-        self._layers: list[tuple[torch.Tensor, Any, int]] | None = None
+        self._layers: list[tuple[torch.Tensor, Any, int, str | None]] | None = None
         self._connector: OmniConnector | None = None
         self._copied: set[str] = set()
         """Exported requests the scheduler has not yet been told are copied (reported once finished)."""
@@ -185,16 +185,18 @@ class ContextExportConnector(KVConnectorBase_V1):
             return int(groups[0].kv_cache_spec.block_size)
         return int(self._vllm_config.cache_config.block_size)
 
-    def _attention_layers(self) -> list[tuple[torch.Tensor, Any, int]]:
-        """``(kv cache, attention backend, head size)`` of each decoder attention layer, in layer order."""
+    def _attention_layers(self) -> list[tuple[torch.Tensor, Any, int, str | None]]:
+        """``(kv cache, attention backend, head size, CPU kernels)`` of each decoder attention layer, in
+        layer order."""
         if self._layers is None:
             extract_layer_index = resolve("extract_layer_index")
             forward_context = self._vllm_config.compilation_config.static_forward_context
             layers = []
             for name, cache in self._kv_caches.items():
                 layer = forward_context[name]
-                layers.append((extract_layer_index(name), cache, layer.attn_backend, layer.head_size))
-            self._layers = [(cache, backend, head) for _, cache, backend, head in sorted(layers, key=_first)]
+                reader = (cache, layer.attn_backend, layer.head_size, layer_cpu_isa(layer, cache))
+                layers.append((extract_layer_index(name), reader))
+            self._layers = [reader for _, reader in sorted(layers, key=_first)]
         return self._layers
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -220,9 +222,9 @@ class ContextExportConnector(KVConnectorBase_V1):
         """``[num_layers, 2, num_tokens, kv_heads, head_dim]`` of one request (a contiguous copy)."""
         block_size = self._manager_block_size()
         per_layer = []
-        for cache, backend, head_size in self._attention_layers():
+        for cache, backend, head_size, isa in self._attention_layers():
             keys, values = read_tokens(
-                cache, backend, head_size, block_ids, num_tokens, block_size=block_size
+                cache, backend, head_size, block_ids, num_tokens, block_size=block_size, cpu_isa=isa
             )
             per_layer.append(torch.stack((keys, values)))
         return torch.stack(per_layer)

@@ -15,7 +15,11 @@ layouts:
   itself ``FLASH_ATTN``) and ``ROCM_AITER_UNIFIED_ATTN`` without AITER's shuffled layout.
 - CPU (``CPU_ATTN`` with the ``vec`` and ``vec16`` kernels): the same shape, head-major blocks (``LBHNC``)
   whose memory, per block and head, holds the keys dimension-major (``[head_dim, tokens]``) and then the
-  values token-major (``[tokens, head_dim]``), as ``cpu_attn_reshape_and_cache`` writes them.
+  values token-major (``[tokens, head_dim]``), as ``cpu_attn_reshape_and_cache`` writes them. The kernels
+  that pack a block for their matrix units (``amx`` for bfloat16 on AMX CPUs) keep the same shape and
+  strides but place each key and value elsewhere inside its block: where, is learnt once per geometry from
+  vLLM's own cache write (:func:`cpu_packed_positions`), and such a cache is read by gathering those
+  places (``read_tokens`` with the layer's ``cpu_isa``).
 - planes (``ROCM_SEGMENTED_ATTN``, ``B12X``): ``[blocks, 2, tokens, kv_heads * head_dim]``, keys in slot 0
   and values in slot 1, token-major.
 - paged-x (``ROCM_ATTN``): ``[blocks, 2, tokens, kv_heads * head_dim]`` whose key memory per block is
@@ -26,7 +30,8 @@ layouts:
 Everything else is refused in one line naming what to set instead, never read wrongly: other backends
 (MLA, the diff-KV backends, the quantising ``TURBOQUANT`` / ``ULTRAQUANT`` / ``ROCM_OCTAVE``, ...), a
 quantised or non-float cache (fp8 is stored as uint8; Triton's per-token-head modes pack int8/uint8 data
-with inline scales), CPU kernels with packed layouts (``amx``, ``neon``, ...) and ROCm's shuffled layouts.
+with inline scales), CPU kernels whose cache write is not a placement of each value (or that cannot write
+this geometry) and ROCm's shuffled layouts.
 :func:`check_kv_caches` runs once per worker when the caches exist; :func:`kv_cache_dtype_refusal` refuses
 a ``kv_cache_dtype`` at configuration time.
 
@@ -39,6 +44,7 @@ manager's ``block_size``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -75,7 +81,7 @@ READABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 """``kv_cache_dtype`` values that store plain keys and values (every other one quantises)."""
 CPU_ISAS = ("vec", "vec16")
-"""``CPU_ATTN`` kernels whose cache layout is the one read here (``amx`` and ``neon`` bfloat16 prepack)."""
+"""``CPU_ATTN`` kernels whose cache has the plain CPU layout (``amx`` packs its blocks: read by gathering)."""
 SHUFFLE_ENV = "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT"
 
 
@@ -142,13 +148,16 @@ def check_kv_cache(
             f"handoff cannot read back token by token; unset {SHUFFLE_ENV} or choose another "
             f"--attention-backend"
         )
-    if layout == CPU_BLOCKED and cpu_isa not in CPU_ISAS:
-        raise UnsupportedKVLayoutError(
-            f"{where}CPU_ATTN's {cpu_isa or 'unknown'} kernels keep keys and values packed for their matrix "
-            f"units, which the KV handoff does not read (it reads the {' and '.join(CPU_ISAS)} kernels' "
-            f"layout; vLLM picks amx for bfloat16 on AMX CPUs: serve with --dtype float32 or float16 there)"
-        )
     kernel_block_size = kv_cache.shape[2]
+    if layout == CPU_BLOCKED and cpu_isa not in CPU_ISAS:
+        if cpu_isa is None:
+            raise UnsupportedKVLayoutError(
+                f"{where}vLLM picked no CPU_ATTN kernels for this cache, so its layout is unknown"
+            )
+        try:
+            cpu_packed_positions(cpu_isa, kv_cache.dtype, kv_cache.shape[1], kernel_block_size, head_dim)
+        except UnsupportedKVLayoutError as exc:
+            raise UnsupportedKVLayoutError(f"{where}{exc}") from None
     if block_size is not None:
         if block_size % kernel_block_size:
             raise UnsupportedKVLayoutError(
@@ -185,14 +194,17 @@ def check_kv_caches(
             layer.head_size,
             block_size=block_size,
             kv_cache_dtype=kv_cache_dtype,
-            cpu_isa=_cpu_isa(layer, kv_cache) if cpu else None,
+            cpu_isa=layer_cpu_isa(layer, kv_cache) if cpu else None,
             shuffled=_shuffled(layer, name),
             layer_name=layer_name,
         )
 
 
-def _cpu_isa(layer: Any, kv_cache: torch.Tensor) -> str | None:
-    """The kernels vLLM's CPU backend runs for ``layer``: set by its metadata builder, else its choice."""
+def layer_cpu_isa(layer: Any, kv_cache: torch.Tensor) -> str | None:
+    """The kernels vLLM's CPU backend runs for ``layer`` (set by its metadata builder, else its choice);
+    None for a layer of another backend. Readers pass it to :func:`read_tokens`."""
+    if BACKEND_LAYOUTS.get(backend_name(getattr(layer, "attn_backend", None) or "")) != CPU_BLOCKED:
+        return None
     isa = getattr(layer, "isa", None)
     if isa is not None:
         return isa
@@ -269,19 +281,71 @@ def _layout(
     return layout, kv_heads
 
 
+@functools.cache
+def cpu_packed_positions(
+    isa: str, dtype: torch.dtype, kv_heads: int, block_tokens: int, head_dim: int
+) -> torch.Tensor:
+    """Where ``CPU_ATTN``'s ``isa`` kernels keep each key and value of a block: ``[2, block_tokens,
+    kv_heads, head_dim]`` offsets into one block's memory (keys, then values).
+
+    Learnt from vLLM's own cache write rather than restated from its C++: one block is written with each
+    value's index, one base-256 digit at a time (every readable dtype holds 0..255 exactly), so the answer
+    is the kernels' own for this vLLM. Raises :class:`UnsupportedKVLayoutError` unless the write puts
+    every value in a place of its own and fills the block (a packing, nothing dropped or padded)."""
+    from vllm_omni_plugin.compat import resolve
+
+    per_block = 2 * block_tokens * kv_heads * head_dim
+    source = torch.arange(per_block).view(2, block_tokens, kv_heads, head_dim)
+    cache = torch.empty(1, kv_heads, block_tokens, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = cache.view(1, kv_heads, 2 * block_tokens, head_dim).chunk(2, dim=2)
+    slots = torch.arange(block_tokens)
+    found = torch.zeros(per_block, dtype=torch.long)
+    scale = 1
+    while scale < per_block:
+        digit = (source // scale) % 256
+        cache.fill_(-1)  # a place the write leaves alone keeps it
+        try:
+            resolve("cpu_attn_reshape_and_cache")(
+                digit[0].to(dtype), digit[1].to(dtype), key_cache, value_cache, slots, isa
+            )
+        except RuntimeError as exc:
+            raise UnsupportedKVLayoutError(
+                f"CPU_ATTN's {isa} kernels cannot write a {block_tokens}-token block of {kv_heads} "
+                f"{head_dim}-value heads in {str(dtype).removeprefix('torch.')} "
+                f"({str(exc).splitlines()[0]}), so the KV handoff cannot read it"
+            ) from None
+        written = cache.flatten().to(torch.long)
+        if bool((written < 0).any()):
+            found = None
+            break
+        found += written * scale
+        scale *= 256
+    if found is None or not torch.equal(torch.sort(found).values, torch.arange(per_block)):
+        raise UnsupportedKVLayoutError(
+            f"CPU_ATTN's {isa} kernels do not keep each key and value of a block in a place of its own "
+            f"({str(dtype).removeprefix('torch.')}), so the KV handoff cannot read them back; serve with "
+            f"--dtype float32"
+        )
+    positions = torch.empty(per_block, dtype=torch.long)
+    positions[found] = torch.arange(per_block)
+    return positions.view(2, block_tokens, kv_heads, head_dim)
+
+
 # --- reading ----------------------------------------------------------------------------------------
 
 
 def key_value_blocks(
-    kv_cache: torch.Tensor, backend: str | type, head_dim: int
+    kv_cache: torch.Tensor, backend: str | type, head_dim: int, *, cpu_isa: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keys, values)``, each a ``[num_blocks, block_size, kv_heads, head_dim]`` view of ``kv_cache``
-    (kernel blocks where vLLM split them). ``ROCM_ATTN`` has none: read it with :func:`read_tokens`."""
+    (kernel blocks where vLLM split them). ``ROCM_ATTN`` and the packed ``CPU_ATTN`` kernels have none:
+    read them with :func:`read_tokens`."""
     name = backend_name(backend)
     layout, kv_heads = _layout(kv_cache, name, head_dim)
-    if layout == PAGED_X:
+    if layout == PAGED_X or (layout == CPU_BLOCKED and cpu_isa is not None and cpu_isa not in CPU_ISAS):
         raise UnsupportedKVLayoutError(
-            f"{name}'s KV cache has no token-major view; read it with paged_kv.read_tokens"
+            f"{name}'s KV cache{f' ({cpu_isa} kernels)' if layout == CPU_BLOCKED else ''} has no "
+            f"token-major view; read it with paged_kv.read_tokens"
         )
     return _split(kv_cache, layout, kv_heads, head_dim)
 
@@ -313,15 +377,22 @@ def read_tokens(
     num_tokens: int,
     *,
     block_size: int | None = None,
+    cpu_isa: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``num_tokens`` keys and values of a request out of one layer's cache, each
     ``[num_tokens, kv_heads, head_dim]`` (a copy), for every supported layout. ``block_ids`` and
-    ``block_size`` as for :func:`gather_tokens`; only the request's blocks are copied."""
+    ``block_size`` as for :func:`gather_tokens`; only the request's blocks are copied. ``cpu_isa``: the
+    ``CPU_ATTN`` kernels that wrote the cache (:func:`layer_cpu_isa`; None reads the plain CPU layout)."""
     name = backend_name(backend)
     layout, kv_heads = _layout(kv_cache, name, head_dim)
     kernel_block_size = kv_cache.shape[2]
     ids = kernel_block_ids(block_ids, num_tokens, kernel_block_size, block_size).to(kv_cache.device)
-    keys, values = _split(kv_cache.index_select(0, ids), layout, kv_heads, head_dim)
+    blocks = kv_cache.index_select(0, ids)
+    if layout == CPU_BLOCKED and cpu_isa is not None and cpu_isa not in CPU_ISAS:
+        places = cpu_packed_positions(cpu_isa, kv_cache.dtype, kv_heads, kernel_block_size, head_dim)
+        keys, values = blocks.flatten(1)[:, places.flatten()].unflatten(1, places.shape).unbind(1)
+    else:
+        keys, values = _split(blocks, layout, kv_heads, head_dim)
     rows = ids.numel() * kernel_block_size
     return (
         keys.reshape(rows, kv_heads, head_dim)[:num_tokens],
