@@ -309,15 +309,17 @@ async def app_client(
 # --- scripts in a process of their own ------------------------------------------------------------------
 
 
-def _run_script(path: Path | str, args: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess[str]:
-    """``python path *args`` with the CPU test environment, its vLLM engine core and worker in that one
-    process (a child's threads and global state never reach pytest's process)."""
+def _run_script(
+    path: Path | str, args: tuple[str, ...], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python path *args`` with the CPU test environment (plus ``env``), its vLLM engine core and worker
+    in that one process (a child's threads and global state never reach pytest's process)."""
     return subprocess.run(
         [sys.executable, str(path), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+        env=cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}),
     )
 
 
@@ -326,10 +328,12 @@ def _ends(result: subprocess.CompletedProcess[str]) -> str:
     return result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def run_result_script(path: Path | str, *args: str, timeout: float = 600) -> Any:
+def run_result_script(
+    path: Path | str, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> Any:
     """Runs a script that prints its findings as one ``RESULT {json}`` line; returns them (the last such
     line). The script must exit 0."""
-    result = _run_script(path, args, timeout)
+    result = _run_script(path, args, timeout, env)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 and lines, _ends(result)
     return json.loads(lines[-1].removeprefix("RESULT "))

@@ -16,7 +16,7 @@ says why):
 - V2's buffers are pinned host memory (``UvaBuffer``: ``torch.zeros(..., pin_memory=True)``), which a CPU
   build of torch cannot allocate. vLLM's CPU worker imports ``vllm.v1.worker.cpu.shm``, which swaps in a
   plain CPU ``UvaBuffer`` (and makes ``pin_memory`` a no-op) for V2 on CPU; this process imports it too
-  (``OmniCPUModelRunner`` comes from the CPU worker's module), after recording what building a
+  (as every vLLM CPU worker process does), after recording what building a
   ``RopeState`` does without it.
 - ``StagedWriteTensor.apply_write`` launches a Triton kernel, and Triton has no CPU backend: it is
   replaced by ``apply_write_on_cpu``, the same writes in torch (flat, as the kernel writes them: a write
@@ -157,7 +157,7 @@ def main() -> None:
         result["rope_state_without_cpu_shim"] = f"{type(exc).__name__}: {exc}"
     import vllm.v1.worker.cpu.shm  # noqa: F401 - what every vLLM CPU worker process imports
 
-    from vllm_omni_plugin.runners.cpu_worker import OmniCPUModelRunner
+    from vllm_omni_plugin.runners.v1_cpu_runner import OmniCPUModelRunner
 
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, MODEL_CLASS)

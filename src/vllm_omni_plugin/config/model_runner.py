@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from vllm_omni_plugin.ar_channel import context_export_kv_transfer_config
-from vllm_omni_plugin.compat import picks_v1_runner
+from vllm_omni_plugin.compat import picks_v1_runner, vllm_has_v1_runner, vllm_version
 from vllm_omni_plugin.config.edges import Wiring
 from vllm_omni_plugin.config.pipeline import PipelineStage
 from vllm_omni_plugin.config.platform import PlatformInfo
@@ -26,8 +26,10 @@ def model_runner(
     stage: StageDeployConfig, fixed: PipelineStage, platform: PlatformInfo, report: Reporter
 ) -> tuple[str, str, dict[str, str]]:
     """``(runner, why, environment to add)`` of an AR stage: the user's ``VLLM_USE_V2_MODEL_RUNNER``
-    (the stage's ``env:``, else this process's environment) wins; else, where vLLM would pick its V2
-    runner and the pipeline's stage prefers V1 (vLLM 0.31-0.33), V1."""
+    (the stage's ``env:``, else this process's environment) wins, except a V1 choice on a vLLM without V1
+    (0.34+), refused here in one line rather than by vLLM's ``ValueError`` in the engine; else V2 where V1
+    is gone; else, where vLLM would pick its V2 runner and the pipeline's stage prefers V1 (vLLM
+    0.31-0.33), V1."""
     sid = stage.stage_id
     stage_env = stage.env or {}
     if RUNNER_ENV in stage_env:
@@ -45,11 +47,20 @@ def model_runner(
                 "env",
             ) from None
         why = f"{RUNNER_ENV}={chosen} set in {where}"
-        if v2 and not platform.v2_runner_default:
+        if not v2 and not vllm_has_v1_runner():
+            raise report.error(
+                f"{RUNNER_ENV}={chosen} ({where}): the installed vLLM ({vllm_version()}) has no V1 model "
+                "runner (vLLM 0.34 removed it) and refuses this setting; unset it (the stage runs V2)",
+                sid,
+                "env",
+            )
+        if v2 and not platform.v2_runner_default and vllm_has_v1_runner():
             check_v2_runner_possible(sid, why, platform, report)
         if v2 and fixed.images_need_v1_runner:
             why += f"; {IMAGES_NEED_V1}"
         return ("v2" if v2 else "v1"), why, {}
+    if not vllm_has_v1_runner():
+        return "v2", f"the only model runner of {vllm_version()} (vLLM 0.34 removed V1)", {}
     if platform.v2_runner_default and fixed.v1_runner and picks_v1_runner():
         return "v1", f"{RUNNER_ENV}=0 set for this stage: {fixed.v1_runner}", {RUNNER_ENV: "0"}
     if platform.v2_runner_default:

@@ -6,7 +6,11 @@ from typing import Any
 
 import msgspec
 
-from vllm_omni_plugin.compat import resolve
+from vllm_omni_plugin.compat import resolve, vllm_version
+from vllm_omni_plugin.log import get_logger
+
+logger = get_logger(__name__)
+_logged_runner: list[bool] = []
 
 
 def context_export_connector() -> Any:
@@ -15,6 +19,22 @@ def context_export_connector() -> Any:
         return None
     connector = resolve("get_kv_transfer_group")()
     return connector if hasattr(connector, "take_stage_outputs") else None
+
+
+def log_model_runner(v2: bool) -> None:
+    """Say once per worker process which of vLLM's model runners this AR stage's worker builds, and so
+    where its omni behaviour comes from."""
+    if _logged_runner:
+        return
+    _logged_runner.append(v2)
+    if v2:
+        logger.info(
+            "AR stage on vLLM's V2 model runner (%s): decode positions through the model state, stage "
+            "outputs and context exports through the KV connector",
+            vllm_version(),
+        )
+    else:
+        logger.info("AR stage on vLLM's V1 model runner (%s) with the Omni runner hooks", vllm_version())
 
 
 class OmniWorkerMixin:

@@ -24,11 +24,13 @@ resolution picks the variant from the final ``async_scheduling`` flag.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni_plugin.ar_channel import OMNI_KEY, RUNNER_DROPPED_MESSAGE, omni_extra_args, runner_extras
-from vllm_omni_plugin.compat import resolve
+from vllm_omni_plugin.compat import resolve, uses_v2_model_runner
 from vllm_omni_plugin.hold_points import hold_point
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import exit_with_parent
@@ -56,8 +58,9 @@ class OmniARSchedulerMixin:
         """Request id -> its ``trigger_token_ids`` (requests that have any)."""
         self._omni_stage_outputs: dict[str, dict[str, Any]] = {}
         """Stage outputs the runner computed, held until their request's final output."""
-        self._omni_fills_all_token_ids = not getattr(self.vllm_config, "use_v2_model_runner", False)
-        """Only vLLM's V1 model runner reads ``CachedRequestData.all_token_ids``."""
+        self._omni_fills_all_token_ids = not uses_v2_model_runner(self.vllm_config)
+        """Only vLLM's V1 model runner reads ``CachedRequestData.all_token_ids`` (gone with V1 in 0.34,
+        where a resumed request is sent again whole, as new request data)."""
         exit_with_parent("EngineCore")
         hold_point("ar.load", f"EngineCore {os.getpid()}")
 
@@ -71,19 +74,14 @@ class OmniARSchedulerMixin:
 
     # --- all_token_ids for every request the runner may rebuild ---
 
-    def _make_cached_request_data(
-        self,
-        running_reqs: list[Request],
-        resumed_reqs: list[Request],
-        num_scheduled_tokens: dict[str, int],
-        spec_decode_tokens: dict[str, list[int]],
-        req_to_new_blocks: dict[str, Any],
-    ) -> CachedRequestData:
-        data = super()._make_cached_request_data(
-            running_reqs, resumed_reqs, num_scheduled_tokens, spec_decode_tokens, req_to_new_blocks
-        )
+    def _make_cached_request_data(self, *args: Any, **kwargs: Any) -> CachedRequestData:
+        # vLLM <= 0.33: (running_reqs, resumed_reqs, num_scheduled_tokens, spec_decode_tokens,
+        # req_to_new_blocks); 0.34 dropped resumed_reqs. Passed on as given, read by name.
+        data = super()._make_cached_request_data(*args, **kwargs)
         if not self._omni_fills_all_token_ids:
             return data
+        given = _cached_data_parameters(type(self)).bind(self, *args, **kwargs).arguments
+        running_reqs, resumed_reqs = given["running_reqs"], given.get("resumed_reqs", ())
         previous = getattr(self, "prev_step_scheduled_req_ids", set())  # absent in some vLLM versions
         for request in (*running_reqs, *resumed_reqs):
             req_id = request.request_id
@@ -215,6 +213,13 @@ class OmniARSchedulerMixin:
                         self.on_trigger_token(request, token_id)
                 if output.finish_reason is not None:
                     triggers.pop(output.request_id, None)
+
+
+@functools.cache
+def _cached_data_parameters(cls: type) -> inspect.Signature:
+    """The signature of the vLLM base's ``_make_cached_request_data`` below ``cls``'s mixin."""
+    mro = cls.__mro__
+    return inspect.signature(mro[mro.index(OmniARSchedulerMixin) + 1]._make_cached_request_data)
 
 
 class OmniARScheduler(OmniARSchedulerMixin, Scheduler):
