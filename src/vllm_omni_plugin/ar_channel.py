@@ -56,11 +56,14 @@ def omni_extra_args(sampling_params: Any) -> dict[str, Any]:
 
 
 def context_export_kv_transfer_config(
-    context_connector: dict[str, Any], next_position: str | None
+    context_connector: dict[str, Any] | None, next_position: str | None
 ) -> dict[str, Any]:
-    """The ``kv_transfer_config`` engine argument of an AR stage that exports contexts: vLLM loads the
-    context export connector from its module and hands it ``kv_connector_extra_config``."""
-    omni: dict[str, Any] = {CONTEXT_CONNECTOR_KEY: context_connector}
+    """The ``kv_transfer_config`` engine argument of an AR stage with the plugin's KV connector: vLLM
+    loads it from its module and hands it ``kv_connector_extra_config`` (``context_connector`` None: the
+    stage exports no context, the connector only carries stage outputs)."""
+    omni: dict[str, Any] = {}
+    if context_connector is not None:
+        omni[CONTEXT_CONNECTOR_KEY] = context_connector
     if next_position:
         omni[NEXT_POSITION_KEY] = next_position
     module, cls = CONTEXT_EXPORT_CONNECTOR

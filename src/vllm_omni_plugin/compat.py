@@ -202,18 +202,6 @@ def uses_v2_model_runner(vllm_config: Any) -> bool:
     return bool(vllm_config.use_v2_model_runner)
 
 
-V1_RUNNER_DEFAULT_RELEASES = ((0, 31), (0, 33))
-"""vLLM releases (first, last) whose CUDA default is the V2 model runner while the V1 runner, which the
-omni AR hooks and the CPU test suite use, still exists; there resolution picks V1 for AR stages."""
-
-
-def picks_v1_runner() -> bool:
-    """Whether the installed vLLM is one of ``V1_RUNNER_DEFAULT_RELEASES`` and still has the V1 runner."""
-    release = vllm_release()
-    first, last = V1_RUNNER_DEFAULT_RELEASES
-    return release is not None and first <= release <= last and vllm_has_v1_runner()
-
-
 def __getattr__(name: str) -> Any:
     if name in LOCATIONS:
         value = resolve(name)

@@ -157,6 +157,7 @@ def main() -> None:
         result["rope_state_without_cpu_shim"] = f"{type(exc).__name__}: {exc}"
     import vllm.v1.worker.cpu.shm  # noqa: F401 - what every vLLM CPU worker process imports
 
+    from vllm_omni_plugin.runners.stage_outbox import STAGE_OUTBOX
     from vllm_omni_plugin.runners.v1_cpu_runner import OmniCPUModelRunner
 
     if ARCH not in ModelRegistry.get_supported_archs():
@@ -256,6 +257,14 @@ def main() -> None:
             just_finished: set[str] = set()
             steps_out: list[dict[str, Any]] = []
             slots: dict[str, list[int]] = {rid: [] for rid in cases}
+            # what each runner's seam recorded for the next stage, each time it recorded (V1: the runner
+            # mixin's _update_states; V2: the model state's add_request), from this process's outbox
+            handed: dict[str, dict[str, list[Any]]] = {"v1": {}, "v2": {}}
+
+            def take_outbox(side: str) -> None:
+                for rid, outputs in STAGE_OUTBOX.take().items():
+                    handed[side].setdefault(rid, []).append(outputs)
+
             for step_spec in spec["steps"]:
                 for rid in step_spec.get("preempt", []):
                     running.discard(rid)
@@ -321,6 +330,7 @@ def main() -> None:
 
                 # V1: vLLM's computation, then the Omni runner's copy of the plan
                 runner._update_states(scheduler_output)
+                take_outbox("v1")
                 if not sched:  # only preemptions: nothing runs
                     continue
                 runner._calc_mrope_positions(scheduler_output)
@@ -350,6 +360,7 @@ def main() -> None:
                             lora_request=None, prefill_token_ids=prefill,
                         ),
                     )  # fmt: skip
+                take_outbox("v2")
                 if new_v2:
                     req_states.apply_staged_writes()
                     state.apply_staged_writes()
@@ -400,7 +411,10 @@ def main() -> None:
                         running.discard(rid)
                         finished.add(rid)
                         just_finished.add(rid)
-            return {"cases": cases, "steps": steps_out, "slots": slots, "finished": sorted(finished)}
+            return {
+                "cases": cases, "steps": steps_out, "slots": slots, "finished": sorted(finished),
+                "handed": handed,
+            }  # fmt: skip
 
         for name, spec in SCENARIOS.items():
             begin = time.perf_counter()

@@ -47,7 +47,6 @@ def main() -> None:
     log = Path(os.environ[BLOCKED_LOG_ENV])
     result["blocked"] = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     result["has_v1"] = compat.vllm_has_v1_runner()
-    result["picks_v1"] = compat.picks_v1_runner()
     result["uses_v2"] = compat.uses_v2_model_runner(object())
 
     from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from vllm_omni_plugin.config.edges import Wiring
-from vllm_omni_plugin.config.model_runner import context_export_config
+from vllm_omni_plugin.config.model_runner import omni_kv_connector_config, uses_omni_kv_connector
 from vllm_omni_plugin.config.pipeline import Pipeline, PipelineStage
 from vllm_omni_plugin.config.platform import PlatformInfo, is_omni_worker
 from vllm_omni_plugin.config.report import Reporter
@@ -28,6 +28,7 @@ def ar_engine_args(
     model: str,
     platform: PlatformInfo,
     wiring: Wiring,
+    runner: str,
     report: Reporter,
 ) -> dict[str, Any]:
     extras = checked_engine_extras(stage, report)
@@ -52,8 +53,8 @@ def ar_engine_args(
         args.update({k: v for k, v in provided.items() if k not in extras})
     args.update(extras)
     args.setdefault("enforce_eager", False)  # written out: whether vLLM captures CUDA graphs
-    if fixed.exports_context:
-        args["kv_transfer_config"] = context_export_config(stage, fixed, args, wiring, report)
+    if uses_omni_kv_connector(fixed, runner):
+        args["kv_transfer_config"] = omni_kv_connector_config(stage, fixed, args, wiring, report)
     return dict(sorted(args.items()))
 
 

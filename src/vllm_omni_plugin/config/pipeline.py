@@ -49,13 +49,10 @@ class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
     context_position: str | None = None
     """Dotted path of ``f(vllm_config, request) -> int``: the position after a request's prompt, sent with
     its exported context (M-RoPE models whose prompt positions are not one per token). None: its length."""
-    v1_runner: str | None = None
-    """Why this AR stage runs on vLLM's V1 model runner where vLLM would pick V2 (CUDA/ROCm, vLLM
-    0.31-0.33): resolution sets ``VLLM_USE_V2_MODEL_RUNNER=0`` in its replicas' environment and logs this.
-    A user who sets the variable wins."""
-    images_need_v1_runner: bool = False
-    """Source images (image-to-image) need vLLM's V1 model runner here: what the stage hands the next
-    stage about them travels on the V1 runner's step output. On V2 the server refuses them (400)."""
+    model_stage_outputs: bool = False
+    """The stage's model computes per-request outputs for the next stage (``omni_stage_outputs``, GLM-Image's
+    source-image prior tokens). On vLLM's V1 runner they ride its step output; on V2, which has no such
+    hook, resolution gives the engine the plugin's KV connector, whose worker metadata carries them."""
     diffusion_runner: str | None = None
     """Dotted path of the runner class of a diffusion stage whose model is not a diffusers pipeline
     (BAGEL's generation runner); None: the runner is chosen by ``model_index.json``."""

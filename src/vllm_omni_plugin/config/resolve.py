@@ -153,12 +153,13 @@ def resolve_stage(
     process, headless = process_mode(stage, fixed, backend, report)
     if headless:
         check_headless_connectors(fixed.stage_id, wiring.connectors, io, report)
-    engine_args = ar_engine_args(stage, fixed, pipeline, model, platform, wiring, report) if is_ar else {}
     runner = why = None
     runner_env: dict[str, str] = {}
+    engine_args: dict[str, Any] = {}
     if is_ar:
-        runner, why, runner_env = model_runner(stage, fixed, platform, report)
-        runner_env.update(context_export_cpu_env(stage, fixed, platform))
+        runner, why, runner_env = model_runner(stage, platform, report)
+        runner_env.update(context_export_cpu_env(stage, fixed, runner, platform))
+        engine_args = ar_engine_args(stage, fixed, pipeline, model, platform, wiring, runner, report)
     # Devices per replica: an AR stage's tensor parallel group, a diffusion stage's CFG- or
     # sequence-parallel one.
     if is_ar:

@@ -61,8 +61,6 @@ class ServerSettings:
     """The model turns source images into its output (``/v1/images/edits``, chat with ``image_url``)."""
     needs_images: bool = False
     """The model only edits: every request needs a source image."""
-    images_refused: str | None = None
-    """Why this deployment refuses source images although the model takes them (None: it does not)."""
     model_label: str = ""
     """How errors name what is served (the pipeline, or the model's diffusers class)."""
     lora_refusal: str | None = "this deployment takes no LoRA adapters"
@@ -98,12 +96,6 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
     budget = None
     if ar is not None and pipeline.ar_token_budget:
         budget = functools.partial(import_object(pipeline.ar_token_budget), deployment.model)
-    images_refused = None
-    if ar is not None and ar.model_runner == "v2" and pipeline.stage(ar.stage_id).images_need_v1_runner:
-        images_refused = (
-            f"stage {ar.stage_id} ({ar.name}) runs vLLM's V2 model runner ({ar.model_runner_reason}); "
-            "unset VLLM_USE_V2_MODEL_RUNNER to serve image-to-image"
-        )
     return ServerSettings(
         served_model_names=names,
         limits=limits,
@@ -117,7 +109,6 @@ def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment)
         answers_in_text=pipeline.answers_in_text,
         takes_images=facts.takes_images if facts is not None else True,
         needs_images=facts.needs_images if facts is not None else False,
-        images_refused=images_refused,
         model_label=facts.pipeline_class if facts is not None else pipeline.name,
         lora_refusal=lora_refusal(deployment, facts.pipeline_class if facts is not None else pipeline.name),
         lora_modules=[(m.name, m.path) for m in getattr(args, "lora_modules", None) or []],
@@ -318,11 +309,6 @@ class OmniServer:
             raise OmniAPIError(
                 f"{endpoint}: this model ({label}) generates from text only and takes no input image; "
                 "use /v1/images/generations, or chat without an image",
-                param=param,
-            )
-        if images and self.settings.images_refused:
-            raise OmniAPIError(
-                f"{endpoint}: this deployment takes no input image: {self.settings.images_refused}",
                 param=param,
             )
         if not images and self.settings.needs_images:

@@ -21,6 +21,9 @@ vLLM's V1 and V2 model runners and with CUDA graphs:
                    "export_s": seconds the copy and the put took}}
 
   A failed export becomes ``{"context_error": "..."}``: the request's consumer fails it with that message.
+- The same worker metadata carries the model's other outputs for the next stage (``stage_outbox.py``:
+  GLM-Image's source-image prior tokens, recorded by V2's model state), which is why resolution gives this
+  connector, without a context connector, to a V2 stage whose model has such outputs.
 - The Omni scheduler attaches those stage outputs to the request's final output
   (``kv_transfer_params["omni"]``); vLLM calls ``request_finished`` before it reads the step's worker
   metadata, so the connector itself cannot return them there.
@@ -49,6 +52,7 @@ from vllm_omni_plugin.ar_channel import (
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.runners.paged_kv import check_kv_caches, layer_cpu_isa, read_tokens
+from vllm_omni_plugin.runners.stage_outbox import STAGE_OUTBOX
 
 if TYPE_CHECKING:
     from vllm_omni_plugin.connectors.base import OmniConnector
@@ -172,9 +176,11 @@ class ContextExportConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """At start-up: a cache the export cannot read back as keys and values (quantised, an unknown
-        backend's layout, blocks that do not split evenly) stops the worker here, in one line."""
-        layers = self._vllm_config.compilation_config.static_forward_context
-        check_kv_caches(kv_caches, layers, self._manager_block_size())
+        backend's layout, blocks that do not split evenly) stops the worker here, in one line (a stage
+        whose connector only carries stage outputs exports nothing and reads no cache)."""
+        if self.connector_spec:
+            layers = self._vllm_config.compilation_config.static_forward_context
+            check_kv_caches(kv_caches, layers, self._manager_block_size())
         self._kv_caches = dict(kv_caches)
         self._layers = None
 
@@ -255,10 +261,11 @@ class ContextExportConnector(KVConnectorBase_V1):
         return (done or None), None
 
     def build_connector_worker_meta(self) -> ContextExportWorkerMetadata | None:
-        if not self._step_outputs:
-            return None
-        outputs, self._step_outputs = self._step_outputs, {}
-        return ContextExportWorkerMetadata(stage_outputs=outputs)
+        outputs = STAGE_OUTBOX.take()  # the model's outputs for the next stage (V2's only way out)
+        for req_id, exported in self._step_outputs.items():
+            outputs.setdefault(req_id, {}).update(exported)
+        self._step_outputs = {}
+        return ContextExportWorkerMetadata(stage_outputs=outputs) if outputs else None
 
     def connector(self) -> OmniConnector:
         if self._connector is None:

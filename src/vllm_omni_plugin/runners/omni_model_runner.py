@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_omni_plugin.ar_channel import RUNNER_OUTPUT_ATTR, OmniRunnerOutput
 from vllm_omni_plugin.compat import runner_output_payload
 from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.runners.stage_outbox import STAGE_OUTBOX, record_model_stage_outputs
 
 if TYPE_CHECKING:
     from vllm.config import CompilationConfig, VllmConfig
@@ -52,16 +53,15 @@ class OmniModelRunnerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._omni_stage_outputs: dict[str, dict[str, Any]] = {}
-        """Stage outputs recorded and not yet sent (a request's go with the first step that ran it)."""
         self._omni_dropped: list[str] = []
         """Requests the resume pre-pass left out of the current step."""
 
     # --- what the step's output carries ---
 
     def set_stage_output(self, req_id: str, key: str, value: Any) -> None:
-        """Record a per-request output of this stage (msgpack-serialisable) for the request's output."""
-        self._omni_stage_outputs.setdefault(req_id, {})[key] = value
+        """Record a per-request output of this stage (msgpack-serialisable) for the request's output
+        (held in the worker's ``STAGE_OUTBOX`` until a step that ran the request carries it)."""
+        STAGE_OUTBOX.record(req_id, {key: value})
 
     def execute_model(self, scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
         output = super().execute_model(self._omni_resume_prepass(scheduler_output), *args, **kwargs)
@@ -87,8 +87,7 @@ class OmniModelRunnerMixin:
         ran = getattr(payload, "req_id_to_index", None)
         if ran is None:  # not a step's output (e.g. pipeline-parallel intermediate tensors)
             return
-        pending = self._omni_stage_outputs
-        ready = {rid: pending.pop(rid) for rid in list(pending) if rid in ran}
+        ready = STAGE_OUTBOX.take(ran)
         dropped, self._omni_dropped = self._omni_dropped, []
         if ready or dropped:
             setattr(
@@ -185,15 +184,9 @@ class OmniModelRunnerMixin:
     def _collect_model_stage_outputs(self, scheduler_output: SchedulerOutput) -> None:
         """Models with per-request outputs for the next stage (``omni_stage_outputs(mm_features)``)
         are asked once, when the request arrives."""
-        hook = getattr(getattr(self, "model", None), "omni_stage_outputs", None)
-        if hook is None:
-            return
+        model = getattr(self, "model", None)
         for new in scheduler_output.scheduled_new_reqs:
-            if not new.mm_features:
-                continue
-            outputs = hook(new.mm_features)
-            for key, value in (outputs or {}).items():
-                self.set_stage_output(new.req_id, key, value)
+            record_model_stage_outputs(model, new.req_id, new.mm_features)
 
     # --- precomputed decode positions ---
 

@@ -22,6 +22,7 @@ import torch
 
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
+from vllm_omni_plugin.runners.stage_outbox import record_model_stage_outputs
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +57,10 @@ class PlannedMRopeModelState(DefaultModelState):
         """Length of each request slot's plan in the table (positions past it are linear)."""
 
     def add_request(self, req_index: int, new_req_data: NewRequestData) -> None:
+        # V2's one seam that sees a new request with its features and the model: the model's outputs for
+        # the next stage (the plugin's KV connector carries them; a resumed request, re-sent whole, asks
+        # again and the scheduler keeps one copy)
+        record_model_stage_outputs(self.model, new_req_data.req_id, new_req_data.mm_features)
         rope = self.rope_state
         if rope is None:
             super().add_request(req_index, new_req_data)

@@ -20,11 +20,6 @@ BAGEL = Pipeline(
             output_type="token_ids",
             exports_context=True,
             context_position="vllm_omni_plugin.models.bagel_thinker.context_next_position",
-            v1_runner=(
-                "the V1 runner is the one the CPU test suite runs end to end (vLLM's CPU V2 runner needs "
-                "Triton's CPU backend); the thinker's hooks (KV connector, stock M-RoPE positions) also "
-                "work on V2"
-            ),
         ),
         PipelineStage(
             stage_id=1,

@@ -18,11 +18,7 @@ GLM_IMAGE = Pipeline(
             engine_args_provider="vllm_omni_plugin.models.glm_image_config.sampling_vocab_overrides",
             model_arch="GlmImageForConditionalGeneration",
             output_type="token_ids",
-            v1_runner=(
-                "image-to-image hands the source images' prior tokens to the DiT through the V1 runner's "
-                "step output, and the V1 runner is the one the CPU test suite runs"
-            ),
-            images_need_v1_runner=True,
+            model_stage_outputs=True,
         ),
         PipelineStage(
             stage_id=1,

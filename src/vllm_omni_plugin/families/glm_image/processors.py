@@ -76,6 +76,19 @@ def _messages(images: Sequence[Any], prompt: str) -> list[dict[str, Any]]:
 
 
 @functools.cache
+def _non_codebook_bias(model: str) -> dict[int, float]:
+    """``logit_bias`` that rules out every id of the AR's LM head past the codebook (image start/end and
+    unused rows; ids beyond the head are ``-inf`` already). Not ``allowed_token_ids``: vLLM's V2 model
+    runner takes at most 1024 of those per request (``MAX_NUM_ALLOWED_TOKEN_IDS``) and fails the whole
+    engine on more; it takes 1024 biases, and the head has 128 ids past the codebook."""
+    import json
+
+    with open(os.path.join(model, "vision_language_encoder", "config.json"), encoding="utf-8") as f:
+        head = int(json.load(f)["text_config"]["vision_vocab_size"])
+    return dict.fromkeys(range(CODEBOOK_SIZE, head), float("-inf"))
+
+
+@functools.cache
 def _special_tokens_added(model: str) -> int:
     return int(_processor(model).tokenizer.num_special_tokens_to_add())
 
@@ -188,7 +201,7 @@ def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCo
         "max_tokens": n,
         "min_tokens": n,
         "ignore_eos": True,
-        "allowed_token_ids": list(range(CODEBOOK_SIZE)),
+        "logit_bias": dict(_non_codebook_bias(context.model)),
         "detokenize": False,  # image tokens: no text to show, and detokenizing costs API-process CPU
     }
     if request.seed is not None and "seed" not in request.sampling_params:

@@ -1,7 +1,7 @@
 """The serving half of ``scripts/gpu_check.sh``: the tiny GLM-Image and the tiny BAGEL served with vLLM's
-defaults (CUDA graphs on, async scheduling on) through the stock ``vllm`` script, once with the model
-runner the plugin chooses and once with ``VLLM_USE_V2_MODEL_RUNNER=1``; every image compared with a
-reference computed on this host's CPU (fp32, greedy AR); one summary table.
+defaults (CUDA graphs on, async scheduling on, vLLM's own model runner: V2 on CUDA) through the stock
+``vllm`` script, text to image and an edit each; every image compared with a reference computed on this
+host's CPU (fp32, greedy AR); one summary table, saying which runner each AR stage reported.
 
     python -m vllm_omni_plugin.testing.harness.gpu_check [--device cuda|cpu] [--runners choice,v2] [--out DIR]
 
@@ -210,8 +210,14 @@ def serve_and_check(case: Case, model: Path, runner: str, device: str, out: Path
 
 
 def runner_seen(log: str) -> str:
+    """What the AR stage's worker said it runs (``runners/worker_mixin.py: log_model_runner``)."""
     graphs = "CUDA graphs captured" if "Graph capturing finished" in log else "no CUDA graphs"
-    runner = "V2 runner" if "Using V2 Model Runner" in log else "V1 runner"
+    if "AR stage on vLLM's V2 model runner" in log:
+        runner = "V2 runner"
+    elif "AR stage on vLLM's V1 model runner" in log:
+        runner = "V1 runner"
+    else:
+        runner = "runner not reported"
     return f"{runner}; {graphs}"
 
 
@@ -233,8 +239,6 @@ def request_row(
             response.json().get("error", {}).get("message", response.text[:200]) if response.text else ""
         )
         row.detail = message[:200]
-        if runner == "v2" and case.name == "glm-image" and name == "edit" and response.status_code == 400:
-            row.verdict = "expected"  # image-to-image needs the V1 runner (README)
         return row
     return compare(row, decode(response.json()["data"][0]["b64_json"]), refs[name])
 
@@ -266,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m vllm_omni_plugin.testing.harness.gpu_check", description=__doc__
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--runners", default="choice,v2", help="comma list of: choice (the plugin's), v2")
+    parser.add_argument(
+        "--runners", default="choice", help="comma list of: choice (vLLM's own: V2 on CUDA), v2 (forced)"
+    )
     parser.add_argument("--models", default="glm-image,bagel")
     parser.add_argument("--out", default="gpu_check_out", help="where server logs and the table go")
     args = parser.parse_args(argv)
