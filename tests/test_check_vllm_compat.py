@@ -1,6 +1,7 @@
 """The vLLM release checker (tools/vllm_compat, run by scripts/check_vllm_compat.py): reading vLLM's
-sources without importing them, what it derives from our code, and that it fails when a release loses
-something we use (on a copy of vLLM 0.33's real sources)."""
+sources without importing them, what it derives from our code and from compat's declarations (VLLM_READS,
+V1_ONLY_NAMES, modules marked V1_ONLY), and that it fails when a release loses something we use (on a copy of vLLM
+0.33's real sources, and on small made-up releases), a named release outside the range included."""
 
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ SCRIPT = REPO / "scripts" / "check_vllm_compat.py"
 sys.path.insert(0, str(REPO / "tools"))  # not installed: scripts/check_vllm_compat.py does the same
 
 from vllm_compat import CheckError, cli, releases, sources  # noqa: E402
-from vllm_compat.collect import collect_needs  # noqa: E402
+from vllm_compat.collect import (  # noqa: E402
+    NOT_VLLM_READS,
+    attribute_reads,
+    collect_needs,
+    undeclared_reads,
+)
+from vllm_compat.needs import RUNNER_ENV, setting_refusal  # noqa: E402
 from vllm_compat.remote_zip import NoRangeRequests, RemoteZipFile  # noqa: E402
 from vllm_compat.signatures import CallShape, Signature  # noqa: E402
 from vllm_compat.tree import SourceTree  # noqa: E402
@@ -169,13 +176,17 @@ def test_needs_are_derived_from_the_code() -> None:
     ):
         assert label in labels["method"], label
     method = next(n for n in needs if n.label == "OmniARScheduler._make_cached_request_data")
-    assert method.super_calls and method.super_calls[0].positional == 5
+    shape = method.super_calls[0]  # vLLM <= 0.33's five arguments, or whatever it was given, passed on
+    assert shape.positional == 5 or (shape.star_args and shape.star_kwargs)
     # EngineArgs fields resolution writes (literal keys, the field tuple, the GLM-Image provider)
     for field in ("scheduler_cls", "worker_cls", "async_scheduling", "kv_cache_memory_bytes", "hf_overrides"):
         assert f"EngineArgs.{field}" in labels["engine-arg"], field
     assert "vllm.model_executor.models.llama:LlamaMLP" in labels["import"]
     assert {"build_app()", "serve_http()", "EngineCoreOutput()"} <= labels["call"]
     assert "FinishReason.ERROR" in labels["attribute"]
+    # compat.VLLM_READS: required and optional ("?") reads; the model runner setting
+    assert {"CachedRequestData.all_token_ids", "Scheduler.prev_step_scheduled_req_ids?"} <= labels["read"]
+    assert len(labels["runner"]) == 1
 
 
 def test_a_new_override_in_our_code_becomes_a_row(tmp_path: Path) -> None:
@@ -221,7 +232,7 @@ def _run_script(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_the_script_checks_a_source_tree(tmp_path: Path) -> None:
     proc = _run_script(tmp_path, str(_installed_vllm_root()))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1].startswith("OK: every checked supported release")
+    assert proc.stdout.splitlines()[-1] == "OK: every one of the releases named has what the plugin needs"
     assert row(proc.stdout, "OmniARScheduler._make_cached_request_data").split() == ["ok"]
 
 
@@ -372,7 +383,9 @@ def test_a_lost_name_fails_the_check(
 def test_a_factory_our_own_code_calls_may_be_missing(
     vllm_033: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """vLLM 0.31 has no ``Worker._make_model_runner``: OmniGPUWorker.init_device calls it itself."""
+    """vLLM 0.31 has no ``Worker._make_model_runner``: OmniGPUWorker.init_device calls it itself ("ours"),
+    and where ours calls ``super()``'s it checks ``hasattr`` first, which compat.VLLM_READS declares
+    optional ("absent")."""
     path = vllm_033 / "vllm" / "v1" / "worker" / "gpu_worker.py"
     original = path.read_text()
     try:
@@ -380,7 +393,9 @@ def test_a_factory_our_own_code_calls_may_be_missing(
         assert cli.main([str(vllm_033)]) == 0
     finally:
         path.write_text(original)
-    assert row(capsys.readouterr().out, "OmniGPUWorker._make_model_runner").split() == ["ours"]
+    out = capsys.readouterr().out
+    assert row(out, "OmniGPUWorker._make_model_runner").split()[0] in ("ours", "absent")
+    assert row(out, "GPUWorker._make_model_runner?").split()[0] == "absent"
 
 
 def test_a_lost_omni_hook_fails_the_check(vllm_033: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -394,6 +409,237 @@ def test_a_lost_omni_hook_fails_the_check(vllm_033: Path, capsys: pytest.Capture
     finally:
         path.write_text(original)
     assert row(capsys.readouterr().out, "vllm --omni hands over to vllm_omni").split()[0] == "MISSING"
+
+
+# --- what compat declares: reads of vLLM objects, the model runner setting; named releases ---------
+
+FAKE_COMPAT = """
+    LOCATIONS = {
+        "Struct": ("vllm.things:Struct",),
+        "Thing": ("vllm.things:Thing",),
+        "envs": ("vllm:envs",),
+    }
+    VLLM_READS = {
+        "Struct": ("field_a", "field_b?"),
+        "Thing": ("state", "late?"),
+        "envs": ("VLLM_FLAG?",),
+    }
+"""
+
+FAKE_VLLM = {
+    "vllm/__init__.py": "",
+    "vllm/_version.py": "__version__ = version = '0.99.0'\n",
+    "vllm/entrypoints/cli/main.py": "from vllm_omni.entrypoints.cli.main import main\n",
+    "vllm/envs.py": "VLLM_FLAG: bool = False\n",
+    "vllm/things.py": """
+        from dataclasses import dataclass
+
+        @dataclass
+        class Struct:
+            field_a: int
+            field_b: int = 0
+
+        class Base:
+            def __init__(self):
+                self.state = 1
+
+        class Thing(Base):
+            def later(self):
+                self.late = 2
+    """,
+    "vllm/v1/worker/gpu_model_runner.py": "class GPUModelRunner:\n    pass\n",
+}
+
+REFUSAL_034 = """
+    import os
+
+    class Platform:
+        @classmethod
+        def validate_environ(cls, hard_fail):
+            for env, value in os.environ.items():
+                if env == "VLLM_USE_V2_MODEL_RUNNER":
+                    if value != "1":
+                        raise ValueError("Model Runner V1 has been removed.")
+                    continue
+"""
+
+
+def fake_package(root: Path, compat_extra: str = "") -> Path:
+    """A plugin package with nothing but a compat.py (its LOCATIONS, VLLM_READS and ``compat_extra``)."""
+    text = textwrap.dedent(FAKE_COMPAT) + textwrap.dedent(compat_extra)
+    return write_tree(root, {"vllm_omni_plugin/compat.py": text})
+
+
+def fake_vllm(root: Path, changes: dict[str, str | None] | None = None) -> Path:
+    """FAKE_VLLM with ``changes``: a file's new text, or None to leave it out."""
+    files = {**FAKE_VLLM, **(changes or {})}
+    return write_tree(root, {k: v for k, v in files.items() if v is not None})
+
+
+def _check(package: Path, *targets: str) -> int:
+    return cli.main(["--package", str(package / "vllm_omni_plugin"), *targets])
+
+
+def test_a_named_release_outside_the_range_fails_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0.99.0 lies outside the supported range: named, it is checked like a supported one."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(sources.CACHE_ENV, str(cache))
+    package = fake_package(tmp_path / "pkg")
+
+    def release(changes: dict[str, str | None] | None = None) -> None:
+        tree = fake_vllm(tmp_path / "vllm-src", changes)
+        cache.mkdir(exist_ok=True)
+        with zipfile.ZipFile(cache / "vllm-0.99.0.zip", "w") as archive:
+            for path in sorted(tree.rglob("*.py")):
+                archive.write(path, path.relative_to(tree).as_posix())
+
+    release()
+    assert _check(package, "0.99.0") == 0
+    out = capsys.readouterr().out
+    assert "vllm 0.99.0 (unsupported)" in out.splitlines()[0]
+    assert out.splitlines()[-1].startswith("OK: every one of the releases named (vllm 0.99.0 outside")
+
+    release({"vllm/things.py": "class Other:\n    pass\n"})  # Struct and Thing gone
+    assert _check(package, "0.99.0") == cli.EXIT_FAILED
+    out = capsys.readouterr().out
+    assert row(out, "Struct").split()[0] == "MISSING"
+    assert out.splitlines()[-1].startswith("FAILED: ") and "vllm 0.99.0 outside the supported range" in out
+
+
+@pytest.mark.parametrize(
+    ("change", "label", "cell", "code"),
+    [
+        (None, "Thing.state", "ok", 0),  # assigned in a base class's __init__
+        (("field_a: int", "renamed: int"), "Struct.field_a", "MISSING", cli.EXIT_FAILED),
+        (("self.state = 1", "self.other = 1"), "Thing.state", "MISSING", cli.EXIT_FAILED),
+        (("field_b: int = 0", "renamed: int = 0"), "Struct.field_b?", "absent", 0),
+        (("self.late = 2", "self.later_still = 2"), "Thing.late?", "absent", 0),
+        (("VLLM_FLAG", "VLLM_OTHER"), "envs.VLLM_FLAG?", "absent", 0),
+    ],
+)
+def test_declared_reads_are_checked(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    change: tuple[str, str] | None,
+    label: str,
+    cell: str,
+    code: int,
+) -> None:
+    """A required read a release lacks fails it; an optional one is shown absent, with its footnote."""
+    changes: dict[str, str | None] = {}
+    if change is not None:
+        old, new = change
+        file = next(name for name, text in FAKE_VLLM.items() if old in text)
+        changes[file] = FAKE_VLLM[file].replace(old, new)
+    tree = fake_vllm(tmp_path / "vllm-src", changes)
+    assert _check(fake_package(tmp_path / "pkg"), str(tree)) == code
+    out = capsys.readouterr().out
+    cells = row(out, label).split()
+    assert cells[0] == cell
+    if cell != "ok":
+        number = re.search(r"\[(\d+)\]", row(out, label)).group(1)
+        reason = re.search(rf"^\[{number}\] {re.escape(label)} \(.*", out, re.M).group(0)
+        assert ("handles its absence" in reason) == (cell == "absent")
+    assert out.splitlines()[-1].startswith("OK:" if code == 0 else "FAILED:")
+
+
+@pytest.mark.parametrize(
+    ("changes", "cell", "code"),
+    [
+        ({}, "V1", 0),
+        # a release that refuses the V1 choice while it ships the V1 runner: resolution would let it through
+        ({"vllm/platforms/interface.py": REFUSAL_034}, "CHANGED", cli.EXIT_FAILED),
+        # V1 gone (0.34): resolution refuses the choice itself, whatever vLLM does with it
+        ({"vllm/platforms/interface.py": REFUSAL_034, "vllm/v1/worker/gpu_model_runner.py": None}, "V2", 0),
+        ({"vllm/v1/worker/gpu_model_runner.py": None}, "V2", 0),
+    ],
+)
+def test_a_users_v1_runner_choice_is_refused_where_vllm_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, str | None], cell: str, code: int
+) -> None:
+    """Resolution refuses VLLM_USE_V2_MODEL_RUNNER=0 where vLLM has no V1 runner module; a release that
+    refuses the value (vLLM 0.34's Platform.validate_environ) while still shipping the module fails."""
+    tree = fake_vllm(tmp_path / "vllm-src", changes)
+    assert _check(fake_package(tmp_path / "pkg"), str(tree)) == code
+    out = capsys.readouterr().out
+    assert row(out, f"{RUNNER_ENV}=0 (a user's V1 runner) refused where V1 is gone").split()[0] == cell
+    if cell == "CHANGED":
+        assert "refuses VLLM_USE_V2_MODEL_RUNNER=0 (vllm/platforms/interface.py:" in out
+
+
+V1_PACKAGE = {
+    "vllm_omni_plugin/compat.py": textwrap.dedent(FAKE_COMPAT)
+    .replace(
+        '"envs": ("vllm:envs",),',
+        '"envs": ("vllm:envs",),\n"GPUModelRunner": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner",),',
+    )
+    .replace('"Struct": ("field_a", "field_b?"),', '"Struct": ("field_a", "field_b?", "gone@v1"),')
+    + 'V1_ONLY_NAMES = ("GPUModelRunner",)\n',
+    "vllm_omni_plugin/runners/v1_runner.py": textwrap.dedent("""
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        V1_ONLY = True
+
+        class OmniRunner(GPUModelRunner):
+            def execute_model(self):
+                return super().execute_model()
+    """),
+}
+
+
+def test_what_only_the_v1_runner_needs_is_not_needed_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A release without the V1 runner (0.34) shows the V1 runner's needs (a module marked V1_ONLY, the
+    compat names of compat.V1_ONLY_NAMES, reads marked @v1) as "V1 only" and passes; where the release has
+    the V1 runner they are checked as everything else (a @v1 read it lacks fails it)."""
+    package = write_tree(tmp_path / "pkg", V1_PACKAGE)
+    without = fake_vllm(tmp_path / "without-v1", {"vllm/v1/worker/gpu_model_runner.py": None})
+    assert _check(package, str(without)) == 0
+    out = capsys.readouterr().out
+    for label in ("GPUModelRunner", "vllm.v1.worker.gpu_model_runner:GPUModelRunner", "Struct.gone"):
+        assert row(out, label).split()[0:2] == ["V1", "only"], (label, out)
+    assert "MISSING" not in out and "CHANGED" not in out
+    with_v1 = fake_vllm(tmp_path / "with-v1")
+    assert _check(package, str(with_v1)) == cli.EXIT_FAILED
+    out = capsys.readouterr().out
+    assert row(out, "Struct.gone").split()[0] == "MISSING"
+    assert row(out, "GPUModelRunner").split()[0] != "V1"
+
+
+@pytest.mark.parametrize(("version", "refuses"), [("0.33.0", False), ("0.34.0", True)])
+def test_the_refusal_is_read_from_real_releases(version: str, refuses: bool) -> None:
+    try:
+        tree = sources.release_sources("vllm", version)
+    except CheckError as exc:
+        pytest.skip(f"the sources of vllm {version} cannot be fetched here: {exc}")
+    refused, where = setting_refusal(tree, RUNNER_ENV, "0")
+    assert refused is refuses
+    assert where.startswith("vllm/platforms/interface.py:") if refuses else where == ""
+    assert setting_refusal(tree, RUNNER_ENV, "1") == (False, "")
+
+
+def test_every_getattr_read_of_a_literal_name_is_declared(tmp_path: Path) -> None:
+    """Plugin code in runners/, schedulers/, models/ and compat.py reads no attribute by getattr/hasattr
+    that compat.VLLM_READS does not declare and NOT_VLLM_READS does not list as not vLLM's; the list
+    holds no name nothing reads. A new read of an undeclared name (a literal or a module constant) is
+    caught."""
+    assert undeclared_reads() == []
+    assert sorted(set(NOT_VLLM_READS) - {name for _, name in attribute_reads()}) == []
+    package = tmp_path / "vllm_omni_plugin"
+    shutil.copytree(REPO / "src" / "vllm_omni_plugin", package, ignore=shutil.ignore_patterns("__pycache__"))
+    scheduler = package / "schedulers" / "omni_ar_scheduler.py"
+    scheduler.write_text(
+        scheduler.read_text()
+        + '\nNEW_NAME = "use_v3_model_runner"\n\n'
+        + "def _omni_probe(config, output):\n"
+        + '    return getattr(config, "use_v9_model_runner", False) or hasattr(output, NEW_NAME)\n'
+    )
+    found = undeclared_reads(package)
+    assert [line.rsplit(": ", 1)[1] for line in found] == ["use_v9_model_runner", "use_v3_model_runner"]
+    assert all(line.startswith(f"{scheduler}:") for line in found)
 
 
 # --- fetching only the Python sources of a wheel --------------------------------------------------

@@ -71,7 +71,10 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     # paged KV cache layouts (runners/paged_kv.py and its tests)
     "AttentionBackendEnum": ("vllm.v1.attention.backends.registry:AttentionBackendEnum",),
     "cpu_attn_isa": ("vllm.v1.attention.backends.cpu_attn:_get_attn_isa",),
-    "cpu_attn_reshape_and_cache": ("vllm._custom_ops:cpu_attn_reshape_and_cache",),
+    "cpu_attn_reshape_and_cache": (
+        "vllm._cpu_ops:cpu_attn_reshape_and_cache",
+        "vllm._custom_ops:cpu_attn_reshape_and_cache",
+    ),
     "KVCacheLayout": ("vllm.v1.kv_cache_layout:KVCacheLayout",),
     "KVCacheTensor": ("vllm.v1.kv_cache_interface:KVCacheTensor",),
     "FullAttentionSpec": ("vllm.v1.kv_cache_interface:FullAttentionSpec",),
@@ -102,7 +105,71 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "SamplingParams": ("vllm.sampling_params:SamplingParams", "vllm:SamplingParams"),
     "VLLMClientError": ("vllm.exceptions:VLLMClientError",),
     "current_platform": ("vllm.platforms:current_platform",),
+    # what VLLM_READS reads attributes of (objects vLLM hands the plugin)
+    "VllmConfig": ("vllm.config:VllmConfig",),
+    "SchedulerOutput": ("vllm.v1.core.sched.output:SchedulerOutput",),
+    "CachedRequestData": ("vllm.v1.core.sched.output:CachedRequestData",),
+    "NewRequestData": ("vllm.v1.core.sched.output:NewRequestData",),
+    "ModelRunnerOutput": ("vllm.v1.outputs:ModelRunnerOutput",),
+    "KVCacheConfig": ("vllm.v1.kv_cache_interface:KVCacheConfig",),
+    "CPUAttentionMetadata": ("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",),
+    "FlashAttentionMetadata": ("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata",),
+    "RocmAttentionImpl": ("vllm.v1.attention.backends.rocm_attn:RocmAttentionImpl",),
+    "RocmAiterUnifiedAttentionImpl": (
+        "vllm.v1.attention.backends.rocm_aiter_unified_attn:RocmAiterUnifiedAttentionImpl",
+    ),
+    "MPClient": ("vllm.v1.engine.core_client:MPClient",),
+    "BackgroundResources": ("vllm.v1.engine.core_client:BackgroundResources",),
+    "CoreEngineProcManager": ("vllm.v1.engine.utils:CoreEngineProcManager",),
+    "envs": ("vllm:envs",),
 }
+
+VLLM_READS: dict[str, tuple[str, ...]] = {
+    "VllmConfig": ("use_v2_model_runner?",),  # gone with V1 (0.34), where uses_v2_model_runner skips it
+    "SchedulerOutput": (
+        "scheduled_cached_reqs",
+        "scheduled_new_reqs",
+        "num_scheduled_tokens",
+        "total_num_scheduled_tokens",
+        "scheduled_spec_decode_tokens",
+        "scheduled_encoder_inputs",
+    ),
+    "CachedRequestData": (
+        "req_ids",
+        "new_token_ids",
+        "new_block_ids",
+        "num_computed_tokens",
+        "num_output_tokens",
+        "all_token_ids@v1",  # what the V1 runner rebuilds a resumed request from (0.34 re-sends it whole)
+        "resumed_req_ids@v1",
+    ),
+    "NewRequestData": ("req_id", "mm_features"),
+    "EngineCoreOutput": ("request_id", "new_token_ids", "finish_reason", "kv_transfer_params"),
+    "EngineCoreOutputs": ("outputs",),
+    "ModelRunnerOutput": ("req_id_to_index@v1",),
+    "Scheduler": ("prev_step_scheduled_req_ids?",),
+    "GPUWorker": ("_make_model_runner?",),  # 0.31 builds its runner inside init_device
+    "GPUModelRunner": ("model@v1",),
+    "KVCacheConfig": ("kv_cache_groups",),
+    "Attention": ("attn_backend", "kv_cache_dtype", "impl", "head_size", "isa?"),  # isa: CPU, set late
+    "CPUAttentionMetadata": ("block_table", "query_start_loc", "seq_lens"),
+    "FlashAttentionMetadata": ("block_table", "query_start_loc", "seq_lens"),
+    "RocmAttentionImpl": ("_use_interleaved_v_cache?",),
+    "RocmAiterUnifiedAttentionImpl": ("_shuffle_kv_layout?",),
+    "envs": ("VLLM_USE_BREAKABLE_CUDAGRAPH?", "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT?"),
+    "AsyncLLM": ("engine_core",),
+    "MPClient": ("resources",),
+    "BackgroundResources": ("engine_manager",),
+    "CoreEngineProcManager": ("processes",),
+}
+"""What the plugin reads of vLLM objects that no import shows (fields of what vLLM hands it, ``getattr``
+and ``hasattr`` reads): LOCATIONS name -> attribute names, for ``scripts/check_vllm_compat.py`` to check
+in each release. A name ending in ``?`` is one the plugin does without (its absence is shown, not
+failed); any other is required; one ending in ``@v1`` is read only on vLLM's V1 model runner (a release
+without V1 does not need it). Its test fails on a ``getattr``/``hasattr`` of a name declared nowhere."""
+
+V1_ONLY_NAMES = ("GPUModelRunner", "CPUModelRunner")
+"""Names of ``LOCATIONS`` that only the V1 runner's modules (``V1_ONLY``) resolve: vLLM 0.34 deleted them."""
 
 
 class CompatImportError(ImportError):

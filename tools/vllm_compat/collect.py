@@ -1,16 +1,27 @@
 """What the plugin needs from vLLM, read from its own code by AST, so the list follows the code: the names
 of ``compat.LOCATIONS``, direct ``from vllm... import``s, methods our classes (and mixins in front of vLLM
 classes) override or call through ``super()``, the ``EngineArgs`` fields resolution writes and the packaged
-deploy configs set, calls of vLLM callables and attributes read from vLLM classes, the ``--omni`` hook."""
+deploy configs set, calls of vLLM callables and attributes read from vLLM classes, the ``--omni`` hook.
+
+What the code cannot show (an attribute of an object vLLM hands us, read with ``getattr``/``hasattr`` or
+as a struct field: types are not inferred) ``compat.VLLM_READS`` declares; :func:`undeclared_reads` keeps
+the declaration in step with the ``getattr``/``hasattr`` reads. What only vLLM's V1 runner needs (modules
+of ours marked ``V1_ONLY``, ``compat.V1_ONLY_NAMES``, reads marked ``@v1``) is needed only by a release
+that has the V1 runner."""
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_compat import ROOT, CheckError
 from vllm_compat.needs import (
+    RUNNER_ENV,
+    V1_RUNNER_MODULE,
+    V1_RUNNER_VALUE,
     AttributeNeed,
     CallNeed,
     CompatNeed,
@@ -19,7 +30,9 @@ from vllm_compat.needs import (
     ImportNeed,
     MethodNeed,
     Need,
+    ReadNeed,
     Ref,
+    RunnerNeed,
     ref_text,
 )
 from vllm_compat.signatures import CallShape, Signature
@@ -40,21 +53,138 @@ def _module_name(path: Path, package_dir: Path) -> str:
     return ".".join(parts)
 
 
-def compat_locations(package_dir: Path = PACKAGE_DIR) -> dict[str, tuple[str, ...]]:
+OPTIONAL_MARK = "?"
+V1_MARK = "@v1"
+"""Ends a name of ``compat.VLLM_READS`` that the plugin does without (absent: shown, not failed)."""
+
+READ_SCOPE = ("runners", "schedulers", "models", "compat.py")
+"""Where every ``getattr``/``hasattr`` read of a literal name must be declared (:func:`undeclared_reads`)."""
+
+NOT_VLLM_READS: dict[str, str] = {
+    "take_stage_outputs": "ours: the context export connector's (runners/context_export.py)",
+    "stage_outputs": "ours: the context export connector's worker metadata",
+    "exports": "ours: the context export connector's metadata",
+    "omni_stage_outputs": "ours: the hook of our models that compute stage outputs",
+    "downsample": "ours: BAGEL's autoencoder stages (models/bagel/autoencoder.py)",
+    "upsample": "ours: BAGEL's autoencoder stages (models/bagel/autoencoder.py)",
+    "head_dim": "the model's Hugging Face config",
+    "attention_bias": "the model's Hugging Face config",
+    "embedding_vocab_size": "GLM-Image's Hugging Face text config",
+    "grid_bos_token": "GLM-Image's tokenizer",
+    "grid_eos_token": "GLM-Image's tokenizer",
+    "weight_loader": "a parameter's, set per parameter by vLLM's layers; vLLM's default_weight_loader else",
+    "name": "a Python Enum member's",
+    "pid": "a multiprocessing process's",
+}
+"""Names read with ``getattr``/``hasattr`` in ``READ_SCOPE`` that are not a vLLM object's attribute, and
+whose they are. Matched by name only (types are not inferred): a vLLM read of one of these names goes
+unseen, so keep the list short."""
+
+
+def _compat_values(package_dir: Path) -> tuple[Path, dict[str, tuple[int, ast.expr]]]:
+    """compat.py's top-level assignments: name -> (line, value)."""
     path = package_dir / "compat.py"
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except OSError as exc:  # a wrong --package: exit 2 (cannot check), not a traceback's 1 (failed)
         raise CheckError(f"{path}: {exc.strerror or exc}") from None
+    out: dict[str, tuple[int, ast.expr]] = {}
     for stmt in tree.body:
-        target = (
-            stmt.target
-            if isinstance(stmt, ast.AnnAssign)
-            else (stmt.targets[0] if isinstance(stmt, ast.Assign) else None)
-        )
-        if isinstance(target, ast.Name) and target.id == "LOCATIONS" and stmt.value is not None:
-            return {k: tuple(v) for k, v in ast.literal_eval(stmt.value).items()}
-    raise CheckError(f"{path}: no LOCATIONS dict")
+        if isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            target, value = stmt.target, stmt.value
+        elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target, value = stmt.targets[0], stmt.value
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            out[target.id] = (stmt.lineno, value)
+    return path, out
+
+
+def _literal(path: Path, line: int, value: ast.expr) -> Any:
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError):
+        raise CheckError(f"{path}:{line}: not a literal") from None
+
+
+def compat_locations(package_dir: Path = PACKAGE_DIR) -> dict[str, tuple[str, ...]]:
+    path, values = _compat_values(package_dir)
+    if "LOCATIONS" not in values:
+        raise CheckError(f"{path}: no LOCATIONS dict")
+    return {k: tuple(v) for k, v in _literal(path, *values["LOCATIONS"]).items()}
+
+
+@dataclass(frozen=True)
+class DeclaredRead:
+    owner: str
+    """A name of ``compat.LOCATIONS`` (a class, or a module such as ``envs``)."""
+    attr: str
+    optional: bool
+    where: str
+    v1_only: bool = False
+
+
+def compat_reads(package_dir: Path = PACKAGE_DIR) -> list[DeclaredRead]:
+    """``compat.VLLM_READS`` (none when compat declares none); each owner must be a ``LOCATIONS`` name."""
+    path, values = _compat_values(package_dir)
+    if "VLLM_READS" not in values:
+        return []
+    line, value = values["VLLM_READS"]
+    locations = compat_locations(package_dir)
+    if not isinstance(value, ast.Dict):
+        raise CheckError(f"{path}:{line}: VLLM_READS is not a dict literal")
+    out = []
+    for key, names in zip(value.keys, value.values, strict=True):
+        owner = _literal(path, names.lineno, key) if key is not None else None
+        attrs = _literal_strings(names)
+        if owner not in locations or not attrs:
+            raise CheckError(
+                f"{path}:{names.lineno}: VLLM_READS maps a name of LOCATIONS to a tuple of attribute names"
+            )
+        for text in attrs:
+            v1_only = text.endswith(V1_MARK)
+            text = text.removesuffix(V1_MARK)
+            optional = text.endswith(OPTIONAL_MARK)
+            attr = text.removesuffix(OPTIONAL_MARK)
+            out.append(DeclaredRead(owner, attr, optional, f"{_shown(path)}:{names.lineno}", v1_only))
+    return out
+
+
+def v1_only_names(package_dir: Path = PACKAGE_DIR) -> frozenset[str]:
+    """``compat.V1_ONLY_NAMES``: the compat names only the V1 runner's modules resolve."""
+    path, values = _compat_values(package_dir)
+    if "V1_ONLY_NAMES" not in values:
+        return frozenset()
+    return frozenset(_literal(path, *values["V1_ONLY_NAMES"]))
+
+
+def _is_v1_only(tree: ast.Module) -> bool:
+    """Whether a module of ours says ``V1_ONLY = True`` at its top (it is imported only where V1 runs)."""
+    return any(
+        isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "V1_ONLY" for t in node.targets)
+        and isinstance(node.value, ast.Constant)
+        and node.value.value is True
+        for node in tree.body
+    )
+
+
+def optional_reads(reads: list[DeclaredRead]) -> dict[str, frozenset[str]]:
+    """compat name -> the names of it declared optional."""
+    out: dict[str, set[str]] = {}
+    for read in reads:
+        if read.optional:
+            out.setdefault(read.owner, set()).add(read.attr)
+    return {owner: frozenset(names) for owner, names in out.items()}
+
+
+def runner_need(package_dir: Path = PACKAGE_DIR) -> RunnerNeed:
+    """The model runner need, with the V1 runner's module ``compat.V1_RUNNER_MODULE`` names."""
+    path, values = _compat_values(package_dir)
+    module = _literal(path, *values["V1_RUNNER_MODULE"]) if "V1_RUNNER_MODULE" in values else V1_RUNNER_MODULE
+    label = f"{RUNNER_ENV}={V1_RUNNER_VALUE} (a user's V1 runner) refused where V1 is gone"
+    return RunnerNeed("runner", label, _shown(path), v1_module=module)
 
 
 class _OurModule:
@@ -273,15 +403,31 @@ def collect_needs(package_dir: Path = PACKAGE_DIR) -> list[Need]:
         modules.append(_OurModule(_module_name(path, package_dir), path, tree, compat_names))
     by_name = {m.name: m for m in modules}
     needs: dict[tuple[str, str], Need] = {}
+    v1_scope = [False]
+    """Whether the needs being added come from a module of ours that only the V1 runner uses."""
 
     def add(need: Need) -> Need:
-        return needs.setdefault((need.kind, need.label), need)
+        need.v1_only = need.v1_only or v1_scope[0]
+        kept = needs.setdefault((need.kind, need.label), need)
+        kept.v1_only = kept.v1_only and need.v1_only  # needed by anything else: needed everywhere
+        return kept
 
     add(HookNeed("hook", "vllm --omni hands over to vllm_omni", "vllm/entrypoints/cli/main.py"))
+    v1_names = v1_only_names(package_dir)
     for name in locations:
-        add(CompatNeed("compat", name, "compat.py", name=name))
+        add(CompatNeed("compat", name, "compat.py", v1_only=name in v1_names, name=name))
+    for read in compat_reads(package_dir):
+        label = f"{read.owner}.{read.attr}{OPTIONAL_MARK if read.optional else ''}"
+        add(
+            ReadNeed(
+                "read", label, read.where, v1_only=read.v1_only, owner=read.owner, attr=read.attr,
+                optional=read.optional,
+            )
+        )  # fmt: skip
+    add(runner_need(package_dir))
 
     for module in modules:
+        v1_scope[0] = _is_v1_only(module.tree)
         for node in ast.walk(module.tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 if node.module == "vllm" or node.module.startswith("vllm."):
@@ -319,6 +465,7 @@ def collect_needs(package_dir: Path = PACKAGE_DIR) -> list[Need]:
                 yield from our_methods(*hit, seen)
 
     for module in modules:
+        v1_scope[0] = _is_v1_only(module.tree)
         for cls in module.classes.values():
             vllm_bases = tuple(ref for base in cls.bases if (ref := module.ref_of(base)) is not None)
             outside = any(
@@ -371,10 +518,12 @@ def collect_needs(package_dir: Path = PACKAGE_DIR) -> list[Need]:
                     assert isinstance(need, MethodNeed)
                     need.super_calls = (*need.super_calls, *shapes)
 
+    v1_scope[0] = False
     for name, where in sorted(_engine_arg_names(modules, package_dir).items()):
         add(EngineArgNeed("engine-arg", f"EngineArgs.{name}", where, name=name))
 
     for module in modules:
+        v1_scope[0] = _is_v1_only(module.tree)
         call_funcs = set()
         for node, chain in module.nodes:
             if not isinstance(node, ast.Call):
@@ -410,4 +559,56 @@ def collect_needs(package_dir: Path = PACKAGE_DIR) -> list[Need]:
                             attr=node.attr,
                         )
                     )
+    v1_scope[0] = False
     return list(needs.values())
+
+
+def attribute_reads(package_dir: Path = PACKAGE_DIR) -> list[tuple[str, str]]:
+    """``(where, name)`` of each ``getattr(x, "name", ...)`` / ``hasattr(x, "name")`` in ``READ_SCOPE``; a
+    module-level string constant given as the name counts as its value."""
+    paths: list[Path] = []
+    for part in READ_SCOPE:
+        target = package_dir / part
+        paths += sorted(target.rglob("*.py")) if target.is_dir() else [target]
+    out = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        constants = {
+            t.id: stmt.value.value
+            for stmt in tree.body
+            if isinstance(stmt, ast.Assign)
+            and isinstance(stmt.value, ast.Constant)
+            and isinstance(stmt.value.value, str)
+            for t in stmt.targets
+            if isinstance(t, ast.Name)
+        }
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+            ):
+                continue
+            arg = node.args[1]
+            name = (
+                arg.value
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                else constants.get(arg.id)
+                if isinstance(arg, ast.Name)
+                else None
+            )
+            if name is not None:
+                out.append((f"{_shown(path)}:{node.lineno}", name))
+    return out
+
+
+def undeclared_reads(package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """The ``getattr``/``hasattr`` reads in ``READ_SCOPE`` of names neither ``compat.VLLM_READS`` declares
+    nor ``NOT_VLLM_READS`` lists: each a vLLM attribute the checker would not check."""
+    declared = {read.attr for read in compat_reads(package_dir)}
+    return [
+        f"{where}: {name}"
+        for where, name in attribute_reads(package_dir)
+        if name not in declared and name not in NOT_VLLM_READS
+    ]

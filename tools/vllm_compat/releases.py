@@ -1,6 +1,7 @@
 """Which releases to check: by default every minor release of the range pyproject.toml's extras give each
-vLLM distribution (the one place the range is written), else what the command line names; a release is
-enforced only when it is inside the range."""
+vLLM distribution (the one place the range is written), else what the command line names. A column is
+enforced (a problem in it fails the run) when it lies inside the range or was named on the command line,
+outside the range too: naming a release asks whether the plugin works there."""
 
 from __future__ import annotations
 
@@ -62,13 +63,16 @@ class Column:
     label: str
     tree: SourceTree
     supported: bool
+    """Inside the range pyproject.toml supports (a source directory counts as supported)."""
+    enforced: bool = True
+    """A problem in this column fails the run."""
 
 
 def columns_for(targets: list[str], specifiers: dict[str, SpecifierSet]) -> tuple[list[Column], list[str]]:
     """The releases (and source directories) to check, and notes on default releases that do not exist."""
     columns: list[Column] = []
     notes: list[str] = []
-    requested: list[tuple[str, str, bool]] = []  # dist, version spec, required to exist
+    requested: list[tuple[str, str, bool]] = []  # dist, version spec, named (required to exist, enforced)
     if not targets:
         for dist in VLLM_DISTRIBUTIONS:
             if dist in specifiers:
@@ -95,5 +99,5 @@ def columns_for(targets: list[str], specifiers: dict[str, SpecifierSet]) -> tupl
         actual = tree.label.split(" ", 1)[1]
         spec = specifiers.get(dist)
         supported = spec is not None and spec.contains(actual, prereleases=True)
-        columns.append(Column(tree.label, tree, supported))
+        columns.append(Column(tree.label, tree, supported, enforced=supported or required))
     return columns, notes

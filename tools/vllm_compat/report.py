@@ -1,5 +1,6 @@
 """The report: every need checked against every release, as one table with a row per need, a column per
-release and a footnote per distinct reason; failures count only in supported releases."""
+release and a footnote per distinct reason; failures count in every enforced column (each release named
+on the command line, each of the default run's)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ KIND_TITLES = {
     "engine-arg": "EngineArgs fields we set",
     "call": "calls of vLLM callables",
     "attribute": "attributes of vLLM classes we read",
+    "read": "attributes and fields of vLLM objects we read (compat.VLLM_READS; ?: we do without it)",
+    "runner": "a user's V1 runner choice: refused by resolution exactly where vLLM lacks V1",
 }
 
 
@@ -23,23 +26,25 @@ def run_checks(
     columns: list[Column],
     locations: dict[str, tuple[str, ...]],
     reference: SourceTree | None = None,
+    optional: dict[str, frozenset[str]] | None = None,
 ) -> list[tuple[Need, list[Cell]]]:
     """Each need against each column. A method of ours that overrides nothing in any checked release,
-    nor in the installed vLLM (``reference``), and calls no ``super()`` is our own method: no row."""
-    checkers = [Checker(c.tree, locations) for c in columns]
-    reference_checker = Checker(reference, locations) if reference is not None else None
+    nor in the installed vLLM (``reference``), and calls no ``super()`` is our own method: no row.
+    ``optional``: the names of compat classes the plugin does without (``compat.VLLM_READS``)."""
+    checkers = [Checker(c.tree, locations, optional) for c in columns]
+    reference_checker = Checker(reference, locations, optional) if reference is not None else None
     out = []
     for need in needs:
         if isinstance(need, MethodNeed) and not need.super_calls:
             trees = [*checkers, *([reference_checker] if reference_checker else [])]
             if not any(isinstance(need.base_method(checker), tuple) for checker in trees):
                 continue
-        out.append((need, [need.check(checker) for checker in checkers]))
+        out.append((need, [need.cell(checker) for checker in checkers]))
     return out
 
 
 def render(results: list[tuple[Need, list[Cell]]], columns: list[Column]) -> tuple[str, int]:
-    """The table, and how many cells of supported releases failed."""
+    """The table, and how many cells of enforced columns failed."""
     lines: list[str] = []
     footnotes: dict[tuple[str, str], list[str]] = {}  # (need, detail) -> the columns it applies to
     failures = 0
@@ -58,7 +63,7 @@ def render(results: list[tuple[Need, list[Cell]]], columns: list[Column]) -> tup
                     key = (f"{need.label} ({need.where})", cell.detail)
                     footnotes.setdefault(key, []).append(column.label)
                     text = f"{text} [{list(footnotes).index(key) + 1}]"
-                if cell.failed and column.supported:
+                if cell.failed and column.enforced:
                     failures += 1
                 texts.append(text)
             body.append((None, need.label, texts))

@@ -314,6 +314,33 @@ class SourceTree:
                     return owner, Found(owner.module, "value", stmt.value, name)
         return None
 
+    def has_attribute(self, cls: Found, name: str) -> bool:
+        """Whether instances of ``cls`` have ``name``: a member (method, property, class attribute, field)
+        or an attribute that a method of ``cls`` or of its vLLM bases assigns on ``self`` (most of vLLM's
+        state is set in ``__init__``, invisible to :meth:`member`)."""
+        if self.member(cls, name) is not None:
+            return True
+        for owner in self.mro(cls)[0]:
+            for stmt in owner.node.body:
+                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef) or not stmt.args.args:
+                    continue
+                me = stmt.args.args[0].arg
+                for node in ast.walk(stmt):
+                    if (
+                        isinstance(node, ast.Attribute)
+                        and isinstance(node.ctx, ast.Store)
+                        and node.attr == name
+                        and isinstance(node.value, ast.Name)
+                        and node.value.id == me
+                    ):
+                        return True
+        return False
+
+    def files_containing(self, text: str) -> list[str]:
+        """The source files whose text contains ``text`` (to find where a release reads a setting)."""
+        needle = text.encode()
+        return sorted(name for name in self.names if needle in self._read(name))
+
     def fields(self, cls: Found) -> dict[str, bool] | None:
         """Dataclass or msgspec fields (name -> has a default), base classes first; None for other classes."""
         classes, external = self.mro(cls)

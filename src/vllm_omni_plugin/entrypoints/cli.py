@@ -87,7 +87,7 @@ def supported_vllm_range(dist: str) -> str | None:
             requirement = Requirement(text)
         except InvalidRequirement:
             continue
-        if requirement.name == dist:  # lower bounds first: ">=0.31,<0.34"
+        if requirement.name == dist:  # lower bounds first: ">=0.31,<0.35"
             specs = sorted(requirement.specifier, key=lambda spec: (spec.operator.startswith("<"), str(spec)))
             return ",".join(str(spec) for spec in specs)
     return None

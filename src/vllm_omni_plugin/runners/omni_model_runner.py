@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+V1_ONLY = True
+"""Read by the release check: the mixin is used only where vLLM runs its V1 runner (``v1_*_runner.py``)."""
+
 
 class OmniModelRunnerMixin:
     """Mixed in front of ``GPUModelRunner`` or ``CPUModelRunner``."""
