@@ -54,9 +54,11 @@ export VLLM_TARGET_DEVICE=cpu
 export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1
-# NIXL's wheel bundles UCX with its own libibverbs and libnl-route, and UCX's InfiniBand modules also link
-# the system's libibverbs (installed above for Mooncake): two copies of libnl-route are loaded and every
-# process that made a NIXL agent segfaults in libnl-route's destructor as it exits. These machines have no
-# InfiniBand, so UCX leaves those modules out (a caller's own UCX_MODULES wins).
+# NIXL's wheel bundles UCX with its own libibverbs and libnl-route. Two copies of libnl-route in one process
+# segfault in its destructor at exit. The plugin keeps UCX's EFA module (which links the system's libefa and
+# so its libibverbs) out of its own processes (connectors/nixl.py); the test runner's own process also
+# loads Mooncake's transfer engine, which links the system's libibverbs, beside NIXL. These machines have no
+# InfiniBand, so the tests leave all of UCX's InfiniBand modules out (a caller's own UCX_MODULES wins; the
+# stop tests serve without it, as users do).
 export UCX_MODULES="${UCX_MODULES:-^ib}"
 export PATH="$VENV/bin:$PATH"

@@ -25,7 +25,9 @@ for _key, _value in CPU_TEST_ENV.items():
 # (vllm_dist_*) in the temp dir, and a process a test kills, or a server stopped before it closes them,
 # leaves them there: the processes the run starts get a temp directory of its own, which it removes at its
 # end. Set before any engine or server starts (they inherit it); this process keeps its own temp dir.
-RUN_DIR = None if "VLLM_RPC_BASE_PATH" in os.environ else tempfile.mkdtemp(prefix="vllm-omni-tests-")
+RUN_DIR = (
+    None if "VLLM_RPC_BASE_PATH" in os.environ else tempfile.mkdtemp(prefix="vo-tests-")
+)  # short: socket paths
 if RUN_DIR is not None:
     os.environ["VLLM_RPC_BASE_PATH"] = RUN_DIR
     os.environ["TMPDIR"] = RUN_DIR

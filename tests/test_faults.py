@@ -21,6 +21,7 @@ import pytest
 from PIL import Image
 
 from helpers import wait_for
+from vllm_omni_plugin.runtime_dir import SEGMENTS_FILE
 from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
 from vllm_omni_plugin.testing.harness.soak import Deployment, SoakSettings, run_soak
 
@@ -142,6 +143,32 @@ def test_a_stage_killed_under_24_requests_loses_none_and_changes_no_image(
     assert server.metric("omni_stage_retries_total", **labels) >= retries + 1  # at least one was in flight
     assert server.metric("omni_stage_retries_exhausted_total", **labels) == 0
     assert f"stage {stage} ({name}) replica 0: removed" in server.log_text()  # what the dead one left
+
+
+def test_ten_ar_engine_restarts_leave_the_endpoints_of_one(server: ServerProcess) -> None:
+    """Each restart of the AR engine starts in an emptied directory of its own (``runtime_dir.py``): after
+    ten SIGKILLs of the engine core, each found by the next request (retried, answered 200), the engine's
+    IPC endpoints (and temp files) are as many as after one start, none of them a predecessor's."""
+    assert server.proc is not None
+    temp = server.env["TMPDIR"]
+    (runtime,) = [n for n in os.listdir(temp) if n.startswith(f"vllm-omni-{server.proc.pid}-")]
+    engine_dir = os.path.join(temp, runtime, "ar0-0")
+    first = sorted(os.listdir(engine_dir))
+    assert len([n for n in first if re.fullmatch(r"[0-9a-f-]{36}", n)]) >= 5, first  # vLLM's ZMQ endpoints
+    counts, previous = [], first
+    small = {"model": MODEL, "prompt": "a fox", "size": "64x64", "seed": 0, "num_inference_steps": 1}
+    for _ in range(10):
+        before = replica(server, "0")
+        os.kill(before["pid"], signal.SIGKILL)
+        response = httpx.post(server.base_url + GENERATIONS, json=small, timeout=300)
+        assert response.status_code == 200, response.text  # run again on the restarted engine
+        now_replica = replica(server, "0")
+        assert now_replica["restarts"] == before["restarts"] + 1 and now_replica["state"] == "ready"
+        now = sorted(os.listdir(engine_dir))
+        counts.append(len(now))
+        assert set(now) & set(previous) == {SEGMENTS_FILE}, "the previous engine's endpoints are still there"
+        previous = now
+    assert counts == [len(first)] * 10, (len(first), counts)
 
 
 def test_a_request_that_kills_its_stage_every_time_is_quarantined_after_its_budget(

@@ -32,7 +32,9 @@ from vllm_omni_plugin.testing.harness.server import (
     bin_script,
     cpu_test_env,
     free_port,
+    left_in_temp,
     metric_value,
+    user_like_env,
     wait_denoising,
     wait_for_metric,
 )
@@ -108,14 +110,23 @@ def pixels(response: httpx.Response) -> np.ndarray:
 @pytest.fixture(scope="module")
 def single_host_image(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
     """The same deployment with the DiT stage run by the head itself, on one host (the image does not
-    depend on the connector)."""
+    depend on the connector). Served as a user's server is (UCX loads its modules as it would there), it
+    stops on SIGTERM with exit status 0 (NIXL's libraries once crashed the exit) and leaves nothing in its
+    temp directory."""
     deploy = write_deploy(tmp_path_factory.mktemp("single_host"), "NixlConnector")
     port = free_port()
     argv = serve_argv(tiny_glm_image, deploy, "--port", str(port), "--host", "127.0.0.1",
                       "--stage-overrides", json.dumps({"1": {"headless": False}}))  # fmt: skip
-    with ServerProcess(argv, port=port, log_path=tmp_path_factory.mktemp("single") / "server.log") as server:
+    env = user_like_env()
+    server = ServerProcess(
+        argv, port=port, env=env, log_path=tmp_path_factory.mktemp("single") / "server.log"
+    )
+    with server:
         server.wait_ready(timeout=300)
-        return pixels(httpx.post(server.base_url + "/v1/images/generations", json=REQUEST, timeout=300))
+        image = pixels(httpx.post(server.base_url + "/v1/images/generations", json=REQUEST, timeout=300))
+        assert server.stop(how=signal.SIGTERM) == 0, server.log_text()[-3000:]
+    assert left_in_temp(env) == []
+    return image
 
 
 @dataclass

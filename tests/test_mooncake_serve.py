@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import signal
 import time
 from pathlib import Path
 
@@ -21,9 +22,10 @@ from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import (
     ServerProcess,
     bin_script,
-    cpu_test_env,
     free_port,
+    left_in_temp,
     metric_value,
+    user_like_env,
 )
 
 pytestmark = pytest.mark.server
@@ -80,8 +82,9 @@ def serve_seed_request(model: Path, document: str, directory: Path) -> tuple[np.
     argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
             "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
     # The seed's file sizes nothing for a CPU: the KV cache size comes from vLLM's CPU variable.
-    env = cpu_test_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"})
-    with ServerProcess(argv, port=port, env=env, log_path=directory / "server.log") as server:
+    env = user_like_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"})
+    server = ServerProcess(argv, port=port, env=env, log_path=directory / "server.log")
+    with server:
         assert server.proc is not None
         watch = LeakWatch(root=server.proc.pid).start()
         server.wait_ready(timeout=300)
@@ -99,7 +102,10 @@ def serve_seed_request(model: Path, document: str, directory: Path) -> tuple[np.
                 break
             assert time.monotonic() < deadline, "the exported context was never released"
             time.sleep(0.2)
+        # a user's stop (SIGTERM, as systemd or Kubernetes sends it): exit 0, nothing left in its temp dir
+        assert server.stop(how=signal.SIGTERM) == 0, server.log_text()[-3000:]
     assert our_segments_left(watch) == []
+    assert left_in_temp(env) == []
     return image, server, metrics
 
 

@@ -1,13 +1,16 @@
 """Stopping a served deployment the ways users and container runtimes do, with requests in flight: nothing
 stays behind, neither a process of the deployment nor a ``/dev/shm`` segment (ours, vLLM's,
-multiprocessing's). SIGKILL of the main process alone may leave what the main process itself owned for
-the next start's sweep, which is checked too."""
+multiprocessing's) nor anything in its temp directory (its runtime directory with every IPC endpoint:
+``runtime_dir.py``), and the main process exits 0 after SIGTERM or SIGINT. Each server runs as a user's
+does (``user_like_env``: a temp directory of its own, the default runtime directory resolution). A
+SIGKILL (of the main process alone, or of the whole group) leaves what the dead processes owned for the
+next start's sweep, which is checked too, and which spares a live server beside it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +22,13 @@ import pytest
 from vllm_omni_plugin.processes import SHM_DIR
 from vllm_omni_plugin.testing.harness.holds import Hold
 from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
+from vllm_omni_plugin.testing.harness.server import (
+    ServerProcess,
+    bin_script,
+    free_port,
+    left_in_temp,
+    user_like_env,
+)
 
 pytestmark = pytest.mark.server
 
@@ -43,12 +52,12 @@ IN_FLIGHT = DIT_LONG + AR_LONG
 class Served:
     """A served deployment, its watch (its processes and the segments they map) and requests in flight."""
 
-    def __init__(self, model: Path, log_dir: Path) -> None:
+    def __init__(self, model: Path, log_dir: Path, env: dict[str, str] | None = None) -> None:
         port = free_port()
         self.server = ServerProcess(
             [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", DEPLOY,
              "--port", str(port), "--host", "127.0.0.1", "--image-max-inference-steps", str(DIT_STEPS)],
-            port=port, log_path=log_dir / "server.log",
+            port=port, log_path=log_dir / "server.log", env=env or user_like_env(),
         )  # fmt: skip
         self.server.start()
         assert self.server.proc is not None
@@ -112,9 +121,14 @@ class Served:
         left = self.watch.leftovers(grace)
         return left.processes, left.segments
 
-    def ipc_files(self) -> list[str]:
-        temp = self.server.env.get("TMPDIR") or tempfile.gettempdir()  # the server's, not this process's
-        return sorted(n for n in os.listdir(temp) if n.startswith(f"vllm_omni_{self.pid}_"))
+    def temp_left(self) -> list[str]:
+        """What is in the server's temp directory (torch's compile cache aside)."""
+        return left_in_temp(self.server.env)
+
+    def runtime_dir(self) -> str:
+        """The name of the server's runtime directory in its temp directory."""
+        (name,) = [n for n in os.listdir(self.server.env["TMPDIR"]) if n.startswith(f"vllm-omni-{self.pid}-")]
+        return name
 
     def finish(self) -> None:
         """Whatever happened: stop what is left (the guard would report it otherwise)."""
@@ -124,6 +138,9 @@ class Served:
         self.watch.clean(left)
         for thread in self.threads:
             thread.join(60)
+        temp = self.server.env["TMPDIR"]
+        if os.path.isdir(temp) and not any(n.startswith("vllm-omni-") for n in os.listdir(temp)):
+            shutil.rmtree(temp, ignore_errors=True)  # not while a neighbour's runtime directory is in it
 
 
 @pytest.fixture
@@ -141,7 +158,7 @@ def test_ctrl_c_sigint_to_the_group(served: Served) -> None:
     hold.release()
     assert served.wait_main() == 0
     assert served.left() == ({}, [])
-    assert served.ipc_files() == []
+    assert served.temp_left() == []
 
 
 def test_sigterm_to_the_main_process(served: Served) -> None:
@@ -153,7 +170,7 @@ def test_sigterm_to_the_main_process(served: Served) -> None:
         thread.join(60)
     assert served.responses == [200] * len(IN_FLIGHT)  # drained, not dropped
     assert served.left() == ({}, [])
-    assert served.ipc_files() == []
+    assert served.temp_left() == []
 
 
 def test_sigterm_to_the_group_then_sigkill_of_the_group_once_main_is_gone(served: Served) -> None:
@@ -164,24 +181,64 @@ def test_sigterm_to_the_group_then_sigkill_of_the_group_once_main_is_gone(served
     assert served.wait_main() == 0
     os.killpg(served.pid, signal.SIGKILL)  # the group, at once: resource tracker and stragglers included
     assert served.left() == ({}, [])
-    assert served.ipc_files() == []
+    assert served.temp_left() == []
 
 
 def test_sigkill_of_the_main_process_alone_then_the_next_start_sweeps(
     served: Served, tiny_glm_image: Path, tmp_path: Path
 ) -> None:
     served.send_in_flight()  # the hold dies with its holder
-    assert served.ipc_files(), "expected the main process's socket files"
+    runtime = served.runtime_dir()
+    assert any(n.startswith(f"{runtime}/ar0-0/") for n in served.temp_left()), (
+        "expected the engine's endpoints"
+    )
     os.kill(served.pid, signal.SIGKILL)
     assert served.wait_main() == -signal.SIGKILL
     processes, segments = served.left()
     assert processes == {}  # the stage processes noticed their parent's death and exited
-    # what the main process itself owned stays for the next start's sweep: its pool and socket files
-    # (the socket files are not checked here: any start on this machine sweeps them, another test run's too)
+    # what the main process itself owned stays for the next start's sweep: its pool and runtime directory
     assert all(name.startswith(f"vllm_omni_{served.pid}_") for name in segments), segments
-    following = Served(tiny_glm_image, tmp_path / "next")
+    assert runtime in served.temp_left()
+    following = Served(tiny_glm_image, tmp_path / "next", env=served.server.env)
     try:
         assert [n for n in segments if os.path.exists(os.path.join(SHM_DIR, n))] == []
-        assert served.ipc_files() == []
+        assert runtime not in served.temp_left()
+        assert [n for n in served.temp_left() if "/" not in n] == [following.runtime_dir()]
     finally:
         following.finish()
+    assert following.temp_left() == []
+
+
+def test_sigkill_of_the_group_then_a_new_start_sweeps_it_and_spares_a_live_server_beside(
+    served: Served, tiny_glm_image: Path, tmp_path: Path
+) -> None:
+    """The whole group SIGKILLed (a container runtime's hard stop): the next start in the same temp
+    directory removes the dead server's runtime directory, not the one of a server still running beside
+    it, whose own stop then removes its own and leaves the new one alone."""
+    beside = Served(tiny_glm_image, tmp_path / "beside", env=served.server.env)
+    following: Served | None = None
+    try:
+        dead, alive = served.runtime_dir(), beside.runtime_dir()
+        os.killpg(served.pid, signal.SIGKILL)
+        assert served.wait_main() == -signal.SIGKILL
+        processes, segments = served.left()
+        assert processes == {}
+        # nobody lived to unlink the group's segments (its pools, vLLM's message queues) or its runtime
+        # directory, which lists the segments its engine mapped: the next start's sweeps remove them
+        assert segments and all(name.startswith(("vllm_omni_", "psm_")) for name in segments), segments
+        assert dead in served.temp_left()
+        following = Served(tiny_glm_image, tmp_path / "next", env=served.server.env)
+        new = following.runtime_dir()
+        assert [n for n in segments if os.path.exists(os.path.join(SHM_DIR, n))] == []
+        assert [n for n in served.temp_left() if "/" not in n] == sorted([alive, new])
+        response = httpx.post(
+            beside.server.base_url + GENERATIONS, json={"prompt": "a fox", "size": "64x64"}, timeout=300
+        )
+        assert response.status_code == 200  # the server beside still serves
+        assert beside.server.stop(how=signal.SIGTERM) == 0
+        assert [n for n in served.temp_left() if "/" not in n] == [new]
+    finally:
+        beside.finish()
+        if following is not None:
+            following.finish()
+    assert served.temp_left() == []

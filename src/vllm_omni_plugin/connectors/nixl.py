@@ -86,7 +86,52 @@ LOADED_METADATA = 4096
 ACK, RELEASE = b"ack:", b"release:"
 
 
+UCX_MODULES_ENV = "UCX_MODULES"
+NO_EFA_MODULE = "^efa"
+
+
+def bundled_ucx_needs_system_verbs() -> bool:
+    """Whether the installed NIXL wheel bundles its own ``libibverbs`` and a UCX EFA module
+    (``libuct_ib_efa``) that links the system's ``libefa.so.1``, which it does not bundle.
+
+    Where the system has ``libefa`` (Debian's ``ibverbs-providers``, which ``libibverbs1`` brings), loading
+    that module brings the system's ``libibverbs`` and ``libnl-route-3`` beside the wheel's own copies;
+    both copies' destructors then run at exit and the second one segfaults in ``rtnl_tc_unregister``
+    (exit status 139 after every clean stop)."""
+    from importlib import metadata
+
+    for dist in ("nixl-cu12", "nixl-cu13", "nixl"):
+        try:
+            files = metadata.files(dist) or []
+        except metadata.PackageNotFoundError:
+            continue
+        names = [f.name for f in files if ".libs/" in str(f)]
+        own_verbs = any(n.startswith("libibverbs-") for n in names)
+        efa_module = any(n.startswith("libuct_ib_efa.so") for n in names)
+        bundled_efa = any(n.startswith("libefa-") for n in names)
+        if own_verbs and efa_module and not bundled_efa:
+            return True
+    return False
+
+
+def _keep_one_verbs_library() -> None:
+    """Before NIXL (and UCX under it) first loads in this process: leave out UCX's EFA module where it
+    would load a second ``libibverbs`` (:func:`bundled_ucx_needs_system_verbs`); every other transport,
+    InfiniBand's included, loads as before. A ``UCX_MODULES`` of the user's own is left as it is."""
+    if UCX_MODULES_ENV in os.environ or not bundled_ucx_needs_system_verbs():
+        return
+    os.environ[UCX_MODULES_ENV] = NO_EFA_MODULE
+    logger.info(
+        "%s=%s: the NIXL wheel's UCX EFA module would load the system's libibverbs beside the wheel's own "
+        "(a crash at exit); set %s yourself to load it",
+        UCX_MODULES_ENV,
+        NO_EFA_MODULE,
+        UCX_MODULES_ENV,
+    )
+
+
 def load_nixl_api() -> ModuleType:
+    _keep_one_verbs_library()
     errors = []
     for name in NIXL_API_MODULES:
         try:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
-import tempfile
 import threading
 import uuid
 from typing import Any
@@ -16,7 +14,8 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import best_effort, get_logger
-from vllm_omni_plugin.processes import ProcessId, ProcessTree
+from vllm_omni_plugin.processes import ProcessTree
+from vllm_omni_plugin.runtime_dir import runtime_dir
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
     FromStageMessage,
@@ -61,22 +60,6 @@ ARRIVED_POLLS = 200
 """At most this many 10 ms turns for the reader to take what a dead process sent before it died."""
 DEATH_NOTICE_S = 5.0
 """How long a request that found its process disconnected waits for the watch to notice the death."""
-_IPC_FILE = re.compile(r"^vllm_omni_(\d+)_[0-9a-f]{8}_(in|out)$")
-
-
-def sweep_orphaned_ipc_files(directory: str | None = None) -> list[str]:
-    """Remove the ZMQ socket files of clients whose process is gone (a SIGKILLed server leaves them)."""
-    directory = directory or tempfile.gettempdir()
-    removed = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            match = _IPC_FILE.match(name)
-            if match is None or ProcessId.of(int(match.group(1))) is not None:
-                continue
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-    return removed
 
 
 class StageDiffusionCoreClient(StageCoreClientBase):
@@ -93,7 +76,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         restart: bool = True,
     ) -> None:
         super().__init__(config.stage_id, config.replica_id, name, restart=restart)
-        base = os.path.join(tempfile.gettempdir(), f"vllm_omni_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        base = os.path.join(runtime_dir(), f"vllm_omni_{os.getpid()}_{uuid.uuid4().hex[:8]}")
         config.input_address = f"ipc://{base}_in"
         config.output_address = f"ipc://{base}_out"
         self.config = config
@@ -121,7 +104,6 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         import zmq
         import zmq.asyncio
 
-        sweep_orphaned_ipc_files()
         self._context = zmq.asyncio.Context()
         self._push = self._context.socket(zmq.PUSH)
         self._push.bind(self.config.input_address)

@@ -22,6 +22,7 @@ from vllm_omni_plugin.ar_channel import stage_outputs_of
 from vllm_omni_plugin.compat import engine_core_pids, resolve
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.processes import ProcessTree, spawning_without_main, temporary_environment
+from vllm_omni_plugin.runtime_dir import engine_dir, engine_env, note_segments, remove_engine_dir
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import StageLLMCoreOutput, StageLLMCoreRequest
 from vllm_omni_plugin.stage.errors import (
@@ -94,6 +95,8 @@ class StageLLMCoreClient(StageCoreClientBase):
         which every restart reuses; empty before the first start and when the engine arguments fix it."""
         self.kv_cache_blocks: int | None = None
         """KV-cache blocks of the running engine (vLLM's ``num_gpu_blocks``), in ``/health``."""
+        self.endpoints: str | None = None
+        """The directory of the engine's IPC endpoints and temp files (``runtime_dir.engine_dir``)."""
 
     def launch_args(self) -> dict[str, Any]:
         """The engine arguments of the next start: the resolved ones, plus the measured KV cache."""
@@ -112,11 +115,15 @@ class StageLLMCoreClient(StageCoreClientBase):
             args = self.launch_args()
             if args.get("tokenizer") and args.get("model"):
                 args["tokenizer"] = tokenizer_view(args["tokenizer"], args["model"])
-            with temporary_environment(self.env), spawning_without_main():
+            # the engine's endpoints and temp files in a directory of its own (runtime_dir.py)
+            self.endpoints = engine_dir(f"ar{self.stage_id}-{self.replica_id}")
+            env = {**self.env, **engine_env(self.endpoints)}
+            with temporary_environment(env), spawning_without_main():
                 engine = AsyncLLM.from_engine_args(
                     AsyncEngineArgs(**args), stat_loggers=[scheduler_state_logger(self.scheduler_state)]
                 )
             self.processes = ProcessTree(self.label).record(_first(engine_core_pids(engine)))
+            note_segments(self.endpoints, self.processes.segments)
             if self.state == StageState.STOPPED:  # stopped while it started (interrupted): nobody will use it
                 engine.shutdown()
                 self.processes.stop(EXIT_GRACE_S)
@@ -309,6 +316,8 @@ class StageLLMCoreClient(StageCoreClientBase):
             # so the handler never sees a dead engine (and logs no EngineDeadError).
             engine.shutdown()
         await asyncio.to_thread(self.processes.stop, EXIT_GRACE_S)
+        if self.endpoints is not None:
+            remove_engine_dir(self.endpoints)
 
 
 def _first(pids: list[int]) -> int | None:

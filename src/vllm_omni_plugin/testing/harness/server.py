@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -52,6 +53,32 @@ def cpu_test_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = (
     for key in drop:
         env.pop(key, None)
     return env
+
+
+def user_like_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a user's server has, for the tests that check what a stop leaves: the CPU test
+    settings with a temp directory of the server's own (fresh, and short: a unix socket's path may not
+    pass 107 bytes), and neither the suite's ``VLLM_RPC_BASE_PATH`` nor its ``UCX_MODULES``, so the server
+    resolves its runtime directory and loads UCX as it would on a user's machine."""
+    temp = tempfile.mkdtemp(prefix="s", dir=os.environ.get("TMPDIR"))
+    return cpu_test_env(
+        {**(extra or {}), "TMPDIR": temp}, drop=("VLLM_RPC_BASE_PATH", "XDG_RUNTIME_DIR", "UCX_MODULES")
+    )
+
+
+TEMP_CACHES = ("torchinductor_",)
+"""Names in a temp directory that are caches meant to outlive a process (torch's compile cache)."""
+
+
+def left_in_temp(env: Mapping[str, str]) -> list[str]:
+    """What is in a server's temp directory (``TMPDIR`` of ``env``) besides caches, recursively."""
+    temp = env["TMPDIR"]
+    left = []
+    for root, dirs, files in os.walk(temp):
+        if root == temp:
+            dirs[:] = [d for d in dirs if not d.startswith(TEMP_CACHES)]
+        left.extend(os.path.relpath(os.path.join(root, name), temp) for name in (*dirs, *files))
+    return sorted(left)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -202,10 +229,12 @@ class ServerProcess:
             self.stop()
         raise TimeoutError(f"server not ready after {timeout:.0f}s; log tail:\n" + self.log_text()[-4000:])
 
-    def stop(self, grace: float = 30.0) -> int | None:
+    def stop(self, grace: float = 30.0, how: signal.Signals = signal.SIGINT) -> int | None:
+        """Stop the server (``how``: SIGINT to its group, as Ctrl-C; SIGTERM to its main process, as
+        ``kill`` or systemd), then SIGKILL what is left of the group; the main process's exit status."""
         self.holds.release_all()  # held work would keep the graceful path waiting
         try:
-            return self._stop(grace)
+            return self._stop(grace, how)
         finally:
             self.holds.remove()
 
@@ -216,12 +245,15 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def _stop(self, grace: float) -> int | None:
+    def _stop(self, grace: float, how: signal.Signals = signal.SIGINT) -> int | None:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGINT)
+                if how == signal.SIGINT:
+                    os.killpg(self.proc.pid, signal.SIGINT)
+                else:
+                    os.kill(self.proc.pid, how)
             except ProcessLookupError:
                 pass
             try:
