@@ -340,13 +340,13 @@ def run_result_script(
 
 
 def run_output_script(
-    path: Path | str, *args: str, out: Path, timeout: float = 600
+    path: Path | str, *args: str, out: Path, timeout: float = 600, env: dict[str, str] | None = None
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Runs a script whose last argument is an output path ``out``, to which it writes ``<out>.json`` and,
     for tensors too large for a line of output, ``<out>.safetensors``; returns what both hold."""
     from safetensors.torch import load_file
 
-    result = _run_script(path, (*args, str(out)), timeout)
+    result = _run_script(path, (*args, str(out)), timeout, env)
     assert result.returncode == 0, _ends(result)
     return json.loads(Path(f"{out}.json").read_text()), load_file(f"{out}.safetensors")
 

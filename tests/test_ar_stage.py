@@ -80,6 +80,12 @@ def test_with_the_v2_runner_nothing_is_added(resume: dict, cls: str) -> None:
     assert resume[f"v2_fills_{cls}"] is False
 
 
+def test_the_override_takes_the_arguments_of_vllm_034(resume: dict) -> None:
+    """vLLM 0.34's ``_make_cached_request_data`` has no ``resumed_reqs`` (a TypeError for an override of
+    0.33's five parameters): ours passes whatever the base takes and reads the requests by name."""
+    assert resume["on_034_fills"] == [True, True]
+
+
 @pytest.mark.parametrize("cls", ["OmniARScheduler", "OmniARAsyncScheduler"])
 def test_left_out_request_fails_alone_with_an_error(resume: dict, cls: str) -> None:
     outputs = resume[f"dropped_{cls}"]

@@ -3,8 +3,10 @@ step against the V1 path (``OmniModelRunnerMixin._calc_mrope_positions``) for th
 
 What runs, and why not more:
 
-- V2's runner itself cannot run on this CPU build ("Model Runner V2 requires Triton", and Triton has no
-  CPU backend); its modules import.
+- This module checks the pieces step by step against V1 with scenarios a served run cannot force (chunked
+  prefills ending inside the prompt, a clipped plan, a reused slot, a resume mid-decode);
+  ``tests/test_v2_runner_on_cpu.py`` runs V2's whole runner end to end (Triton's kernels in its
+  interpreter, test-only).
 - ``PlannedMRopeModelState`` (with its ``RopeState``) is built through vLLM's own factory
   (``init_model_state``, which asks the model's ``get_model_state_cls``), on CPU. That works only in a
   process that imported vLLM's CPU-worker shim ``vllm.v1.worker.cpu.shm`` (every vLLM CPU worker does,

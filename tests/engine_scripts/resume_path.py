@@ -29,7 +29,11 @@ def main() -> None:
     import vllm_omni_plugin.runners.cpu_worker  # noqa: F401 - vLLM's CPU worker module first, as in a worker
     from vllm_omni_plugin.ar_channel import RUNNER_OUTPUT_ATTR, OmniRunnerOutput
     from vllm_omni_plugin.runners.v1_cpu_runner import CPUModelRunner
-    from vllm_omni_plugin.schedulers.omni_ar_scheduler import OmniARAsyncScheduler, OmniARScheduler
+    from vllm_omni_plugin.schedulers.omni_ar_scheduler import (
+        OmniARAsyncScheduler,
+        OmniARScheduler,
+        OmniARSchedulerMixin,
+    )
 
     config = engine_config(model, num_gpu_blocks=16, **TINY_ENGINE_ARGS)
     result: dict[str, object] = {}
@@ -110,6 +114,38 @@ def main() -> None:
                 result[f"v2_fills_{cls.__name__}"] = "r0" in data.all_token_ids
         finally:
             os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+
+        # 1c. A base whose _make_cached_request_data has vLLM 0.34's four parameters (no resumed_reqs:
+        #     0.34 sends a resumed request again whole). The stand-in passes them on to this vLLM's own
+        #     method; the Omni override takes them as given, positionally or by name, and reads
+        #     running_reqs by name: a request it must fill (not scheduled in the previous step) is filled.
+        class SchedulerOf034(Scheduler):
+            def _make_cached_request_data(
+                self, running_reqs, num_scheduled_tokens, spec_decode_tokens, req_to_new_blocks
+            ):
+                return super()._make_cached_request_data(
+                    running_reqs, [], num_scheduled_tokens, spec_decode_tokens, req_to_new_blocks
+                )
+
+        class OmniOn034(OmniARSchedulerMixin, SchedulerOf034):
+            pass
+
+        scheduler = make_scheduler(OmniOn034, config)
+        request = Request("r0", list(prompt), SamplingParams(max_tokens=16), None)
+        scheduler.add_request(request)
+        scheduler.schedule()
+        request.append_output_token_ids(outputs)
+        blocks = {"r0": scheduler.kv_cache_manager.get_blocks("r0")}
+        scheduler.prev_step_scheduled_req_ids = set()  # not scheduled in the previous step
+        by_position = scheduler._make_cached_request_data([request], {"r0": 1}, {}, blocks)
+        by_name = scheduler._make_cached_request_data(
+            running_reqs=[request], num_scheduled_tokens={"r0": 1}, spec_decode_tokens={},
+            req_to_new_blocks=blocks,
+        )  # fmt: skip
+        result["on_034_fills"] = [
+            data.all_token_ids.get("r0") == prompt + outputs and data.req_ids == ["r0"]
+            for data in (by_position, by_name)
+        ]
 
         # 3. The scheduler turns a request the runner left out into an error for that request only.
         for cls in (OmniARScheduler, OmniARAsyncScheduler):

