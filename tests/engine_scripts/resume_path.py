@@ -130,10 +130,11 @@ def main() -> None:
         class OmniOn034(OmniARSchedulerMixin, SchedulerOf034):
             pass
 
-        scheduler = make_scheduler(OmniOn034, config)
+        scheduler = make_scheduler(OmniARScheduler, config)
         request = Request("r0", list(prompt), SamplingParams(max_tokens=16), None)
         scheduler.add_request(request)
-        scheduler.schedule()
+        scheduler.schedule()  # this vLLM's schedule() calls the five-argument form
+        scheduler.__class__ = OmniOn034  # the same scheduler, on the 0.34-shaped base from here
         request.append_output_token_ids(outputs)
         blocks = {"r0": scheduler.kv_cache_manager.get_blocks("r0")}
         scheduler.prev_step_scheduled_req_ids = set()  # not scheduled in the previous step
