@@ -69,7 +69,8 @@ def test_without_vllms_v1_runner(
     assert result["has_v1"] is False and result["uses_v2"] is True
     # no module of ours imports V1 but the V1 runner modules; our workers only through vLLM's own workers
     assert set(result["failed_imports"]) == WORKERS | V1_ONLY, result["failed_imports"]
-    assert result["v1_only_imported"] == []
+    # of the modules marked V1_ONLY only the mixin imports: it names vLLM's V1 types for the type checker only
+    assert result["v1_only_imported"] == ["vllm_omni_plugin.runners.omni_model_runner"]
     for entry in result["blocked_anywhere"]:
         if entry["probe"]:
             continue  # compat.vllm_has_v1_runner locating the module, not importing it
