@@ -11,6 +11,7 @@ that importing this module stays cheap.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -249,6 +250,7 @@ V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 """vLLM's V1 model runner (``GPUModelRunner``; ``CPUModelRunner`` subclasses it): deleted in vLLM 0.34."""
 
 
+@functools.cache
 def vllm_has_v1_runner() -> bool:
     """Whether the installed vLLM still ships its V1 model runner, read from vLLM itself (the module is
     located, not imported)."""

@@ -23,6 +23,7 @@ UCX itself is configured the usual way, through ``UCX_*`` environment variables 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import secrets
@@ -90,6 +91,7 @@ UCX_MODULES_ENV = "UCX_MODULES"
 NO_EFA_MODULE = "^efa"
 
 
+@functools.cache
 def bundled_ucx_needs_system_verbs() -> bool:
     """Whether the installed NIXL wheel bundles its own ``libibverbs`` and a UCX EFA module
     (``libuct_ib_efa``) that links the system's ``libefa.so.1``, which it does not bundle.
