@@ -13,8 +13,10 @@ echo "== ruff"
 "$VENV/bin/ruff" format --check .
 
 echo "== pytest"
+# Test modules run on TEST_WORKERS parallel workers (default 2: CI's cores), each module wholly on one
+# worker so that its shared servers and engines start once; TEST_WORKERS=0 runs them in this process.
 rc=0
-"$PY" -m pytest "$@" || rc=$?
+"$PY" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "error: pytest collected no tests" >&2
 fi

@@ -79,12 +79,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     select_fast_tier(config, items)
+    run_heaviest_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs it)")
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def module_weight(items: list[pytest.Item]) -> int:
+    """How heavy a module is, by its marks: servers, then other processes and tiny models, then the rest."""
+    if any(item.get_closest_marker("server") is not None for item in items):
+        return 0
+    if any(item.get_closest_marker("fast") is None for item in items):
+        return 1
+    return 2
+
+
+def run_heaviest_modules_first(items: list[pytest.Item]) -> None:
+    """Orders modules heaviest first, each module's tests kept in their order: the test command runs
+    modules on parallel workers (``--dist loadfile --no-loadscope-reorder``), which take them in this
+    order, so the run ends with short modules rather than with one worker alone on a long one."""
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    items[:] = [item for group in sorted(by_module.values(), key=module_weight) for item in group]
 
 
 @pytest.fixture(autouse=True)

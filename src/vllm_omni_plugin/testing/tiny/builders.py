@@ -21,6 +21,7 @@ per family in this package, imported only when its kind is built; their shared p
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib
 import json
@@ -79,6 +80,17 @@ def build(kind: str, outdir: str | Path) -> Path:
     cfg = make_config()
     digest = config_hash(kind, cfg)
     out = Path(outdir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per directory: processes building the same model at once (parallel test
+    # workers) would otherwise each replace the other's finished build, maybe while it is being read.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(kind, out, cfg, digest, builder)
+
+
+def _build_locked(
+    kind: str, out: Path, cfg: dict[str, Any], digest: str, builder: Callable[[Path, dict[str, Any]], None]
+) -> Path:
     stamp = out / STAMP_FILE
     if stamp.is_file():
         try:
@@ -88,7 +100,6 @@ def build(kind: str, outdir: str | Path) -> Path:
             pass
     if out.exists() and any(out.iterdir()) and not stamp.is_file():
         raise FileExistsError(f"{out} exists and is not a tiny model directory; refusing to overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target and swap in, so a crash never leaves a half-built cache hit.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
