@@ -1,4 +1,4 @@
-"""The README's offline example, saved to a file and run with ``python`` as a user would."""
+"""The offline example of the docs (docs/offline.md), saved to a file and run with ``python`` as a user would."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from vllm_omni_plugin.testing.harness.server import cpu_test_env
 REPO = Path(__file__).resolve().parent.parent
 
 
-def readme_offline_example() -> str:
-    """The first Python block of the README's "Offline Python API" section, verbatim."""
-    section = (REPO / "README.md").read_text().split("## Offline Python API", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None, "the README has no Python block under Offline Python API"
+def offline_example() -> str:
+    """The first Python block of docs/offline.md ("Offline Python API"), verbatim."""
+    page = (REPO / "docs" / "offline.md").read_text()
+    match = re.search(r"```python\n(.*?)```", page, re.S)
+    assert match is not None, "docs/offline.md has no Python block"
     return match.group(1)
 
 
-def test_readme_offline_example_runs_as_a_script(tiny_glm_image: Path, tmp_path: Path) -> None:
-    code = readme_offline_example()
+def test_offline_example_runs_as_a_script(tiny_glm_image: Path, tmp_path: Path) -> None:
+    code = offline_example()
     assert "__main__" not in code  # verbatim: no guard
     (tmp_path / "example.py").write_text(code)
     (tmp_path / "glm-image").symlink_to(tiny_glm_image)  # the paths the example names, relative to its cwd
