@@ -31,7 +31,7 @@ def main() -> int:
     print("== " + " ".join(argv[1:]), flush=True)
     print(f"   (server log: {log})", flush=True)
     # The test environment less its one OpenMP thread: the CPU threads policy splits this machine's cores
-    # between the AR stage and the DiT (README "CPU threads"), unless OMP_NUM_THREADS is set here.
+    # between the AR stage and the DiT (docs/cpu.md, "CPU threads"), unless OMP_NUM_THREADS is set here.
     threads = os.environ.get("OMP_NUM_THREADS")
     env = cpu_test_env({"OMP_NUM_THREADS": threads}) if threads else cpu_test_env(drop=("OMP_NUM_THREADS",))
     server = ServerProcess(argv, port=port, log_path=log, env=env)

