@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -152,7 +153,8 @@ def glm(site: DynamoSite, tiny_glm_image: Path, tmp_path_factory: pytest.TempPat
         yield Served(site, worker, client, GLM, reference)
     finally:
         client.close()
-        site.stop([worker])
+        statuses = site.stop([worker], how=signal.SIGTERM)
+        assert statuses and set(statuses.values()) == {0}, statuses  # as systemd or Kubernetes stop it
 
 
 class TestGlmImage:
@@ -250,7 +252,8 @@ def bagel(site: DynamoSite, tiny_bagel: Path) -> Iterator[Served]:
         yield Served(site, worker, client, BAGEL, {})
     finally:
         client.close()
-        site.stop([worker])
+        statuses = site.stop([worker], how=signal.SIGTERM)
+        assert statuses and set(statuses.values()) == {0}, statuses  # as systemd or Kubernetes stop it
 
 
 class TestBagel:

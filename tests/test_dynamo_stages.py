@@ -208,7 +208,9 @@ def stages(site: DynamoSite, tiny_glm_image: Path) -> Iterator[Stages]:
         yield deployed
     finally:
         deployed.client.close()
-        site.stop([deployed.router, *deployed.workers.values()])
+        running = [p for p in (deployed.router, *deployed.workers.values()) if p.alive()]  # not the killed
+        statuses = site.stop(running, how=signal.SIGTERM)
+        assert statuses and set(statuses.values()) == {0}, statuses  # as systemd or Kubernetes stop it
 
 
 def first_reached(holds: dict[str, Hold], alive: Any, timeout: float = 300) -> str:
@@ -335,7 +337,9 @@ def seed_000(site: DynamoSite, tiny_glm_image: Path) -> Iterator[Stages]:
         yield deployed
     finally:
         deployed.client.close()
-        site.stop([deployed.router, *deployed.workers.values()])
+        running = [p for p in (deployed.router, *deployed.workers.values()) if p.alive()]  # not the killed
+        statuses = site.stop(running, how=signal.SIGTERM)
+        assert statuses and set(statuses.values()) == {0}, statuses  # as systemd or Kubernetes stop it
 
 
 class TestSeed000Document:

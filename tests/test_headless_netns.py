@@ -279,6 +279,10 @@ def test_killed_worker_fails_its_request_with_503_and_a_restarted_worker_rejoins
     wait_for_metric(
         hosts.metric, "omni_diffusion_denoise_steps_total", steps + REQUEST["num_inference_steps"]
     )
+    # a headless worker stopped as systemd or Kubernetes stop it exits 0; the next one rejoins
+    assert hosts.worker.stop(how=signal.SIGTERM) == 0, hosts.worker.log_text()[-3000:]
+    hosts.start_worker("worker3.log").wait_for_log("registered with the head", timeout=300)
+    hosts.wait_health("ok")
 
 
 def test_worker_exits_when_the_head_disappears(hosts: TwoHosts) -> None:

@@ -461,3 +461,13 @@ def test_a_cfg_parallel_stage_on_ray_gives_the_diffusers_images_and_its_peer_end
     assert not any(p.alive() for p in peers), "the peer outlived its stage"
     assert set(stage_actors()) == before
     assert served.health()[0] == 200
+
+
+def test_sigterm_stops_the_ray_deployment_with_exit_0_and_ends_its_actors(served: Served) -> None:
+    """Last in this module: the served deployment stopped as systemd or Kubernetes stop it."""
+    assert served.server.stop(how=signal.SIGTERM) == 0, served.server.log_text()[-3000:]
+    assert "Traceback" not in served.server.log_text()
+    deadline = time.monotonic() + 60  # Ray ends killed actors asynchronously
+    while stage_actors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert stage_actors() == {}

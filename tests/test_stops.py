@@ -1,10 +1,11 @@
-"""Stopping a served deployment the ways users and container runtimes do, with requests in flight: nothing
-stays behind, neither a process of the deployment nor a ``/dev/shm`` segment (ours, vLLM's,
-multiprocessing's) nor anything in its temp directory (its runtime directory with every IPC endpoint:
-``runtime_dir.py``), and the main process exits 0 after SIGTERM or SIGINT. Each server runs as a user's
-does (``user_like_env``: a temp directory of its own, the default runtime directory resolution). A
-SIGKILL (of the main process alone, or of the whole group) leaves what the dead processes owned for the
-next start's sweep, which is checked too, and which spares a live server beside it."""
+"""Stopping a served deployment the ways users and container runtimes do, with requests in flight, over
+each connector (shared memory, NIXL, Mooncake): nothing stays behind, neither a process of the deployment
+nor a ``/dev/shm`` segment (ours, vLLM's, multiprocessing's) nor anything in its temp directory (its
+runtime directory with every IPC endpoint: ``runtime_dir.py``), and the main process exits 0 after SIGTERM
+or SIGINT. Each server runs as a user's does (``user_like_env``: a temp directory of its own, the default
+runtime directory resolution). A SIGKILL (of the main process alone, or of the whole group) leaves what
+the dead processes owned for the next start's sweep, which is checked too, and which spares a live server
+beside it. Each connector's servers share one temp directory, so that every sweep meets the others'."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from vllm_omni_plugin.processes import SHM_DIR
+from vllm_omni_plugin.connectors.mooncake import mooncake_missing
+from vllm_omni_plugin.processes import SHM_DIR, descendants, semaphores_of
 from vllm_omni_plugin.testing.harness.holds import Hold
 from vllm_omni_plugin.testing.harness.leaks import LeakWatch
 from vllm_omni_plugin.testing.harness.server import (
@@ -33,7 +36,24 @@ from vllm_omni_plugin.testing.harness.server import (
 pytestmark = pytest.mark.server
 
 REPO = Path(__file__).resolve().parent.parent
-DEPLOY = str(REPO / "deploy" / "tiny_glm_image_cpu.yaml")
+DEPLOY = REPO / "deploy" / "tiny_glm_image_cpu.yaml"
+CONNECTOR_EXTRA = {
+    "SharedMemoryConnector": "",
+    "NixlConnector": "{transfer_timeout_s: 30}",
+    "MooncakeTransferEngineConnector": "{protocol: tcp, transfer_timeout_s: 30}",
+}
+"""Each connector under test with its settings (shared memory: the deploy file as it is, its default)."""
+CONNECTOR_DEPLOY = """base_config: tiny_glm_image_cpu.yaml
+connectors:
+  ar_to_dit: {{name: {cls}, extra: {extra}}}
+  dit_to_router: {{name: {cls}, extra: {extra}}}
+stages:
+  - stage_id: 0
+    output_connectors: {{to_stage_1: ar_to_dit}}
+  - stage_id: 1
+    input_connectors: {{from_stage_0: ar_to_dit}}
+    output_connectors: {{to_stage_router: dit_to_router}}
+"""
 GENERATIONS = "/v1/images/generations"
 DIT_STEPS = 20
 """The DiT-long requests are held in the DiT (its ``dit.step`` hold point) until the server is signalled,
@@ -43,21 +63,22 @@ DIT_LONG = [
     {"prompt": "a slow painting", "size": "64x64", "num_inference_steps": DIT_STEPS, "seed": 2},
 ]
 AR_LONG = [
-    {"prompt": "a big painting", "size": "512x512", "num_inference_steps": 2, "seed": 3},
-    {"prompt": "a big painting", "size": "512x512", "num_inference_steps": 2, "seed": 4},
+    {"prompt": "a big painting", "size": "256x256", "num_inference_steps": 2, "seed": 3},
+    {"prompt": "a big painting", "size": "256x256", "num_inference_steps": 2, "seed": 4},
 ]
 IN_FLIGHT = DIT_LONG + AR_LONG
 
 
 class Served:
-    """A served deployment, its watch (its processes and the segments they map) and requests in flight."""
+    """A served deployment, its watch (its processes and the segments they map) and requests in flight.
+    It starts at construction; :meth:`ready` waits for it (the servers of a test start side by side)."""
 
-    def __init__(self, model: Path, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: Path, deploy: Path, log_dir: Path, env: dict[str, str]) -> None:
         port = free_port()
         self.server = ServerProcess(
-            [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", DEPLOY,
+            [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
              "--port", str(port), "--host", "127.0.0.1", "--image-max-inference-steps", str(DIT_STEPS)],
-            port=port, log_path=log_dir / "server.log", env=env or user_like_env(),
+            port=port, log_path=log_dir / "server.log", env=env,
         )  # fmt: skip
         self.server.start()
         assert self.server.proc is not None
@@ -65,16 +86,16 @@ class Served:
         self.watch = LeakWatch(root=self.pid, interval=0.1).start()
         self.responses: list[int | str] = []
         self.threads: list[threading.Thread] = []
-        try:
-            self.server.wait_ready(timeout=300)
-        except BaseException:
-            self.finish()
-            raise
 
-    def send_in_flight(self) -> Hold:
+    def ready(self) -> Served:
+        self.server.wait_ready(timeout=300)
+        return self
+
+    def send_in_flight(self, hold_ar: Hold | None = None) -> Hold:
         """The requests of ``IN_FLIGHT``, returning once every one of them is in a stage and both stages
         are working: the DiT-long ones first, held in the DiT from its first step until the test
-        releases the returned hold, then the AR-long ones. Nothing leaves the held DiT, so the counts
+        releases the returned hold, then the AR-long ones (held in the AR engine too where ``hold_ar``,
+        not yet armed, is given: it is armed once the DiT-long ones have left the AR stage). Nothing leaves the held DiT, so the counts
         waited for are sure to come however slow the machine is. A request the server has not yet read
         does not count: the model's processor of a big image runs in the API process and holds up its
         event loop, and a connection whose request was not read when the server stops is closed
@@ -107,7 +128,12 @@ class Served:
         start(DIT_LONG)
         hold.wait(alive=self.server.alive)
         wait_until(lambda ar, dit: dit >= len(DIT_LONG))
+        if hold_ar is not None:
+            hold_ar.rearm()
         start(AR_LONG)
+        if hold_ar is not None:
+            hold_ar.wait(alive=self.server.alive)
+            wait_until(lambda ar, dit: ar >= len(AR_LONG))
         wait_until(lambda ar, dit: ar + dit >= len(IN_FLIGHT))
         return hold
 
@@ -125,6 +151,16 @@ class Served:
         """What is in the server's temp directory (torch's compile cache aside)."""
         return left_in_temp(self.server.env)
 
+    def answered(self) -> list[int | str]:
+        """The statuses of the requests sent so far, once each is answered (then forgets them)."""
+        for thread in self.threads:
+            thread.join(300)
+        responses, self.responses, self.threads = self.responses, [], []
+        return responses
+
+    def ar_replica(self) -> dict[str, Any]:
+        return httpx.get(self.server.base_url + "/health", timeout=30).json()["stages"]["0"]["replicas"][0]
+
     def runtime_dir(self) -> str:
         """The name of the server's runtime directory in its temp directory."""
         (name,) = [n for n in os.listdir(self.server.env["TMPDIR"]) if n.startswith(f"vllm-omni-{self.pid}-")]
@@ -138,107 +174,117 @@ class Served:
         self.watch.clean(left)
         for thread in self.threads:
             thread.join(60)
-        temp = self.server.env["TMPDIR"]
-        if os.path.isdir(temp) and not any(n.startswith("vllm-omni-") for n in os.listdir(temp)):
-            shutil.rmtree(temp, ignore_errors=True)  # not while a neighbour's runtime directory is in it
 
 
-@pytest.fixture
-def served(tiny_glm_image: Path, tmp_path: Path):
-    deployment = Served(tiny_glm_image, tmp_path)
-    try:
-        yield deployment
-    finally:
-        deployment.finish()
+def top_level(names: list[str]) -> list[str]:
+    """The entries of a temp directory listing (``left_in_temp``) at its top level."""
+    return sorted(n for n in names if "/" not in n)
 
 
-def test_ctrl_c_sigint_to_the_group(served: Served) -> None:
-    hold = served.send_in_flight()
-    os.killpg(served.pid, signal.SIGINT)
-    hold.release()
-    assert served.wait_main() == 0
-    assert served.left() == ({}, [])
-    assert served.temp_left() == []
+def present(segments: list[str]) -> list[str]:
+    return [n for n in segments if os.path.exists(os.path.join(SHM_DIR, n))]
 
 
-def test_sigterm_to_the_main_process(served: Served) -> None:
-    hold = served.send_in_flight()
-    os.kill(served.pid, signal.SIGTERM)
-    hold.release()  # the DiT-long requests finish while the server drains
-    assert served.wait_main() == 0
-    for thread in served.threads:
-        thread.join(60)
-    assert served.responses == [200] * len(IN_FLIGHT)  # drained, not dropped
-    assert served.left() == ({}, [])
-    assert served.temp_left() == []
+def deploy_for(connector: str, directory: Path) -> Path:
+    if not CONNECTOR_EXTRA[connector]:
+        return DEPLOY
+    path = directory / f"tiny_glm_image_{connector}.yaml"
+    path.write_text(CONNECTOR_DEPLOY.format(cls=connector, extra=CONNECTOR_EXTRA[connector]))
+    return path
 
 
-def test_sigterm_to_the_group_then_sigkill_of_the_group_once_main_is_gone(served: Served) -> None:
-    """As container runtimes stop a container: nothing may rely on a process outliving the main one."""
-    hold = served.send_in_flight()
-    os.killpg(served.pid, signal.SIGTERM)
-    hold.release()
-    assert served.wait_main() == 0
-    os.killpg(served.pid, signal.SIGKILL)  # the group, at once: resource tracker and stragglers included
-    assert served.left() == ({}, [])
-    assert served.temp_left() == []
-
-
-def test_sigkill_of_the_main_process_alone_then_the_next_start_sweeps(
-    served: Served, tiny_glm_image: Path, tmp_path: Path
+@pytest.mark.parametrize("connector", list(CONNECTOR_EXTRA))
+def test_every_stop_leaves_nothing_and_spares_the_server_beside(
+    connector: str, tiny_glm_image: Path, tmp_path: Path
 ) -> None:
-    served.send_in_flight()  # the hold dies with its holder
-    runtime = served.runtime_dir()
-    assert any(n.startswith(f"{runtime}/ar0-0/") for n in served.temp_left()), (
-        "expected the engine's endpoints"
-    )
-    os.kill(served.pid, signal.SIGKILL)
-    assert served.wait_main() == -signal.SIGKILL
-    processes, segments = served.left()
-    assert processes == {}  # the stage processes noticed their parent's death and exited
-    # what the main process itself owned stays for the next start's sweep: its pool and runtime directory
-    assert all(name.startswith(f"vllm_omni_{served.pid}_") for name in segments), segments
-    assert runtime in served.temp_left()
-    following = Served(tiny_glm_image, tmp_path / "next", env=served.server.env)
-    try:
-        assert [n for n in segments if os.path.exists(os.path.join(SHM_DIR, n))] == []
-        assert runtime not in served.temp_left()
-        assert [n for n in served.temp_left() if "/" not in n] == [following.runtime_dir()]
-    finally:
-        following.finish()
-    assert following.temp_left() == []
+    """Servers of one deployment in one temp directory, each stopped another way: B by a SIGKILL of its
+    main process alone (over shared memory: the other connectors' processes do the same), C by a SIGKILL
+    of its whole group (a container runtime's hard stop), then D starts and sweeps what B and C left but
+    not A's, which still serves beside; A's AR engine is SIGKILLed under load and restarted (no request
+    lost), then A gets SIGTERM at its main process (as ``kill`` or systemd send it: drained, not
+    dropped), D a Ctrl-C (SIGINT to the group), and E SIGTERM to the group then SIGKILL to the group once
+    its main process is gone (as container runtimes stop a container: nothing may rely on a process
+    outliving the main one)."""
+    if connector == "MooncakeTransferEngineConnector" and (missing := mooncake_missing()):
+        pytest.skip(missing)
+    deploy = deploy_for(connector, tmp_path)
+    env = user_like_env()
+    started: list[Served] = []
 
+    def start(*names: str) -> list[Served]:
+        servers = [Served(tiny_glm_image, deploy, tmp_path / name, env) for name in names]
+        started.extend(servers)
+        return [server.ready() for server in servers]  # started side by side, then waited for
 
-def test_sigkill_of_the_group_then_a_new_start_sweeps_it_and_spares_a_live_server_beside(
-    served: Served, tiny_glm_image: Path, tmp_path: Path
-) -> None:
-    """The whole group SIGKILLed (a container runtime's hard stop): the next start in the same temp
-    directory removes the dead server's runtime directory, not the one of a server still running beside
-    it, whose own stop then removes its own and leaves the new one alone."""
-    beside = Served(tiny_glm_image, tmp_path / "beside", env=served.server.env)
-    following: Served | None = None
     try:
-        dead, alive = served.runtime_dir(), beside.runtime_dir()
-        os.killpg(served.pid, signal.SIGKILL)
-        assert served.wait_main() == -signal.SIGKILL
-        processes, segments = served.left()
+        main_alone = connector == "SharedMemoryConnector"
+        a, c, *b = start("a", "c", *(["b"] if main_alone else []))
+        swept: list[str] = []
+        if b:
+            b_runtime = b[0].runtime_dir()
+            assert any(n.startswith(f"{b_runtime}/ar0-0/") for n in b[0].temp_left()), (
+                "the engine's endpoints"
+            )
+            os.kill(b[0].pid, signal.SIGKILL)
+            assert b[0].wait_main() == -signal.SIGKILL
+            processes, b_segments = b[0].left()
+            assert processes == {}  # the stage processes noticed their parent's death and exited
+            # what the main process itself owned stays for the next start's sweep: its pool, its runtime dir
+            assert all(name.startswith(f"vllm_omni_{b[0].pid}_") for name in b_segments), b_segments
+            swept += b_segments
+            assert b_runtime in top_level(a.temp_left())
+
+        c_runtime = c.runtime_dir()
+        c_semaphores = semaphores_of([c.pid, *descendants(c.pid)])
+        assert c_semaphores, "expected the multiprocessing semaphores of the group"
+        os.killpg(c.pid, signal.SIGKILL)
+        assert c.wait_main() == -signal.SIGKILL
+        processes, c_segments = c.left()
         assert processes == {}
         # nobody lived to unlink the group's segments (its pools, vLLM's message queues) or its runtime
         # directory, which lists the segments its engine mapped: the next start's sweeps remove them
-        assert segments and all(name.startswith(("vllm_omni_", "psm_")) for name in segments), segments
-        assert dead in served.temp_left()
-        following = Served(tiny_glm_image, tmp_path / "next", env=served.server.env)
-        new = following.runtime_dir()
-        assert [n for n in segments if os.path.exists(os.path.join(SHM_DIR, n))] == []
-        assert [n for n in served.temp_left() if "/" not in n] == sorted([alive, new])
-        response = httpx.post(
-            beside.server.base_url + GENERATIONS, json={"prompt": "a fox", "size": "64x64"}, timeout=300
-        )
-        assert response.status_code == 200  # the server beside still serves
-        assert beside.server.stop(how=signal.SIGTERM) == 0
-        assert [n for n in served.temp_left() if "/" not in n] == [new]
+        assert c_segments and all(name.startswith(("vllm_omni_", "psm_")) for name in c_segments), c_segments
+        assert c_runtime in top_level(a.temp_left())
+
+        d, e = start("d", "e")
+        assert present(swept + c_segments + c_semaphores) == []  # semaphores too: nobody maps them
+        assert top_level(a.temp_left()) == sorted([a.runtime_dir(), d.runtime_dir(), e.runtime_dir()])
+
+        before = a.ar_replica()
+        ar_hold = a.server.hold("ar.step")
+        ar_hold.release()  # armed by send_in_flight, after the DiT-long requests have passed the AR stage
+        hold = a.send_in_flight(hold_ar=ar_hold)
+        os.kill(before["pid"], signal.SIGKILL)  # the AR engine core, holding the AR-long requests
+        ar_hold.release()  # its restarted replica holds nothing
+        hold.release()
+        assert a.answered() == [200] * len(IN_FLIGHT)  # retried on the restarted engine
+        after = a.ar_replica()
+        assert (after["restarts"], after["state"]) == (before["restarts"] + 1, "ready"), after
+
+        a_runtime = a.runtime_dir()
+        hold = a.send_in_flight()
+        os.kill(a.pid, signal.SIGTERM)
+        hold.release()  # the DiT-long requests finish while the server drains
+        assert a.wait_main() == 0, a.server.log_text()[-3000:]
+        assert a.answered() == [200] * len(IN_FLIGHT)  # drained, not dropped
+        assert a.left() == ({}, [])
+        assert a_runtime not in top_level(a.temp_left())
+
+        hold = d.send_in_flight()
+        os.killpg(d.pid, signal.SIGINT)
+        hold.release()
+        assert d.wait_main() == 0, d.server.log_text()[-3000:]
+        assert d.left() == ({}, [])
+
+        hold = e.send_in_flight()
+        os.killpg(e.pid, signal.SIGTERM)
+        hold.release()
+        assert e.wait_main() == 0, e.server.log_text()[-3000:]
+        os.killpg(e.pid, signal.SIGKILL)  # the group, at once: resource tracker and stragglers included
+        assert e.left() == ({}, [])
+
+        assert left_in_temp(env) == []
     finally:
-        beside.finish()
-        if following is not None:
-            following.finish()
-    assert served.temp_left() == []
+        for server in started:
+            server.finish()
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)

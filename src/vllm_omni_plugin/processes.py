@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +187,22 @@ def _tracker_runs() -> bool:
     return process is not None and process.alive()
 
 
+def _mapped_inodes(pid: int, shm_dir: str = SHM_DIR) -> set[int]:
+    """Inodes of the ``shm_dir`` files ``pid`` maps, unlinked names included."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    prefix = shm_dir.rstrip("/") + "/"
+    held: set[int] = set()
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(prefix) and fields[4].isdigit():
+            held.add(int(fields[4]))
+    return held
+
+
 def unmapped(names: list[str], shm_dir: str = SHM_DIR) -> list[str]:
     """Which of the ``shm_dir`` files ``names`` no live process maps, told by inode: a semaphore's
     creator maps it under the temporary name ``sem_open`` made it with (shown as deleted), so its final
@@ -196,18 +212,24 @@ def unmapped(names: list[str], shm_dir: str = SHM_DIR) -> list[str]:
         with contextlib.suppress(OSError):
             inodes[os.stat(os.path.join(shm_dir, name)).st_ino] = name
     held: set[int] = set()
-    prefix = shm_dir.rstrip("/") + "/"
     for pid in _pids():
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(prefix) and fields[4].isdigit():
-                held.add(int(fields[4]))
+        held |= _mapped_inodes(pid, shm_dir)
     return sorted(name for inode, name in inodes.items() if inode not in held)
+
+
+def semaphores_of(pids: Iterable[int], shm_dir: str = SHM_DIR) -> list[str]:
+    """The named semaphores (``sem.*``) in ``shm_dir`` that ``pids`` map, found by inode (see
+    ``unmapped``)."""
+    held: set[int] = set()
+    for pid in pids:
+        held |= _mapped_inodes(pid, shm_dir)
+    names = []
+    for name in os.listdir(shm_dir):
+        if name.startswith("sem."):
+            with contextlib.suppress(OSError):
+                if os.stat(os.path.join(shm_dir, name)).st_ino in held:
+                    names.append(name)
+    return sorted(names)
 
 
 def _held_elsewhere(names: set[str], exclude: set[int]) -> set[str]:

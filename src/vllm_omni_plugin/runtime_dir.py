@@ -17,22 +17,26 @@ where set, else the temp directory, ``$TMPDIR``; names stay short, as a unix soc
   that are gone (a SIGKILLed group), never one whose process still runs (another server beside it);
 - an engine's directory also lists the ``/dev/shm`` segments its processes mapped once it was ready
   (vLLM's ``psm_*`` message queues, which a SIGKILLed group leaves with nobody to unlink them): the sweep
-  removes those that no live process maps.
+  removes those that no live process maps, and the multiprocessing semaphores nobody maps
+  (:func:`release_orphaned_semaphores`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import getpass
 import os
 import re
 import shutil
 import tempfile
 
-from vllm_omni_plugin.processes import ProcessId, unlink_segment, unmapped
+from vllm_omni_plugin.processes import SHM_DIR, ProcessId, unlink_segment, unmapped
 
 PREFIX = "vllm-omni-"
 SEGMENTS_FILE = "segments"
+SEMAPHORE_PREFIX = "sem.mp-"
+"""Python multiprocessing's named semaphores in ``/dev/shm`` (``sem.`` + ``mp-`` + random)."""
 """In an engine's directory: the shared-memory segments its processes mapped, one name a line."""
 _NAME = re.compile(r"^vllm-omni-(\d+)-([0-9a-f]+)$")
 _current: str | None = None
@@ -122,7 +126,31 @@ def sweep_dead_runtime_dirs(base: str | None = None) -> list[str]:
         _release_noted_segments(os.path.join(base, name))
         shutil.rmtree(os.path.join(base, name), ignore_errors=True)
         removed.append(name)
+    if removed:
+        release_orphaned_semaphores()
     return removed
+
+
+def release_orphaned_semaphores() -> list[str]:
+    """Unlink this user's multiprocessing semaphores (``/dev/shm/sem.mp-*``) that no live process maps.
+
+    A SIGKILLed group leaves the named semaphores its processes made (queues, locks, events) with nobody
+    to unlink them: multiprocessing's resource tracker died with them. Which ones were the dead server's
+    cannot be told (a semaphore's name appears in no mapping), but a ``sem.mp-*`` that no process maps is
+    garbage whoever made it: its creator holds it mapped for as long as anyone may still open it by name
+    (``unmapped`` tells by inode). Run when a dead server's runtime directory was found, so only after a
+    death of ours."""
+    uid = os.getuid()
+    names = []
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(SEMAPHORE_PREFIX):
+            with contextlib.suppress(OSError):
+                if os.stat(os.path.join(SHM_DIR, name)).st_uid == uid:
+                    names.append(name)
+    orphaned = unmapped(names)
+    for name in orphaned:
+        unlink_segment(name)
+    return orphaned
 
 
 def _release_noted_segments(path: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import signal
 import socket
 import sys
 import threading
@@ -123,16 +124,25 @@ class DynamoSite:
         self.processes.append(process)
         return process.start()
 
-    def stop(self, processes: Sequence[ServerProcess] | None = None) -> None:
-        """Stop ``processes`` (default: all: the workers together, then the frontend), as users do
-        (SIGINT); each is given its time to stop, side by side."""
+    def stop(
+        self, processes: Sequence[ServerProcess] | None = None, how: signal.Signals = signal.SIGINT
+    ) -> dict[str, int | None]:
+        """Stop ``processes`` (default: all: the workers together, then the frontend) as users do
+        (``how``: SIGINT to the group, as Ctrl-C; SIGTERM to the main process, as systemd or Kubernetes),
+        each given its time to stop, side by side; each one's exit status, by its log file's name."""
         chosen = list(processes if processes is not None else self.processes)
         frontend = [p for p in chosen if p is self.processes[0]] if self.processes else []
         workers = [p for p in chosen if p not in frontend]
-        stoppers = [threading.Thread(target=p.stop) for p in workers]
+        statuses: dict[str, int | None] = {}
+
+        def stop(process: ServerProcess) -> None:
+            statuses[process.log_path.stem] = process.stop(how=how)
+
+        stoppers = [threading.Thread(target=stop, args=(p,)) for p in workers]
         for stopper in stoppers:
             stopper.start()
         for stopper in stoppers:
             stopper.join()
         for process in frontend:
-            process.stop()
+            stop(process)
+        return statuses
