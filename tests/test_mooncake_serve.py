@@ -9,6 +9,7 @@ import base64
 import io
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -114,10 +115,15 @@ def test_seed_document_over_mooncake_gives_the_shared_memory_image(
 ) -> None:
     if missing := mooncake_missing():
         pytest.skip(missing)
-    over_shm, _, _ = serve_seed_request(tiny_bagel, SEED_DOCUMENT.read_text(), tmp_path_factory.mktemp("shm"))
-    over_mooncake, server, metrics = serve_seed_request(
-        tiny_bagel, mooncake_document(), tmp_path_factory.mktemp("mooncake")
-    )
+    with ThreadPoolExecutor(2) as pool:  # the two servers side by side
+        shm = pool.submit(
+            serve_seed_request, tiny_bagel, SEED_DOCUMENT.read_text(), tmp_path_factory.mktemp("shm")
+        )
+        mooncake = pool.submit(
+            serve_seed_request, tiny_bagel, mooncake_document(), tmp_path_factory.mktemp("mooncake")
+        )
+        over_shm, _, _ = shm.result()
+        over_mooncake, server, metrics = mooncake.result()
     assert over_mooncake.shape == (48, 64, 3)  # an edit keeps its input's size
     np.testing.assert_array_equal(over_mooncake, over_shm)
     # the context crossed through Mooncake (READ by the DiT's engine), not through shared memory

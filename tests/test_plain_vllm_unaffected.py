@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -55,12 +56,13 @@ def _serve_and_complete(model: Path, log: Path, vllm_plugins: str | None) -> tup
 def test_plain_server_same_greedy_output_with_and_without_plugin(
     tiny_text_model: Path, tmp_path: Path
 ) -> None:
-    with_plugin, chat_with, log_with = _serve_and_complete(
-        tiny_text_model, tmp_path / "with_plugin.log", vllm_plugins=None
-    )
-    without_plugin, chat_without, log_without = _serve_and_complete(
-        tiny_text_model, tmp_path / "without_plugin.log", vllm_plugins="lora_filesystem_resolver"
-    )
+    with ThreadPoolExecutor(2) as pool:  # the two servers side by side
+        served_with = pool.submit(_serve_and_complete, tiny_text_model, tmp_path / "with_plugin.log", None)
+        served_without = pool.submit(
+            _serve_and_complete, tiny_text_model, tmp_path / "without_plugin.log", "lora_filesystem_resolver"
+        )
+        with_plugin, chat_with, log_with = served_with.result()
+        without_plugin, chat_without, log_without = served_without.result()
     # The plugin really was loaded in one server (API server and engine processes) and not the other.
     assert REGISTERED_LINE in log_with
     assert REGISTERED_LINE not in log_without
