@@ -72,7 +72,7 @@ class DynamoSite:
     def running(cls, directory: Path) -> Iterator[DynamoSite]:
         """A site whose frontend is up; at the end, its processes stopped and nothing of them left
         (processes, shared memory), else AssertionError naming what was (then removed)."""
-        watch = LeakWatch().start()
+        watch = LeakWatch(only_new_processes=True).start()  # not what earlier tests' engines left
         site = cls(directory)
         frontend = site.frontend()
         try:

@@ -64,6 +64,7 @@ class LeakWatch:
         interval: float = 0.25,
         shm_dir: str = SHM_DIR,
         only_new: bool = True,
+        only_new_processes: bool = False,
     ) -> None:
         self.root = root if root is not None else os.getpid()
         self.interval = interval
@@ -74,6 +75,11 @@ class LeakWatch:
         """Segment name -> the first process of the run seen mapping it."""
         self.before = set(self._listing()) if only_new else set()
         """Segments there before the watch began (not the run's, with ``only_new``)."""
+        self.earlier: set[ProcessId] = set()
+        """With ``only_new_processes``: descendants already running when the watch began, which belong
+        to whatever started them (a watch of one part of a test run, beside what earlier tests left)."""
+        if only_new_processes:
+            self.earlier = {p for p in map(ProcessId.of, descendants(self.root)) if p is not None}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -107,7 +113,7 @@ class LeakWatch:
                 known = self.processes.get(pid)
                 if known is None or not known.alive():
                     pid_id = ProcessId.of(pid)
-                    if pid_id is not None:
+                    if pid_id is not None and pid_id not in self.earlier:
                         self.processes[pid] = pid_id
                         self.commands[pid] = cmdline(pid)
             for pid in (self.root, *[p.pid for p in self.processes.values() if p.alive()]):
