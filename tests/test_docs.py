@@ -16,6 +16,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 README_MAX_LINES = 250
+FENCED_CODE = re.compile(r"^```.*?^```", flags=re.S | re.M)
 
 
 def pages() -> list[Path]:
@@ -25,8 +26,7 @@ def pages() -> list[Path]:
 def without_code(text: str) -> str:
     """The text less its fenced code blocks and inline code spans (a `#` or `[x](y)` there is no heading
     or link)."""
-    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", FENCED_CODE.sub("", text))
 
 
 def slug(heading: str) -> str:
@@ -36,7 +36,7 @@ def slug(heading: str) -> str:
 
 
 def anchors(path: Path) -> set[str]:
-    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.S | re.M)
+    text = FENCED_CODE.sub("", path.read_text(encoding="utf-8"))  # inline code stays: it is in the slug
     seen: dict[str, int] = {}
     out = set()
     for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.M):

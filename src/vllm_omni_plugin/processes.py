@@ -207,10 +207,7 @@ def unmapped(names: list[str], shm_dir: str = SHM_DIR) -> list[str]:
     """Which of the ``shm_dir`` files ``names`` no live process maps, told by inode: a semaphore's
     creator maps it under the temporary name ``sem_open`` made it with (shown as deleted), so its final
     name appears in no mapping while it is in use."""
-    inodes: dict[int, str] = {}
-    for name in names:
-        with contextlib.suppress(OSError):
-            inodes[os.stat(os.path.join(shm_dir, name)).st_ino] = name
+    inodes = _by_inode(names, shm_dir)
     held: set[int] = set()
     for pid in _pids():
         held |= _mapped_inodes(pid, shm_dir)
@@ -220,16 +217,20 @@ def unmapped(names: list[str], shm_dir: str = SHM_DIR) -> list[str]:
 def semaphores_of(pids: Iterable[int], shm_dir: str = SHM_DIR) -> list[str]:
     """The named semaphores (``sem.*``) in ``shm_dir`` that ``pids`` map, found by inode (see
     ``unmapped``)."""
+    inodes = _by_inode([name for name in os.listdir(shm_dir) if name.startswith("sem.")], shm_dir)
     held: set[int] = set()
     for pid in pids:
         held |= _mapped_inodes(pid, shm_dir)
-    names = []
-    for name in os.listdir(shm_dir):
-        if name.startswith("sem."):
-            with contextlib.suppress(OSError):
-                if os.stat(os.path.join(shm_dir, name)).st_ino in held:
-                    names.append(name)
-    return sorted(names)
+    return sorted(name for inode, name in inodes.items() if inode in held)
+
+
+def _by_inode(names: list[str], shm_dir: str) -> dict[int, str]:
+    """Inode -> name of those of the ``shm_dir`` files ``names`` still there."""
+    inodes: dict[int, str] = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            inodes[os.stat(os.path.join(shm_dir, name)).st_ino] = name
+    return inodes
 
 
 def _held_elsewhere(names: set[str], exclude: set[int]) -> set[str]:

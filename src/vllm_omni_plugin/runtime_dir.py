@@ -35,9 +35,9 @@ from vllm_omni_plugin.processes import SHM_DIR, ProcessId, unlink_segment, unmap
 
 PREFIX = "vllm-omni-"
 SEGMENTS_FILE = "segments"
+"""In an engine's directory: the shared-memory segments its processes mapped, one name a line."""
 SEMAPHORE_PREFIX = "sem.mp-"
 """Python multiprocessing's named semaphores in ``/dev/shm`` (``sem.`` + ``mp-`` + random)."""
-"""In an engine's directory: the shared-memory segments its processes mapped, one name a line."""
 _NAME = re.compile(r"^vllm-omni-(\d+)-([0-9a-f]+)$")
 _current: str | None = None
 
