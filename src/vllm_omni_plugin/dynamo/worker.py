@@ -3,7 +3,7 @@ serve --omni``) behind a Dynamo endpoint that the frontend finds by the model re
 
 Each request the frontend sends goes through ``protocol`` (Dynamo's dict -> our request types) and then
 exactly what our HTTP routes do (``entrypoints/api_calls.py``: the same checks in the same order, the
-same ``OmniRequest``s, the same response body), run by the same ``OmniServer``. When Dynamo stops a
+same requests, the same response body), run by the same ``OmniServer``. When Dynamo stops a
 request (its client went away) the request is aborted in every stage. A failed request is logged in one
 line with its id and raised as the Dynamo exception its status maps to.
 
@@ -51,7 +51,7 @@ from vllm_omni_plugin.entrypoints.openai_images import (
 )
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
-from vllm_omni_plugin.stage.placement.base import StagePlacement
+from vllm_omni_plugin.stage.factory import placement_for
 from vllm_omni_plugin.stage.placement.dynamo.worker import DynamoStageWorker
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 
@@ -132,12 +132,8 @@ async def serve_model(
 ) -> int:
     """Run the pipeline role (``router``: the router role) until SIGINT/SIGTERM; the exit code."""
     runtime = make_runtime(settings)
-    placement: StagePlacement | None = None
-    if router:
-        from vllm_omni_plugin.stage.placement.dynamo.placement import DynamoPlacement
-
-        placement = DynamoPlacement(deployment, runtime, settings.stage_path)
-    omni = AsyncOmni(deployment, placement=placement)
+    dynamo = (runtime, settings.stage_path) if router else None
+    omni = AsyncOmni(deployment, placement=placement_for(deployment, dynamo=dynamo))
     server_settings = dataclasses.replace(
         settings_from_args(args, deployment), media_dir=None, no_media=NO_MEDIA
     )
