@@ -92,8 +92,8 @@ class RecordingAR:
             token_ids=[7] * generated,
             finish_reason="length",
             stage_outputs={
-                "prior_token_image_ids": [[0] * (g[1] * g[2]) for g in grids],
-                "source_image_grid_thw": grids,
+                "source_token_ids": [[0] * (g[1] * g[2]) for g in grids],
+                "source_grids": grids,
             }
             if images
             else {},

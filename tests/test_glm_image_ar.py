@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import run_result_script, source_image
+from vllm_omni_plugin.families.glm_image.processors import upsample_prior
 
 ARCH = "GlmImageForConditionalGeneration"
 MODEL_CLASS = "vllm_omni_plugin.models.glm_image_ar:GlmImageForConditionalGeneration"
@@ -191,10 +192,12 @@ def test_source_image_vq_ids_equal_transformers(hf: SimpleNamespace, engine: dic
         features = hf.model.get_image_features(inputs["pixel_values"], grids).pooler_output
         ids = hf.model.get_image_tokens(features)
     (h, w) = grids[0, 1:].tolist()
-    upsampled = torch.nn.functional.interpolate(ids.view(1, 1, h, w).float(), scale_factor=2, mode="nearest")
     prior = engine["prior"]
-    assert prior["ids"] == [upsampled.long().view(-1).tolist()]
-    assert prior["grids"] == [[1, 2 * h, 2 * w]]
+    assert prior["ids"] == [ids.long().view(-1).tolist()]
+    assert prior["grids"] == [[1, h, w]]
+    # the family's processor brings them to the DiT's grid as the reference pipeline does
+    upsampled = torch.nn.functional.interpolate(ids.view(1, 1, h, w).float(), scale_factor=2, mode="nearest")
+    assert upsample_prior(prior["ids"][0], h, w).tolist() == upsampled.long().view(-1).tolist()
 
 
 # --- 2. positions: get_mrope_input_positions == transformers' get_rope_index + decode plan -------------
@@ -357,10 +360,8 @@ def run_engine(model_dir: str, spec_path: str) -> dict[str, Any]:
         image_processor = GlmImageProcessor.from_pretrained(f"{model_dir}/processor").image_processor
         data = image_processor(images=[source_pil(64)], return_tensors="pt")
         with torch.no_grad():
-            ids, grids = model.source_image_prior_token_ids(
-                data["pixel_values"].float(), data["image_grid_thw"]
-            )
-        return {"ids": [t.tolist() for t in ids], "grids": grids.tolist()}
+            ids = model.image_token_ids(data["pixel_values"].float(), data["image_grid_thw"])
+        return {"ids": [t.view(-1).tolist() for t in ids], "grids": data["image_grid_thw"].tolist()}
 
     positions = llm.apply_model(model_positions)[0]
     prior_ids = llm.apply_model(prior)[0]

@@ -220,7 +220,7 @@ def test_i2i_source_grids_and_a_prefill_chunk_ending_inside_the_prompt(run: dict
 
 def test_v2_hands_the_same_source_image_outputs_as_v1(run: dict[str, Any]) -> None:
     """Image-to-image on V2: the model state records, for each new request, what the V1 runner records
-    (the source images' upsampled prior tokens and grids, which the KV connector's worker metadata carries
+    (the source images' VQ ids and grids, which the KV connector's worker metadata carries
     to the scheduler on V2); text-to-image requests record nothing; a request V2 re-adds whole after a
     preemption records the same again (the scheduler keeps one copy)."""
     seen = 0
@@ -233,9 +233,9 @@ def test_v2_hands_the_same_source_image_outputs_as_v1(run: dict[str, Any]) -> No
         for rid in i2i:
             assert len(v1[rid]) == 1 and v2[rid][0] == v1[rid][0], (name, rid)
             assert all(again == v1[rid][0] for again in v2[rid]), (name, rid)
-            (ids,) = v1[rid][0]["prior_token_image_ids"]
-            (grid,) = v1[rid][0]["source_image_grid_thw"]
-            assert grid[0] == 1 and len(ids) == grid[1] * grid[2]  # the x2 grid, one id per cell
+            (ids,) = v1[rid][0]["source_token_ids"]
+            (grid,) = v1[rid][0]["source_grids"]
+            assert grid[0] == 1 and len(ids) == grid[1] * grid[2]  # the d32 grid, one id per cell
             seen += 1
     assert seen >= 4
     assert len(run["resumed_mid_decode"]["handed"]["v2"]["b"]) == 2  # b is preempted and re-added

@@ -72,12 +72,10 @@ from vllm.multimodal.processing import (
 )
 from vllm.sequence import IntermediateTensors
 
-from vllm_omni_plugin.models.glm_image_config import embedding_rows
+from vllm_omni_plugin.models.glm_image_config import SOURCE_GRIDS, SOURCE_TOKEN_IDS, embedding_rows
 
 GRID_BOS_TOKEN = "<sop>"
 GRID_EOS_TOKEN = "<eop>"
-CODEBOOK_SIZE = 16384
-"""Generated ids below this are VQ codebook ids (what the DiT stage can embed)."""
 
 
 # --- M-RoPE position plan (pure functions: the tests compare them with transformers) ---------------------
@@ -752,24 +750,10 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
             ids.append(self.vqmodel.encode(maps))
         return ids
 
-    def source_image_prior_token_ids(
-        self, pixel_values: torch.Tensor, image_grid_thw: Any
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """What the DiT stage needs for image-to-image: per source image its VQ ids upsampled x2 (nearest,
-        d16, flattened) and the matching grids ``[n, 3]`` with h and w doubled (diffusers'
-        ``prior_token_image_ids`` / ``source_image_grid_thw``)."""
-        grids = _as_grid_list(image_grid_thw)
-        upsampled = []
-        for ids, (_, h, w) in zip(self.image_token_ids(pixel_values, grids), grids, strict=True):
-            up = F.interpolate(ids.view(1, 1, h, w).float(), scale_factor=2, mode="nearest").long()
-            upsampled.append(up.view(-1))
-        out_grids = torch.tensor(grids, dtype=torch.long)
-        out_grids[:, 1:] *= 2
-        return upsampled, out_grids
-
     def omni_stage_outputs(self, mm_features: list[MultiModalFeatureSpec]) -> dict[str, Any] | None:
         """Per-request outputs of the AR stage for the next stage (the Omni runner asks once per new
-        request): for image-to-image, the source images' prior token ids and grids the DiT needs."""
+        request): for image-to-image, the source images' VQ ids and their d32 grids (the family's
+        processor brings them to the DiT's grid)."""
         images = [
             f
             for f in sorted(mm_features, key=lambda f: f.mm_position.offset)
@@ -783,12 +767,10 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
             for feature in images:
                 pixel_values = feature.data["pixel_values"].data
                 grid = feature.data["image_grid_thw"].data.reshape(1, 3)
-                upsampled, out_grids = self.source_image_prior_token_ids(
-                    pixel_values.to(next(self.visual.parameters()).device), grid
-                )
-                ids.append(upsampled[0].tolist())
-                grids.append(out_grids[0].tolist())
-        return {"prior_token_image_ids": ids, "source_image_grid_thw": grids}
+                (source,) = self.image_token_ids(pixel_values.to(next(self.visual.parameters()).device), grid)
+                ids.append(source.view(-1).tolist())
+                grids.append([int(x) for x in grid[0].tolist()])
+        return {SOURCE_TOKEN_IDS: ids, SOURCE_GRIDS: grids}
 
     def embed_multimodal(self, **kwargs: object) -> MultiModalEmbeddings:
         pixel_values = kwargs.get("pixel_values")

@@ -1,4 +1,5 @@
-"""GLM-Image AR settings that configuration resolution needs without importing the model (cheap)."""
+"""GLM-Image AR facts that configuration resolution and the family's processors need without importing the
+model (cheap)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ import os
 from typing import Any
 
 EMBEDDING_ROWS_KEY = "embedding_vocab_size"
+CODEBOOK_SIZE = 16384
+"""AR ids 0..16383 are VQ codebook ids: what the AR may generate for an image and the DiT embeds."""
+SOURCE_TOKEN_IDS = "source_token_ids"
+"""The AR stage's output for image-to-image: per source image, its VQ ids on its d32 grid (row-major)."""
+SOURCE_GRIDS = "source_grids"
+"""And per source image its ``[t, h, w]`` d32 grid."""
 
 
 def embedding_rows(text_config: Any) -> int:

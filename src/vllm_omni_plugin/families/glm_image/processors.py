@@ -3,9 +3,9 @@
 The AR stage (GLM-Image's vision_language_encoder in vLLM) must see the target size in its prompt: the
 processor's chat template appends the grid scaffold ``<sop>th tw<eop>[<sop>ph pw<eop>]`` and the image
 start token. It then emits (t2i) a preview grid, the large grid and an end token, or (i2i) the large
-grid and an end token. ``ar2diffusion`` keeps the large grid, upsamples it x2 to the DiT's grid
-(nearest), and for image-to-image passes the source images' prior tokens, which the AR stage computed
-and returned as stage outputs.
+grid and an end token. ``ar2diffusion`` keeps the large grid and upsamples it x2 to the DiT's grid
+(nearest); for image-to-image it does the same with the source images' VQ ids, which the AR stage computed
+and returned as stage outputs: the one place GLM-Image's d32 grids become the DiT's d16 ones.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vllm_omni_plugin.config.pipeline import ARTokenCount
+from vllm_omni_plugin.models.glm_image_config import CODEBOOK_SIZE, SOURCE_GRIDS, SOURCE_TOKEN_IDS
 from vllm_omni_plugin.stage.core_types import (
     StageDiffusionCoreRequest,
     StageLLMCoreOutput,
@@ -34,8 +35,6 @@ FACTOR = 32
 """Pixels per large-grid AR token (the VQ grid is at 1/32 of the image)."""
 PREVIEW_SIDE = 16
 """The t2i preview grid is about 16x16 tokens whatever the target size."""
-CODEBOOK_SIZE = 16384
-"""AR ids 0..16383 are VQ codebook ids, the only ones the DiT embeds."""
 
 
 def glm_image_grid(height: int, width: int) -> tuple[int, int, int, int]:
@@ -216,7 +215,7 @@ def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCo
 
 
 def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
-    """AR output -> the DiT's request: the large grid upsampled x2, plus the i2i source tokens."""
+    """AR output -> the DiT's request: the large grid upsampled x2, and the i2i sources' ids likewise."""
     from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 
     request = context.request
@@ -253,13 +252,15 @@ def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDif
     )
     if image_to_image:
         extra = ar.stage_outputs or {}
-        ids, grids = extra.get("prior_token_image_ids"), extra.get("source_image_grid_thw")
+        ids, grids = extra.get(SOURCE_TOKEN_IDS), extra.get(SOURCE_GRIDS)
         if not ids or not grids or len(ids) != len(request.images):
             raise StageError(
                 "the AR stage did not return the source images' prior tokens", stage_id=context.stage_id
             )
-        diffusion.prior_token_image_ids = [torch.tensor(i, dtype=torch.long) for i in ids]
-        diffusion.source_image_grid_thw = [list(g) for g in grids]
+        diffusion.prior_token_image_ids = [
+            torch.from_numpy(upsample_prior(i, h, w)) for i, (_, h, w) in zip(ids, grids, strict=True)
+        ]
+        diffusion.source_image_grid_thw = [[t, 2 * h, 2 * w] for t, h, w in grids]
         diffusion.images = [np.asarray(_as_pil(img)) for img in request.images]
     return StageDiffusionCoreRequest(
         request_id=request.request_id, stage_id=context.stage_id, diffusion=diffusion

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_plugin.families.glm_image import processors as glm_image_processors
+from vllm_omni_plugin.models.glm_image_config import CODEBOOK_SIZE
 from vllm_omni_plugin.testing.tiny.components import corpus, seeded_init
 
 # --- GLM-Image ----------------------------------------------------------------------------------------
@@ -18,7 +19,7 @@ from vllm_omni_plugin.testing.tiny.components import corpus, seeded_init
 
 GLM_IMAGE_FACTOR = glm_image_processors.FACTOR
 GLM_IMAGE_PREVIEW_SIDE = glm_image_processors.PREVIEW_SIDE
-GLM_IMAGE_CODEBOOK_SIZE = glm_image_processors.CODEBOOK_SIZE
+GLM_IMAGE_CODEBOOK_SIZE = CODEBOOK_SIZE
 GLM_IMAGE_START_ID = 16384  # <|dit_token_16384|>: image start, the tokenizer's bos
 GLM_IMAGE_END_ID = 16385  # <|dit_token_16385|>: image end, eos
 GLM_IMAGE_VISION_VOCAB = 16512  # lm_head width (text_config.vision_vocab_size)
