@@ -196,8 +196,8 @@ def main() -> int:
             engine_args = {**device_args, **VARIANTS[variant]}
             if model in BAGEL_MODELS:
                 engine_args["runner_cls"] = BAGEL_RUNNER
-            if "compile" in engine_args:
-                engine_args.update(height=args.size, width=args.size)
+            if "compile" in engine_args:  # warmed up at the size measured
+                engine_args["compile"] = {**engine_args["compile"], "warmup_sizes": [[args.size, args.size]]}
             try:
                 engine = DiffusionEngine(path, **engine_args)
             except ValueError as exc:  # a runner without it

@@ -195,12 +195,12 @@ def fake_prompt_ids(sources: dict[int, Any], context: ProcessorContext) -> Stage
 
 def fake_ids_to_image(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
     """Stage-input processor of the fake DiT stage: the AR ids as the prior, sized like the request."""
-    request, dit = context.request, context.deployment.stage(context.stage_id)
+    request = context.request
     diffusion = GlmImageRequest(
         request_id=request.request_id,
         prompt=request.prompt,
-        height=request.height or dit.diffusion_args["height"],
-        width=request.width or dit.diffusion_args["width"],
+        height=request.height,
+        width=request.width,
         seed=request.seed,
         prior_token_ids=list(sources[0].token_ids),
     )

@@ -120,8 +120,7 @@ def test_think_mode_equals_reference(omni: Omni, reference: Any) -> None:
             height=64,
             width=64,
             seed=4,
-            think=True,
-            generation_params={"max_think_tokens": 12},
+            generation_params={"think": True, "max_think_tokens": 12},
         ),
     )
     expected = reference.interleave(
@@ -161,9 +160,9 @@ def test_negative_prompt_is_a_companion_context(omni: Omni) -> None:
 
 
 def _received_contexts(omni: Omni, request: OmniRequest) -> Any:
-    """Run the thinker stage for ``request`` the way the orchestrator does (its size defaults, its
-    processors, its replica pool), then read the DiT request's contexts through a connector of the edge's spec, as the DiT
-    process does, and let the generation runner resolve the shared ones."""
+    """Run the thinker stage for ``request`` the way the orchestrator does (completed by the input
+    processor, its processors, its replica pool), then read the DiT request's contexts through a connector
+    of the edge's spec, as the DiT process does, and let the generation runner resolve the shared ones."""
     import asyncio
 
     import msgspec
@@ -177,7 +176,7 @@ def _received_contexts(omni: Omni, request: OmniRequest) -> Any:
     deployment = omni.deployment
     inner = omni._async  # the running AsyncOmni
     assert inner.orchestrator is not None
-    assert inner.orchestrator.request_defaults.apply(request) is None  # its size, as before stage 0
+    request = asyncio.run_coroutine_threadsafe(inner.process(request), omni._loop).result()
     context = ProcessorContext(deployment.model, deployment, 0, request)
 
     async def thinker() -> Any:
@@ -215,7 +214,7 @@ def test_stage1_receives_the_reference_contexts(omni: Omni, reference: Any, kind
         "edit": OmniRequest(prompt="make it blue", images=[image], seed=0),
         "negative": OmniRequest(prompt="make it blue", images=[image], negative_prompt="dark", seed=0),
         "think": OmniRequest(
-            prompt="a red fox", think=True, generation_params={"max_think_tokens": 6}, seed=0
+            prompt="a red fox", generation_params={"think": True, "max_think_tokens": 6}, seed=0
         ),
     }
     received = _received_contexts(omni, requests[kind])
@@ -258,13 +257,14 @@ def test_stages_overlap(omni: Omni) -> None:
 def test_the_deploy_configs_settings_and_steps_reach_the_request_before_stage_0(
     tiny_bagel: Path, tmp_path: Path
 ) -> None:
-    """The runtime gives a request the deploy config's BAGEL settings and step count where it set none
-    (``DeploymentDefaults.apply``, before stage 0); the processors read the request alone."""
+    """The input processor gives a request the deploy config's BAGEL settings and step count where it set
+    none, the authors' defaults under them; the processors read the complete request alone."""
+    import asyncio
     from types import SimpleNamespace
 
     from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
     from vllm_omni_plugin.families.bagel.processors import dit_sampling, thinks
-    from vllm_omni_plugin.stage.request_defaults import DeploymentDefaults
+    from vllm_omni_plugin.stage.input_processor import InputProcessor
 
     path = tmp_path / "deploy.yaml"
     path.write_text(
@@ -272,22 +272,26 @@ def test_the_deploy_configs_settings_and_steps_reach_the_request_before_stage_0(
         "    default_sampling_params: {think: true, cfg_text_scale: 3.0}\n"
     )
     deployment = resolve_deployment(str(tiny_bagel), deploy_config=str(path), platform=PLATFORMS["cpu"])
-    defaults = DeploymentDefaults(deployment, {})
+    inputs = InputProcessor(deployment)
 
-    plain = OmniRequest(prompt="a fox")
-    assert defaults.apply(plain) is None
+    plain = asyncio.run(inputs.process(OmniRequest(prompt="a fox")))
     assert plain.num_inference_steps == 6
-    assert plain.generation_params == {"think": True, "cfg_text_scale": 3.0}
+    assert (plain.settings.think, plain.settings.cfg_text_scale) == (True, 3.0)
     context = SimpleNamespace(request=plain, stage_id=1)
     assert thinks(context)
-    sampling = dit_sampling(context, edit=False)
+    sampling = dit_sampling(context)
     assert (sampling.num_inference_steps, sampling.cfg_text_scale) == (6, 3.0)
     assert sampling.cfg_img_scale == 1.0  # the authors' text-to-image default, which nobody set
+    edit = asyncio.run(inputs.process(OmniRequest(prompt="a fox", images=[source_image(64)])))
+    assert (
+        dit_sampling(SimpleNamespace(request=edit, stage_id=1)).cfg_img_scale == 2.0
+    )  # the authors' edit one
 
-    own = OmniRequest(prompt="a fox", num_inference_steps=4, generation_params={"think": False})
-    defaults.apply(own)
+    own = asyncio.run(
+        inputs.process(OmniRequest(prompt="a fox", num_inference_steps=4, generation_params={"think": False}))
+    )
     assert own.num_inference_steps == 4
-    assert own.generation_params == {"think": False, "cfg_text_scale": 3.0}
+    assert (own.settings.think, own.settings.cfg_text_scale) == (False, 3.0)
     assert not thinks(SimpleNamespace(request=own, stage_id=1))
 
 
@@ -296,9 +300,9 @@ def test_requests_the_thinker_cannot_hold_are_refused_naming_each_count(omni: Om
     call the whole a prompt of that many tokens), and an answer needs room after a long prompt."""
     from vllm_omni_plugin.stage.errors import StageRequestError
 
-    think = OmniRequest(prompt="a red fox", think=True, generation_params={"max_think_tokens": 1000})
+    think = OmniRequest(prompt="a red fox", generation_params={"think": True, "max_think_tokens": 1000})
     long_chat = OmniRequest(prompt=" ".join(["fox"] * 1500), modality="text")
-    fits = OmniRequest(prompt="a red fox", think=True, generation_params={"max_think_tokens": 100})
+    fits = OmniRequest(prompt="a red fox", generation_params={"think": True, "max_think_tokens": 100})
     refused_think, refused_chat, served = omni.generate([think, long_chat, fits])
     for result in (refused_think, refused_chat):
         assert isinstance(result.exception, StageRequestError) and result.error_stage == 0, result.error

@@ -252,13 +252,14 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
     assert served.shape == (SIZE, SIZE, 3) and served.std() > 10  # an image, not a flat or broken one
 
     prior = glm_image_reference_prior_tokens(tiny_glm_image, PROMPT, SIZE, SIZE, seed=SEED, dtype="bfloat16")
-    engine = DiffusionEngine(tiny_glm_image, dtype="bfloat16", num_inference_steps=GLM_STEPS)
+    engine = DiffusionEngine(tiny_glm_image, dtype="bfloat16")
     assert engine.dtype == torch.bfloat16
     [ours] = engine.generate(
         [
             GlmImageRequest(
                 request_id="t2i", prompt=PROMPT, height=SIZE, width=SIZE, seed=SEED,
-                guidance_scale=GLM_GUIDANCE, prior_token_ids=prior["prior_token_ids"],
+                num_inference_steps=GLM_STEPS, guidance_scale=GLM_GUIDANCE,
+                prior_token_ids=prior["prior_token_ids"],
             )
         ]
     )  # fmt: skip

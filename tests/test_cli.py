@@ -122,7 +122,7 @@ def test_print_resolved_config(glm_dir: Path) -> None:
     assert ar["engine_args"]["scheduler_cls"].endswith(".OmniARScheduler")  # CPU: sync
     assert ar["engine_args"]["async_scheduling"] is False
     assert ar["engine_args"]["max_num_seqs"] == 3  # vLLM flag on the command line
-    assert dit["diffusion_args"]["num_inference_steps"] == 7  # --stage-overrides
+    assert dit["request_defaults"]["num_inference_steps"] == 7  # --stage-overrides
 
 
 def test_legacy_file_through_stage_configs_path(glm_dir: Path) -> None:

@@ -248,7 +248,7 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
             for i in range(3)
         ]
 
-    eager = DiffusionEngine(tiny_sd3, max_batch_size=4, height=SIZE, width=SIZE)
+    eager = DiffusionEngine(tiny_sd3, max_batch_size=4)
     plain = eager.generate(requests())
     eager.close()
     # the pool of compile workers a GPU host's compile starts (this CPU's compiles run in-process)
@@ -256,7 +256,7 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
     try:
         wait_for(lambda: bool(inductor_workers()), 30, "inductor's compile workers to start")
         engine = DiffusionEngine(
-            tiny_sd3, max_batch_size=4, height=SIZE, width=SIZE, compile={"blocks": True}
+            tiny_sd3, max_batch_size=4, compile={"blocks": True, "warmup_sizes": [[SIZE, SIZE]]}
         )
         try:
             assert engine.compile_seconds > 0

@@ -144,11 +144,13 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
         "batch_wait_ms": 2.5,
         "batching": "step",
         "dtype": "bfloat16",
+        "max_batch_size": 16,
+        "seed": 7,
+    }
+    assert stage.request_defaults == {
         "guidance_scale": 3.5,
         "height": 512,
-        "max_batch_size": 16,
         "num_inference_steps": 20,
-        "seed": 7,
         "width": 768,
     }
 
@@ -242,7 +244,7 @@ def test_register_out_of_tree_pipeline(tmp_path: Path) -> None:
     path = write(tmp_path, "pipeline: test_two_stage\nstages: [{stage_id: 1, num_inference_steps: 3}]\n")
     resolved = resolve_deployment(str(tmp_path), deploy_config=str(path), platform=CPU)
     assert resolved.pipeline == "test_two_stage"
-    assert resolved.stage(1).diffusion_args["num_inference_steps"] == 3
+    assert resolved.stage(1).request_defaults["num_inference_steps"] == 3
     with pytest.raises(ValueError, match="reads from unknown stage"):
         register_pipeline(
             Pipeline(
@@ -695,7 +697,7 @@ def test_layers_in_order(tmp_path: Path, model_dir: str) -> None:
     assert ar["gpu_memory_utilization"] == 0.6  # this file
     assert ar["kv_cache_memory_bytes"] == 1000 and ar["enforce_eager"] is True  # base_config
     assert ar["dtype"] == "float16"  # pipeline-wide field of the base
-    assert resolved.stage(1).diffusion_args["num_inference_steps"] == 7
+    assert resolved.stage(1).request_defaults["num_inference_steps"] == 7
     assert resolved.stage(1).diffusion_args["dtype"] == "float16"
 
 
@@ -710,9 +712,11 @@ def test_diffusion_defaults_are_merged_once_by_resolution(tmp_path: Path, model_
             default_sampling_params: {num_inference_steps: 3, guidance_scale: 2.5, seed: 5}
         """,
     )
-    args = resolve_deployment(model_dir, deploy_config=str(path), platform=CPU).stage(1).diffusion_args
-    assert (args["num_inference_steps"], args["guidance_scale"], args["seed"]) == (9, 2.5, 5)  # field wins
-    assert (args["height"], args["width"]) == (1024, 1024)  # the pipeline's defaults
+    stage = resolve_deployment(model_dir, deploy_config=str(path), platform=CPU).stage(1)
+    defaults, args = stage.request_defaults, stage.diffusion_args
+    assert (defaults["num_inference_steps"], defaults["guidance_scale"]) == (9, 2.5)  # the field wins
+    assert (defaults["height"], defaults["width"]) == (1024, 1024)  # the pipeline's defaults
+    assert args["seed"] == 5 and "height" not in args  # the engine gets its seed, no request default
     assert "default_sampling_params" not in args  # nothing is left to merge at run time
 
 
@@ -723,8 +727,8 @@ def test_base_config_cycle_and_packaged_base(tmp_path: Path, model_dir: str) -> 
         resolve_deployment(model_dir, deploy_config=str(tmp_path / "a.yaml"), platform=GPU)
     path = write(tmp_path, "base_config: glm_image.yaml\nstages: [{stage_id: 1, height: 512}]\n", "c.yaml")
     resolved = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
-    assert resolved.stage(1).diffusion_args["height"] == 512
-    assert resolved.stage(1).diffusion_args["num_inference_steps"] == 50  # from the packaged base
+    assert resolved.stage(1).request_defaults["height"] == 512
+    assert resolved.stage(1).request_defaults["num_inference_steps"] == 50  # from the packaged base
 
 
 @pytest.mark.parametrize(

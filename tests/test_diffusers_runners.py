@@ -18,7 +18,11 @@ import pytest
 from helpers import source_image
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.diffusion import diffusers_registry as registry
-from vllm_omni_plugin.families.diffusers import qwen_image
+from vllm_omni_plugin.families.diffusers.qwen_image import (
+    QwenImageEditPlusRunner,
+    QwenImageEditRunner,
+    QwenImageRunner,
+)
 from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner
 from vllm_omni_plugin.testing.reference.diffusers import reference_image
 
@@ -37,7 +41,7 @@ def engine_of(request: pytest.FixtureRequest) -> Callable[[str], DiffusionEngine
     def get(family: str) -> DiffusionEngine:
         if family not in loaded:
             model = request.getfixturevalue(f"tiny_{family}")
-            loaded[family] = DiffusionEngine(model, max_batch_size=4, num_inference_steps=STEPS)
+            loaded[family] = DiffusionEngine(model, max_batch_size=4)
         return loaded[family]
 
     return get
@@ -99,8 +103,8 @@ def ok(results: list[DiffusionResult]) -> list[DiffusionResult]:
     [
         ("sd3", DiffusersPipelineRunner, 28, 7.0, 256),  # transformer sample_size 32 x VAE 8
         ("flux", DiffusersPipelineRunner, 28, 3.5, 1024),
-        ("qwen_image", qwen_image.QwenImageRunner, 50, 4.0, 1024),  # true_cfg_scale's default
-        ("qwen_image_edit", qwen_image.QwenImageEditRunner, 50, 4.0, 1024),
+        ("qwen_image", QwenImageRunner, 50, 4.0, 1024),  # true_cfg_scale's default
+        ("qwen_image_edit", QwenImageEditRunner, 50, 4.0, 1024),
     ],
 )
 def test_runner_defaults_come_from_the_pipeline(
@@ -113,10 +117,15 @@ def test_runner_defaults_come_from_the_pipeline(
 ) -> None:
     engine = engine_of(family)
     assert type(engine.runner) is runner
-    defaults = engine.runner
-    assert defaults.default_num_inference_steps == steps and defaults.default_guidance_scale == guidance
-    assert (engine.guidance_scale, engine.height, engine.width) == (guidance, side, side)
-    assert engine.num_inference_steps == STEPS  # the engine's own setting wins
+    loaded = engine.runner
+    assert loaded.default_num_inference_steps == steps and loaded.default_guidance_scale == guidance
+    read = runner.model_defaults(engine.model).defaults  # from the configs, as the input processor reads them
+    assert (read.num_inference_steps, read.guidance_scale, read.height, read.width) == (
+        steps,
+        guidance,
+        side,
+        side,
+    )
 
 
 @pytest.mark.parametrize(
@@ -249,7 +258,7 @@ def test_qwen_image_edit_plus_takes_a_list_of_images(tiny_qwen_image_edit: Path,
     index = json.loads((tiny_qwen_image_edit / "model_index.json").read_text())
     (model / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
     engine = DiffusionEngine(model, max_batch_size=4)
-    assert type(engine.runner) is qwen_image.QwenImageEditPlusRunner
+    assert type(engine.runner) is QwenImageEditPlusRunner
     images = [source_image(64, seed=1), source_image(64, seed=2)]
     request = ask("p0", "put them side by side", seed=3, guidance=1.0, steps=2, images=images)
     [result] = ok(engine.generate([request]))
@@ -317,7 +326,7 @@ def engine_log() -> Iterator[list[str]]:
 
 
 def test_long_batches_log_progress_and_count_denoise_steps(tiny_sd3: Path) -> None:
-    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, num_inference_steps=STEPS, progress_interval_s=0)
+    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, progress_interval_s=0)
     reported: list[int] = []
     engine.on_progress = lambda: reported.append(engine.denoise_steps)
     with engine_log() as lines:
@@ -332,7 +341,7 @@ def test_long_batches_log_progress_and_count_denoise_steps(tiny_sd3: Path) -> No
         f"diffusion: step {i}/{STEPS}" for i in range(1, STEPS + 1)
     ]
     assert any("3 request(s) (r0, r1, r2) done: 4 steps" in line for line in lines)
-    quiet = DiffusionEngine(tiny_sd3, num_inference_steps=STEPS, runner=engine.runner)  # default interval
+    quiet = DiffusionEngine(tiny_sd3, runner=engine.runner)  # default interval
     with engine_log() as lines:
         ok(quiet.generate([ask("q", "a cat", seed=1, guidance=2.0)]))
     assert not [line for line in lines if "steps/s" in line or "done" in line]  # a short batch is quiet
@@ -340,9 +349,7 @@ def test_long_batches_log_progress_and_count_denoise_steps(tiny_sd3: Path) -> No
 
 
 def test_step_batched_groups_log_their_progress_too(tiny_sd3: Path) -> None:
-    engine = DiffusionEngine(
-        tiny_sd3, max_batch_size=4, num_inference_steps=STEPS, progress_interval_s=0, batching="step"
-    )
+    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, progress_interval_s=0, batching="step")
     try:
         with engine_log() as lines:
             (group,), failed = engine.admit([ask(f"g{i}", "a cat", seed=i, guidance=2.0) for i in range(2)])

@@ -28,12 +28,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 PROMPT = "A photo of a cat"
 STEPS = 4
+GUIDANCE = 1.5
+"""GLM-Image's default guidance, which a served request carries (the input processor gives it)."""
 CODEBOOK = 16384
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_glm_image: Path) -> DiffusionEngine:
-    return DiffusionEngine(tiny_glm_image, dtype="float32", max_batch_size=4, num_inference_steps=STEPS)
+    return DiffusionEngine(tiny_glm_image, dtype="float32", max_batch_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,7 @@ def random_prior(size: int, seed: int) -> Any:
 
 def t2i(request_id: str, prompt: str = PROMPT, size: int = 64, seed: int = 0, **kw: Any) -> GlmImageRequest:
     kw.setdefault("prior_token_ids", random_prior(size, seed))
+    kw = {"num_inference_steps": STEPS, "guidance_scale": GUIDANCE, **kw}
     return GlmImageRequest(request_id=request_id, prompt=prompt, height=size, width=size, seed=seed, **kw)
 
 
@@ -87,6 +90,7 @@ def test_t2i_equals_stock_dit_pipeline(
         height=size,
         width=size,
         num_inference_steps=steps,
+        guidance_scale=GUIDANCE,
         seed=42,
         prior_token_ids=prior["prior_token_ids"],
         return_latents=True,
@@ -116,6 +120,8 @@ def test_i2i_equals_stock_dit_pipeline(
         prompt="make it red",
         height=64,
         width=64,
+        num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE,
         seed=3,
         prior_token_ids=prior["prior_token_ids"],
         images=[source_image],  # a uint8 array here, PIL in the reference
@@ -153,7 +159,6 @@ def test_batch_invariant_engine_is_bit_exact(engine: DiffusionEngine, tiny_glm_i
     exact = DiffusionEngine(
         tiny_glm_image,
         max_batch_size=4,
-        num_inference_steps=STEPS,
         batch_invariant=True,
         runner=engine.runner,
     )
@@ -318,25 +323,19 @@ def test_unseeded_requests_report_their_seed(engine: DiffusionEngine) -> None:
     np.testing.assert_array_equal(first.image, again.image)
 
 
-def test_engine_defaults_fill_unset_fields(engine: DiffusionEngine) -> None:
+def test_the_engine_fills_no_default(engine: DiffusionEngine) -> None:
+    """Requests arrive complete (the input processor's work): one without a size is refused, and a stage
+    built from a resolved deploy config's ``diffusion_args`` holds no request default."""
     request = GlmImageRequest(request_id="d", prompt=PROMPT, seed=1, prior_token_ids=random_prior(64, 1))
     [result] = engine.generate([request])
-    assert "multiples of 32" in result.error  # GLM-Image has no default size
+    assert "multiples of 32" in result.error  # no size, and nobody here gives one
     # What a resolved deploy config's diffusion_args hold (tiny_glm_image_cpu.yaml's stage 1).
-    diffusion_args = {
-        "model": engine.model,
-        "dtype": "float32",
-        "enforce_eager": True,
-        "guidance_scale": 1.5,
-        "height": 64,
-        "max_batch_size": 4,
-        "num_inference_steps": STEPS,
-        "seed": 0,
-        "width": 64,
-    }
-    sized = DiffusionEngine(**diffusion_args, runner=engine.runner)
-    assert (sized.guidance_scale, sized.max_batch_size) == (1.5, 4)
-    np.testing.assert_array_equal(alone(sized, request).image, alone(engine, t2i("d", seed=1)).image)
+    diffusion_args = {"model": engine.model, "dtype": "float32", "max_batch_size": 4, "seed": 0}
+    staged = DiffusionEngine(**diffusion_args, runner=engine.runner)
+    assert staged.max_batch_size == 4
+    np.testing.assert_array_equal(
+        alone(staged, t2i("d", seed=1)).image, alone(engine, t2i("d", seed=1)).image
+    )
 
 
 # --- registry and workers ------------------------------------------------------------------------------
@@ -373,7 +372,9 @@ def test_platform_table_names_the_diffusion_workers(tiny_glm_image: Path) -> Non
     workers = {name: import_object(p.diffusion_worker_cls) for name, p in PLATFORMS.items()}
     assert workers == {"cpu": CPUDiffusionWorker, "cuda": CUDADiffusionWorker, "rocm": CUDADiffusionWorker}
     worker = workers["cpu"]()
-    engine = worker.load_model(tiny_glm_image, dtype="auto", num_inference_steps=2, max_batch_size=2)
+    engine = worker.load_model(tiny_glm_image, dtype="auto", max_batch_size=2)
     assert str(engine.dtype) == "torch.float32" and engine.device.type == "cpu"
-    results = worker.execute([t2i("w1", seed=1), t2i("w2", seed=2)])
+    results = worker.execute(
+        [t2i("w1", seed=1, num_inference_steps=2), t2i("w2", seed=2, num_inference_steps=2)]
+    )
     assert all(r.ok for r in results) and [r.batch_size for r in results] == [2, 2]

@@ -43,7 +43,8 @@ def glm_request(request_id: str, size: int, seed: int = 0) -> GlmImageRequest:
     side = size // 16
     prior = torch.randint(0, CODEBOOK, (side * side,), generator=torch.Generator().manual_seed(seed))
     return GlmImageRequest(request_id=request_id, prompt="a red fox", height=size, width=size, seed=seed,
-                            num_inference_steps=STEPS, prior_token_ids=prior)  # fmt: skip
+                            num_inference_steps=STEPS, guidance_scale=1.5,  # GLM-Image's default, as served
+                            prior_token_ids=prior)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -231,12 +232,7 @@ def test_step_batched_groups_in_flight_keep_to_the_budget_together(
         room = (sizes[2] + sizes[3]) // 2
         limits["gpu_memory_utilization"] = fraction_leaving(tensor_bytes(glm_runner.weight_tensors()), room)
     else:
-        from vllm_omni_plugin.diffusion.runner import RequestDefaults
-
-        defaults = RequestDefaults(guidance_scale=glm_runner.default_guidance_scale)  # as the engine fills it
-        limits["max_step_tokens"] = 2 * glm_runner.step_tokens(
-            glm_runner.prepare(glm_request("r", 64), defaults)
-        )
+        limits["max_step_tokens"] = 2 * glm_runner.step_tokens(glm_request("r", 64))
     engine = DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", max_batch_size=8,
                              batching="step", batch_wait_ms=60_000, **limits)  # fmt: skip
     in_flight: list[int] = []

@@ -140,7 +140,7 @@ RUNNER_CAPABILITIES = {
     "request_type",
     "load",
     "label",
-    "size_limits",
+    "model_defaults",
     "prepare",
     "validate",
     "batch_key",
@@ -149,7 +149,6 @@ RUNNER_CAPABILITIES = {
     "steps_of",
     "default_num_inference_steps",
     "default_guidance_scale",
-    "default_size",
     "weight_tensors",
     "activation_bytes",
     "describe_request",
@@ -206,25 +205,36 @@ def test_the_engine_has_one_path_for_every_request_type() -> None:
     assert branches == []
 
 
-# --- sizes a runner declares ------------------------------------------------------------------------
+# --- what a model's configs say, read without its weights ------------------------------------------
 
 
-def test_the_generic_runner_reads_its_pipelines_sizes(tiny_sd3: Path, tiny_flux: Path) -> None:
+def test_the_generic_runner_reads_its_pipelines_defaults_and_sizes_from_configs(
+    tiny_sd3: Path, tiny_flux: Path
+) -> None:
+    """What ``model_defaults`` reads on the meta device is what the loaded pipeline says."""
     sd3 = load_pipeline_runner(str(tiny_sd3), dtype=torch.float32, device="cpu")
+    read = type(sd3).model_defaults(str(tiny_sd3))
     scale, config = sd3.pipe.vae_scale_factor, sd3.pipe.transformer.config
-    assert sd3.default_size == (sd3.pipe.default_sample_size * scale,) * 2 == (256, 256)
+    side = sd3.pipe.default_sample_size * scale
+    assert (read.defaults.height, read.defaults.width) == (side, side) == (256, 256)
+    assert read.defaults.num_inference_steps == sd3.default_num_inference_steps
+    assert read.defaults.guidance_scale == sd3.default_guidance_scale
     largest = config.pos_embed_max_size * config.patch_size * scale
-    assert sd3.size_limits == SizeLimits(multiple=scale * config.patch_size, max_side=largest)
-    assert largest == 1024
+    assert read.limits == SizeLimits(multiple=scale * config.patch_size, max_side=largest)
+    assert largest == 1024 and read.label == "StableDiffusion3Pipeline"
     flux = load_pipeline_runner(str(tiny_flux), dtype=torch.float32, device="cpu")
-    assert flux.size_limits == SizeLimits(multiple=16, max_side=None)  # 2x2 packed latents, no table
+    read = type(flux).model_defaults(str(tiny_flux))
+    assert read.limits == SizeLimits(multiple=16, max_side=None)  # 2x2 packed latents, no table
+    side = flux.pipe.default_sample_size * flux.pipe.vae_scale_factor
+    assert (read.defaults.height, read.defaults.width) == (side, side)
 
 
 def test_bagels_runner_declares_its_sizes(tiny_bagel: Path) -> None:
     from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
 
+    read = BagelGenerationRunner.model_defaults(str(tiny_bagel))
     runner = BagelGenerationRunner.load(str(tiny_bagel), dtype=torch.float32, device="cpu")
-    assert runner.size_limits == SizeLimits(
+    assert read.limits == SizeLimits(
         multiple=runner.cfg.latent_downsample, max_side=runner.cfg.max_image_side
     )
-    assert runner.default_size is None and runner.default_num_inference_steps is None
+    assert read.defaults.height is None and read.defaults.num_inference_steps == 50  # the authors' steps

@@ -60,9 +60,7 @@ def test_cached_and_compiled_tiny_sd3_on_cuda(tiny_sd3: Path) -> None:
         device="cuda",
         dtype="float32",
         max_batch_size=4,
-        compile={"blocks": True},
-        height=64,
-        width=64,
+        compile={"blocks": True, "warmup_sizes": [[64, 64]]},
     )
     try:
         for batch in (1, 3):  # a batch size the warm-up did not run

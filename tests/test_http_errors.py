@@ -36,7 +36,7 @@ from vllm_omni_plugin.entrypoints.api_server import build_api_app
 from vllm_omni_plugin.entrypoints.cli import build_parser
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer
 from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, decode_image
-from vllm_omni_plugin.stage.orchestrator import OmniRequest
+from vllm_omni_plugin.stage.input_processor import OmniCoreRequest
 
 MODEL = "fake-image"
 DEEP = 100_000
@@ -480,13 +480,13 @@ def test_data_uris_are_matched_case_insensitively(tmp_path: Path) -> None:
 
 def test_form_fields_holding_json_arrays_reach_the_family_settings(tmp_path: Path) -> None:
     """A form carries text only: BAGEL's ``cfg_interval`` (a pair) goes as a JSON array, read as one."""
-    seen: list[OmniRequest] = []
+    seen: list[OmniCoreRequest] = []
 
     async def main() -> tuple[httpx.Response, ...]:
         async with running(tmp_path, pipeline=BAGEL_SETTINGS_PIPELINE.name) as (client, server):
             generate = server.omni.generate
 
-            def recording(request: OmniRequest) -> Any:
+            def recording(request: OmniCoreRequest) -> Any:
                 seen.append(request)
                 return generate(request)
 
@@ -505,7 +505,7 @@ def test_form_fields_holding_json_arrays_reach_the_family_settings(tmp_path: Pat
 
     ok, reversed_pair, malformed, deep = asyncio.run(main())
     assert ok.status_code == 200, ok.text
-    assert [r.generation_params for r in seen] == [{"cfg_interval": (0.4, 1.0), "cfg_text_scale": 4.0}]
+    assert [(r.settings.cfg_interval, r.settings.cfg_text_scale) for r in seen] == [((0.4, 1.0), 4.0)]
     assert "cfg_interval must be [lo, hi] with 0 <= lo <= hi <= 1, got [0.9, 0.1]" in error_of(
         reversed_pair, 400
     )

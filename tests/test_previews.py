@@ -42,9 +42,7 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Callable[[str, str], Dif
         if (family, batching) not in loaded:
             model = request.getfixturevalue(f"tiny_{family}")
             runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
-            loaded[family, batching] = DiffusionEngine(
-                model, max_batch_size=4, num_inference_steps=6, batching=batching, **runner
-            )
+            loaded[family, batching] = DiffusionEngine(model, max_batch_size=4, batching=batching, **runner)
         return loaded[family, batching]
 
     yield get

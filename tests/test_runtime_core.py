@@ -85,8 +85,10 @@ def test_request_runs_through_both_stages_with_timings(deployment) -> None:
 
 
 def test_request_defaults_come_from_resolution(deployment) -> None:
-    """The DiT stage's size defaults are the pipeline's, merged by resolution (no runtime merging)."""
-    assert deployment.stage(1).diffusion_args["height"] == 64
+    """The DiT stage's size defaults are the pipeline's, merged by resolution and applied by the input
+    processor; none reaches the stage's worker."""
+    assert deployment.stage(1).request_defaults == {"height": 64, "width": 64}
+    assert "height" not in deployment.stage(1).diffusion_args
 
     async def main() -> OmniResult:
         orchestrator, _ = runtime(deployment)

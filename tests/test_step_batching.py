@@ -40,7 +40,7 @@ def engines(
         if family not in loaded:
             model = request.getfixturevalue(f"tiny_{family}")
             runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
-            args = {"max_batch_size": 4, "num_inference_steps": 4, **runner}
+            args = {"max_batch_size": 4, **runner}
             stepped = DiffusionEngine(model, batching="step", **args)
             loaded[family] = (stepped, DiffusionEngine(model, **args))
         return loaded[family]

@@ -38,19 +38,16 @@ def test_each_family_counts_the_tokens_a_step_carries(
     assert sd3.runner.step_tokens(ask("l", size=128)) == 128
     unsized = DiffusionRequest(
         request_id="n", prompt="a red fox", guidance_scale=4.0
-    )  # the pipeline's own size
-    assert sd3.runner.step_tokens(unsized) == 2 * sd3.runner.memory_shape.image_tokens(
-        *sd3.runner.default_size
-    )
+    )  # the pipeline draws one
+    assert sd3.runner.step_tokens(unsized) == 2  # no size known: one token a row
     # FLUX embeds its guidance: one row whatever the scale
     flux = DiffusionEngine(tiny_flux).runner
     assert flux.step_tokens(ask("f")) == flux.step_tokens(ask("f", guidance=1.0)) == 16
     # GLM-Image: its second (unconditional) pass is a second call of the same tokens
-    glm_engine = DiffusionEngine(tiny_glm_image)
-    glm = glm_engine.runner
+    glm = DiffusionEngine(tiny_glm_image).runner
     from test_diffusion_memory import glm_request
 
-    request = glm.prepare(glm_request("g", 64), glm_engine.defaults)  # its default guidance, 1.5
+    request = glm_request("g", 64)  # with its default guidance, 1.5
     assert glm.step_tokens(request) == 2 * (64 // glm.memory_shape.patch_pixels) ** 2
     # BAGEL: its image block once per row it adds (cond; cfg_text; cfg_img where it runs and differs)
     import torch

@@ -1,5 +1,6 @@
-"""A diffusion stage's worker arguments, with its request defaults merged once: the stage's field, else
-its ``default_sampling_params``, else the pipeline's diffusion defaults."""
+"""A diffusion stage's worker arguments, and its request defaults merged once: the stage's field, else its
+``default_sampling_params``, else the pipeline's diffusion defaults (the input processor applies them;
+nothing of them reaches the stage's worker)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from vllm_omni_plugin.config.pipeline import Pipeline
 from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.schema import StageDeployConfig
-from vllm_omni_plugin.diffusion.engine import MAX_BATCH_SIZE
+from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE
 from vllm_omni_plugin.dotted import import_object
 
-DIFFUSION_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width", "seed")
-"""What a diffusion stage's ``default_sampling_params`` may set: defaults of the diffusion engine for
-requests that leave them unset (a stage field of the same name wins)."""
+REQUEST_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "width")
+"""What a diffusion stage's ``default_sampling_params`` may set for requests that leave them unset (a stage
+field of the same name wins): the stage's ``request_defaults``."""
+DIFFUSION_DEFAULT_KEYS = (*REQUEST_DEFAULT_KEYS, "seed")
+"""Those, and ``seed``: it seeds the engine's draw of seeds for unseeded requests."""
 DIFFUSION_ENGINE_FIELDS = (
     "dtype",
-    "trust_remote_code",
-    "enforce_eager",
     "gpu_memory_utilization",
     "batching",
     "batch_wait_ms",
@@ -41,12 +42,11 @@ def diffusion_args(
     platform: PlatformInfo,
     report: Reporter,
 ) -> dict[str, Any]:
-    """The diffusion worker's arguments, its request defaults merged in."""
+    """The diffusion worker's arguments (its ``seed`` merged as the request defaults are)."""
     if platform.diffusion_worker_cls is None:
         raise report.error(
             f"diffusion stages are not supported on platform {platform.name!r}", stage.stage_id
         )
-    pipeline_defaults = set_fields(pipeline.diffusion_defaults)
     args: dict[str, Any] = {
         "model": model,
         "max_batch_size": stage.max_batch_size or MAX_BATCH_SIZE,
@@ -87,7 +87,18 @@ def diffusion_args(
     if stage.cache is not None and stage.cache.active:
         args["cache"] = msgspec.to_builtins(stage.cache.resolved())
     if stage.compile is not None and stage.compile.active:
-        args["compile"] = msgspec.to_builtins(stage.compile)
+        spec = stage.compile
+        defaults = request_defaults(stage, sampling, pipeline)
+        if spec.warmup_sizes is None and defaults.get("height") and defaults.get("width"):
+            spec = msgspec.structs.replace(spec, warmup_sizes=[(defaults["height"], defaults["width"])])
+        elif spec.warmup_sizes is None:
+            report.note_at(
+                stage.stage_id,
+                "compile",
+                "no warm-up size: set warmup_sizes (or the stage's height and width); until then the "
+                "first request of each size compiles",
+            )
+        args["compile"] = msgspec.to_builtins(spec)
     if stage.gpu_memory_utilization is not None and platform.device_env is None:
         report.note_at(
             stage.stage_id,
@@ -96,9 +107,24 @@ def diffusion_args(
             "the stage admits requests by their estimated activation memory within it, but nothing "
             "caps what it allocates",
         )
-    for name in DIFFUSION_DEFAULT_KEYS:
-        for value in (getattr(stage, name), sampling.get(name), pipeline_defaults.get(name)):
-            if value is not None:
-                args[name] = value
-                break
+    seed = _first_set(stage, sampling, pipeline, "seed")
+    if seed is not None:
+        args["seed"] = seed
     return dict(sorted(args.items()))
+
+
+def request_defaults(
+    stage: StageDeployConfig, sampling: dict[str, Any], pipeline: Pipeline
+) -> dict[str, Any]:
+    """What the stage's requests get for fields they leave unset (the input processor applies them, over
+    the model's own)."""
+    found = {name: _first_set(stage, sampling, pipeline, name) for name in REQUEST_DEFAULT_KEYS}
+    return {name: value for name, value in sorted(found.items()) if value is not None}
+
+
+def _first_set(stage: StageDeployConfig, sampling: dict[str, Any], pipeline: Pipeline, name: str) -> Any:
+    """The stage's field, else its ``default_sampling_params``' value, else the pipeline's default."""
+    declared = set_fields(pipeline.diffusion_defaults)
+    return next(
+        (v for v in (getattr(stage, name), sampling.get(name), declared.get(name)) if v is not None), None
+    )

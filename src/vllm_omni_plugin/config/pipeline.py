@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from vllm_omni_plugin.config.errors import ConfigError
+from vllm_omni_plugin.diffusion.runner import DiffusionDefaults
 from vllm_omni_plugin.dotted import import_object
 
 if TYPE_CHECKING:
@@ -78,16 +79,6 @@ class ARTokenCount(msgspec.Struct, frozen=True, kw_only=True):
         return self.prompt_tokens + sum(self.image_tokens) + self.generated_tokens
 
 
-class DiffusionDefaults(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """What the pipeline's diffusion stage uses when neither a request nor the deploy config says
-    (``None``: the diffusion runner's own default)."""
-
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-
-
 class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     stages: tuple[PipelineStage, ...]
@@ -112,6 +103,8 @@ class Pipeline(msgspec.Struct, frozen=True, kw_only=True):
     request the AR stage's ``max_model_len`` (``limit``) cannot hold before any stage runs. None: no AR
     stage bounds it."""
     diffusion_defaults: DiffusionDefaults = DiffusionDefaults()
+    """What its diffusion stage's requests get for fields they leave unset, where neither the deploy config
+    nor the request says (under these: the model's own, ``DiffusionRunner.model_defaults``)."""
     settings: str | None = None
     """Dotted path of the family's request settings type (a ``config.settings.RequestSettings``): the
     fields a request (and the diffusion stage's ``default_sampling_params``) may set beyond OpenAI's, e.g.

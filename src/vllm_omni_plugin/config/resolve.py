@@ -22,7 +22,7 @@ import msgspec
 
 from vllm_omni_plugin.config.ar_stage import ar_engine_args
 from vllm_omni_plugin.config.cpu_threads import ThreadPlan, diffusion_thread_args, stage_threads, thread_plan
-from vllm_omni_plugin.config.diffusion_stage import diffusion_args
+from vllm_omni_plugin.config.diffusion_stage import diffusion_args, request_defaults
 from vllm_omni_plugin.config.edges import StageIO, Wiring, check_headless_connectors, wire
 from vllm_omni_plugin.config.errors import ConfigError
 from vllm_omni_plugin.config.layers import layered_stages
@@ -175,7 +175,9 @@ def resolve_stage(
     placement = ray_placement(stage, engine_args if is_ar else {}, platform, backend, report)
     sampling = sampling_params(stage, fixed, pipeline, report)
     dit_args: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
     if not is_ar:
+        defaults = request_defaults(stage, sampling, pipeline)
         dit_args = diffusion_args(stage, sampling, pipeline, model, platform, report)
         dit_args.update(diffusion_thread_args(stage, threads, platform, report))
         dit_args = dict(sorted(dit_args.items()))
@@ -195,6 +197,7 @@ def resolve_stage(
         default_sampling_params=sampling,
         engine_args=engine_args,
         diffusion_args=dit_args,
+        request_defaults=defaults,
         headless=headless,
         continuation=fixed.continuation,
         companion_timeout_s=stage.companion_timeout_s or DEFAULT_COMPANION_TIMEOUT_S,

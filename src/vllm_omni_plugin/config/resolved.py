@@ -102,8 +102,11 @@ class ResolvedStage(msgspec.Struct, kw_only=True):
     engine_args: dict[str, Any] = {}
     """AR stages: the vLLM ``EngineArgs`` of every replica."""
     diffusion_args: dict[str, Any] = {}
-    """Diffusion stages: the diffusion worker's ``load_model`` arguments, defaults included (the stage's
-    fields, else its ``default_sampling_params``, else the pipeline's diffusion defaults)."""
+    """Diffusion stages: the diffusion worker's ``load_model`` arguments."""
+    request_defaults: dict[str, Any] = {}
+    """Diffusion stages: what requests get for fields they leave unset (the stage's fields, else its
+    ``default_sampling_params``, else the pipeline's diffusion defaults); the input processor applies them
+    over the model's own."""
     headless: bool = False
     """Served by a headless worker that registers with the head (see ``StageDeployConfig.headless``)."""
     continuation: str | None = None

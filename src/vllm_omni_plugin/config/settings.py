@@ -44,6 +44,12 @@ class RequestSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         """The settings the request gave."""
         return {name: v for name in self.__struct_fields__ if (v := getattr(self, name)) is not None}
 
+    def with_defaults(self, *, edit: bool) -> RequestSettings:
+        """These settings with the family's own defaults where none is given (``edit``: the request has
+        source images); the input processor asks once per request. As they are unless the family has
+        defaults."""
+        return self
+
 
 def _number(x: float) -> str:
     return f"{x:g}"

@@ -43,13 +43,7 @@ from vllm_omni_plugin.diffusion.memory import (
 )
 from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, RowParallelDenoiser
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
-from vllm_omni_plugin.diffusion.runner import (
-    BatchAborted,
-    DiffusionRunner,
-    PreviewCallback,
-    RequestDefaults,
-    ServedDefaults,
-)
+from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE, BatchAborted, DiffusionRunner, PreviewCallback
 from vllm_omni_plugin.diffusion.sequence_parallel import SequenceParallelDenoiser, sequence_plan
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
@@ -80,9 +74,6 @@ decode takes, by device type. On two cores a tiny AutoencoderKL decodes 64x64 im
 each) at 1.6 ms per image 4 or 8 at a time against 4.3 ms alone, and 128x128 ones best 4 at a time."""
 GPU_DECODE_LATENTS = 1 << 20
 """Elsewhere: 4 megapixels of a 16-channel, 8x VAE per call (not measured here)."""
-MAX_BATCH_SIZE = 64
-"""The most requests of a batch (or in flight, ``batching: step``) when the stage pins no
-``max_batch_size``: ``max_step_tokens`` bounds them first at any size but the tiniest."""
 PROGRESS_INTERVAL_S = 10.0
 """How often a long batch logs its progress: short batches stay quiet, a minute-long one says so."""
 ABORTED = "aborted"
@@ -117,11 +108,9 @@ class DiffusionEngine:
     """Runs a :class:`DiffusionRunner` (a diffusers pipeline's, chosen by ``model_index.json``, or the one
     the pipeline names: ``runner_cls``) on batches of its requests.
 
-    ``num_inference_steps``, ``guidance_scale``, ``height``, ``width`` are defaults for requests that leave
-    them unset (the runner's own defaults otherwise); ``seed`` seeds the draw of seeds for
-    unseeded requests. ``trust_remote_code`` and ``enforce_eager`` are accepted so a resolved deploy
-    config's ``diffusion_args`` can be passed as is; registered runners need neither. A batch that runs
-    longer than ``progress_interval_s`` logs its requests' step progress every that many seconds.
+    Requests arrive complete (the input processor filled their defaults); ``seed`` seeds the draw of seeds
+    for unseeded requests. A batch that runs longer than ``progress_interval_s`` logs its requests' step
+    progress every that many seconds.
     ``gpu_memory_utilization``: the share of the device's memory (the machine's on CPU) the stage keeps
     to; batches are formed within what it leaves after the weights (``memory``). ``max_step_tokens``: the
     most latent tokens a step carries over the requests of a batch (:meth:`DiffusionRunner.step_tokens`);
@@ -136,14 +125,8 @@ class DiffusionEngine:
         device: Any = "cpu",
         max_batch_size: int = MAX_BATCH_SIZE,
         max_step_tokens: int | None = None,
-        num_inference_steps: int | None = None,
-        guidance_scale: float | None = None,
-        height: int | None = None,
-        width: int | None = None,
         seed: int | None = None,
         batch_invariant: bool = False,
-        trust_remote_code: bool = False,
-        enforce_eager: bool = True,
         runner: DiffusionRunner | None = None,
         runner_cls: str | None = None,
         progress_interval_s: float = PROGRESS_INTERVAL_S,
@@ -182,22 +165,6 @@ class DiffusionEngine:
             self.memory = self._measure_budget(gpu_memory_utilization)
         self.request_type: type[RunnerRequest] = runner.request_type
         """What this engine's runner takes."""
-        self.num_inference_steps = num_inference_steps or runner.default_num_inference_steps
-        self.guidance_scale = runner.default_guidance_scale if guidance_scale is None else guidance_scale
-        default_h, default_w = runner.default_size or (None, None)
-        self.height = height or default_h
-        self.width = width or default_w
-        self.defaults = RequestDefaults(
-            height=self.height,
-            width=self.width,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-        )
-        """What requests that leave a field unset get (the configuration's, else the runner's own)."""
-        self.runner_defaults = ServedDefaults(
-            defaults=self.defaults, limits=runner.size_limits, label=runner.label
-        )
-        """What the stage reports once ready (``StageReady.runner_defaults``)."""
         self._seeds = random.Random(seed)
         self.progress_interval_s = progress_interval_s
         self._counters = DiffusionCounters()
@@ -270,8 +237,6 @@ class DiffusionEngine:
         self.batch_wait_ms = batch_wait_ms
         """``batching: step``: while requests run, how long a new request waits for others to start with
         it as one group (one pipeline call: its prompt encoding and decode batched)."""
-        if trust_remote_code:
-            logger.debug("diffusion engine: trust_remote_code has no effect on registered pipeline runners")
         logger.info(
             "diffusion engine: %s (%s) on %s, %s, max_batch_size %d, max_step_tokens %d, %s batching%s, "
             "step cache %s, load %.2f s",
@@ -323,14 +288,14 @@ class DiffusionEngine:
     # --- requests ----------------------------------------------------------------------------------
 
     def _resolve(self, request: Any) -> Any:
-        """The request with a seed (drawn when it has none) and every default filled in (the runner's
-        ``prepare``)."""
+        """The request with a seed (drawn when it has none), its step caching over the stage's and its
+        received parts joined (the runner's ``prepare``)."""
         if request.seed is None:
             request = msgspec.structs.replace(request, seed=self._seeds.randint(0, MAX_SEED))
         own, stage = request.cache, self.cache
         if own is not None or (stage is not None and stage.active):
             request = msgspec.structs.replace(request, cache=(own or StepCacheSpec()).over(stage).resolved())
-        return self.runner.prepare(request, self.defaults)
+        return self.runner.prepare(request)
 
     def _start_group(self, size: int, kind: str) -> DenoiserGroup:
         """Start the peers of a CFG- or sequence-parallel replica (``kind``; rank ``r`` on this replica's
@@ -388,7 +353,7 @@ class DiffusionEngine:
             raise ValueError(f"compile: {reason}; remove the compile block")
         start, graphs = time.perf_counter(), compile_count()
         blocks = self.runner.compile_blocks(spec)
-        sizes = spec.warmup_sizes or ([(self.height, self.width)] if self.height and self.width else [])
+        sizes = spec.warmup_sizes or []
         for height, width in sizes:
             for count, guided in ((2, True), (1, False)):
                 warm = self.runner.warmup_requests(height, width, count, guided=guided)

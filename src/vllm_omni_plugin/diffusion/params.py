@@ -16,6 +16,9 @@ import msgspec
 from vllm_omni_plugin.diffusion.lora import LoraSpec
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
+MAX_PARTIAL_IMAGES = 3
+"""The most previews a request may ask for (OpenAI's ``partial_images`` bound)."""
+
 
 class RunnerRequest(msgspec.Struct, kw_only=True, tag_field="kind"):
     """What the engine reads of every runner's request. Each runner's request type is a tagged subclass;
@@ -34,7 +37,8 @@ class RunnerRequest(msgspec.Struct, kw_only=True, tag_field="kind"):
 
 class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):
     """One image from a prompt (and source images): what the diffusers runners take. ``None`` sampling
-    fields take the engine's defaults. A family that needs more subclasses it (GLM-Image's prior tokens)."""
+    fields are the pipeline's own (a served request arrives complete: the input processor filled them). A
+    family that needs more subclasses it (GLM-Image's prior tokens)."""
 
     prompt: str
     """The text prompt (GLM-Image only reads its quoted substrings: the AR stage already turned the

@@ -1,10 +1,12 @@
 """The interface every diffusion runner implements, and the only one the diffusion engine uses.
 
-A runner loads one model and runs batches of its own request type. The engine fills a request's
-defaults through the runner (:meth:`DiffusionRunner.prepare`), validates it, groups requests by
-:meth:`DiffusionRunner.batch_key`, bounds batches by :meth:`DiffusionRunner.activation_bytes` and runs
-them with :meth:`DiffusionRunner.run`; nothing else of a runner is read, so a runner declares here what
-it can do instead of the engine asking whether it has an attribute.
+A runner loads one model and runs batches of its own request type. Requests arrive complete (the input
+processor, ``stage/input_processor.py``, filled every default from :meth:`DiffusionRunner.model_defaults`
+and the deploy config at start-up): the engine joins a request's received parts
+(:meth:`DiffusionRunner.prepare`), validates it, groups requests by :meth:`DiffusionRunner.batch_key`,
+bounds batches by :meth:`DiffusionRunner.activation_bytes` and runs them with :meth:`DiffusionRunner.run`;
+nothing else of a runner is read, so a runner declares here what it can do instead of the engine asking
+whether it has an attribute.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ PreviewCallback = Callable[[str, int, Any], None]
 """Called with (request id, preview index, uint8 HxWx3 image) when a preview of a request is decoded; from
 the preview thread (``diffusion/previews.py``), before the request's call returns."""
 
-MAX_PARTIAL_IMAGES = 3
-"""The most previews a request may ask for (OpenAI's ``partial_images`` bound)."""
+MAX_BATCH_SIZE = 64
+"""The most requests of a batch (or in flight, ``batching: step``) when the stage pins no
+``max_batch_size``: ``max_step_tokens`` bounds them first at any size but the tiniest."""
 
 
 def preview_steps(partial_images: int, steps: int) -> list[int]:
@@ -62,9 +65,10 @@ class BatchOutput:
     timings: dict[str, float]
 
 
-class RequestDefaults(msgspec.Struct, frozen=True, kw_only=True):
-    """What the stage's configuration gives requests that leave a field unset (the runner's own
-    defaults where the configuration gives none: :meth:`DiffusionEngine.__init__`)."""
+class DiffusionDefaults(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a request that leaves these fields unset gets (``None``: nothing given at this level). A
+    pipeline declares its own (``Pipeline.diffusion_defaults``), the deploy config may set them, and a
+    runner reads its model's (:meth:`DiffusionRunner.model_defaults`); the input processor applies them."""
 
     height: int | None = None
     width: int | None = None
@@ -81,15 +85,15 @@ class SizeLimits(msgspec.Struct, frozen=True, kw_only=True):
     """The largest height or width (``None``: no limit the model states)."""
 
 
-class ServedDefaults(msgspec.Struct, frozen=True, kw_only=True):
-    """What a loaded diffusion replica tells its client once ready: the defaults its requests get (the
-    configuration's, else its model's own) and the sizes its model can make. The runtime resolves the
-    deployment's request defaults from it once, before any request runs."""
+@dataclass(frozen=True)
+class ModelDefaults:
+    """What a model's own configuration says of its requests, read without its weights: the defaults its
+    pipeline applies to unset fields and the sizes it can make."""
 
-    defaults: RequestDefaults
-    limits: SizeLimits
+    defaults: DiffusionDefaults = DiffusionDefaults()
+    limits: SizeLimits = SizeLimits()
     label: str = ""
-    """What made them (the runner and its pipeline class), for messages."""
+    """What states them (the runner's pipeline class), for messages."""
 
 
 class DiffusionRunner(abc.ABC):
@@ -98,10 +102,6 @@ class DiffusionRunner(abc.ABC):
 
     request_type: ClassVar[type[RunnerRequest]]
     """What this runner takes; the wire's union of request types is built from the registered runners'."""
-    default_num_inference_steps: int | None = None
-    default_guidance_scale: float | None = None
-    default_size: tuple[int, int] | None = None
-    """``(height, width)`` the model makes when neither the request nor the stage gives one."""
     on_step: StepCallback | None = None
     """Set by the engine: called after each denoising step of :meth:`run`."""
     step_batching: ClassVar[bool] = False
@@ -140,19 +140,21 @@ class DiffusionRunner(abc.ABC):
     def load(cls, model: str, *, dtype: Any, device: Any) -> DiffusionRunner:
         """The runner with its model loaded from ``model`` (a directory or hub id)."""
 
+    @classmethod
+    def model_defaults(cls, model: str) -> ModelDefaults:
+        """What ``model``'s own configuration gives requests and the sizes it can make, read at start-up
+        without loading weights (none, unless the runner knows better); raises ``OSError`` or
+        ``ValueError`` when the model cannot be read."""
+        return ModelDefaults(label=cls.__name__)
+
     @property
     def label(self) -> str:
         """What it runs, for logs."""
         return type(self).__name__
 
-    @property
-    def size_limits(self) -> SizeLimits:
-        """The sizes its model can make (any, unless the runner knows better)."""
-        return SizeLimits()
-
-    def prepare(self, request: Any, defaults: RequestDefaults) -> Any:
-        """The request as :meth:`run` takes it: unset fields from ``defaults``, received parts joined. The
-        engine has already drawn its seed. As is unless the runner's request has defaults to fill."""
+    def prepare(self, request: Any) -> Any:
+        """The request as :meth:`run` takes it: its received parts joined (the engine has drawn its seed;
+        every other field came complete). As is unless the runner's request has parts to join."""
         return request
 
     @abc.abstractmethod
@@ -167,7 +169,7 @@ class DiffusionRunner(abc.ABC):
     def run(
         self, batch: list[Any], generators: list[Any], should_stop: StopCheck | None = None
     ) -> BatchOutput:
-        """One call for ``batch`` (one key, defaults applied; one CPU ``torch.Generator`` per request),
+        """One call for ``batch`` (one key; one CPU ``torch.Generator`` per request),
         calling :attr:`on_step` after each step; raises :class:`BatchAborted` at the end of the first
         step after which ``should_stop()`` is true."""
 
@@ -177,11 +179,11 @@ class DiffusionRunner(abc.ABC):
 
     @abc.abstractmethod
     def activation_bytes(self, batch: list[Any]) -> int:
-        """Estimated peak activations of ``batch`` (one key, defaults applied) run as one call."""
+        """Estimated peak activations of ``batch`` (one key) run as one call."""
 
     @abc.abstractmethod
     def step_tokens(self, request: Any) -> int:
-        """Latent tokens a denoising step of the request carries (defaults applied): its image's tokens
+        """Latent tokens a denoising step of the request carries: its image's tokens
         times the denoiser rows a step runs for it (two with classifier-free guidance). Batches and the
         requests in flight are bounded by their sum (``max_step_tokens``)."""
 

@@ -5,7 +5,8 @@ the same order, build the same ``OmniRequest``s and answer with the same respons
 A front end reads its transport (a JSON body, a multipart form, Dynamo's request dict), parses it into
 the request types of ``openai_images``, calls the ``*_call`` function of its endpoint, runs the call's
 requests through ``OmniServer.run`` and turns the results into the body with ``images_body`` or
-``chat_body``. Every client mistake is an ``OmniAPIError``.
+``chat_body``. A call parses: what a request leaves unset and whether the model can make it are the
+runtime's input processor's (``OmniServer.prepare``). Every client mistake is an ``OmniAPIError``.
 """
 
 from __future__ import annotations
@@ -28,18 +29,17 @@ from vllm_omni_plugin.entrypoints.openai_images import (
     ChatUsage,
     ImageEditRequest,
     ImageGenerationRequest,
-    ImageLimits,
     ImageObject,
     ImagesResponse,
     OmniAPIError,
     chat_prompt_and_images,
     data_uri,
     encode_image,
-    fit_to_grid,
     image_content,
     parse_size,
 )
-from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
+from vllm_omni_plugin.stage.input_processor import OmniCoreRequest, OmniRequest
+from vllm_omni_plugin.stage.orchestrator import OmniResult
 
 
 @dataclass
@@ -48,13 +48,11 @@ class ApiCall:
 
     endpoint: str
     """``images/generations``, ``images/edits`` or ``chat/completions`` (metrics and logs)."""
-    requests: list[OmniRequest]
+    requests: list[OmniCoreRequest]
     model: str = ""
     response_format: str = "b64_json"
     output_format: str = "png"
     compression: int | None = None
-    width: int = 0
-    height: int = 0
     text: bool = False
     """A chat call answered in text (the pipeline's AR stage), not with an image."""
     stream: bool = False
@@ -76,13 +74,11 @@ async def generation_call(server: OmniServer, req: ImageGenerationRequest) -> Ap
     settings = server.check_settings(req)
     server.check_image_input(0, "images/generations", "prompt")
     response_format = server.check_response_format(req.response_format)
-    size = parse_size(req.size, server.limits)
-    width, height = size or (server.limits.default_width, server.limits.default_height)
-    server.check_size(width, height)
-    await server.check_ar_tokens(req.prompt, [], width, height)
+    size = parse_size(req.size)
     server.check_steps(req.num_inference_steps)
-    requests = image_requests(req, req.prompt, width, height, settings, lora=lora)
-    return images_call("images/generations", req, requests, response_format, width, height)
+    parsed = image_requests(req, req.prompt, size, settings, lora=lora)
+    requests = await server.prepare(parsed, {"size": "size", "source": "prompt"})
+    return images_call("images/generations", req, requests, response_format)
 
 
 async def edit_call(
@@ -100,23 +96,16 @@ async def edit_call(
     server.check_prompts(req.prompt, req.negative_prompt)
     settings = server.check_settings(req)
     response_format = server.check_response_format(req.response_format)
-    size = parse_size(req.size, server.limits)
+    size = parse_size(req.size)
     images = await read_images()
-    width, height = size or fit_to_grid(images[0].shape[1], images[0].shape[0], server.limits)
-    server.check_size(width, height)
-    await server.check_ar_tokens(req.prompt, images, width, height, source_param=image_param)
     server.check_steps(req.num_inference_steps)
-    requests = image_requests(req, req.prompt, width, height, settings, images, lora=lora)
-    return images_call("images/edits", req, requests, response_format, width, height)
+    parsed = image_requests(req, req.prompt, size, settings, images, lora=lora)
+    requests = await server.prepare(parsed, {"size": "size", "source": image_param})
+    return images_call("images/edits", req, requests, response_format)
 
 
 def images_call(
-    endpoint: str,
-    req: ImageGenerationRequest,
-    requests: list[OmniRequest],
-    response_format: str,
-    width: int,
-    height: int,
+    endpoint: str, req: ImageGenerationRequest, requests: list[OmniCoreRequest], response_format: str
 ) -> ApiCall:
     """An Images API call (generations, edits) of its checked requests, encoded as the request asks."""
     return ApiCall(
@@ -125,8 +114,6 @@ def images_call(
         response_format=response_format,
         output_format=req.output_format or "png",
         compression=req.output_compression,
-        width=width,
-        height=height,
         stream=check_stream(req),
     )
 
@@ -134,7 +121,6 @@ def images_call(
 async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
     """``POST /v1/chat/completions``: an image answer (``"modalities": ["image"]``), else a text answer
     where the pipeline can give one."""
-    limits = server.limits
     if not req.wants_image and not server.settings.answers_in_text:
         raise OmniAPIError(
             f"this deployment ({server.settings.pipeline}) generates images and cannot answer in "
@@ -145,10 +131,10 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
     lora = server.check_lora(req.lora, req.model)
     settings = server.check_settings(req)
     server.check_steps(req.num_inference_steps)
-    prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, limits)
+    prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, server.limits)
     server.check_prompts(prompt, req.negative_prompt, param="messages")
     if not req.wants_image:
-        requests = [
+        parsed = [
             OmniRequest(
                 prompt=prompt,
                 images=list(images),
@@ -159,21 +145,21 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
             )
             for seed in seeds(req.seed, req.n)
         ]
+        requests = await server.prepare(parsed, {"source": "messages"})
         return ApiCall("chat/completions", requests, model=model, text=True, stream=check_stream(req))
     server.check_image_input(len(images), "chat/completions", "messages")
-    width, height, size_param = chat_size(req, limits, images)
-    server.check_size(width, height, param=size_param)
-    await server.check_ar_tokens(
-        prompt, images, width, height, size_param=size_param, source_param="messages"
+    size = parse_size(req.size)
+    sides = (req.width, req.height) if size is None else size
+    parsed = image_requests(req, prompt, sides, settings, images, req.sampling_params(), lora=lora)
+    size_param = (
+        "size" if size is not None else "width" if req.height is None and req.width is not None else "height"
     )
-    requests = image_requests(req, prompt, width, height, settings, images, req.sampling_params(), lora=lora)
+    requests = await server.prepare(parsed, {"size": size_param, "source": "messages"})
     return ApiCall(
         "chat/completions",
         requests,
         model=model,
         output_format=req.output_format or "png",
-        width=width,
-        height=height,
         stream=check_stream(req),
     )
 
@@ -199,9 +185,7 @@ async def images_body(
         data = [ImageObject(url=await save_media(blob, call.output_format)) for blob in encoded]
     else:
         data = [ImageObject(b64_json=base64.b64encode(blob).decode("ascii")) for blob in encoded]
-    width, height = call.width, call.height
-    if call.endpoint == "images/edits":  # a pipeline may keep the input's own size (BAGEL)
-        height, width = results[0].output.image.shape[:2]
+    height, width = results[0].output.image.shape[:2]  # a pipeline may keep an edit's source size (BAGEL)
     return ImagesResponse(
         created=int(time.time()),
         data=data,
@@ -252,34 +236,6 @@ async def chat_body(call: ApiCall, results: list[OmniResult]) -> ChatCompletionR
     )
 
 
-def chat_size(req: ChatCompletionRequest, limits: ImageLimits, images: list[Any]) -> tuple[int, int, str]:
-    """Width, height and the field that set them: ``size``, else ``width``/``height`` (an absent one is
-    the default; 0 is refused like any size off the grid), else the source's aspect, else the default."""
-    size = parse_size(req.size, limits)
-    if size is not None:
-        return size[0], size[1], "size"
-    if req.width is None and req.height is None:
-        if images:
-            return (*fit_to_grid(images[0].shape[1], images[0].shape[0], limits), "height")
-        return limits.default_width, limits.default_height, "height"
-    for name, side in (("width", req.width), ("height", req.height)):
-        if side is None:
-            continue
-        if side < limits.min_side or side % limits.multiple:
-            raise OmniAPIError(
-                f"{name} must be a multiple of {limits.multiple} and at least {limits.min_side} pixels, "
-                f"got {side}",
-                param=name,
-            )
-        if side > limits.max_side:
-            raise OmniAPIError(
-                f"{name} must be at most {limits.max_side} pixels on this server, got {side}", param=name
-            )
-    width = req.width if req.width is not None else limits.default_width
-    height = req.height if req.height is not None else limits.default_height
-    return width, height, "height" if req.height is not None else "width"
-
-
 def seeds(seed: int | None, n: int) -> list[int | None]:
     if seed is None:
         return [None] * n
@@ -289,16 +245,17 @@ def seeds(seed: int | None, n: int) -> list[int | None]:
 def image_requests(
     req: Any,
     prompt: str,
-    width: int,
-    height: int,
+    size: tuple[int | None, int | None] | None,
     settings: dict[str, Any],
     images: list[Any] | tuple[Any, ...] = (),
     sampling_params: dict[str, Any] | None = None,
     *,
     lora: LoraSpec | None = None,
 ) -> list[OmniRequest]:
-    """The ``n`` requests of one API call (every image route): one per seed, the rest shared; the
-    family's settings (``OmniServer.check_settings``) travel as its generation parameters."""
+    """The ``n`` requests of one API call (every image route): one per seed, the rest shared; ``size``:
+    (width, height) as the client gave them (None: neither); the family's settings
+    (``OmniServer.check_settings``) travel as its generation parameters."""
+    width, height = size or (None, None)
     return [
         OmniRequest(
             prompt=prompt,

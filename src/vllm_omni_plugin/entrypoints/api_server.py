@@ -215,7 +215,7 @@ def run_server(args: argparse.Namespace, deployment: ResolvedDeployment) -> None
     """Bind, start the stages and serve; returns after a clean shutdown (SIGINT/SIGTERM)."""
     if not os.path.isdir(deployment.model):
         raise ServeError(f"model directory {deployment.model!r} does not exist")
-    media_dir = getattr(args, "image_media_dir", None)
+    media_dir = args.image_media_dir
     if media_dir:
         try:
             os.makedirs(media_dir, exist_ok=True)

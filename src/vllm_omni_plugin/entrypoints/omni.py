@@ -18,7 +18,8 @@ from typing import Any
 
 from vllm_omni_plugin.config import ResolvedDeployment
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
-from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
+from vllm_omni_plugin.stage.input_processor import OmniRequest
+from vllm_omni_plugin.stage.orchestrator import OmniResult
 
 
 class Omni:

@@ -8,9 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import math
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,21 +19,14 @@ from vllm_omni_plugin.config import ResolvedDeployment, get_pipeline
 from vllm_omni_plugin.config.pipeline import registered_pipelines
 from vllm_omni_plugin.config.settings import SettingError, read_settings
 from vllm_omni_plugin.diffusion.lora import LoraSpec
-from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.entrypoints.lora_adapters import ServedAdapters
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
-from vllm_omni_plugin.entrypoints.openai_images import (
-    ImageLimits,
-    OmniAPIError,
-    check_dimensions,
-    check_prompt_length,
-)
+from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, check_prompt_length
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError
-from vllm_omni_plugin.stage.input_work import input_work
-from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult
-from vllm_omni_plugin.stage.request_defaults import SizeDefaults
+from vllm_omni_plugin.stage.input_processor import InputError, OmniCoreRequest, OmniRequest, RequestBounds
+from vllm_omni_plugin.stage.orchestrator import OmniResult
 from vllm_omni_plugin.stage.request_events import RequestEvent
 
 logger = get_logger(__name__)
@@ -46,10 +37,6 @@ class ServerSettings:
     served_model_names: list[str]
     limits: ImageLimits
     media_dir: str | None = None
-    ar_max_model_len: int | None = None
-    token_budget: Any = None
-    """``f(prompt, image_sizes, width, height, limit) -> ARTokenCount``: the pipeline's
-    ``ar_token_budget`` on this model, when an AR stage's ``max_model_len`` bounds its requests."""
     pipeline: str = ""
     settings_type: Any = None
     """The pipeline's request settings type (``Pipeline.settings``): the fields a request may carry
@@ -57,14 +44,6 @@ class ServerSettings:
     other_settings: frozenset[str] = frozenset()
     """Settings other registered pipelines take and this one does not (refused as such, not as unknown)."""
     answers_in_text: bool = False
-    takes_images: bool = True
-    """The model turns source images into its output (``/v1/images/edits``, chat with ``image_url``)."""
-    needs_images: bool = False
-    """The model only edits: every request needs a source image."""
-    model_label: str = ""
-    """How errors name what is served (the pipeline, or the model's diffusers class)."""
-    lora_refusal: str | None = "this deployment takes no LoRA adapters"
-    """Why requests cannot name a LoRA adapter (None: its diffusion stage's runner applies them)."""
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
     """Adapters named at start-up (``--lora-modules``): (name, path)."""
     no_media: str = "response_format=url needs a media directory on the server (--image-media-dir)"
@@ -73,83 +52,24 @@ class ServerSettings:
 
 def settings_from_args(args: argparse.Namespace, deployment: ResolvedDeployment) -> ServerSettings:
     pipeline = get_pipeline(deployment.pipeline)
-    names = list(getattr(args, "served_model_name", None) or []) or [args.model]
-    dit = next((s for s in deployment.stages if s.execution_type == "diffusion"), None)
-    defaults = dit.diffusion_args if dit is not None else {}
-    facts = import_object(pipeline.model_inspector)(deployment.model) if pipeline.model_inspector else None
-    max_images = ImageLimits.max_input_images
-    if facts is not None and facts.max_images is not None:  # what the model's pipeline takes per request
-        max_images = min(max_images, facts.max_images)
+    names = list(args.served_model_name or []) or [args.model]
     limits = ImageLimits(
-        multiple=pipeline.image_size_multiple,
-        max_side=int(getattr(args, "image_max_size", None) or ImageLimits.max_side),
-        max_upload_bytes=int(getattr(args, "image_max_upload_bytes", None) or ImageLimits.max_upload_bytes),
-        max_input_images=max_images,
-        max_inference_steps=int(
-            getattr(args, "image_max_inference_steps", None) or ImageLimits.max_inference_steps
-        ),
-        max_prompt_chars=int(getattr(args, "image_max_prompt_chars", None) or ImageLimits.max_prompt_chars),
-        default_width=int(defaults.get("width") or ImageLimits.default_width),
-        default_height=int(defaults.get("height") or ImageLimits.default_height),
+        max_side=args.image_max_size,
+        max_upload_bytes=args.image_max_upload_bytes,
+        max_inference_steps=args.image_max_inference_steps,
+        max_prompt_chars=args.image_max_prompt_chars,
     )
-    ar = next((s for s in deployment.stages if s.execution_type == "llm_ar"), None)
-    budget = None
-    if ar is not None and pipeline.ar_token_budget:
-        budget = functools.partial(import_object(pipeline.ar_token_budget), deployment.model)
     return ServerSettings(
         served_model_names=names,
         limits=limits,
-        media_dir=getattr(args, "image_media_dir", None),
-        ar_max_model_len=(ar.engine_args.get("max_model_len") if ar is not None else None),
-        token_budget=budget,
+        media_dir=args.image_media_dir,
         pipeline=pipeline.name,
         settings_type=pipeline.settings_type,
         other_settings=frozenset(name for p in registered_pipelines().values() for name in p.setting_names)
         - set(pipeline.setting_names),
         answers_in_text=pipeline.answers_in_text,
-        takes_images=facts.takes_images if facts is not None else True,
-        needs_images=facts.needs_images if facts is not None else False,
-        model_label=facts.pipeline_class if facts is not None else pipeline.name,
-        lora_refusal=lora_refusal(deployment, facts.pipeline_class if facts is not None else pipeline.name),
-        lora_modules=[(m.name, m.path) for m in getattr(args, "lora_modules", None) or []],
+        lora_modules=[(m.name, m.path) for m in args.lora_modules or []],
     )
-
-
-def lora_refusal(deployment: ResolvedDeployment, label: str) -> str | None:
-    """Why this deployment's requests cannot name LoRA adapters (None: its image's diffusion stage runs a
-    runner that applies them)."""
-    from vllm_omni_plugin.diffusion.diffusers_registry import stage_runner_class
-
-    dit = next((s for s in deployment.stages if s.execution_type == "diffusion" and s.final_output), None)
-    if dit is None:
-        return f"this deployment ({label}) has no diffusion stage to apply a LoRA adapter to"
-    try:
-        runner = stage_runner_class(dit.diffusion_args)
-    except (OSError, ValueError) as exc:  # the stage's start says what is wrong with the model
-        return f"this deployment's diffusion runner is unknown ({exc})"
-    if not runner.lora:
-        return f"this deployment's diffusion runner ({runner.__name__}) takes no LoRA adapters"
-    return None
-
-
-@functools.lru_cache(maxsize=8)
-def limits_for(limits: ImageLimits, sizes: SizeDefaults) -> ImageLimits:
-    """What HTTP requests are given and checked against: the default size the runtime resolved (one
-    source for routes and stages) and the model's size grid, within the operator's bounds. The model's
-    largest side is the runtime's to check (whether it binds depends on the request: an edit of a
-    pipeline that keeps its source's size is not bound by it)."""
-    return dataclasses.replace(
-        limits,
-        multiple=math.lcm(limits.multiple, sizes.limits.multiple),
-        default_width=sizes.width or limits.default_width,
-        default_height=sizes.height or limits.default_height,
-    )
-
-
-def _image_size(image: Any) -> tuple[int, int]:
-    """(width, height) of a decoded image (uint8 HxWx3 array) or a PIL image."""
-    shape = getattr(image, "shape", None)
-    return (int(shape[1]), int(shape[0])) if shape is not None else tuple(image.size)
 
 
 def http_status(exc: BaseException | None) -> int:
@@ -189,7 +109,14 @@ class OmniServer:
     """The LoRA adapters requests may name."""
 
     def __post_init__(self) -> None:
-        self.adapters = ServedAdapters(self.omni.deployment.model, self.settings.lora_refusal)
+        inputs = self.omni.inputs
+        self.adapters = ServedAdapters(self.omni.deployment.model, inputs.lora_refusal)
+        facts = inputs.facts
+        if facts is not None and facts.max_images is not None:  # what the model's pipeline takes per request
+            most = min(self.settings.limits.max_input_images, facts.max_images)
+            self.settings = dataclasses.replace(
+                self.settings, limits=dataclasses.replace(self.settings.limits, max_input_images=most)
+            )
 
     def add_startup_adapters(self) -> None:
         """The ``--lora-modules`` adapters, each checked (a :class:`LoraError` naming the bad one)."""
@@ -199,12 +126,8 @@ class OmniServer:
 
     @property
     def limits(self) -> ImageLimits:
-        """The operator's bounds and the pipeline's grid, with the deployment's size defaults and its
-        model's limits once the runtime has resolved them (``stage/request_defaults.py``)."""
-        orchestrator = self.omni.orchestrator
-        if orchestrator is None:
-            return self.settings.limits
-        return limits_for(self.settings.limits, orchestrator.request_defaults.sizes)
+        """What this server accepts on the wire (the operator's bounds)."""
+        return self.settings.limits
 
     def check_model(self, model: str | None) -> str:
         names = self.settings.served_model_names
@@ -225,59 +148,21 @@ class OmniServer:
             )
         return self.adapters.spec(name, scale)
 
-    def check_size(self, width: int, height: int, param: str = "size") -> None:
-        check_dimensions(width, height, self.limits, param)
-
     def check_prompts(self, prompt: str | None, negative_prompt: str | None, param: str = "prompt") -> None:
         """The prompts' lengths in characters, before anything tokenizes them (the model's own token limits
         are checked off the event loop, before any stage runs)."""
         check_prompt_length(prompt, self.limits, param)
         check_prompt_length(negative_prompt, self.limits, "negative_prompt")
 
-    async def check_ar_tokens(
-        self,
-        prompt: str,
-        images: Sequence[Any],
-        width: int,
-        height: int,
-        *,
-        size_param: str = "size",
-        source_param: str = "prompt",
-    ) -> None:
-        """Refuse, before any stage runs, a request the AR stage cannot hold: its prompt, source images
-        and generated tokens together over ``max_model_len`` (vLLM would fail it only after the work).
-        Counted on the input worker (``stage/input_work.py``): it tokenizes."""
-        budget, max_len = self.settings.token_budget, self.settings.ar_max_model_len
-        if budget is None or not max_len:
-            return
-        sizes = [_image_size(img) for img in images]
+    async def prepare(self, requests: list[OmniRequest], params: Mapping[str, str]) -> list[OmniCoreRequest]:
+        """The call's parsed requests, complete and checked by the runtime's input processor; a refusal
+        names the field as this call's transport does (``params``: the processor's field -> the param)."""
+        bounds = RequestBounds(max_side=self.limits.max_side)
         try:
-            count = await input_work(budget, prompt, sizes, width, height, int(max_len))
-        except ValueError as exc:  # a source image the pipeline's processor cannot take
-            raise OmniAPIError(str(exc), param=source_param) from None
-        if count.total <= max_len:
-            return
-        per_image = f" ({', '.join(map(str, count.image_tokens))})" if len(count.image_tokens) > 1 else ""
-        numbers = (
-            f"prompt {count.prompt_tokens} + source images {sum(count.image_tokens)}{per_image} + "
-            f"generated {count.generated_tokens} (a {width}x{height} image) = {count.total}"
-        )
-        room = int(max_len) - count.prompt_tokens - sum(count.image_tokens)
-        held, verb = ("the prompt and source images", "leave") if images else ("the prompt", "leaves")
-        left = f"{held} {verb} {room} tokens for the image" if room > 0 else f"{held} alone {verb} no room"
-        less_input = "send a shorter prompt"
-        if images:
-            less_input = "send fewer or smaller source images or a shorter prompt"
-        if count.largest_fit is not None:
-            w, h = count.largest_fit
-            change, param = f"ask for at most {w}x{h}, or {less_input}", size_param
-        else:
-            change, param = less_input, source_param
-        raise OmniAPIError(
-            f"this request needs {count.total} AR tokens, more than the AR stage's max_model_len {max_len}: "
-            f"{numbers}; {left}. To fit, {change} (or serve with a larger --max-model-len)",
-            param=param,
-        )
+            return [await self.omni.process(request, bounds) for request in requests]
+        except InputError as exc:
+            param = params.get(exc.field, exc.field) if exc.field is not None else None
+            raise OmniAPIError(exc.message, param=param) from None
 
     def check_settings(self, req: Any) -> dict[str, Any]:
         """The request's fields beyond the generic ones, read by the pipeline's settings type (e.g.
@@ -304,14 +189,16 @@ class OmniServer:
 
     def check_image_input(self, images: int, endpoint: str, param: str) -> None:
         """Source images where the model takes them, and only there."""
-        label = self.settings.model_label or self.omni.deployment.pipeline
-        if images and not self.settings.takes_images:
+        facts, label = self.omni.inputs.facts, self.omni.inputs.model_label
+        takes_images = facts.takes_images if facts is not None else True
+        needs_images = facts.needs_images if facts is not None else False
+        if images and not takes_images:
             raise OmniAPIError(
                 f"{endpoint}: this model ({label}) generates from text only and takes no input image; "
                 "use /v1/images/generations, or chat without an image",
                 param=param,
             )
-        if not images and self.settings.needs_images:
+        if not images and needs_images:
             raise OmniAPIError(
                 f"{endpoint}: this model ({label}) edits images and needs a source image; send it to "
                 "/v1/images/edits (multipart `image`) or as a chat message's image_url",
@@ -333,7 +220,7 @@ class OmniServer:
             )
 
     async def run(
-        self, endpoint: str, requests: list[OmniRequest], client_gone: Awaitable[Any]
+        self, endpoint: str, requests: list[OmniCoreRequest], client_gone: Awaitable[Any]
     ) -> list[OmniResult]:
         """Run every request through the pipeline; all succeed or the request fails as a whole.
         ``client_gone`` completes when the client goes away (an HTTP disconnect, Dynamo stopping the
@@ -356,13 +243,13 @@ class OmniServer:
         return self._finished(endpoint, work.result())
 
     async def stream(
-        self, endpoint: str, request: OmniRequest, gone: Awaitable[Any] | None = None
+        self, endpoint: str, request: OmniCoreRequest, gone: Awaitable[Any] | None = None
     ) -> AsyncIterator[RequestEvent | OmniResult]:
         """Run one request, yielding its stages' events as they come (``request_events``), then its
         result; a failure raises as in :meth:`run`. When ``gone`` completes (the client went away), or
         the iterator is closed early, the request is aborted in every stage."""
         events: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        request.on_event = events.put_nowait
+        request = dataclasses.replace(request, on_event=events.put_nowait)
         work = asyncio.ensure_future(self.omni.generate(request))
         watch = asyncio.ensure_future(gone) if gone is not None else None
         try:

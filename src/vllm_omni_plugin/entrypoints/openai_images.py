@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from vllm_omni_plugin.config.settings import non_finite
-from vllm_omni_plugin.diffusion.runner import MAX_PARTIAL_IMAGES
+from vllm_omni_plugin.diffusion.params import MAX_PARTIAL_IMAGES
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
 ERROR_TYPES: dict[int, str] = {
@@ -130,11 +130,11 @@ def _nested_deeper_than(value: Any, limit: int) -> bool:
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What this deployment accepts: the pipeline's size grid and the operator's bounds."""
+    """What this server accepts on the wire: the operator's bounds (the model's sizes are the input
+    processor's, ``stage/input_processor.py``)."""
 
-    multiple: int = 32
-    """Height and width must be multiples of this (GLM-Image: one AR token per 32x32 pixels)."""
     max_side: int = 2048
+    """The largest height or width (``--image-max-size``); source images are bounded by it too."""
     max_upload_bytes: int = 20 * 1024 * 1024
     max_input_images: int = 4
     max_inference_steps: int = 1000
@@ -143,27 +143,20 @@ class ImageLimits:
     max_aspect_ratio: float = 200.0
     """The most a source image's longer side may exceed its shorter one by (Qwen2-VL's image processor,
     Qwen-Image-Edit's, refuses more; no model here takes more)."""
-    default_width: int = 1024
-    default_height: int = 1024
-
-    @property
-    def min_side(self) -> int:
-        return self.multiple
 
 
 _SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX\u00d7]\s*(\d{1,6})\s*$")
 
 
-def parse_size(size: str | None, limits: ImageLimits, param: str = "size") -> tuple[int, int] | None:
-    """``"WIDTHxHEIGHT"`` -> ``(width, height)``; ``None``/``"auto"`` -> ``None`` (the default size)."""
+def parse_size(size: str | None, param: str = "size") -> tuple[int, int] | None:
+    """``"WIDTHxHEIGHT"`` -> ``(width, height)``; ``None``/``"auto"`` -> ``None`` (the default size). Whether
+    the model can make it is the input processor's to say."""
     if size is None or size.strip().lower() == "auto":
         return None
     match = _SIZE.match(size)
     if match is None:
         raise OmniAPIError(f"size must be WIDTHxHEIGHT in pixels (e.g. 1024x1024), got {size!r}", param=param)
-    width, height = int(match.group(1)), int(match.group(2))
-    check_dimensions(width, height, limits, param)
-    return width, height
+    return int(match.group(1)), int(match.group(2))
 
 
 def check_prompt_length(text: str | None, limits: ImageLimits, param: str = "prompt") -> None:
@@ -172,21 +165,6 @@ def check_prompt_length(text: str | None, limits: ImageLimits, param: str = "pro
         raise OmniAPIError(
             f"{param} is {len(text)} characters; this server accepts at most {limits.max_prompt_chars} "
             "(--image-max-prompt-chars)",
-            param=param,
-        )
-
-
-def check_dimensions(width: int, height: int, limits: ImageLimits, param: str = "size") -> None:
-    m = limits.multiple
-    if width % m or height % m or width < limits.min_side or height < limits.min_side:
-        raise OmniAPIError(
-            f"width and height must be multiples of {m} and at least {limits.min_side} pixels, "
-            f"got {width}x{height}",
-            param=param,
-        )
-    if width > limits.max_side or height > limits.max_side:
-        raise OmniAPIError(
-            f"width and height must be at most {limits.max_side} pixels on this server, got {width}x{height}",
             param=param,
         )
 
@@ -496,16 +474,6 @@ def decode_data_uri(url: str, limits: ImageLimits, param: str) -> np.ndarray:
     except (binascii.Error, ValueError):
         raise OmniAPIError(f"{param}: the data URI is not valid base64", param=param) from None
     return decode_image(raw, limits, param)
-
-
-def fit_to_grid(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
-    """The output size for an edit without ``size``: the source's aspect, within bounds, on the grid."""
-    scale = min(1.0, limits.max_side / max(width, height))
-    m = limits.multiple
-    return (
-        max(m, int(width * scale) // m * m),
-        max(m, int(height * scale) // m * m),
-    )
 
 
 # --- chat messages -----------------------------------------------------------------------------

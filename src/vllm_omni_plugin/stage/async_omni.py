@@ -2,8 +2,9 @@
 
 The runtime under ``vllm serve --omni`` and the offline API (``entrypoints.omni.Omni`` is its blocking
 twin, as vLLM keeps ``AsyncLLM`` in its engine layer and ``LLM`` in its entry points). It resolves the
-deployment exactly as ``vllm serve --omni`` does, places every stage's replicas through one
-``StagePlacement`` (whatever kinds it holds) and runs requests through the ``Orchestrator``.
+deployment exactly as ``vllm serve --omni`` does, completes requests with its ``InputProcessor``, places
+every stage's replicas through one ``StagePlacement`` (whatever kinds it holds) and runs requests through
+the ``Orchestrator``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from vllm_omni_plugin.config.schema import Backend
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.factory import build_connectors, build_stages, placement_for
-from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
+from vllm_omni_plugin.stage.input_processor import InputProcessor, OmniCoreRequest, OmniRequest, RequestBounds
+from vllm_omni_plugin.stage.orchestrator import OmniResult, Orchestrator
 from vllm_omni_plugin.stage.placement.base import StagePlacement
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 
@@ -34,6 +36,8 @@ class AsyncOmni:
 
     def __init__(self, deployment: ResolvedDeployment, *, placement: StagePlacement | None = None) -> None:
         self.deployment = deployment
+        self.inputs = InputProcessor(deployment)
+        """The request defaults and limits, read from the deployment's configuration at once."""
         self.placement = placement or placement_for(deployment)
         self.connectors: dict[str, OmniConnector] = {}
         self.pools: dict[int, StageReplicaPool] = {}
@@ -80,9 +84,14 @@ class AsyncOmni:
             await self.placement.shutdown()
             self._close_connectors()
             raise
-        self.orchestrator = Orchestrator(self.deployment, self.pools, self.connectors)
+        self.orchestrator = Orchestrator(self.deployment, self.pools, self.connectors, self.inputs)
 
-    async def generate(self, request: OmniRequest) -> OmniResult:
+    async def process(self, request: OmniRequest, bounds: RequestBounds | None = None) -> OmniCoreRequest:
+        """``request`` complete and checked (``InputProcessor.process``; an ``InputError`` says why not)."""
+        return await self.inputs.process(request, bounds)
+
+    async def generate(self, request: OmniRequest | OmniCoreRequest) -> OmniResult:
+        """Run a request (a parsed one is completed first; a refusal is its result's error)."""
         assert self.orchestrator is not None, "start() first"
         return await self.orchestrator.generate(request)
 

@@ -8,7 +8,6 @@ import enum
 from typing import Any
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
-from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_types import StageCoreOutput
 from vllm_omni_plugin.stage.errors import StageDeadError
@@ -60,9 +59,6 @@ class StageCoreClientBase(abc.ABC):
         self.dropped: collections.Counter[str] = collections.Counter()
         """Aborted requests the replica dropped, by where they were: ``queue`` (not started), ``batch``
         (dropped from a running batch, no image made), ``engine`` (aborted in the AR engine)."""
-        self.runner_defaults: ServedDefaults | None = None
-        """A ready diffusion replica's request defaults and sizes (``StageReady.runner_defaults``; None
-        for AR)."""
         self.discarded_outputs = 0
         """Outputs that arrived after their request was aborted, freed unread."""
 

@@ -15,7 +15,6 @@ from typing import Any, Generic, TypeVar, Union
 import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
-from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
@@ -64,8 +63,6 @@ class StageReady(msgspec.Struct, kw_only=True, tag="ready"):
     pid: int
     load_seconds: float
     device: str
-    runner_defaults: ServedDefaults | None = None
-    """A diffusion replica's request defaults and the sizes its model makes (None: an AR replica)."""
 
 
 class StageFailed(msgspec.Struct, kw_only=True, tag="failed"):

@@ -129,7 +129,6 @@ class StageDiffusionCoreClient(StageCoreClientBase):
             await asyncio.wait({self._ready}, timeout=WATCH_INTERVAL_S)
         ready = self._ready.result()
         await asyncio.to_thread(self.processes.record, self.manager.pid)
-        self.runner_defaults = ready.runner_defaults
         self.state = StageState.READY
         logger.info(
             "%s ready on %s (pid %d, loaded in %.2fs)",
@@ -339,7 +338,6 @@ class InlineStageDiffusionClient(StageCoreClientBase):
         )
         self._thread = threading.Thread(target=self._loop.serve, name=f"{self.label}", daemon=True)
         self._thread.start()
-        self.runner_defaults = engine.runner_defaults
         self.state = StageState.READY
 
     # --- requests ----------------------------------------------------------------------------------

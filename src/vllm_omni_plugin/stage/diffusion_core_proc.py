@@ -60,7 +60,7 @@ class StageDiffusionProcConfig:
     input_address: str
     output_address: str
     diffusion_args: dict[str, Any]
-    """The resolved stage's ``diffusion_args``: the worker class, ``load_model`` arguments and defaults."""
+    """The resolved stage's ``diffusion_args``: the worker class and ``load_model`` arguments."""
     env: dict[str, str] = field(default_factory=dict)
     output_connector: ConnectorSpecTuple | None = None
     """The connector images go back through, or None to send them inline."""
@@ -208,7 +208,6 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
                     pid=os.getpid(),
                     load_seconds=time.perf_counter() - start,
                     device=device,
-                    runner_defaults=engine.runner_defaults,
                 )
             )
         )

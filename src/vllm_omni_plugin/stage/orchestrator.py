@@ -31,7 +31,6 @@ import asyncio
 import collections
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +39,6 @@ import msgspec
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.connectors.base import OmniConnector
-from vllm_omni_plugin.diffusion.lora import LoraSpec
-from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.core_types import StageCoreOutput, StageDiffusionCoreRequest
@@ -53,53 +50,13 @@ from vllm_omni_plugin.stage.errors import (
     StageError,
     StageRequestError,
 )
+from vllm_omni_plugin.stage.input_processor import InputError, InputProcessor, OmniCoreRequest, OmniRequest
 from vllm_omni_plugin.stage.input_work import input_work
 from vllm_omni_plugin.stage.payload import carries_handles, release
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
-from vllm_omni_plugin.stage.request_defaults import DeploymentDefaults
-from vllm_omni_plugin.stage.request_events import EventSink, listen
+from vllm_omni_plugin.stage.request_events import listen
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class OmniRequest:
-    """What a user asks for (the API server and the offline API build these)."""
-
-    prompt: str
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
-    negative_prompt: str | None = None
-    images: list[Any] = field(default_factory=list)
-    """Source images for image-to-image (PIL images or uint8 arrays)."""
-    sampling_params: dict[str, Any] = field(default_factory=dict)
-    """AR sampling overrides (e.g. ``{"temperature": 0}`` for greedy decoding)."""
-    modality: str = "image"
-    """What the client wants back: ``"image"``, or ``"text"`` from pipelines whose AR stage can answer in
-    text (BAGEL's understanding and chat; the later stages are then skipped)."""
-    think: bool | None = None
-    """Let the AR stage write its reasoning or plan first (BAGEL's think mode); None: the deployment's
-    default."""
-    generation_params: dict[str, Any] = field(default_factory=dict)
-    """The pipeline's own generation settings (e.g. BAGEL's ``cfg_text_scale``); the pipeline's
-    processors read and check them."""
-    return_latents: bool = False
-    partial_images: int = 0
-    """Previews of the image to report while it denoises (``on_event``; diffusion runners with
-    ``previews``)."""
-    lora: LoraSpec | None = None
-    """A LoRA adapter its diffusion stage's denoiser runs with (runners with ``lora``)."""
-    cache: StepCacheSpec | None = None
-    """Step caching settings over its diffusion stage's (runners with ``step_cache``)."""
-    on_event: EventSink | None = field(default=None, repr=False, compare=False)
-    """Where its stages' events go while it runs (AR progress, previews: ``stage/request_events.py``);
-    None: nobody streams it."""
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    arrival_time: float = field(default_factory=time.perf_counter)
-    """When the request arrived (``time.perf_counter``); the gap to its start is its queue time."""
 
 
 @dataclass
@@ -195,7 +152,7 @@ class ProcessorContext:
     model: str
     deployment: ResolvedDeployment
     stage_id: int
-    request: OmniRequest
+    request: OmniCoreRequest
     notes: dict[str, Any] = field(default_factory=dict)
     """Shared by every processor call of one request and returned with its result (``OmniResult.notes``)."""
 
@@ -206,12 +163,12 @@ class Orchestrator:
         deployment: ResolvedDeployment,
         pools: dict[int, StageReplicaPool],
         connectors: dict[str, OmniConnector] | None = None,
+        inputs: InputProcessor | None = None,
     ) -> None:
         self.deployment = deployment
         self.pools = pools
-        self.request_defaults = DeploymentDefaults(deployment, pools)
-        """What a request gets for what it leaves unset (size, steps, the pipeline's settings), applied
-        before its first stage (one place)."""
+        self.inputs = inputs or InputProcessor(deployment)
+        """What completes a request that arrives as parsed (the offline API's), before its first stage."""
         self.connectors = connectors or {}
         """The deployment's connectors (this process's objects), to free payloads nobody will read."""
         self.stages = {s.stage_id: s for s in deployment.stages}
@@ -237,20 +194,23 @@ class Orchestrator:
         self.quarantined: collections.Counter[int] = collections.Counter()
         """Stage id -> requests failed there because its replica died while running them alone."""
 
-    async def generate(self, request: OmniRequest) -> OmniResult:
-        """Run one request through every stage; never raises for a failed request (see ``error``)."""
+    async def generate(self, request: OmniRequest | OmniCoreRequest) -> OmniResult:
+        """Run one request through every stage (a parsed one completed first, by the input processor);
+        never raises for a failed request (see ``error``)."""
         result = OmniResult(request_id=request.request_id)
+        if isinstance(request, OmniRequest):
+            try:
+                request = await self.inputs.process(request)
+            except InputError as exc:  # before any stage runs
+                first = min(self.stages)
+                result.exception = StageRequestError(str(exc), stage_id=first, request_id=request.request_id)
+                result.error, result.error_stage = str(exc), first
+                return result
         start = time.perf_counter()
         result.timings["queue"] = max(0.0, start - request.arrival_time)
         done: dict[int, asyncio.Future[Any]] = {
             sid: asyncio.get_running_loop().create_future() for sid in self.stages
         }
-        refusal = self.request_defaults.apply(request)
-        if refusal is not None:  # before any stage runs
-            first = min(self.stages)
-            result.exception = StageRequestError(refusal, stage_id=first, request_id=request.request_id)
-            result.error, result.error_stage = refusal, first
-            return result
         budget = RetryBudget(request.request_id, self.deployment.max_retries, result.deaths)
         tasks = [
             asyncio.create_task(
@@ -295,7 +255,7 @@ class Orchestrator:
     async def _run_stage(
         self,
         stage_id: int,
-        request: OmniRequest,
+        request: OmniCoreRequest,
         done: dict[int, asyncio.Future[Any]],
         result: OmniResult,
         budget: RetryBudget,
@@ -341,7 +301,7 @@ class Orchestrator:
     async def _run_with_retries(
         self,
         stage_id: int,
-        request: OmniRequest,
+        request: OmniCoreRequest,
         sources: dict[int, Any],
         result: OmniResult,
         budget: RetryBudget,
@@ -368,7 +328,7 @@ class Orchestrator:
     async def _renewed_sources(
         self,
         stage_id: int,
-        request: OmniRequest,
+        request: OmniCoreRequest,
         sources: dict[int, Any],
         result: OmniResult,
         budget: RetryBudget,
@@ -393,7 +353,7 @@ class Orchestrator:
     async def _invoke(
         self,
         stage_id: int,
-        request: OmniRequest,
+        request: OmniCoreRequest,
         sources: dict[int, Any],
         result: OmniResult,
         *,

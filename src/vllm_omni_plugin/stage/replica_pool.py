@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import StageCoreOutput
 from vllm_omni_plugin.stage.errors import StageDeadError
@@ -67,11 +66,6 @@ class StageReplicaPool:
         """From now on a replica that dies stays down (the server is shutting down)."""
         for client in self.clients:
             client.restart_on_death = False
-
-    @property
-    def runner_defaults(self) -> ServedDefaults | None:
-        """What its ready diffusion replicas make (``StageReady.runner_defaults``: one model, any one's)."""
-        return next((c.runner_defaults for c in self.clients if c.runner_defaults is not None), None)
 
     @property
     def healthy(self) -> bool:

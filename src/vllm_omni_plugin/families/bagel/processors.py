@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -38,7 +38,10 @@ from vllm_omni_plugin.stage.core_types import (
     StageLLMCoreRequest,
 )
 from vllm_omni_plugin.stage.errors import StageError, StageRequestError
-from vllm_omni_plugin.stage.request_defaults import request_size
+from vllm_omni_plugin.stage.input_processor import request_size
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.families.bagel.settings import BagelSettings
 
 VLM_THINK_SYSTEM_PROMPT = (
     "You should first think about the reasoning process in the mind and then provide the user with the "
@@ -52,7 +55,6 @@ GEN_THINK_SYSTEM_PROMPT = (
 )
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CONTEXTS = ("cond", "cfg_text", "cfg_img")
-DEFAULT_MAX_THINK_TOKENS = 1000
 DEFAULT_MAX_TEXT_TOKENS = 512
 EXPORT = {OMNI_KEY: {EXPORT_CONTEXT: True}}
 
@@ -161,7 +163,7 @@ def check_thinker_room(
     limit = context.deployment.stage(context.stage_id).engine_args.get("max_model_len")
     if not limit:
         return
-    edit = getattr(context.request, "modality", "image") != "text"
+    edit = context.request.modality != "text"
     image_tokens = sum(image_block_tokens(context.model, image, vae=edit) for image in images)
     total = prompt_tokens + image_tokens + generated
     if total <= int(limit):
@@ -184,16 +186,15 @@ def _config(model_dir: str) -> Any:
     return cached_bagel_config(model_dir)
 
 
-def settings(context: Any) -> dict[str, Any]:
-    """The request's BAGEL generation settings (the runtime put the deploy config's under them before
-    stage 0: ``stage/request_defaults.py``)."""
-    return dict(context.request.generation_params)
+def settings(context: Any) -> BagelSettings:
+    """The request's BAGEL settings, complete (the input processor put the deploy config's and the
+    authors' under the request's)."""
+    return context.request.settings
 
 
 def thinks(context: Any) -> bool:
-    """Think mode: the request says, else the deploy config's ``think`` (``deploy/bagel_think.yaml``)."""
-    request = context.request
-    return bool(settings(context).get("think", False) if request.think is None else request.think)
+    """Think mode (the request's, else the deploy config's ``think``: ``deploy/bagel_think.yaml``)."""
+    return bool(settings(context).think)
 
 
 def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreRequest:
@@ -206,7 +207,7 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
     if request.seed is not None:
         user.setdefault("seed", request.seed)
     mm = {"image": images} if images else None
-    if getattr(request, "modality", "image") == "text":
+    if request.modality == "text":
         system = tokens.segment(VLM_THINK_SYSTEM_PROMPT) if thinks(context) else []
         ids = system + [tokens.image_pad] * len(images) + tokens.segment(prompt) + [tokens.bos]
         sampling = {"max_tokens": DEFAULT_MAX_TEXT_TOKENS, "temperature": 0.0, **user}
@@ -236,7 +237,7 @@ def request2thinker(sources: dict[int, Any], context: Any) -> StageLLMCoreReques
         check_thinker_room(context, negative, images, 1, "the image's token", "negative prompt")
     if think:  # write the plan first; continue_thinker then builds the contexts
         # BAGEL's max_think_token_n counts the start token: 1000 lets it write 999 tokens.
-        max_think = int(settings(context).get("max_think_tokens") or DEFAULT_MAX_THINK_TOKENS) - 1
+        max_think = int(settings(context).max_think_tokens or 0) - 1
         # cond is then the prompt, the plan (up to max_think, in its markers) and the image's token
         what = f"the plan (max_think_tokens {max_think + 1}) with its markers and the image's token"
         check_thinker_room(context, text_tokens, images, max_think + 3, what)
@@ -288,11 +289,7 @@ def continue_thinker(output: StageLLMCoreOutput, context: Any) -> StageLLMCoreRe
     """Think mode, once the plan is written: the request that builds the contexts, the plan (decoded and
     encoded again, as BAGEL does) appended to ``cond``. None when the thinker is done."""
     request = context.request
-    if (
-        not thinks(context)
-        or getattr(request, "modality", "image") == "text"
-        or "context" in output.stage_outputs
-    ):
+    if not thinks(context) or request.modality == "text" or "context" in output.stage_outputs:
         return None
     tokens = bagel_tokens(context.model)
     images = len(request.images or [])
@@ -321,7 +318,7 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
     from vllm_omni_plugin.families.bagel.request import BagelContext, BagelGenerationRequest
 
     request = context.request
-    if getattr(request, "modality", "image") == "text":
+    if request.modality == "text":
         return None
     output: StageLLMCoreOutput = sources[min(sources)]
     tokens = bagel_tokens(context.model)
@@ -350,32 +347,27 @@ def thinker2dit(sources: dict[int, Any], context: Any) -> StageDiffusionCoreRequ
         ctx = _context_of(output.companions[name], name)
         contexts[name] = BagelContext(kv=ctx["kv"], kv_len=int(ctx["kv_len"]), rope=int(ctx["rope"]))
     height, width = generation_size(context)
-    generation = BagelGenerationRequest(
-        request_id=request.request_id,
+    generation = request.runner_request(
+        BagelGenerationRequest,
         cond=contexts["cond"],
         cfg_text=contexts["cfg_text"],
         cfg_img=contexts["cfg_img"],
         height=height,
         width=width,
-        sampling=dit_sampling(context, bool(images)),
-        seed=request.seed,
-        partial_images=request.partial_images,
-        cache=request.cache,
+        sampling=dit_sampling(context),
     )
     return StageDiffusionCoreRequest(
         request_id=request.request_id, stage_id=context.stage_id, diffusion=generation
     )
 
 
-def dit_sampling(context: Any, edit: bool) -> Any:
-    """BAGEL's generation settings: the request's (with the deploy config's where it set none, given before
-    stage 0), else the authors' defaults for the mode (text-to-image or edit)."""
-    from vllm_omni_plugin.families.bagel.request import EDIT_DEFAULTS, T2I_DEFAULTS, BagelSampling
+def dit_sampling(context: Any) -> Any:
+    """The generation stage's sampling: the request's complete settings and step count."""
+    from vllm_omni_plugin.families.bagel.request import BagelSampling
 
-    params = msgspec.structs.asdict(EDIT_DEFAULTS if edit else T2I_DEFAULTS)
-    params.update({k: v for k, v in settings(context).items() if k in params})
-    if context.request.num_inference_steps is not None:
-        params["num_inference_steps"] = context.request.num_inference_steps
+    given = msgspec.structs.asdict(settings(context))
+    params = {name: given[name] for name in BagelSampling.__struct_fields__ if name in given}
+    params["num_inference_steps"] = context.request.num_inference_steps
     params["cfg_interval"] = tuple(params["cfg_interval"])
     try:
         return msgspec.convert(params, BagelSampling)
@@ -385,7 +377,7 @@ def dit_sampling(context: Any, edit: bool) -> Any:
 
 def generation_size(context: Any) -> tuple[int, int]:
     """The output size: an edit keeps its input's size after BAGEL's VAE resize; text-to-image takes the
-    request's (which the runtime gave it, the deployment's default where it named none)."""
+    request's."""
     from vllm_omni_plugin.models.bagel.transforms import ImageTransform, as_pil
 
     request = context.request

@@ -26,8 +26,9 @@ from vllm_omni_plugin.diffusion.previews import CallPreviews
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
     BatchOutput,
+    DiffusionDefaults,
     DiffusionRunner,
-    RequestDefaults,
+    ModelDefaults,
     SizeLimits,
     StepCallback,
     StopCheck,
@@ -36,6 +37,7 @@ from vllm_omni_plugin.diffusion.runner import (
 from vllm_omni_plugin.diffusion.step_cache import CallCache
 from vllm_omni_plugin.families.bagel.request import (
     RENORM_TYPES,
+    T2I_DEFAULTS,
     BagelContext,
     BagelGenerationRequest,
     BagelSampling,
@@ -43,7 +45,7 @@ from vllm_omni_plugin.families.bagel.request import (
 from vllm_omni_plugin.families.bagel.transformer import AttentionRows, ContextBank, GenerationTransformer
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.models.bagel.autoencoder import VaeDecoder, load_vae_decoder
-from vllm_omni_plugin.models.bagel.config import BagelConfig, load_bagel_config
+from vllm_omni_plugin.models.bagel.config import BagelConfig, cached_bagel_config, load_bagel_config
 from vllm_omni_plugin.models.bagel.transforms import unpatchify
 from vllm_omni_plugin.models.bagel.weights import CheckpointReader
 
@@ -83,7 +85,7 @@ class BagelGenerationRunner(DiffusionRunner):
     ``runner.validate(r)`` (``ValueError`` naming the problem); batch requests with equal
     ``runner.batch_key(r)``; ``runner.run(batch, generators)`` with one CPU ``torch.Generator`` per request.
     A request that arrived from the thinker stage first goes through ``prepare`` (shared contexts); its
-    sampling settings were resolved by the thinker's processor, so the engine's defaults do not apply.
+    sampling settings arrive complete.
     """
 
     request_type = BagelGenerationRequest
@@ -213,9 +215,16 @@ class BagelGenerationRunner(DiffusionRunner):
         active = {guidance_active(t, (s.cfg_interval[0], s.cfg_interval[1])) for t in timesteps}
         return len(active) > 1
 
-    @property
-    def size_limits(self) -> SizeLimits:
-        return SizeLimits(multiple=self.cfg.latent_downsample, max_side=self.cfg.max_image_side)
+    @classmethod
+    def model_defaults(cls, model: str) -> ModelDefaults:
+        """The sizes its latent grid and position table allow (the model's config); its step count is the
+        authors' (the same for text-to-image and edits); its guidance is the family's settings'."""
+        cfg = cached_bagel_config(model)
+        return ModelDefaults(
+            defaults=DiffusionDefaults(num_inference_steps=T2I_DEFAULTS.num_inference_steps),
+            limits=SizeLimits(multiple=cfg.latent_downsample, max_side=cfg.max_image_side),
+            label=cls.__name__,
+        )
 
     def steps_of(self, request: BagelGenerationRequest) -> int:
         return request.sampling.num_inference_steps - 1  # the flow runs between the schedule's points
@@ -228,8 +237,8 @@ class BagelGenerationRunner(DiffusionRunner):
 
     # --- per-request hooks -------------------------------------------------------------------------
 
-    def prepare(self, request: BagelGenerationRequest, defaults: RequestDefaults) -> BagelGenerationRequest:
-        """Shared contexts joined (:meth:`shared_contexts`); the request's settings are complete already."""
+    def prepare(self, request: BagelGenerationRequest) -> BagelGenerationRequest:
+        """Shared contexts joined (:meth:`shared_contexts`)."""
         return self.shared_contexts(request)
 
     @staticmethod

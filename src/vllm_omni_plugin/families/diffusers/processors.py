@@ -1,7 +1,5 @@
-"""The single-stage ``diffusion`` pipeline's processor: the user's request -> the diffusion stage's request.
-
-Unset fields stay unset: the diffusion engine fills them from the stage's configured defaults, else the
-pipeline's own (``__call__`` defaults), in one place. Source images travel as uint8 HxWx3 arrays.
+"""The single-stage ``diffusion`` pipeline's processor: the user's request (complete: the input processor
+gave it its defaults) -> the diffusion stage's request. Source images travel as uint8 HxWx3 arrays.
 """
 
 from __future__ import annotations
@@ -63,20 +61,8 @@ def request2diffusion(sources: dict[int, Any], context: ProcessorContext) -> Sta
 
     check_prompt_tokens(context)
     request = context.request
-    diffusion = DiffusionRequest(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        height=request.height,
-        width=request.width,
-        num_inference_steps=request.num_inference_steps,
-        guidance_scale=request.guidance_scale,
-        seed=request.seed,
-        negative_prompt=request.negative_prompt,
-        images=[_as_array(image) for image in request.images] or None,
-        return_latents=request.return_latents,
-        partial_images=request.partial_images,
-        cache=request.cache,
-        lora=request.lora,
+    diffusion = request.runner_request(
+        DiffusionRequest, images=[_as_array(image) for image in request.images] or None
     )
     return StageDiffusionCoreRequest(
         request_id=request.request_id, stage_id=context.stage_id, diffusion=diffusion

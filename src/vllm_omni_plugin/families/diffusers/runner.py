@@ -15,8 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import msgspec
-
 from vllm_omni_plugin.diffusion.blocks import CompileSpec, repeated_blocks
 from vllm_omni_plugin.diffusion.diffusers_registry import (
     CALL_ARGUMENTS,
@@ -31,8 +29,9 @@ from vllm_omni_plugin.diffusion.previews import CallPreviews
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
     BatchOutput,
+    DiffusionDefaults,
     DiffusionRunner,
-    RequestDefaults,
+    ModelDefaults,
     SizeLimits,
     StepCallback,
     StopCheck,
@@ -144,12 +143,12 @@ def _default(params: Mapping[str, inspect.Parameter], name: str, kind: type) -> 
 class DiffusersPipelineRunner(DiffusionRunner):
     """Loads one diffusers pipeline and runs batches of compatible requests through it.
 
-    The engine hands :meth:`run` requests whose defaults are already applied and that share
-    :meth:`batch_key` (size, steps, guidance, image-to-image-ness and :meth:`call_key`), with one seeded
-    ``torch.Generator`` per request. Used as is, it is the generic runner of any pipeline whose ``__call__``
-    takes :data:`CALL_ARGUMENTS`: the request's guidance goes to ``guidance_argument``, its negative
-    prompt and its one source image (``image_argument``) where the signature takes them, and the
-    defaults (steps, guidance, size) are the pipeline's own. Subclasses set ``pipeline_class`` and, as
+    The engine hands :meth:`run` complete requests that share :meth:`batch_key` (size, steps, guidance,
+    image-to-image-ness and :meth:`call_key`), with one seeded ``torch.Generator`` per request. Used as is,
+    it is the generic runner of any pipeline whose ``__call__`` takes :data:`CALL_ARGUMENTS`: the request's
+    guidance goes to ``guidance_argument``, its negative prompt and its one source image
+    (``image_argument``) where the signature takes them; its model's defaults (steps, guidance, size) are
+    the pipeline's own (:meth:`model_defaults`). Subclasses set ``pipeline_class`` and, as
     needed, the class attributes below and :meth:`load_overrides`, :meth:`validate`, :meth:`call_key`,
     :meth:`call_kwargs`. ``run`` asks ``should_stop`` after every step.
     """
@@ -177,10 +176,10 @@ class DiffusersPipelineRunner(DiffusionRunner):
     # Set on a subclass to fix them; left None, they come from the pipeline's signature and config.
     default_num_inference_steps: int | None = None
     default_guidance_scale: float | None = None
-    default_size: tuple[int, int] | None = None
-    """``(height, width)`` when a request and the engine give none."""
+    default_size: ClassVar[tuple[int, int] | None] = None
+    """``(height, width)`` its model makes when a request gives none (None: the pipeline's own)."""
     size_required: ClassVar[bool] = False
-    """Requests must give a size (no ``default_size``, not even the pipeline's)."""
+    """The model states no default size, not even the pipeline's (its pipeline says which)."""
     supports_negative_prompt: bool | None = None
     supports_image_to_image: bool | None = None
     batched_guidance: ClassVar[bool] = True
@@ -208,20 +207,30 @@ class DiffusersPipelineRunner(DiffusionRunner):
         self.pipeline_class = cls.pipeline_class or type(pipe).__name__
         params = call_parameters(type(pipe))
         self.call_arguments = frozenset(params)
-        self.default_num_inference_steps = (
-            cls.default_num_inference_steps or _default(params, "num_inference_steps", int) or 50
-        )
-        if cls.default_guidance_scale is None:
-            self.default_guidance_scale = _default(params, self.guidance_argument, float)
-        self.default_size = None if cls.size_required else cls.default_size or _pipeline_default_size(pipe)
+        self.default_num_inference_steps, self.default_guidance_scale = cls.call_defaults(params)
+        """What the pipeline's call does with steps and guidance left out (a warm-up's, a bare request's)."""
         self.supports_negative_prompt, self.supports_image_to_image = cls.input_support(params)
         self.text_tokens = _default(params, "max_sequence_length", int) or DEFAULT_TEXT_TOKENS
         """Prompt tokens the transformer attends to (the pipeline's ``max_sequence_length`` default)."""
         self.step_cache = "callback_on_step_end" in self.call_arguments
-        """Caching counts the steps by the pipeline's step-end callback."""
-        self.limits = _pipeline_size_limits(pipe)
-        """The sizes the pipeline can make, read from it (a pipeline without a step callback never
+        """Caching counts the steps by the pipeline's step-end callback (a pipeline without one never
         calls ``on_step``)."""
+
+    @classmethod
+    def call_defaults(cls, params: Mapping[str, inspect.Parameter]) -> tuple[int, float | None]:
+        """(steps, guidance) the pipeline's call uses when given none: the class's, else its signature's
+        (50 steps where the signature names none)."""
+        steps = cls.default_num_inference_steps or _default(params, "num_inference_steps", int) or 50
+        guidance = cls.default_guidance_scale
+        if guidance is None:
+            guidance = _default(params, cls.guidance_argument, float)
+        return steps, guidance
+
+    @classmethod
+    def model_defaults(cls, model: str) -> ModelDefaults:
+        """Steps and guidance from the pipeline's class, its default size and size limits from its
+        components' configs: the pipeline built on the meta device (no weights), read as a loaded one."""
+        return _model_defaults(cls, model)
 
     @classmethod
     def input_support(cls, params: Mapping[str, inspect.Parameter]) -> tuple[bool, bool]:
@@ -248,15 +257,16 @@ class DiffusersPipelineRunner(DiffusionRunner):
     def label(self) -> str:
         return self.pipeline_class
 
-    @property
-    def size_limits(self) -> SizeLimits:
-        return self.limits
+    @classmethod
+    def diffusers_class(cls, model: str) -> tuple[str, type]:
+        """The diffusers pipeline class it runs ``model`` with (its name, and the class)."""
+        name = cls.pipeline_class or pipeline_class_name(model)
+        return name, checked_pipeline_class(name, cls)
 
     @classmethod
     def load(cls, model: str, *, dtype: Any, device: Any) -> DiffusersPipelineRunner:
         """``from_pretrained`` on the model directory (or hub id), moved to ``device``."""
-        name = cls.pipeline_class or pipeline_class_name(model)
-        pipeline_cls = checked_pipeline_class(name, cls)
+        name, pipeline_cls = cls.diffusers_class(model)
         start = time.perf_counter()
         pipe = pipeline_cls.from_pretrained(model, dtype=dtype, **cls.load_overrides(model))
         pipe.to(device)
@@ -272,17 +282,6 @@ class DiffusersPipelineRunner(DiffusionRunner):
         return cls(pipe, device=device, dtype=dtype)
 
     # --- per-request hooks -------------------------------------------------------------------------
-
-    def prepare(self, request: DiffusionRequest, defaults: RequestDefaults) -> DiffusionRequest:
-        """Unset size, steps and guidance from ``defaults``."""
-        guidance = defaults.guidance_scale if request.guidance_scale is None else request.guidance_scale
-        return msgspec.structs.replace(
-            request,
-            height=request.height or defaults.height,
-            width=request.width or defaults.width,
-            num_inference_steps=request.num_inference_steps or defaults.num_inference_steps,
-            guidance_scale=guidance,
-        )
 
     def validate(self, request: DiffusionRequest) -> None:
         """Raise ``ValueError`` naming what is wrong; run before batching, so one bad request fails alone."""
@@ -365,7 +364,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         return [h * w for h, w in (image_size(i) for i in request.images or [])]
 
     def activation_bytes(self, batch: list[DiffusionRequest]) -> int:
-        """Estimated peak activations of ``batch`` (one batch key, defaults applied) as one call: the
+        """Estimated peak activations of ``batch`` (one batch key) as one call: the
         largest of its phases (:meth:`activation_phases`), which follow one another."""
         return max(self.activation_phases(batch).values())
 
@@ -401,12 +400,10 @@ class DiffusersPipelineRunner(DiffusionRunner):
 
     def step_tokens(self, request: DiffusionRequest) -> int:
         """Its image tokens, twice with classifier-free guidance (a second row, or a second call). A
-        request without a size the runner knows (the pipeline draws its own) counts one token."""
+        request without a size (its pipeline draws one from its source) counts one token."""
         shape = self.memory_shape
         guided = (request.guidance_scale or 0.0) > 1.0 and not shape.guidance_embedded
         height, width = request.height, request.width
-        if (height is None or width is None) and self.default_size is not None:
-            height, width = height or self.default_size[0], width or self.default_size[1]
         tokens = shape.image_tokens(height, width) if height and width else 1
         return tokens * (2 if guided else 1)
 
@@ -521,10 +518,11 @@ class DiffusersPipelineRunner(DiffusionRunner):
             "prompt": [r.prompt for r in batch],
             "height": first.height,
             "width": first.width,
-            "num_inference_steps": first.num_inference_steps,
             "generator": generators,
             "output_type": "np",
         }
+        if first.num_inference_steps is not None:  # unset: the pipeline's own
+            kwargs["num_inference_steps"] = first.num_inference_steps
         if first.guidance_scale is not None and self.guidance_argument in self.call_arguments:
             kwargs[self.guidance_argument] = first.guidance_scale
 
@@ -794,6 +792,41 @@ def _timesteps_of(pipe: Any) -> int | None:
     image-to-image ``strength`` makes it fewer than ``num_inference_steps``)."""
     value = pipe.__dict__.get("_num_timesteps")
     return value if isinstance(value, int) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _model_defaults(cls: type[DiffusersPipelineRunner], model: str) -> ModelDefaults:
+    name, pipeline_cls = cls.diffusers_class(model)
+    steps, guidance = cls.call_defaults(call_parameters(pipeline_cls))
+    pipe = meta_pipeline(model, pipeline_cls)
+    size = None if cls.size_required else cls.default_size or _pipeline_default_size(pipe)
+    height, width = size or (None, None)
+    defaults = DiffusionDefaults(
+        height=height, width=width, num_inference_steps=steps, guidance_scale=guidance
+    )
+    return ModelDefaults(defaults=defaults, limits=_pipeline_size_limits(pipe), label=name)
+
+
+def meta_pipeline(model: str, pipeline_cls: type) -> Any:
+    """``pipeline_cls`` over ``model``'s diffusers components built from their configs on the meta device
+    (no weights read), its other components (text encoders, tokenizers, schedulers) left out: what its
+    ``__init__`` derives from the configs (``vae_scale_factor``, ``default_sample_size``) is there."""
+    import diffusers
+    import torch
+
+    index = pipeline_cls.load_config(model)  # model_index.json (a directory, or a hub id's)
+    components: dict[str, Any] = {}
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2:
+            continue
+        library, class_name = spec
+        component = getattr(diffusers, class_name, None) if library == "diffusers" and class_name else None
+        if not (isinstance(component, type) and issubclass(component, torch.nn.Module)):
+            components[name] = None
+            continue
+        with torch.device("meta"):
+            components[name] = component.from_config(component.load_config(model, subfolder=name))
+    return pipeline_cls(**components)
 
 
 def _pipeline_default_size(pipe: Any) -> tuple[int, int] | None:

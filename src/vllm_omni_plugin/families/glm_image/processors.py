@@ -26,7 +26,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageLLMCoreRequest,
 )
 from vllm_omni_plugin.stage.errors import StageError, StageRequestError
-from vllm_omni_plugin.stage.request_defaults import request_size
+from vllm_omni_plugin.stage.input_processor import request_size
 
 if TYPE_CHECKING:
     from vllm_omni_plugin.stage.orchestrator import ProcessorContext
@@ -235,20 +235,8 @@ def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDif
         raise StageError("the AR stage returned ids outside the VQ codebook", stage_id=context.stage_id)
     import torch
 
-    diffusion = GlmImageRequest(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        height=height,
-        width=width,
-        num_inference_steps=request.num_inference_steps,
-        guidance_scale=request.guidance_scale,
-        seed=request.seed,
-        negative_prompt=request.negative_prompt,
-        prior_token_ids=torch.from_numpy(upsample_prior(large, th, tw)),
-        return_latents=request.return_latents,
-        partial_images=request.partial_images,
-        cache=request.cache,
-        lora=request.lora,
+    diffusion = request.runner_request(
+        GlmImageRequest, prior_token_ids=torch.from_numpy(upsample_prior(large, th, tw))
     )
     if image_to_image:
         extra = ar.stage_outputs or {}

@@ -206,8 +206,6 @@ class DynamoStageClient(StageCoreClientBase):
         if not rejoined:
             self.joins += 1
             self.restarts = max(0, self.joins - 1)
-        if self.runner_defaults is None:
-            self.runner_defaults = reply.runner_defaults
         logger.info(
             "%s: %s %s (%d replica(s))", self.label, worker.label, "answers again" if rejoined else "joined",
             reply.replicas,

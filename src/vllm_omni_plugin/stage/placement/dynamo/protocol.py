@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
-from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest, StageLLMCoreRequest
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
@@ -34,8 +33,6 @@ class StageInfo(msgspec.Struct, kw_only=True, tag="stage_info"):
     config_digest: str
     """``wire.stage_config_digest``: the router refuses a worker of another deploy config."""
     replicas: int = 1
-    runner_defaults: ServedDefaults | None = None
-    """Its diffusion replicas' request defaults and sizes (``StageReady.runner_defaults``)."""
 
 
 class StageStatsRequest(msgspec.Struct, kw_only=True, tag="stage_stats_request"):

@@ -82,7 +82,6 @@ class DynamoStageWorker:
             pid=os.getpid(),
             config_digest=stage_config_digest(self.deployment, self.stage_id),
             replicas=len(self.pool.clients),
-            runner_defaults=self.pool.runner_defaults,
         )
 
     def stats(self) -> StageStats:

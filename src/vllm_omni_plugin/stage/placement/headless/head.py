@@ -112,7 +112,6 @@ class RemoteStageClient(StageCoreClientBase):
         self.joins += 1
         self.restarts = self.joins - 1
         self.count_steps_anew()
-        self.runner_defaults = worker.runner_defaults
         self.state = StageState.READY
         logger.info("%s registered (join %d)", self.label, self.joins)
 

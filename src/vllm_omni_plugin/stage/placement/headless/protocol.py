@@ -7,7 +7,6 @@ from __future__ import annotations
 import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
-from vllm_omni_plugin.diffusion.runner import ServedDefaults
 from vllm_omni_plugin.stage.core_types import StageAbort, StageDiffusionCoreRequest, StageLLMCoreRequest
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
 from vllm_omni_plugin.stage.placement.wire import stage_config_digest as stage_config_digest
@@ -19,8 +18,6 @@ class WorkerRegister(msgspec.Struct, kw_only=True, tag="register"):
     host: str
     pid: int
     config_digest: str
-    runner_defaults: ServedDefaults | None = None
-    """Its diffusion replicas' request defaults and sizes (``StageReady.runner_defaults``)."""
 
 
 class WorkerAccepted(msgspec.Struct, kw_only=True, tag="accepted"):

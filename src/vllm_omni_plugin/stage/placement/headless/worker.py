@@ -133,7 +133,6 @@ class HeadlessStageWorker:
             host=socket.gethostname(),
             pid=os.getpid(),
             config_digest=protocol.stage_config_digest(self.deployment, self.stage_id),
-            runner_defaults=pool.runner_defaults,
         )
         waited = 0.0
         while not self._stopping.done():

@@ -163,7 +163,6 @@ class StageReplicaActor:
             pid=self.where.pid,
             load_seconds=seconds,
             device=f"{device} on {self.where.host}",
-            runner_defaults=replica.runner_defaults,
         )
 
     def _replica(self) -> tuple[StageCoreClientBase, str]:

@@ -391,7 +391,6 @@ class RayStageClient(StageCoreClientBase):
             raise StageStartError(
                 f"{self.label} failed to start on {self.where.host}: {status.error}", stage_id=self.stage_id
             )
-        self.runner_defaults = status.runner_defaults
         self.state = StageState.READY
         self.waiting, self.no_place = None, False
         logger.info(
