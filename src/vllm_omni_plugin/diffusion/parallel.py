@@ -560,9 +560,8 @@ def _fill(value: Any, data: Any, device: Any) -> Any:
 
 FIRST_PART = 64 * 1024
 """The least size of a message's first part, which is sent whole (padded): the receiver has its receive
-posted before the sender sends it. gloo takes a slow path for a message that arrives before its receive
-is posted: a round trip of two small messages took 3.2 ms on our 2-core machines that way, and 0.25 ms
-with the receives posted first."""
+posted before the sender sends it: gloo takes a slow path (an extra round trip) for a message that arrives
+before its receive is posted."""
 LARGEST_FIRST_PART = 8 * 1024 * 1024
 """The most a first part grows to (a longer message follows its first part whole, in a second send)."""
 

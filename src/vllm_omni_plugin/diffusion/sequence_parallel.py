@@ -18,11 +18,10 @@ Qwen-Image, GLM-Image: ``(batch, tokens, heads, dim)``, [text, image]) or, for S
 - K/V all-gather otherwise (and for a call whose mask differs between queries or heads): each rank's
   queries, all heads, against the image keys and values (and mask) gathered from every rank.
 
-Which one a replica uses it logs at start. Both compute the same attention; on two CPU processes with
-the tiny models, Ulysses' second exchange an attention costs about what its smaller attention saves
-(GLM-Image: more; docs/benchmarks.md): it is built for more ranks (its exchanges shrink with them, the
-all-gather's do not) and many heads. gloo has all-to-all (``alltoall_base``), but the ranks exchange by
-send and receive posted together (:func:`_swap`), which measured as fast or faster at these sizes.
+Which one a replica uses it logs at start. Both compute the same attention; Ulysses is built for more
+ranks (its exchanges shrink with them, the all-gather's do not) and many heads. The ranks exchange by send
+and receive posted together (:func:`_swap`), not gloo's all-to-all, which is no faster at these sizes
+(the measurements: ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -257,9 +256,8 @@ EXCHANGE_TAG = 1
 
 def _swap(group: Any, sends: Any, received: Any, rank: int, size: int) -> None:
     """``sends[peer]`` (contiguous host tensors) to every peer, into ``received[peer]`` of each, this rank's
-    own row left to the caller. Sends and receives are posted together, then awaited: measured between two
-    processes here, a swap took 0.10-0.18 ms up to 2 MiB where gloo's ``alltoall_base`` took 0.13-0.22 ms
-    (and ``allgather`` 0.3-0.7 ms); only at 8 MiB was ``alltoall_base`` faster, by a tenth."""
+    own row left to the caller. Sends and receives are posted together, then awaited: as fast as gloo's
+    ``alltoall_base`` (faster than ``allgather``) at the sizes a forward exchanges."""
     peers = [peer for peer in range(size) if peer != rank]
     # every receive before any send: a message that finds its receive posted takes gloo's fast path
     works = [group.recv([received[peer]], peer, EXCHANGE_TAG) for peer in peers]

@@ -11,8 +11,8 @@ while the step runs: they are not calls to the denoiser.
 
 The same machinery joins the VAE decodes of groups (:class:`DecodeCalls`, :class:`GroupVae`): a decode is a
 one-off call that waits for no other row, so the decode thread runs what is waiting as soon as it is
-free, and decodes that came while it was busy run as one call (a tiny VAE decodes 4 images in 1.5x the
-time of one on two cores).
+free, and decodes that came while it was busy run as one call (a VAE decodes a few images in little
+more than one's time).
 
 Calls share a forward only when everything that is not per row is equal (shared tensors such as FLUX's
 position ids compared by value, other arguments by ``==``); per-row values are tensors and lists whose

@@ -2,9 +2,8 @@
 
 A preview's decode runs on the preview thread beside the steps (``diffusion/previews.py``). Eager, every
 layer of the decoder is a Python call that holds the GIL: where the steps are Python-bound too (small
-models, CPU), the two threads take turns and three previews of a 28-step tiny SD3 request made it
-1.12-1.21x slower. A traced decoder runs its graph without the interpreter (the same kernels, so the same
-pixels bit for bit) and at about half the eager time on the tiny VAE.
+models, CPU), the two threads take turns and the previews slow the steps down. A traced decoder runs its
+graph without the interpreter (the same kernels, so the same pixels bit for bit).
 
 Only stateless ``AutoencoderKL`` decoders are traced (SD3, FLUX, GLM-Image): a graph holds one shape's
 control flow, hence one trace per latent shape (a few, least recently used first out), and a VAE that
