@@ -21,10 +21,10 @@ from test_bagel_dit import STEPS as BAGEL_STEPS
 from test_bagel_dit import edit, t2i
 from test_step_batching import BAGEL_RUNNER, ask, assert_within_one_level, glm_edit
 from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.diffusion.diffusers_runner import denoiser_of
 from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, PeerSpec, split_rows
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
 from vllm_omni_plugin.families.bagel.transformer import AttentionRows
-from vllm_omni_plugin.families.diffusers.runner import denoiser_of
 from vllm_omni_plugin.processes import ProcessId, cmdline, descendants
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]

@@ -18,12 +18,12 @@ import pytest
 from helpers import source_image
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.diffusion import diffusers_registry as registry
-from vllm_omni_plugin.families.diffusers.qwen_image import (
+from vllm_omni_plugin.diffusion.diffusers_runner import DiffusersPipelineRunner
+from vllm_omni_plugin.families.diffusers.runner import (
     QwenImageEditPlusRunner,
     QwenImageEditRunner,
     QwenImageRunner,
 )
-from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner
 from vllm_omni_plugin.testing.reference.diffusers import reference_image
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]

@@ -15,9 +15,9 @@ import helpers
 from vllm_omni_plugin.config import PLATFORMS
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionResult
 from vllm_omni_plugin.diffusion import diffusers_registry as registry
+from vllm_omni_plugin.diffusion.diffusers_runner import DiffusersPipelineRunner
 from vllm_omni_plugin.diffusion.worker import CPUDiffusionWorker, CUDADiffusionWorker
 from vllm_omni_plugin.dotted import import_object
-from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner
 from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest, GlmImageRunner
 from vllm_omni_plugin.testing.reference.glm_image import (
     glm_image_reference_image,

@@ -270,3 +270,116 @@ def test_no_import_circle_between_modules() -> None:
     )
     assert circles_in(graph) == []
     assert circles_in({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a"]
+
+
+def test_no_family_imports_another() -> None:
+    """Each model family is a unit of its own: what two share lives below them (config, diffusion,
+    stage, models), never in one of them."""
+    graph = import_graph()
+    crossings = sorted(
+        f"{unit} imports {target}"
+        for unit, targets in graph.items()
+        if unit.startswith("families.")
+        for target in targets
+        if target.startswith("families.")
+    )
+    assert crossings == []
+
+
+FRONT_ENDS = ("entrypoints", "dynamo")
+"""The layers that read a transport (HTTP, chat, Dynamo) and the offline API: they parse, and hand parsed
+requests to the runtime."""
+RUNNER_MODULES = (
+    "vllm_omni_plugin.diffusion.runner",
+    "vllm_omni_plugin.diffusion.engine",
+    "vllm_omni_plugin.diffusion.diffusers_registry",
+    "vllm_omni_plugin.runners",
+)
+"""Runners and what loads them (besides each family's ``runner.py``, which no generic module imports)."""
+
+
+def runner_imports(path: Path) -> list[str]:
+    return sorted(
+        m
+        for m in imported_modules(path)
+        if any(m == r or m.startswith(r + ".") for r in RUNNER_MODULES)
+        or (m.startswith("vllm_omni_plugin.families.") and m.split(".")[3:4] == ["runner"])
+    )
+
+
+def test_the_front_ends_import_no_runner() -> None:
+    """The HTTP layer (and Dynamo's, which runs the same calls) knows no runner: what a model makes and
+    takes comes to it from the runtime's input processor, read once at start-up."""
+    offenders = [
+        f"{path.relative_to(PACKAGE)} imports {m}"
+        for folder in FRONT_ENDS
+        for path in sorted((PACKAGE / folder).rglob("*.py"))
+        for m in runner_imports(path)
+    ]
+    assert offenders == []
+    assert runner_imports(PACKAGE / "stage" / "input_processor.py")  # the scan sees one where it is
+
+
+DEFAULT_NAMES = frozenset(
+    {
+        "DiffusionDefaults",
+        "ModelDefaults",
+        "diffusion_defaults",
+        "request_defaults",
+        "model_defaults",
+        "with_defaults",
+    }
+)
+"""The request defaults and their readers: a pipeline's declared ones (``Pipeline.diffusion_defaults``), the
+deploy config's (``ResolvedStage.request_defaults``), the model's own (``DiffusionRunner.model_defaults``)
+and a family's settings' (``RequestSettings.with_defaults``)."""
+DEFAULTS_DECLARED = frozenset(
+    {
+        "config/__init__.py",
+        "config/pipeline.py",
+        "config/diffusion_stage.py",
+        "config/resolve.py",
+        "config/resolved.py",
+        "config/settings.py",
+        "diffusion/runner.py",
+        "diffusion/diffusers_runner.py",
+    }
+)
+"""Where the defaults are declared, merged from the deploy config and read from a model's configs (the
+runner interface and the generic diffusers runner; each family's pipeline, runner and settings declare and
+read its own)."""
+FILLS_DEFAULTS = "stage/input_processor.py"
+"""The one module that applies them to requests."""
+
+
+def default_names(path: Path) -> set[str]:
+    """The names of :data:`DEFAULT_NAMES` that ``path``'s code uses (names, attributes, definitions)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.ImportFrom):
+            found.update(alias.name for alias in node.names)
+    return found & DEFAULT_NAMES
+
+
+def test_nothing_but_the_input_processor_fills_request_defaults() -> None:
+    """Request defaults are read where they are declared (config, the runner interface, each family's
+    pipeline, runner and settings) and applied in one place, the input processor: no front end, stage
+    processor, orchestrator, placement, engine or runner reaches for them."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(PACKAGE))
+        parts = path.relative_to(PACKAGE).parts
+        declared = name in DEFAULTS_DECLARED or (
+            parts[0] == "families" and path.name in ("pipeline.py", "runner.py", "settings.py")
+        )
+        if declared or name == FILLS_DEFAULTS:
+            continue
+        offenders += [f"{name} uses {n}" for n in sorted(default_names(path))]
+    assert offenders == []
+    assert default_names(PACKAGE / FILLS_DEFAULTS) >= {"model_defaults", "request_defaults", "with_defaults"}

@@ -294,7 +294,7 @@ def test_previews_decode_with_a_traced_vae_giving_the_eager_pixels(
     keeps state between calls (Qwen-Image's) is decoded eagerly."""
     import torch
 
-    from vllm_omni_plugin.families.diffusers.preview_decoder import PreviewDecoder
+    from vllm_omni_plugin.diffusion.preview_decoder import PreviewDecoder
 
     vae = engines(family, "request").runner.pipe.vae
     decoder = PreviewDecoder(vae)

@@ -19,9 +19,9 @@ import pytest
 
 from test_step_batching import ask, assert_within_one_level, glm_edit
 from vllm_omni_plugin.diffusion import DiffusionEngine, sequence_parallel
+from vllm_omni_plugin.diffusion.diffusers_runner import denoiser_of
 from vllm_omni_plugin.diffusion.sequence_parallel import attention_method, sequence_plan
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
-from vllm_omni_plugin.families.diffusers.runner import denoiser_of
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 

@@ -20,8 +20,8 @@ import pytest
 from test_step_batching import BAGEL_RUNNER, ask, assert_within_one_level
 from vllm_omni_plugin.diffusion import DiffusionEngine
 from vllm_omni_plugin.diffusion.blocks import repeated_blocks
+from vllm_omni_plugin.diffusion.diffusers_runner import denoiser_of
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
-from vllm_omni_plugin.families.diffusers.runner import denoiser_of
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 

@@ -25,7 +25,7 @@ from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
 
-GENERIC_RUNNER = "vllm_omni_plugin.families.diffusers.runner:DiffusersPipelineRunner"
+GENERIC_RUNNER = "vllm_omni_plugin.diffusion.diffusers_runner:DiffusersPipelineRunner"
 """The runner of every diffusers class no other runner is registered for."""
 
 CALL_ARGUMENTS = ("prompt", "height", "width", "num_inference_steps", "generator", "output_type")
@@ -74,9 +74,9 @@ def generic_runner() -> type[Any]:
 
 PIPELINE_RUNNERS: dict[str, str | type[DiffusionRunner]] = {
     "GlmImagePipeline": "vllm_omni_plugin.families.glm_image.runner:GlmImageRunner",
-    "QwenImagePipeline": "vllm_omni_plugin.families.diffusers.qwen_image:QwenImageRunner",
-    "QwenImageEditPipeline": "vllm_omni_plugin.families.diffusers.qwen_image:QwenImageEditRunner",
-    "QwenImageEditPlusPipeline": "vllm_omni_plugin.families.diffusers.qwen_image:QwenImageEditPlusRunner",
+    "QwenImagePipeline": "vllm_omni_plugin.families.diffusers.runner:QwenImageRunner",
+    "QwenImageEditPipeline": "vllm_omni_plugin.families.diffusers.runner:QwenImageEditRunner",
+    "QwenImageEditPlusPipeline": "vllm_omni_plugin.families.diffusers.runner:QwenImageEditPlusRunner",
 }
 """Runners of the families the generic runner cannot drive as they are, by diffusers class name: a
 dotted path (imported when a model of that class is served) or the class."""

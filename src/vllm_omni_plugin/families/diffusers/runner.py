@@ -1,884 +1,148 @@
-"""The generic diffusers runner: loads a diffusers pipeline and runs a batch of compatible requests through
-one pipeline call. It reads what the pipeline's ``__call__`` takes from its signature (prompt, size, steps,
-generators, output type; guidance, negative prompt and a source image where the signature has them). A
-family that differs (Qwen-Image's ``true_cfg_scale``, GLM-Image's prior tokens) is one small subclass
-registered by dotted path in ``diffusion/diffusers_registry.py``, which also chooses the runner of a model.
+"""The Qwen-Image family's runners (text-to-image, edit, edit-plus): their guidance is ``true_cfg_scale``
+and their edit pipelines take images their own way. Generic code names them by dotted path only
+(``diffusion/diffusers_registry.py``).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import threading
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
-from vllm_omni_plugin.diffusion.blocks import CompileSpec, repeated_blocks
-from vllm_omni_plugin.diffusion.diffusers_registry import (
-    CALL_ARGUMENTS,
-    call_parameters,
-    checked_pipeline_class,
-    pipeline_class_name,
-)
-from vllm_omni_plugin.diffusion.lora import AdapterRows, LoadedAdapters
-from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
+from vllm_omni_plugin.diffusion.diffusers_runner import DiffusersPipelineRunner, as_pil, image_size
+from vllm_omni_plugin.diffusion.memory import transformer_block_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.previews import CallPreviews
-from vllm_omni_plugin.diffusion.runner import (
-    BatchAborted,
-    BatchOutput,
-    DiffusionDefaults,
-    DiffusionRunner,
-    ModelDefaults,
-    SizeLimits,
-    StepCallback,
-    StopCheck,
-    preview_steps,
-)
-from vllm_omni_plugin.diffusion.step_batching import DecodeCalls, GroupVae, SameValue
-from vllm_omni_plugin.diffusion.step_cache import CachedDenoiser, CallCache
-from vllm_omni_plugin.families.diffusers.preview_decoder import PreviewDecoder
-from vllm_omni_plugin.log import get_logger
-
-if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.parallel import PairedBranches, PeerSpec
-    from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
-
-logger = get_logger(__name__)
-
-SHARED_DENOISER_ARGUMENTS = ("txt_ids", "img_ids")
-"""Denoiser arguments of the diffusers families that are one value for the whole call, not per row."""
-DEFAULT_TEXT_TOKENS = 512
-"""Prompt tokens a pipeline's transformer attends to when its ``__call__`` names no
-``max_sequence_length`` default (T5-conditioned pipelines pad to 256 or 512)."""
 
 
-@dataclass(frozen=True, slots=True)
-class DenoiserShape:
-    """What a pipeline's activation memory follows, read from its modules' configs (no weights needed:
-    meta-device modules give the same)."""
+class QwenImageRunner(DiffusersPipelineRunner):
+    """Qwen-Image: classifier-free guidance is ``true_cfg_scale``, and diffusers applies it only when a
+    negative prompt is given. A request's ``guidance_scale`` goes there, and above 1 a request without a
+    negative prompt gets ``" "`` (the model card's), so guidance always does what it says; at 1 or
+    below no negative prompt is passed (no unconditional pass)."""
 
-    hidden: int
-    """Width of the denoiser's token stream (heads x head size)."""
-    ff_inner: int
-    """Width of its widest feed-forward (before the down projection)."""
-    patch_pixels: int
-    """Image pixels per token side (the VAE's scale times the patch, packing included)."""
-    decoder_channels: int
-    """Channels of the VAE decoder at full resolution (its last upsampled level)."""
-    element: int
-    vae_element: int
-    guidance_embedded: bool
-    """The transformer takes guidance as an input (FLUX's distilled guidance): one pass, not two."""
+    pipeline_class = "QwenImagePipeline"
+    guidance_argument = "true_cfg_scale"
+    prompt_token_limit = 1024
+    """The Qwen-Image pipelines encode a prompt whole, padded to the batch's longest (no truncation), and
+    refuse a ``max_sequence_length`` over 1024 (their ``tokenizer_max_length``); their transformer's text
+    positions end a few thousand tokens on (a 60k-token prompt failed there after its whole encode)."""
+    batched_guidance = False  # true CFG: the negative prompt's pass is a second transformer call
+    default_negative_prompt: ClassVar[str] = " "
 
-    def image_tokens(self, height: int, width: int) -> int:
-        return -(-height // self.patch_pixels) * -(-width // self.patch_pixels)
+    def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
+        # Every negative prompt of a guided batch is a string, so requests with and without one mix.
+        return tuple(image_size(i) for i in request.images or [])
 
+    def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
+        """The pipeline pads a call's prompts to its longest (its chat template around each), not to a
+        fixed length: one long prompt makes every row of its batch that long."""
+        return max(self.prompt_length(r) for r in batch)
 
-def denoiser_attribute(pipe: Any) -> str | None:
-    """The pipeline attribute its denoiser is: ``transformer``, else ``unet`` (None: neither)."""
-    # Optional attributes of a diffusers pipeline: a class has the one its architecture uses.
-    return next((name for name in ("transformer", "unet") if getattr(pipe, name, None) is not None), None)
+    def prompt_length(self, request: DiffusionRequest) -> int:
+        """Tokens of the request's longer prompt (its negative one's counts too) as the transformer sees
+        them: the template's system part dropped, as the pipeline does."""
+        texts = (request.prompt, request.negative_prompt or self.default_negative_prompt)
+        lengths: dict[tuple[str, str], int] = self.__dict__.setdefault("_lengths", {})
+        if texts not in lengths:  # a batch's estimates ask about the same requests again and again
+            if len(lengths) >= 256:
+                lengths.clear()
+            pipe = self.pipe
+            template, dropped = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+            counts = [len(pipe.tokenizer(template.format(t))["input_ids"]) for t in texts]
+            lengths[texts] = max(counts) - dropped
+        return lengths[texts]
 
+    def activation_phases(self, batch: list[DiffusionRequest]) -> dict[str, int]:
+        """With the prompt encode: its vision-language model keeps every layer's hidden states
+        (``output_hidden_states``) for the batch's padded prompts, besides one layer's activations."""
+        phases = super().activation_phases(batch)
+        config = self.pipe.text_encoder.config
+        text = getattr(config, "text_config", config)
+        hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
+        rows, tokens = len(batch), self.prompt_tokens(batch)
+        element = next(self.pipe.text_encoder.parameters()).element_size()
+        phases["encode_prompt"] = rows * tokens * hidden * (layers + 1) * element + transformer_block_bytes(
+            rows, tokens, hidden, int(text.intermediate_size), element
+        )
+        return phases
 
-def denoiser_of(pipe: Any) -> Any:
-    """The pipeline's denoiser module (``None``: it has neither a transformer nor a unet)."""
-    name = denoiser_attribute(pipe)
-    return None if name is None else getattr(pipe, name)
-
-
-def denoiser_shape(pipe: Any) -> DenoiserShape:
-    """The :class:`DenoiserShape` of a loaded (or meta-device) diffusers pipeline."""
-    import math
-
-    model = denoiser_of(pipe)
-    if model is None:
-        raise ValueError(f"{type(pipe).__name__} has neither a transformer nor a unet")
-    cfg = dict(model.config)
-    heads, head_dim = cfg.get("num_attention_heads"), cfg.get("attention_head_dim")
-    hidden = heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else 0
-    if hidden <= 0:  # a UNet: its widest level (an overestimate: that level runs at a lower resolution)
-        hidden = max(cfg.get("block_out_channels") or [1280])
-    widths = [m.net[-1].in_features for m in model.modules() if type(m).__name__ == "FeedForward"]
-    vae_cfg = dict(pipe.vae.config)
-    latent = vae_cfg.get("latent_channels") or vae_cfg.get("z_dim") or cfg.get("in_channels") or 4
-    in_channels = cfg.get("in_channels") or latent
-    patch = cfg.get("patch_size") if isinstance(cfg.get("patch_size"), int) else 1
-    if in_channels != latent and in_channels % latent == 0:  # latents packed into tokens (FLUX, Qwen-Image)
-        patch = math.isqrt(in_channels // latent)
-    return DenoiserShape(
-        hidden=hidden,
-        ff_inner=max(widths, default=4 * hidden),
-        patch_pixels=int(getattr(pipe, "vae_scale_factor", 8)) * max(1, patch),
-        decoder_channels=_decoder_channels(vae_cfg),
-        element=next(model.parameters()).element_size(),
-        vae_element=next(pipe.vae.parameters()).element_size(),
-        guidance_embedded=bool(cfg.get("guidance_embeds")),
-    )
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        kwargs = super().call_kwargs(batch)
+        kwargs.pop("negative_prompt", None)
+        if (batch[0].guidance_scale or 0.0) > 1.0:
+            kwargs["negative_prompt"] = [r.negative_prompt or self.default_negative_prompt for r in batch]
+        return kwargs
 
 
-def _decoder_channels(vae_cfg: dict[str, Any]) -> int:
-    """The decoder's channels at full resolution: those of the level above the finest (its upsample
-    writes them at full resolution); 512 when the config says neither way."""
-    levels = vae_cfg.get("block_out_channels")
-    if levels:
-        return int(levels[min(1, len(levels) - 1)])
-    base, mult = vae_cfg.get("base_dim"), vae_cfg.get("dim_mult")
-    if base and mult:
-        return int(base * mult[min(1, len(mult) - 1)])
-    return 512
+class QwenImageEditRunner(QwenImageRunner):
+    """Qwen-Image-Edit: one source image per request, ``image=[one per prompt]``.
 
-
-def _default(params: Mapping[str, inspect.Parameter], name: str, kind: type) -> Any:
-    """The signature's default of ``name`` when it is a number (``None`` otherwise)."""
-    param = params.get(name)
-    value = None if param is None else param.default
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return kind(value)
-    return None
-
-
-class DiffusersPipelineRunner(DiffusionRunner):
-    """Loads one diffusers pipeline and runs batches of compatible requests through it.
-
-    The engine hands :meth:`run` complete requests that share :meth:`batch_key` (size, steps, guidance,
-    image-to-image-ness and :meth:`call_key`), with one seeded ``torch.Generator`` per request. Used as is,
-    it is the generic runner of any pipeline whose ``__call__`` takes :data:`CALL_ARGUMENTS`: the request's
-    guidance goes to ``guidance_argument``, its negative prompt and its one source image
-    (``image_argument``) where the signature takes them; its model's defaults (steps, guidance, size) are
-    the pipeline's own (:meth:`model_defaults`). Subclasses set ``pipeline_class`` and, as
-    needed, the class attributes below and :meth:`load_overrides`, :meth:`validate`, :meth:`call_key`,
-    :meth:`call_kwargs`. ``run`` asks ``should_stop`` after every step.
+    The pipeline resizes a single image to about a megapixel (its aspect kept) for both the VAE and the
+    vision-language encoder, but passes a *list* of images to the encoder as they are, so a batch would
+    see other pixels than the same request alone. The runner resizes each image the way the pipeline
+    does for a single one first; a batch also shares the source size (``batch_key``), since the pipeline
+    sizes everything from the first image.
     """
 
-    request_type = DiffusionRequest
+    pipeline_class = "QwenImageEditPipeline"
+    needs_images = True
 
-    pipeline_class: ClassVar[str] = ""
-    """The diffusers class name, as in ``model_index.json`` ``_class_name`` ("": the model's own)."""
-    load_kwargs: ClassVar[dict[str, Any]] = {}
-    """Extra ``from_pretrained`` arguments (e.g. components to skip)."""
-    guidance_argument: ClassVar[str] = "guidance_scale"
-    """The ``__call__`` argument a request's ``guidance_scale`` goes to."""
-    image_argument: ClassVar[str] = "image"
-    """The ``__call__`` argument a request's source images go to."""
-    needs_images: ClassVar[bool] = False
-    """The pipeline cannot run without a source image (an edit pipeline)."""
-    max_images: ClassVar[int | None] = 1
-    """Source images a request may have (``None``: any number)."""
-    prompt_token_limit: ClassVar[int | None] = None
-    """The most prompt tokens its text encoder takes where the pipeline encodes a prompt whole (the
-    server refuses longer prompts before any stage runs); None where the pipeline truncates prompts to
-    its encoders' lengths itself (SD3, FLUX: CLIP's 77 tokens, T5's ``max_sequence_length``)."""
-    prompt_tokenizer: ClassVar[str] = "tokenizer"
-    """The model folder's tokenizer that counts them."""
-    # Set on a subclass to fix them; left None, they come from the pipeline's signature and config.
-    default_num_inference_steps: int | None = None
-    default_guidance_scale: float | None = None
-    default_size: ClassVar[tuple[int, int] | None] = None
-    """``(height, width)`` its model makes when a request gives none (None: the pipeline's own)."""
-    size_required: ClassVar[bool] = False
-    """The model states no default size, not even the pipeline's (its pipeline says which)."""
-    supports_negative_prompt: bool | None = None
-    supports_image_to_image: bool | None = None
-    batched_guidance: ClassVar[bool] = True
-    """Guidance runs the conditional and unconditional passes as one batch of twice the rows (SD3's
-    classifier-free guidance), unless the transformer embeds guidance; False where the pipeline runs them
-    one after the other (Qwen-Image's true CFG, GLM-Image)."""
+    def source_pixels(self, request: DiffusionRequest) -> list[int]:
+        return [1024 * 1024 for _ in request.images or []]  # resized to about a megapixel (call_kwargs)
 
-    def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
-        cls = type(self)
-        self.pipe = pipe
-        self._encode_lock = threading.Lock()
-        """Held while a group encodes its prompts (:meth:`_one_at_a_time`)."""
-        self._encoding = threading.local()
-        """Seconds the calling thread's pipeline call spent encoding prompts (``seconds``)."""
-        # Every text-conditioned diffusers pipeline has one; timed for the call's ``encode`` (``/metrics``).
-        self._encode = getattr(pipe, "encode_prompt", None)
-        if self._encode is not None:
-            pipe.__dict__["encode_prompt"] = self._timed(self._encode)
-        self._vae_lock = threading.Lock()
-        """Held while a VAE that keeps state (:func:`vae_keeps_state`) encodes or decodes for a group, or
-        decodes a group's preview."""
-        self._preview_decoder = PreviewDecoder(getattr(pipe, "vae", None))
-        self.device = device
-        self.dtype = dtype
-        self.pipeline_class = cls.pipeline_class or type(pipe).__name__
-        params = call_parameters(type(pipe))
-        self.call_arguments = frozenset(params)
-        self.default_num_inference_steps, self.default_guidance_scale = cls.call_defaults(params)
-        """What the pipeline's call does with steps and guidance left out (a warm-up's, a bare request's)."""
-        self.supports_negative_prompt, self.supports_image_to_image = cls.input_support(params)
-        self.text_tokens = _default(params, "max_sequence_length", int) or DEFAULT_TEXT_TOKENS
-        """Prompt tokens the transformer attends to (the pipeline's ``max_sequence_length`` default)."""
-        self.step_cache = "callback_on_step_end" in self.call_arguments
-        """Caching counts the steps by the pipeline's step-end callback (a pipeline without one never
-        calls ``on_step``)."""
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    @classmethod
-    def call_defaults(cls, params: Mapping[str, inspect.Parameter]) -> tuple[int, float | None]:
-        """(steps, guidance) the pipeline's call uses when given none: the class's, else its signature's
-        (50 steps where the signature names none)."""
-        steps = cls.default_num_inference_steps or _default(params, "num_inference_steps", int) or 50
-        guidance = cls.default_guidance_scale
-        if guidance is None:
-            guidance = _default(params, cls.guidance_argument, float)
-        return steps, guidance
-
-    @classmethod
-    def model_defaults(cls, model: str) -> ModelDefaults:
-        """Steps and guidance from the pipeline's class, its default size and size limits from its
-        components' configs: the pipeline built on the meta device (no weights), read as a loaded one."""
-        return _model_defaults(cls, model)
-
-    @classmethod
-    def input_support(cls, params: Mapping[str, inspect.Parameter]) -> tuple[bool, bool]:
-        """(takes a negative prompt, takes source images), from the class or else the signature."""
-        negative = cls.supports_negative_prompt
-        images = cls.supports_image_to_image
-        return (
-            "negative_prompt" in params if negative is None else negative,
-            cls.image_argument in params if images is None else images,
-        )
-
-    @classmethod
-    def missing_call_arguments(cls, pipeline_cls: type) -> list[str]:
-        """What :meth:`run` passes that ``pipeline_cls.__call__`` does not take (empty: drivable)."""
-        params = call_parameters(pipeline_cls)
-        return [name for name in CALL_ARGUMENTS if name not in params]
+        kwargs = super().call_kwargs(batch)
+        images = kwargs[self.image_argument]
+        width, height, _ = calculate_dimensions(1024 * 1024, images[0].size[0] / images[0].size[1])
+        kwargs[self.image_argument] = [self.pipe.image_processor.resize(i, height, width) for i in images]
+        return kwargs
 
     @classmethod
     def load_overrides(cls, model: str) -> dict[str, Any]:
-        """``from_pretrained`` arguments for this model (``load_kwargs`` unless a family needs more)."""
-        return dict(cls.load_kwargs)
-
-    @property
-    def label(self) -> str:
-        return self.pipeline_class
-
-    @classmethod
-    def diffusers_class(cls, model: str) -> tuple[str, type]:
-        """The diffusers pipeline class it runs ``model`` with (its name, and the class)."""
-        name = cls.pipeline_class or pipeline_class_name(model)
-        return name, checked_pipeline_class(name, cls)
-
-    @classmethod
-    def load(cls, model: str, *, dtype: Any, device: Any) -> DiffusersPipelineRunner:
-        """``from_pretrained`` on the model directory (or hub id), moved to ``device``."""
-        name, pipeline_cls = cls.diffusers_class(model)
-        start = time.perf_counter()
-        pipe = pipeline_cls.from_pretrained(model, dtype=dtype, **cls.load_overrides(model))
-        pipe.to(device)
-        pipe.set_progress_bar_config(disable=True)
-        logger.info(
-            "loaded %s from %s (%s, %s) in %.2f s",
-            name,
-            model,
-            dtype,
-            device,
-            time.perf_counter() - start,
-        )
-        return cls(pipe, device=device, dtype=dtype)
-
-    # --- per-request hooks -------------------------------------------------------------------------
-
-    def validate(self, request: DiffusionRequest) -> None:
-        """Raise ``ValueError`` naming what is wrong; run before batching, so one bad request fails alone."""
-        images = len(request.images or [])
-        if request.image_to_image and not self.supports_image_to_image:
-            raise ValueError(f"{self.pipeline_class} runs text-to-image only; this request has source images")
-        if self.needs_images and not images:
-            raise ValueError(f"{self.pipeline_class} edits an image: the request needs a source image")
-        if self.max_images is not None and images > self.max_images:
-            raise ValueError(
-                f"{self.pipeline_class} takes at most {self.max_images} source image(s) per request, "
-                f"got {images}"
-            )
-        if request.negative_prompt and not self.supports_negative_prompt:
-            raise ValueError(f"{self.pipeline_class} takes no negative prompt; leave negative_prompt unset")
-        if request.guidance_scale is not None and self.guidance_argument not in self.call_arguments:
-            raise ValueError(f"{self.pipeline_class} takes no {self.guidance_argument}; leave guidance unset")
-        if request.lora is not None:
-            self.adapters.get(request.lora)  # loaded now: an adapter that is no LoRA of it fails alone
-
-    # --- LoRA adapters ----------------------------------------------------------------------------------
-
-    lora = True
-
-    @functools.cached_property
-    def adapters(self) -> LoadedAdapters:
-        """The LoRA adapters its denoiser's rows may run with (``max_loras`` of them loaded)."""
-        return LoadedAdapters(denoiser_of(self.pipe), self.max_loras)
-
-    def _adapter_rows(self, batch: list[DiffusionRequest], denoiser: Any) -> AdapterRows:
-        rows = [(self.adapters.get(r.lora), r.lora.scale) if r.lora is not None else None for r in batch]
-        return AdapterRows(denoiser, rows)
-
-    def batch_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
-        """Size, steps, guidance and image-to-image-ness, then what the family adds (:meth:`call_key`)."""
-        common = (
-            request.height,
-            request.width,
-            request.num_inference_steps,
-            float(request.guidance_scale or 0.0),
-            request.image_to_image,
-        )
-        return common + tuple(self.call_key(request))
-
-    def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
-        """What else (beyond size, steps, guidance, i2i) must match for requests to share a call: whether
-        a negative prompt is given (``None`` and ``""`` differ for pipelines whose guidance needs one)
-        and the source images' sizes (a pipeline resizes a batch's images to one size)."""
-        return (request.negative_prompt is not None, tuple(image_size(i) for i in request.images or []))
-
-    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
-        """Pipeline arguments beyond prompt, size, steps, guidance, generators and output type."""
-        kwargs: dict[str, Any] = {}
-        if self.supports_negative_prompt and batch[0].negative_prompt is not None:
-            kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch]
-        if self.supports_image_to_image and batch[0].images:
-            kwargs[self.image_argument] = [as_pil(r.images[0]) for r in batch if r.images]
-        return kwargs
-
-    # --- memory ------------------------------------------------------------------------------------
-
-    def steps_of(self, request: DiffusionRequest) -> int | None:
-        return request.num_inference_steps
-
-    def describe_request(self, request: DiffusionRequest) -> str:
-        return f"a {request.height}x{request.width} image"
-
-    def weight_tensors(self) -> list[Any]:
-        """The pipeline's modules (what its weights are, counted where no allocator counts them)."""
-        import torch
-
-        return [c for c in self.pipe.components.values() if isinstance(c, torch.nn.Module)]
-
-    @functools.cached_property
-    def memory_shape(self) -> DenoiserShape:
-        return denoiser_shape(self.pipe)
-
-    def source_pixels(self, request: DiffusionRequest) -> list[int]:
-        """Pixels of each source image as the pipeline encodes it (their own size unless resized)."""
-        return [h * w for h, w in (image_size(i) for i in request.images or [])]
-
-    def activation_bytes(self, batch: list[DiffusionRequest]) -> int:
-        """Estimated peak activations of ``batch`` (one batch key) as one call: the
-        largest of its phases (:meth:`activation_phases`), which follow one another."""
-        return max(self.activation_phases(batch).values())
-
-    def activation_phases(self, batch: list[DiffusionRequest]) -> dict[str, int]:
-        """Estimated peak of each phase of the call: ``encode`` (the VAE over the largest source image),
-        ``denoise`` (one transformer block over every row: image, prompt and source-image tokens; twice
-        the rows where guidance is batched; and beside it the VAE over the rows that ask for previews,
-        which are decoded while the steps go on) and ``decode`` (the VAE over the whole batch)."""
-        shape = self.memory_shape
-        first = batch[0]
-        guided = (first.guidance_scale or 0.0) > 1.0 and self.batched_guidance and not shape.guidance_embedded
-        rows = len(batch) * (2 if guided else 1)
-        sources = [self.source_pixels(r) for r in batch]
-        tokens = (
-            shape.image_tokens(first.height, first.width)
-            + self.prompt_tokens(batch)
-            + max(sum(p) // shape.patch_pixels**2 for p in sources)
-        )
-        largest_source = max((max(p, default=0) for p in sources), default=0)
-        return {
-            "encode": vae_decode_bytes(1, largest_source, shape.decoder_channels, shape.vae_element),
-            "denoise": transformer_block_bytes(rows, tokens, shape.hidden, shape.ff_inner, shape.element)
-            + vae_decode_bytes(
-                sum(1 for r in batch if r.partial_images),
-                first.height * first.width,
-                shape.decoder_channels,
-                shape.vae_element,
-            ),
-            "decode": vae_decode_bytes(
-                len(batch), first.height * first.width, shape.decoder_channels, shape.vae_element
-            ),
-        }
-
-    def step_tokens(self, request: DiffusionRequest) -> int:
-        """Its image tokens, twice with classifier-free guidance (a second row, or a second call). A
-        request without a size (its pipeline draws one from its source) counts one token."""
-        shape = self.memory_shape
-        guided = (request.guidance_scale or 0.0) > 1.0 and not shape.guidance_embedded
-        height, width = request.height, request.width
-        tokens = shape.image_tokens(height, width) if height and width else 1
-        return tokens * (2 if guided else 1)
-
-    def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
-        """Prompt tokens each row of the batch carries into the transformer."""
-        return self.text_tokens
-
-    # --- the call ----------------------------------------------------------------------------------
-
-    step_batching = True
-
-    def run(
-        self, batch: list[DiffusionRequest], generators: list[Any], should_stop: StopCheck | None = None
-    ) -> BatchOutput:
-        """One pipeline call for the whole batch; images as uint8 HxWx3 arrays, in batch order. Raises
-        :class:`BatchAborted` at the end of the first step after which ``should_stop()`` is true."""
-        pipe = self.pipe
-        if self._previewing(batch):  # its own scheduler: the previews wrap its step for this call
-            import copy
-
-            pipe = copy.copy(self.pipe)
-            pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
-        return self._call(pipe, batch, generators, should_stop, self.on_step, None)
-
-    def denoiser(self) -> Any:
-        return denoiser_of(self.pipe)
-
-    def run_rows(
-        self,
-        batch: list[DiffusionRequest],
-        generators: list[Any],
-        should_stop: StopCheck | None,
-        batcher: StepBatcher,
-        group: str,
-        on_step: StepCallback,
-    ) -> BatchOutput:
-        """The batch's own pipeline call: a shallow copy of the pipeline (the same modules) with its own
-        scheduler, whose denoiser is ``batcher``'s proxy."""
-        import copy
-
-        pipe = copy.copy(self.pipe)
-        # A group with LoRA adapters runs its denoiser itself, beside the other groups' shared forwards:
-        # its rows' adapters apply on its own thread.
-        if not any(r.lora is not None for r in batch):
-            # Set in __dict__: the pipeline's __setattr__ would re-register the component in its config.
-            pipe.__dict__[denoiser_attribute(self.pipe)] = batcher.proxy(group, len(batch))
-        pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
-        if self._encode is not None:  # its wait for the lock counts as encoding
-            pipe.__dict__["encode_prompt"] = self._timed(self._one_at_a_time(self._encode))
-        vae, decodes = getattr(self.pipe, "vae", None), self.decode_batcher
-        if vae is not None and decodes is not None:  # decodes joined with other groups'
-            pipe.__dict__["vae"] = GroupVae(vae, decodes, group, self._state_lock(vae))
-        try:
-            return self._call(pipe, batch, generators, should_stop, on_step, lambda: batcher.leave(group))
-        finally:
-            batcher.leave(group)
-
-    def decode_calls(self) -> DecodeCalls | None:
-        vae = getattr(self.pipe, "vae", None)
-        return None if vae is None else DecodeCalls(vae, self._state_lock(vae))
-
-    def _state_lock(self, vae: Any) -> threading.Lock | None:
-        """The lock a VAE's calls take where it keeps state while it runs (groups, their decode and the
-        preview thread use it at once); None where it keeps none."""
-        return self._vae_lock if vae_keeps_state(vae) else None
-
-    def step_joins(self) -> dict[str, ArgumentJoin]:
-        """FLUX's and Qwen-Image's position ids are the same for every row of a size, whatever their first
-        dimension."""
-        return {name: SameValue() for name in SHARED_DENOISER_ARGUMENTS}
-
-    def _timed(self, encode: Callable[..., Any]) -> Callable[..., Any]:
-        """``encode``, adding its seconds to the calling thread's count (:meth:`_call` reads it)."""
-        counted = self._encoding
-
-        def encode_prompt(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return encode(*args, **kwargs)
-            finally:
-                counted.seconds = getattr(counted, "seconds", 0.0) + time.perf_counter() - start
-
-        return encode_prompt
-
-    def _one_at_a_time(self, encode: Callable[..., Any]) -> Callable[..., Any]:
-        """``encode`` behind the runner's lock: a fast tokenizer keeps its padding and truncation as state
-        set per call, so two rows encoding at once can get each other's (unpadded prompts)."""
-        lock = self._encode_lock
-
-        def encode_prompt(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                return encode(*args, **kwargs)
-
-        return encode_prompt
-
-    def _call(
-        self,
-        pipe: Any,
-        batch: list[DiffusionRequest],
-        generators: list[Any],
-        should_stop: StopCheck | None,
-        on_step: StepCallback | None,
-        on_denoised: Callable[[], None] | None,
-    ) -> BatchOutput:
-        """``pipe`` called on ``batch``; ``on_denoised`` once its last step is done (before decode)."""
-        import numpy as np
-
-        first = batch[0]
-        latents_box: list[Any] = []
-        step_done: list[float] = []
-        kwargs: dict[str, Any] = {
-            "prompt": [r.prompt for r in batch],
-            "height": first.height,
-            "width": first.width,
-            "generator": generators,
-            "output_type": "np",
-        }
-        if first.num_inference_steps is not None:  # unset: the pipeline's own
-            kwargs["num_inference_steps"] = first.num_inference_steps
-        if first.guidance_scale is not None and self.guidance_argument in self.call_arguments:
-            kwargs[self.guidance_argument] = first.guidance_scale
-
-        previews = CallPreviews()
-        pipe, pairs = self._parallel_denoiser(pipe, batch)
-        pipe, cache = self._cached(pipe, batch)
-
-        def on_step_end(caller: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-            if cache is not None:
-                cache.step_done()
-            # The last step's latents are the denoised ones; its time splits denoise from decode.
-            latents_box[:] = [tensors["latents"]]
-            step_done[:] = [time.perf_counter()]
-            if step + 1 == _timesteps_of(caller):
-                # Some VAEs keep state while they decode (Qwen-Image's causal cache): the previews are
-                # done before the call's own decode starts.
-                previews.wait()
-                if on_denoised is not None:
-                    on_denoised()
-            if on_step is not None:
-                on_step(step)
-            if should_stop is not None and should_stop():
-                raise BatchAborted(f"stopped after step {step + 1}")
-            return {}
-
-        if "callback_on_step_end" in self.call_arguments:
-            kwargs["callback_on_step_end"] = on_step_end
-            kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
-        if self._previewing(batch):
-            self._preview_steps(pipe, batch, previews)
-        self._encoding.seconds = 0.0
-        start = time.perf_counter()
-        try:
-            with previews, self._adapter_rows(batch, denoiser_of(self.pipe)).applied():
-                out = pipe(**kwargs, **self.call_kwargs(batch))
-        finally:
-            if pairs is not None:
-                pairs.close()
-        end = time.perf_counter()
-        denoised = step_done[0] if step_done else end
-        # diffusers' own float -> uint8 conversion (numpy_to_pil), so arrays equal its PIL output.
-        pixels = (np.asarray(out.images) * 255).round().astype(np.uint8)
-        latents = None
-        if any(r.return_latents for r in batch) and latents_box:
-            latents = [
-                lat.detach().to("cpu").clone() if r.return_latents else None
-                for r, lat in zip(batch, latents_box[0], strict=True)
-            ]
-        timings = {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
-        timings["encode"] = self._encoding.seconds
-        return BatchOutput(list(pixels), latents, timings)
-
-    # --- step caching ----------------------------------------------------------------------------------
-
-    @functools.cached_property
-    def cache_blocks(self) -> int:
-        """The denoiser's repeated blocks (a cached step skips each; one where it has none)."""
-        return len(repeated_blocks(denoiser_of(self.pipe))) or 1
-
-    cfg_parallel = True
-    sequence_parallel = True
-
-    def peer_spec(self, model: str, device: str, num_threads: int | None) -> PeerSpec:
-        from vllm_omni_plugin.diffusion.parallel import PeerSpec
-
-        module, name = denoiser_of(self.pipe), denoiser_attribute(self.pipe)
-        if name is None:
-            raise ValueError(f"{self.label} has no denoiser to run CFG-parallel")
-        return PeerSpec(
-            model=model,
-            subfolder=name,
-            module=type(module).__module__,
-            qualname=type(module).__qualname__,
-            dtype=str(module.dtype),
-            device=device,
-            num_threads=num_threads,
-        )
-
-    compiles_blocks = True
-
-    def compile_blocks(self, spec: CompileSpec) -> int:
-        from vllm_omni_plugin.diffusion.compiled_blocks import compile_blocks
-
-        count = compile_blocks(denoiser_of(self.pipe), mode=spec.mode or "default", dynamic=spec.dynamic)
-        if not count:
-            raise ValueError(
-                f"{self.label}'s denoiser has no repeated blocks to compile; remove the compile block"
-            )
-        return count
-
-    def warmup_requests(self, height: int, width: int, count: int, *, guided: bool) -> list[DiffusionRequest]:
-        unguided = 1.0 if self.guidance_argument in self.call_arguments else None  # 1.0: no second branch
-        return [
-            DiffusionRequest(
-                request_id=f"warm-up-{i}",
-                prompt="warm-up",
-                height=height,
-                width=width,
-                num_inference_steps=2,
-                guidance_scale=None if guided else unguided,
-            )
-            for i in range(count)
-        ]
-
-    def cache_passes(self, kwargs: dict[str, Any]) -> bool:
-        """A denoiser call that is no step of the denoising, which caching must leave alone (none)."""
-        return False
-
-    def _parallel_denoiser(
-        self, pipe: Any, batch: list[DiffusionRequest]
-    ) -> tuple[Any, PairedBranches | None]:
-        """``pipe`` with its denoiser's forwards over the CFG- or sequence-parallel group (a shallow copy
-        where ``pipe`` is the runner's own), and, where the pipeline makes a guided step's branches as two
-        calls in turn, the call's :class:`PairedBranches` (closed after the call); as it is without a
-        group, or where a step batcher's proxy stands in for the denoiser (the batcher's forwards are the
-        group's then)."""
-        name = denoiser_attribute(self.pipe)
-        if (
-            self.parallel_denoiser is None
-            or name is None
-            or getattr(pipe, name) is not denoiser_of(self.pipe)
-        ):
-            return pipe, None
-        import copy
-
-        from vllm_omni_plugin.diffusion.parallel import PairedBranches, RowParallelDenoiser
-
-        if pipe is self.pipe:
-            pipe = copy.copy(pipe)
-        denoiser, pairs = self.parallel_denoiser, None
-        guided = (batch[0].guidance_scale or self.default_guidance_scale or 0.0) > 1.0
-        if isinstance(denoiser, RowParallelDenoiser) and not self.batched_guidance and guided:
-            denoiser = pairs = PairedBranches(denoiser, self.cache_passes, self.step_joins())
-        pipe.__dict__[name] = denoiser
-        return pipe, pairs
-
-    def _cached(self, pipe: Any, batch: list[DiffusionRequest]) -> tuple[Any, CallCache | None]:
-        """``pipe`` with its denoiser behind the batch's step caches (a shallow copy where ``pipe`` is the
-        runner's own), or as it is where no request of the batch caches."""
-        specs = [r.cache for r in batch]
-        if not CallCache.wanted(specs):
-            return pipe, None
-        import copy
-
-        if pipe is self.pipe:
-            pipe = copy.copy(pipe)
-        name = denoiser_attribute(self.pipe)
-        module = denoiser_of(self.pipe)
-        inner = getattr(pipe, name)
-        steps = batch[0].num_inference_steps or self.default_num_inference_steps
-        cache = CallCache(
-            specs, lambda: _timesteps_of(pipe) or steps, self.cache_blocks, self.on_cache_counts
-        )
-        pipe.__dict__[name] = CachedDenoiser(
-            inner,
-            cache,
-            module=module,
-            joins=self.step_joins(),
-            # a step-batched group's proxy and rows with their own adapters keep every row
-            takes_rows=inner in (module, self.parallel_denoiser)
-            and not any(r.lora is not None for r in batch),
-            passes=self.cache_passes,
-        )
-        return pipe, cache
-
-    # --- previews ---------------------------------------------------------------------------------------
-
-    previews = True
-
-    def _previewing(self, batch: list[DiffusionRequest]) -> bool:
-        return self.on_preview is not None and any(r.partial_images for r in batch)
+        return _with_qwen2vl_processor(super().load_overrides(model), model)
 
     def preview_size(self, batch: list[DiffusionRequest]) -> tuple[int, int] | None:
-        """(height, width) the call makes (None: the pipeline decides it as it runs, so no previews)."""
-        first = batch[0]
-        if first.height is None or first.width is None:
-            return None
-        return int(first.height), int(first.width)
+        """Unless asked, the size the pipeline takes from its source: about a megapixel, its aspect kept."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    def _preview_steps(self, pipe: Any, batch: list[DiffusionRequest], previews: CallPreviews) -> None:
-        """Wrap the call's own scheduler's ``step``: at the steps a row asked a preview for, the clean
-        image it estimates (the flow-matching schedulers': ``sample - sigma * velocity``; others': their
-        ``pred_original_sample``) is decoded for those rows beside the next steps (``previews``) and
-        handed to :attr:`on_preview`."""
-        size, sink = self.preview_size(batch), self.on_preview
-        if size is None or sink is None:
-            return
-        wanted: dict[int, list[tuple[int, int]]] = {}
-        for row, request in enumerate(batch):
-            for index, step in enumerate(
-                preview_steps(request.partial_images, request.num_inference_steps or 0)
-            ):
-                wanted.setdefault(step, []).append((row, index))
-        scheduler = pipe.scheduler
-        step_of_scheduler = scheduler.step
-        count = [0]
-        # The runner's own VAE, traced where it can be; one that keeps state decodes in turn, eagerly.
-        vae = pipe.vae.vae_alone if isinstance(pipe.vae, GroupVae) else pipe.vae
-        decode = self._preview_decoder.decode if vae is self._preview_decoder.vae else None
-
-        def step(model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
-            rows = wanted.get(count[0], [])
-            count[0] += 1
-            if not rows:
-                return step_of_scheduler(model_output, timestep, sample, *args, **kwargs)
-            flow = getattr(scheduler, "sigmas", None) is not None and "FlowMatch" in type(scheduler).__name__
-            if flow:
-                if scheduler.step_index is None:  # as step itself does on its first call
-                    scheduler._init_step_index(timestep)
-                sigma = scheduler.sigmas[scheduler.step_index]
-                clean = (sample.float() - sigma * model_output.float()).to(sample.dtype)
-                out = step_of_scheduler(model_output, timestep, sample, *args, **kwargs)
-            else:
-                asked_dict = kwargs.pop("return_dict", True)
-                out = step_of_scheduler(model_output, timestep, sample, *args, return_dict=True, **kwargs)
-                estimate = getattr(out, "pred_original_sample", None)
-                clean = estimate if estimate is not None else out.prev_sample
-                out = out if asked_dict else (out.prev_sample,)
-            if clean.shape[0] == len(batch):
-                chosen = clean[[row for row, _ in rows]]  # a copy: the steps go on meanwhile
-                asked = [(batch[row].request_id, index) for row, index in rows]
-                previews.decode(lambda: decode_latents(pipe, chosen, *size, decode=decode), asked, sink)
-            return out
-
-        scheduler.step = step
-
-
-def vae_keeps_state(vae: Any) -> bool:
-    """Qwen-Image's (and Wan's) VAE keeps its causal convolutions' caches on the module while it runs
-    (``clear_cache``, ``_feat_map``): two calls at once would read each other's."""
-    return callable(getattr(vae, "clear_cache", None))
-
-
-def decode_latents(
-    pipe: Any, latents: Any, height: int, width: int, decode: Callable[[Any], Any] | None = None
-) -> list[Any]:
-    """A diffusers pipeline's latents (as its denoising loop holds them) as uint8 HxWx3 images: unpacked
-    where the pipeline packs them (FLUX, Qwen-Image), denormalized by the VAE's latent statistics
-    (Qwen-Image, GLM-Image) or its scaling and shift factors (SD3, FLUX, UNets), decoded, post-processed
-    as the pipeline does for ``output_type="np"``."""
-    import numpy as np
-    import torch
-
-    vae = pipe.vae
-    config = dict(vae.config)
-    unpack = getattr(type(pipe), "_unpack_latents", None)
-    if unpack is not None:
-        latents = unpack(latents, height, width, pipe.vae_scale_factor)
-    latents = latents.to(vae.dtype)
-    mean, std = config.get("latents_mean"), config.get("latents_std")
-    if mean is not None and std is not None:
-        shape = (1, len(mean)) + (1,) * (latents.ndim - 2)
-        latents = latents * torch.tensor(std).view(shape).to(latents) + torch.tensor(mean).view(shape).to(
-            latents
-        )
-    else:
-        latents = latents / config.get("scaling_factor", 1.0) + (config.get("shift_factor") or 0.0)
-    image = decode(latents) if decode is not None else vae.decode(latents, return_dict=False)[0]
-    if image.ndim == 5:  # a video VAE's one frame (Qwen-Image)
-        image = image[:, :, 0]
-    pixels = pipe.image_processor.postprocess(image, output_type="np")
-    return list((np.asarray(pixels) * 255).round().astype(np.uint8))
-
-
-def _timesteps_of(pipe: Any) -> int | None:
-    """How many steps the running call takes (diffusers pipelines keep it as ``_num_timesteps``; an
-    image-to-image ``strength`` makes it fewer than ``num_inference_steps``)."""
-    value = pipe.__dict__.get("_num_timesteps")
-    return value if isinstance(value, int) else None
-
-
-@functools.lru_cache(maxsize=8)
-def _model_defaults(cls: type[DiffusersPipelineRunner], model: str) -> ModelDefaults:
-    name, pipeline_cls = cls.diffusers_class(model)
-    steps, guidance = cls.call_defaults(call_parameters(pipeline_cls))
-    pipe = meta_pipeline(model, pipeline_cls)
-    size = None if cls.size_required else cls.default_size or _pipeline_default_size(pipe)
-    height, width = size or (None, None)
-    defaults = DiffusionDefaults(
-        height=height, width=width, num_inference_steps=steps, guidance_scale=guidance
-    )
-    return ModelDefaults(defaults=defaults, limits=_pipeline_size_limits(pipe), label=name)
-
-
-def meta_pipeline(model: str, pipeline_cls: type) -> Any:
-    """``pipeline_cls`` over ``model``'s diffusers components built from their configs on the meta device
-    (no weights read), its other components (text encoders, tokenizers, schedulers) left out: what its
-    ``__init__`` derives from the configs (``vae_scale_factor``, ``default_sample_size``) is there."""
-    import diffusers
-    import torch
-
-    index = pipeline_cls.load_config(model)  # model_index.json (a directory, or a hub id's)
-    components: dict[str, Any] = {}
-    for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2:
-            continue
-        library, class_name = spec
-        component = getattr(diffusers, class_name, None) if library == "diffusers" and class_name else None
-        if not (isinstance(component, type) and issubclass(component, torch.nn.Module)):
-            components[name] = None
-            continue
-        with torch.device("meta"):
-            components[name] = component.from_config(component.load_config(model, subfolder=name))
-    return pipeline_cls(**components)
-
-
-def _pipeline_default_size(pipe: Any) -> tuple[int, int] | None:
-    """The size the pipeline draws when given none (``default_sample_size * vae_scale_factor``)."""
-    # Optional attributes of a diffusers pipeline: not every pipeline class defines them.
-    sample, scale = getattr(pipe, "default_sample_size", None), getattr(pipe, "vae_scale_factor", None)
-    if isinstance(sample, int) and isinstance(scale, int):
-        return sample * scale, sample * scale
-    return None
-
-
-def _pipeline_size_limits(pipe: Any) -> SizeLimits:
-    """The sizes a diffusers pipeline can make: multiples of its VAE scale times its transformer's patch
-    (packed latents: the packing too, as FLUX and Qwen-Image pack 2x2), and at most the side its
-    position embedding covers (SD3: ``pos_embed_max_size * patch_size * vae_scale_factor``)."""
-    import math
-
-    scale = getattr(pipe, "vae_scale_factor", None)  # optional pipeline attributes, as above
-    model = denoiser_of(pipe)
-    if not isinstance(scale, int) or model is None:
-        return SizeLimits()
-    cfg = dict(model.config)
-    patch = cfg.get("patch_size") if isinstance(cfg.get("patch_size"), int) else 1
-    vae = getattr(pipe, "vae", None)
-    latent = dict(vae.config).get("latent_channels") if vae is not None else None
-    in_channels = cfg.get("in_channels")
-    if isinstance(latent, int) and isinstance(in_channels, int) and in_channels != latent:
-        if in_channels % latent == 0:  # latents packed into tokens
-            patch = max(patch, math.isqrt(in_channels // latent))
-    pos_embed = cfg.get("pos_embed_max_size")
-    max_side = pos_embed * patch * scale if isinstance(pos_embed, int) else None
-    return SizeLimits(multiple=scale * patch, max_side=max_side)
-
-
-def image_size(image: Any) -> tuple[int, int]:
-    """``(height, width)`` of a PIL image or an HxWxC array."""
-    if hasattr(image, "size") and not hasattr(image, "shape"):
-        width, height = image.size
+        size = super().preview_size(batch)
+        if size is not None or not batch[0].images:
+            return size
+        height, width = image_size(batch[0].images[0])
+        width, height, _ = calculate_dimensions(1024 * 1024, width / height)
         return int(height), int(width)
-    return int(image.shape[0]), int(image.shape[1])
 
 
-def as_pil(image: Any) -> Any:
-    """Source images reach diffusers as PIL, as in its own pipeline (uint8 arrays are converted)."""
-    import numpy as np
-    import PIL.Image
+class QwenImageEditPlusRunner(QwenImageRunner):
+    """Qwen-Image-Edit-2509 and later: ``image`` is the list of a request's source images, and every
+    prompt of a call sees all of them. Requests with their own images cannot share a call, so each runs
+    alone."""
 
-    if isinstance(image, PIL.Image.Image):
-        return image
-    array = np.asarray(image)
-    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[-1] != 3:
-        raise ValueError(
-            f"source images must be PIL images or uint8 HxWx3 arrays, got {array.dtype} {array.shape}"
-        )
-    return PIL.Image.fromarray(array)
+    pipeline_class = "QwenImageEditPlusPipeline"
+    needs_images = True
+    max_images = 3
+
+    def source_pixels(self, request: DiffusionRequest) -> list[int]:
+        return [1024 * 1024 for _ in request.images or []]  # the pipeline resizes each to about 1 MP
+
+    @classmethod
+    def load_overrides(cls, model: str) -> dict[str, Any]:
+        return _with_qwen2vl_processor(super().load_overrides(model), model)
+
+    def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
+        return (request.request_id,)
+
+    def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
+        kwargs = super().call_kwargs(batch)
+        kwargs[self.image_argument] = [as_pil(image) for image in batch[0].images or []]
+        return kwargs
+
+
+def _with_qwen2vl_processor(overrides: dict[str, Any], model: str) -> dict[str, Any]:
+    """The edit pipelines' processor, loadable without torchvision (see ``qwen2vl_processor``)."""
+    from vllm_omni_plugin.families.diffusers.qwen2vl_processor import load_qwen2vl_processor
+
+    if (Path(model) / "processor").is_dir():
+        overrides["processor"] = load_qwen2vl_processor(Path(model) / "processor")
+    return overrides

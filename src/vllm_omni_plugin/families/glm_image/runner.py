@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from vllm_omni_plugin.diffusion.diffusers_runner import DiffusersPipelineRunner, as_pil, image_size
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.step_batching import RUN_AT_ONCE, UNUSED
-from vllm_omni_plugin.families.diffusers.runner import DiffusersPipelineRunner, as_pil, image_size
 
 if TYPE_CHECKING:
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin
