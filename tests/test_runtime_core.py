@@ -5,6 +5,7 @@ Replicas are ``FakeStageClient``s (a ``StageCoreClientBase`` answering in this p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from vllm_omni_plugin.stage.errors import (
     WorkerLostError,
 )
 from vllm_omni_plugin.stage.factory import build_stages
+from vllm_omni_plugin.stage.input_processor import InputError, InputProcessor, OmniCoreRequest, RequestBounds
 from vllm_omni_plugin.stage.orchestrator import OmniRequest, OmniResult, Orchestrator
 from vllm_omni_plugin.stage.payload import (
     collect_output,
@@ -95,6 +97,89 @@ def test_request_defaults_come_from_resolution(deployment) -> None:
         return await (await started(orchestrator)).generate(OmniRequest(prompt="abc"))
 
     assert run(main()).output.image.shape == (64, 64, 3)
+
+
+# --- the input processor --------------------------------------------------------------------------------
+
+
+def process(deployment: Any, request: OmniRequest, bounds: RequestBounds | None = None) -> OmniCoreRequest:
+    return asyncio.run(InputProcessor(deployment).process(request, bounds))
+
+
+def test_the_input_processor_finishes_a_request_once(deployment) -> None:
+    """Unset fields get the deployment's defaults (the fake pipeline's 64x64; its model folder states
+    none), a side given alone takes the other's default, an edit without a size its source's aspect on
+    the grid (within the operator's bound), a text answer no size; the request comes out frozen."""
+    core = process(deployment, OmniRequest(prompt="a fox", seed=3, num_inference_steps=2))
+    assert (core.width, core.height, core.num_inference_steps, core.seed) == (64, 64, 2, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(core, "height", 32)  # noqa: B010 - a frozen dataclass refuses it
+    one_side = process(deployment, OmniRequest(prompt="a fox", width=32))
+    assert (one_side.width, one_side.height) == (32, 64)
+    edit = process(deployment, OmniRequest(prompt="a fox", images=[np.zeros((40, 100, 3), np.uint8)]))
+    assert (edit.width, edit.height) == (96, 32)  # multiples of 16
+    wide = OmniRequest(prompt="a fox", images=[np.zeros((64, 400, 3), np.uint8)])
+    bounded = process(deployment, wide, RequestBounds(max_side=128))
+    assert (bounded.width, bounded.height) == (128, 16)
+    text = process(deployment, OmniRequest(prompt="hi", modality="text"))
+    assert (text.width, text.height) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("sides", "field", "message"),
+    [
+        ({"width": 40, "height": 64}, "size", "width and height must be multiples of 16 and at least 16 pixels, got 40x64"),
+        ({"height": 0}, "height", "height must be a multiple of 16 and at least 16 pixels, got 0"),
+        ({"width": 4096}, "width", "width must be at most 2048 pixels on this server, got 4096"),
+        ({"width": 4096, "height": 64}, "size", "width and height must be at most 2048 pixels on this server, got 4096x64"),
+    ],
+)  # fmt: skip
+def test_the_input_processor_names_the_field_it_refuses(
+    deployment, sides: dict[str, int], field: str, message: str
+) -> None:
+    with pytest.raises(InputError) as refused:
+        process(deployment, OmniRequest(prompt="a fox", **sides), RequestBounds(max_side=2048))
+    assert (refused.value.field, refused.value.message) == (field, message)
+
+
+def test_a_runner_request_carries_the_request_s_fields(deployment) -> None:
+    """One place copies the shared fields into a runner's request; the family adds its own (and sends its
+    images its own way)."""
+    given = OmniRequest(
+        prompt="a 'sign'", seed=5, negative_prompt="x", partial_images=2, num_inference_steps=3
+    )
+    core = process(deployment, given)
+    glm = core.runner_request(GlmImageRequest, prior_token_ids=[1])
+    assert (glm.request_id, glm.prompt, glm.height, glm.width, glm.num_inference_steps) == (
+        given.request_id, "a 'sign'", 64, 64, 3,
+    )  # fmt: skip
+    assert (glm.seed, glm.negative_prompt, glm.partial_images, glm.prior_token_ids, glm.images) == (
+        5, "x", 2, [1], None,
+    )  # fmt: skip
+
+
+def test_an_offline_request_the_model_cannot_make_fails_before_any_stage(deployment) -> None:
+    async def main() -> tuple[OmniResult, FakePlacement]:
+        orchestrator, placement = runtime(deployment)
+        await started(orchestrator)
+        return await orchestrator.generate(OmniRequest(prompt="abc", width=40, height=64)), placement
+
+    result, placement = run(main())
+    assert isinstance(result.exception, StageRequestError) and result.error_stage == 0
+    assert "multiples of 16" in (result.error or "")
+    assert not any(c.served for clients in placement.clients.values() for c in clients)
+
+
+def test_a_model_folder_without_its_components_states_no_defaults(tmp_path: Path) -> None:
+    """Its model's own defaults are read from its components' configs; a folder that names none has none
+    (the deploy config's apply; its stage's start says what is wrong)."""
+    from vllm_omni_plugin.families.glm_image.runner import GlmImageRunner
+
+    model = tmp_path / "glm"
+    model.mkdir()
+    (model / "model_index.json").write_text('{"_class_name": "GlmImagePipeline"}')
+    with pytest.raises(ValueError, match="names no"):
+        GlmImageRunner.model_defaults(str(model))
 
 
 @pytest.mark.parametrize(

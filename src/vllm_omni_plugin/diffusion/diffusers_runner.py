@@ -815,6 +815,11 @@ def meta_pipeline(model: str, pipeline_cls: type) -> Any:
     import torch
 
     index = pipeline_cls.load_config(model)  # model_index.json (a directory, or a hub id's)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    wanted = [p for p in inspect.signature(pipeline_cls.__init__).parameters.values() if p.kind in named]
+    missing = [p.name for p in wanted[1:] if p.default is p.empty and p.name not in index]  # [0]: self
+    if missing:
+        raise ValueError(f"{model}: its model_index.json names no {', '.join(missing)}")
     components: dict[str, Any] = {}
     for name, spec in index.items():
         if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2:
