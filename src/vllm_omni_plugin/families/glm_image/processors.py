@@ -25,7 +25,7 @@ from vllm_omni_plugin.stage.core_types import (
     StageLLMCoreOutput,
     StageLLMCoreRequest,
 )
-from vllm_omni_plugin.stage.errors import StageError, StageRequestError
+from vllm_omni_plugin.stage.errors import StageError
 from vllm_omni_plugin.stage.input_processor import request_size
 
 if TYPE_CHECKING:
@@ -50,7 +50,11 @@ def glm_image_grid(height: int, width: int) -> tuple[int, int, int, int]:
 
 def glm_image_max_new_tokens(height: int, width: int, image_to_image: bool = False) -> int:
     """AR tokens per image: t2i preview + large grid + end; i2i large grid + end."""
-    th, tw, ph, pw = glm_image_grid(height, width)
+    return _generated_tokens(glm_image_grid(height, width), image_to_image)
+
+
+def _generated_tokens(grid: tuple[int, int, int, int], image_to_image: bool) -> int:
+    th, tw, ph, pw = grid
     return th * tw + 1 if image_to_image else th * tw + ph * pw + 1
 
 
@@ -92,7 +96,7 @@ def _special_tokens_added(model: str) -> int:
     return int(_processor(model).tokenizer.num_special_tokens_to_add())
 
 
-def _text_tokens(model: str, prompt: str, images: int, height: int, width: int, exact: bool) -> int:
+def _text_tokens(model: str, prompt: str, images: int, grid: tuple[int, int, int, int], exact: bool) -> int:
     """The prompt's tokens besides the source images' (chat template, text, size scaffold), as
     ``request2ar`` builds them; ``exact=False``: an upper bound without tokenizing.
 
@@ -103,7 +107,7 @@ def _text_tokens(model: str, prompt: str, images: int, height: int, width: int, 
     processor = _processor(model)
     tokenizer = processor.tokenizer
     rendered = processor.apply_chat_template(_messages([None] * images, prompt), tokenize=False)
-    th, tw, ph, pw = glm_image_grid(height, width)
+    th, tw, ph, pw = grid
     scaffold = f"{processor.grid_bos_token}{th} {tw}{processor.grid_eos_token}"
     if not images:
         scaffold += f"{processor.grid_bos_token}{ph} {pw}{processor.grid_eos_token}"
@@ -141,14 +145,15 @@ def glm_image_ar_tokens(
         except ValueError as exc:
             raise ValueError(f"source image {i + 1} ({w}x{h}) cannot be used by GLM-Image: {exc}") from None
     images = len(sources)
-    generated = glm_image_max_new_tokens(height, width, image_to_image=bool(images))
+    grid = glm_image_grid(height, width)
+    generated = _generated_tokens(grid, image_to_image=bool(images))
     rest = sum(sources) + generated
-    text = _text_tokens(model, prompt, images, height, width, exact=False)
+    text = _text_tokens(model, prompt, images, grid, exact=False)
     if text + rest <= limit:
         return ARTokenCount(
             prompt_tokens=text, image_tokens=tuple(sources), generated_tokens=generated, exact=False
         )
-    text = _text_tokens(model, prompt, images, height, width, exact=True)
+    text = _text_tokens(model, prompt, images, grid, exact=True)
     room = limit - text - sum(sources)
     fit = None if text + rest <= limit else _largest_fit(room, width, height, bool(images))
     return ARTokenCount(
@@ -177,13 +182,10 @@ def _as_pil(image: Any) -> Any:
 
 
 def request2ar(sources: dict[int, Any], context: ProcessorContext) -> StageLLMCoreRequest:
-    """The user's request -> the AR stage's prompt ids (with the size scaffold) and sampling."""
+    """The user's request (its size on the 32-pixel grid: the input processor checked it) -> the AR stage's
+    prompt ids (with the size scaffold) and sampling."""
     request = context.request
     height, width = request_size(request, context.stage_id)
-    try:
-        glm_image_grid(height, width)
-    except ValueError as exc:
-        raise StageRequestError(str(exc), stage_id=context.stage_id) from None
     images = [_as_pil(img) for img in request.images]
     inputs = _processor(context.model).apply_chat_template(
         _messages(images, request.prompt),
@@ -221,14 +223,15 @@ def ar2diffusion(sources: dict[int, Any], context: ProcessorContext) -> StageDif
     request = context.request
     ar: StageLLMCoreOutput = sources[min(sources)]
     height, width = request_size(request, context.stage_id)
-    th, tw, ph, pw = glm_image_grid(height, width)
+    grid = glm_image_grid(height, width)
+    th, tw, ph, pw = grid
     image_to_image = bool(request.images)
     offset = 0 if image_to_image else ph * pw
     large = ar.token_ids[offset : offset + th * tw]
     if len(large) != th * tw:
         raise StageError(
             f"the AR stage returned {len(ar.token_ids)} tokens; a {height}x{width} image needs "
-            f"{glm_image_max_new_tokens(height, width, image_to_image)}",
+            f"{_generated_tokens(grid, image_to_image)}",
             stage_id=context.stage_id,
         )
     if max(large) >= CODEBOOK_SIZE or min(large) < 0:
