@@ -4,21 +4,41 @@ from __future__ import annotations
 
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from vllm_cli_forks import VllmCliForks
 from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env
 
 pytestmark = pytest.mark.processes
 
 
-def vllm(*args: str, env: dict[str, str] | None = None, drop_plugins: bool = True):
+@pytest.fixture(scope="module", autouse=True)
+def forks() -> Iterator[VllmCliForks]:
+    """Command lines in the suite's usual environment run as forks of one process that imported vLLM's
+    command line once (tests/vllm_cli_forks.py); a changed environment gets a fresh ``vllm``."""
+    global _forks
+    _forks = VllmCliForks(cpu_test_env(drop=("VLLM_PLUGINS",)))
+    try:
+        yield _forks
+    finally:
+        _forks.close()
+        _forks = None
+
+
+_forks: VllmCliForks | None = None
+
+
+def vllm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    if env is None and _forks is not None:
+        return _forks.run(*args)
     return subprocess.run(
         [bin_script("vllm"), *args],
         capture_output=True,
         text=True,
-        env=env or cpu_test_env(drop=("VLLM_PLUGINS",) if drop_plugins else ()),
+        env=env or cpu_test_env(drop=("VLLM_PLUGINS",)),
         timeout=300,
     )
 
