@@ -322,62 +322,65 @@ def test_unchanged_033_copy_passes(vllm_033: Path, capsys: pytest.CaptureFixture
     assert row(out, "cli_env_setup").split() == ["1:common.startup"]
 
 
-@pytest.mark.parametrize(
-    ("file", "change", "label", "cell"),
-    [
-        ("vllm/entrypoints/common/startup.py", "cli_env_setup", "cli_env_setup", "MISSING"),
-        ("vllm/entrypoints/common/cli_args.py", "make_arg_parser", "make_arg_parser", "MISSING"),
-        (
-            "vllm/v1/core/sched/scheduler.py",
-            "Scheduler._make_cached_request_data",
-            "OmniARAsyncScheduler._make_cached_request_data",
-            "MISSING",
-        ),
-        (
-            "vllm/v1/worker/gpu_model_runner.py",
-            "GPUModelRunner._calc_mrope_positions",
-            "OmniCPUModelRunner._calc_mrope_positions",
-            "MISSING",
-        ),
-        (
-            "vllm/engine/arg_utils.py",
-            "EngineArgs.kv_cache_memory_bytes",
-            "EngineArgs.kv_cache_memory_bytes",
-            "MISSING",
-        ),
-        ("vllm/v1/engine/__init__.py", "FinishReason.ERROR", "FinishReason.ERROR", "MISSING"),
-        (
-            "vllm/model_executor/models/llama.py",
-            "LlamaMLP",
-            "vllm.model_executor.models.llama:LlamaMLP",
-            "MISSING",
-        ),
-        (
-            "vllm/v1/core/sched/scheduler.py",
-            "+Scheduler.update_from_output",
-            "OmniARScheduler.update_from_output",
-            "CHANGED",
-        ),
-    ],
-)
-def test_a_lost_name_fails_the_check(
-    vllm_033: Path, capsys: pytest.CaptureFixture[str], file: str, change: str, label: str, cell: str
-) -> None:
-    path = vllm_033 / file
-    original = path.read_text()
+LOST_NAMES = [
+    ("vllm/entrypoints/common/startup.py", "cli_env_setup", "cli_env_setup", "MISSING"),
+    ("vllm/entrypoints/common/cli_args.py", "make_arg_parser", "make_arg_parser", "MISSING"),
+    (
+        "vllm/v1/core/sched/scheduler.py",
+        "Scheduler._make_cached_request_data",
+        "OmniARAsyncScheduler._make_cached_request_data",
+        "MISSING",
+    ),
+    (
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner._calc_mrope_positions",
+        "OmniCPUModelRunner._calc_mrope_positions",
+        "MISSING",
+    ),
+    (
+        "vllm/engine/arg_utils.py",
+        "EngineArgs.kv_cache_memory_bytes",
+        "EngineArgs.kv_cache_memory_bytes",
+        "MISSING",
+    ),
+    ("vllm/v1/engine/__init__.py", "FinishReason.ERROR", "FinishReason.ERROR", "MISSING"),
+    (
+        "vllm/model_executor/models/llama.py",
+        "LlamaMLP",
+        "vllm.model_executor.models.llama:LlamaMLP",
+        "MISSING",
+    ),
+    (
+        "vllm/v1/core/sched/scheduler.py",
+        "+Scheduler.update_from_output",
+        "OmniARScheduler.update_from_output",
+        "CHANGED",
+    ),
+]
+"""(file, change, label, cell): a name removed from vLLM (or, with ``+``, a method given a new required
+parameter), the row of the report that must show it, and what its cell says."""
+
+
+def test_lost_names_fail_the_check(vllm_033: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """All changes at once in one copy (one check run): each is reported in its own row, with a footnote
+    that says why."""
+    originals = {file: (vllm_033 / file).read_text() for file, *_ in LOST_NAMES}
     try:
-        if change.startswith("+"):
-            _add_required_parameter(path, change[1:])
-        else:
-            _remove(path, change)
+        for file, change, _, _ in LOST_NAMES:
+            if change.startswith("+"):
+                _add_required_parameter(vllm_033 / file, change[1:])
+            else:
+                _remove(vllm_033 / file, change)
         assert cli.main([str(vllm_033)]) == cli.EXIT_FAILED
     finally:
-        path.write_text(original)
+        for file, text in originals.items():
+            (vllm_033 / file).write_text(text)
     out = capsys.readouterr().out
-    assert row(out, label).split()[0] == cell
     assert "FAILED:" in out
-    number = re.search(r"\[(\d+)\]", row(out, label)).group(1)
-    assert re.search(rf"^\[{number}\] {re.escape(label)} \(", out, re.M)  # the footnote says why
+    for _, _, label, cell in LOST_NAMES:
+        assert row(out, label).split()[0] == cell, label
+        number = re.search(r"\[(\d+)\]", row(out, label)).group(1)
+        assert re.search(rf"^\[{number}\] {re.escape(label)} \(", out, re.M), label  # the footnote says why
 
 
 def test_a_factory_our_own_code_calls_may_be_missing(
