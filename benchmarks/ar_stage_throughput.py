@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from vllm_omni_plugin.testing.tiny import build
+        from vllm_omni_plugin.tiny_models import build
 
         model = str(build("text", os.path.join(".cache", "tiny_models", "text")))
     rates: dict[str, list[float]] = {name: [] for name in VARIANTS}

@@ -73,7 +73,7 @@ def main() -> None:
 
     model = args.model
     if model is None:
-        from vllm_omni_plugin.testing.tiny import build
+        from vllm_omni_plugin.tiny_models import build
 
         default_cache = os.path.join(
             os.path.dirname(os.path.abspath(__file__)), "..", ".cache", "tiny_models"

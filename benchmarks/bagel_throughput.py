@@ -173,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from vllm_omni_plugin.testing.tiny import build
+        from vllm_omni_plugin.tiny_models import build
 
         model = str(build("bagel", os.path.join(".cache", "tiny_models", "bagel")))
 

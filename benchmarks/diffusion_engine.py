@@ -253,7 +253,7 @@ FLUX_VAE = {"ch": 128, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2}
 
 def bagel_with_flux_vae(directory: Path) -> str:
     """The tiny BAGEL with a FLUX-size autoencoder, built in ``directory``."""
-    from vllm_omni_plugin.testing.tiny.bagel import bagel_config, build_bagel
+    from vllm_omni_plugin.tiny_models.bagel import bagel_config, build_bagel
 
     cfg = bagel_config()
     cfg["vae"].update(FLUX_VAE)
@@ -389,7 +389,7 @@ def main() -> int:
     )
     parser.add_argument("--bagel-images", type=int, default=16, help="BAGEL images per timed round (0: skip)")
     args = parser.parse_args()
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     model = args.model or str(build("sd3", ROOT / ".cache" / "tiny_models" / "sd3"))
     levels = sorted(args.concurrency)

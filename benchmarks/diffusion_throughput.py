@@ -140,7 +140,7 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=16, help="the stage's max_batch_size")
     args = parser.parse_args()
     from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     model = args.model or str(build("sd3", ROOT / ".cache" / "tiny_models" / "sd3"))
     levels = sorted(args.concurrency)

@@ -173,7 +173,7 @@ def main() -> int:
     import torch
 
     from vllm_omni_plugin.diffusion import DiffusionEngine
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     if args.device == "cpu":
         torch.set_num_threads(1)

@@ -67,7 +67,7 @@ def main() -> int:
     args = parser.parse_args()
     from vllm_omni_plugin.testing.harness.dynamo import DynamoSite, dynamo_missing
     from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     if missing := dynamo_missing():
         print(f"error: {missing}", file=sys.stderr)

@@ -89,7 +89,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
     from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     model = args.model or str(build("glm-image", ROOT / ".cache" / "tiny_models" / "glm-image"))
     port = free_port()

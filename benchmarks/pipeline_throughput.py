@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from vllm_omni_plugin.testing.tiny import build
+        from vllm_omni_plugin.tiny_models import build
 
         model = str(build("glm-image", os.path.join(".cache", "tiny_models", "glm-image")))
     base = baseline(model, max(4, args.images // 2), args.size, args.steps)

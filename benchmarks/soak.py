@@ -83,7 +83,7 @@ def main() -> int:
     else:
         model = args.model
         if model is None:
-            from vllm_omni_plugin.testing.tiny import build
+            from vllm_omni_plugin.tiny_models import build
 
             model = str(build("glm-image", ROOT / ".cache" / "tiny_models" / "glm-image"))
         port = free_port()

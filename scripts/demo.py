@@ -16,7 +16,7 @@ def main() -> int:
     import openai
 
     from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     cache = Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", ROOT / ".cache" / "tiny_models"))
     model = build("glm-image", cache / "glm-image")

@@ -121,49 +121,49 @@ def tiny_model_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_text_model() -> Path:
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     return build("text", tiny_model_cache() / "text")
 
 
 @pytest.fixture(scope="session")
 def tiny_glm_image() -> Path:
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     return build("glm-image", tiny_model_cache() / "glm-image")
 
 
 @pytest.fixture(scope="session")
 def tiny_bagel() -> Path:
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     return build("bagel", tiny_model_cache() / "bagel")
 
 
 @pytest.fixture(scope="session")
 def tiny_sd3() -> Path:
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     return build("sd3", tiny_model_cache() / "sd3")
 
 
 @pytest.fixture(scope="session")
 def tiny_flux() -> Path:
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     return build("flux", tiny_model_cache() / "flux")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_image() -> Path:
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     return build("qwen-image", tiny_model_cache() / "qwen-image")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_image_edit() -> Path:
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     return build("qwen-image-edit", tiny_model_cache() / "qwen-image-edit")
 

@@ -50,8 +50,8 @@ FAMILIES = PACKAGE / "families"
 FAMILY_FILES = ("pipeline.py", "processors.py", "runner.py", "settings.py")
 """What every model family folder holds (its ``Pipeline``, stage-input processors, DiT runner and request
 type, request settings type)."""
-ABOVE_FAMILIES = ("testing",)
-"""The one layer that may import families: test support (each family's tiny model and reference)."""
+ABOVE_FAMILIES = ("tiny_models", "testing")
+"""The layers that may import families: each family's tiny model, and test support (its reference)."""
 
 
 def unit_of(parts: tuple[str, ...] | list[str]) -> str:

@@ -4,7 +4,7 @@ and none gives each row the image it gets alone; the adapters a replica holds ar
 used out); an adapter that is no LoRA of the model is refused naming why. Then served: start-up adapters,
 loading, listing, using, unloading and using after unloading through HTTP, and a bad adapter at start-up.
 
-Adapters are tiny random ones in diffusers' format, built here (``testing/tiny/lora.py``)."""
+Adapters are tiny random ones in diffusers' format, built here (``tiny_models/lora.py``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.lora import LoadedAdapters, LoraError, LoraSpec, check_lora, read_lora
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
-from vllm_omni_plugin.testing.tiny.lora import FILE, build_lora
+from vllm_omni_plugin.tiny_models.lora import FILE, build_lora
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 

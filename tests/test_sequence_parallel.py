@@ -240,7 +240,7 @@ def tiny_sd3_one_head(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) 
     import torch
     from diffusers import SD3Transformer2DModel
 
-    from vllm_omni_plugin.testing.tiny.components import seeded_init
+    from vllm_omni_plugin.tiny_models.components import seeded_init
 
     model = tmp_path_factory.mktemp("sd3-one-head") / "model"
     shutil.copytree(tiny_sd3, model, ignore=shutil.ignore_patterns("transformer"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.testing import tiny
+from vllm_omni_plugin import tiny_models as tiny
 
 pytestmark = pytest.mark.slow
 

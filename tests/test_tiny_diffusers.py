@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.testing import tiny
+from vllm_omni_plugin import tiny_models as tiny
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,7 @@ def test_qwen_tokenizer_ends_the_system_prompt_where_the_real_one_does(tiny_qwen
     """The pipelines drop the template's first 34 (edit: 64) hidden states, the system prompt's tokens."""
     from transformers import AutoTokenizer
 
-    from vllm_omni_plugin.testing.tiny.qwen_image import _templates
+    from vllm_omni_plugin.tiny_models.qwen_image import _templates
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen_image / "tokenizer")
     for template, drop in _templates():

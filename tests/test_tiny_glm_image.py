@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm_omni_plugin import tiny_models as tiny
 from vllm_omni_plugin.families.glm_image.processors import glm_image_grid, glm_image_max_new_tokens
-from vllm_omni_plugin.testing import tiny
-from vllm_omni_plugin.testing.tiny.glm_image import GLM_IMAGE_CODEBOOK_SIZE
+from vllm_omni_plugin.tiny_models.glm_image import GLM_IMAGE_CODEBOOK_SIZE
 
 pytestmark = pytest.mark.slow
 

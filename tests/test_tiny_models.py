@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_plugin.testing import tiny
+from vllm_omni_plugin import tiny_models as tiny
 from vllm_omni_plugin.testing.harness.server import cpu_test_env
-from vllm_omni_plugin.testing.tiny.text import text_config
+from vllm_omni_plugin.tiny_models.text import text_config
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_text_model_is_a_real_qwen2_with_a_chat_template(tiny_text_model: Path) 
 
 
 def test_cli_builds_and_reports_errors(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "vllm_omni_plugin.testing.tiny_models"]
+    cmd = [sys.executable, "-m", "vllm_omni_plugin.tiny_models"]
     ok = subprocess.run(
         [*cmd, "text", str(tmp_path / "m")], capture_output=True, text=True, env=cpu_test_env()
     )

@@ -244,7 +244,7 @@ def request_row(
 
 
 def run(device: str, runners: list[str], out: Path, models: list[str]) -> Report:
-    from vllm_omni_plugin.testing.tiny import build
+    from vllm_omni_plugin.tiny_models import build
 
     report = Report()
     cache = Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", REPO / ".cache" / "tiny_models"))

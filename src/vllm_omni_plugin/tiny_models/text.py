@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_plugin.testing.tiny.components import build_chat_tokenizer
+from vllm_omni_plugin.tiny_models.components import build_chat_tokenizer
 
 
 def text_config() -> dict[str, Any]:

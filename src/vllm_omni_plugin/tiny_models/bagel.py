@@ -358,7 +358,7 @@ def build_bagel(outdir: Path, cfg: dict[str, Any]) -> None:
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
-    from vllm_omni_plugin.testing.tiny.components import build_chat_tokenizer
+    from vllm_omni_plugin.tiny_models.components import build_chat_tokenizer
 
     vocab = build_chat_tokenizer(
         outdir,
@@ -414,6 +414,6 @@ def build_bagel(outdir: Path, cfg: dict[str, Any]) -> None:
     )
     (outdir / "README.md").write_text(
         "# tiny BAGEL\n\nRandom weights, ByteDance-Seed/BAGEL-7B-MoT layout, built offline by "
-        "`python -m vllm_omni_plugin.testing.tiny_models bagel OUTDIR`. For tests only: its text and "
+        "`python -m vllm_omni_plugin.tiny_models bagel OUTDIR`. For tests only: its text and "
         "images are noise.\n"
     )

@@ -54,7 +54,7 @@ def build_flux(outdir: Path, cfg: dict[str, Any]) -> None:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    from vllm_omni_plugin.testing.tiny.components import (
+    from vllm_omni_plugin.tiny_models.components import (
         autoencoder_kl,
         clip_text_encoder,
         clip_tokenizer,
@@ -91,6 +91,6 @@ def build_flux(outdir: Path, cfg: dict[str, Any]) -> None:
     pipe.save_pretrained(outdir, safe_serialization=True)
     (outdir / "README.md").write_text(
         "# tiny FLUX.1\n\nRandom weights in the FluxPipeline layout, built offline by "
-        "`python -m vllm_omni_plugin.testing.tiny_models flux OUTDIR`. For tests only: its images are "
+        "`python -m vllm_omni_plugin.tiny_models flux OUTDIR`. For tests only: its images are "
         "noise.\n"
     )

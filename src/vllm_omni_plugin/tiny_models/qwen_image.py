@@ -93,7 +93,7 @@ def _templates() -> list[tuple[str, int]]:
 
 
 def _tokenizer() -> Any:
-    from vllm_omni_plugin.testing.tiny.components import qwen2_tokenizer
+    from vllm_omni_plugin.tiny_models.components import qwen2_tokenizer
 
     templates = _templates()
     tokenizer = qwen2_tokenizer(extra_text=tuple(t.format("") for t, _ in templates) * 20)
@@ -109,7 +109,7 @@ def _tokenizer() -> Any:
 def _text_encoder(tokenizer: Any, cfg: dict[str, Any], generator: Any) -> Any:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from vllm_omni_plugin.testing.tiny.components import seeded_init
+    from vllm_omni_plugin.tiny_models.components import seeded_init
 
     t, v = cfg["text"], cfg["vision"]
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _VISION_TOKENS.items()}
@@ -159,7 +159,7 @@ def build_qwen_image(outdir: Path, cfg: dict[str, Any]) -> None:
         QwenImageTransformer2DModel,
     )
 
-    from vllm_omni_plugin.testing.tiny.components import seeded_init
+    from vllm_omni_plugin.tiny_models.components import seeded_init
 
     generator = torch.Generator().manual_seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])  # constructors draw from the global RNG; every weight is overwritten
@@ -206,7 +206,7 @@ def build_qwen_image(outdir: Path, cfg: dict[str, Any]) -> None:
     name, kind = ("Qwen-Image-Edit", "qwen-image-edit") if cfg["edit"] else ("Qwen-Image", "qwen-image")
     (outdir / "README.md").write_text(
         f"# tiny {name}\n\nRandom weights in the {type(pipe).__name__} layout, built offline by "
-        f"`python -m vllm_omni_plugin.testing.tiny_models {kind} OUTDIR`. For tests only: its images are "
+        f"`python -m vllm_omni_plugin.tiny_models {kind} OUTDIR`. For tests only: its images are "
         "noise.\n"
     )
 

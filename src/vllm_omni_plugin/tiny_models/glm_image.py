@@ -9,7 +9,7 @@ from typing import Any
 
 from vllm_omni_plugin.families.glm_image import processors as glm_image_processors
 from vllm_omni_plugin.models.glm_image_config import CODEBOOK_SIZE
-from vllm_omni_plugin.testing.tiny.components import corpus, seeded_init
+from vllm_omni_plugin.tiny_models.components import corpus, seeded_init
 
 # --- GLM-Image ----------------------------------------------------------------------------------------
 #
@@ -338,6 +338,6 @@ def build_glm_image(outdir: Path, cfg: dict[str, Any]) -> None:
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (outdir / "README.md").write_text(
         "# tiny GLM-Image\n\nRandom weights, zai-org/GLM-Image layout, built offline by "
-        "`python -m vllm_omni_plugin.testing.tiny_models glm-image OUTDIR`. For tests only: its images "
+        "`python -m vllm_omni_plugin.tiny_models glm-image OUTDIR`. For tests only: its images "
         "are noise.\n"
     )

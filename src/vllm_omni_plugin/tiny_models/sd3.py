@@ -84,7 +84,7 @@ def build_sd3(outdir: Path, cfg: dict[str, Any]) -> None:
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    from vllm_omni_plugin.testing.tiny.components import (
+    from vllm_omni_plugin.tiny_models.components import (
         autoencoder_kl,
         clip_text_encoder,
         clip_tokenizer,
@@ -127,5 +127,5 @@ def build_sd3(outdir: Path, cfg: dict[str, Any]) -> None:
     (outdir / "README.md").write_text(
         "# tiny Stable Diffusion 3\n\nRandom weights in the StableDiffusion3Pipeline layout, built offline "
         "by "
-        "`python -m vllm_omni_plugin.testing.tiny_models sd3 OUTDIR`. For tests only: its images are noise.\n"
+        "`python -m vllm_omni_plugin.tiny_models sd3 OUTDIR`. For tests only: its images are noise.\n"
     )

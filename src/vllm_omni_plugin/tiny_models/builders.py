@@ -1,6 +1,6 @@
 """Tiny random-weight models of real architectures, built offline.
 
-``python -m vllm_omni_plugin.testing.tiny_models KIND OUTDIR`` writes a model directory that vLLM,
+``python -m vllm_omni_plugin.tiny_models KIND OUTDIR`` writes a model directory that vLLM,
 transformers and diffusers load like the real thing. Builds are seeded and deterministic (the same
 kind and config give byte-identical files) and cached by config hash: OUTDIR keeps a stamp with the
 hash, and a second build with the same hash returns at once.
@@ -43,7 +43,7 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         import torch
 
-        function = getattr(importlib.import_module(f"vllm_omni_plugin.testing.tiny.{module}"), name)
+        function = getattr(importlib.import_module(f"vllm_omni_plugin.tiny_models.{module}"), name)
         if args:
             with torch.random.fork_rng(devices=[]):
                 return function(*args)
@@ -119,7 +119,7 @@ def _build_locked(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_omni_plugin.testing.tiny_models",
+        prog="python -m vllm_omni_plugin.tiny_models",
         description="Build a tiny random-weight model of a real architecture, offline.",
     )
     parser.add_argument("kind", choices=sorted(BUILDERS))
