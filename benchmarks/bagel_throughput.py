@@ -1,8 +1,9 @@
-"""Images/s of the tiny BAGEL: the independent single-process reference (``testing/bagel_reference.py``,
-BAGEL's ``interleave_inference``) run sequentially vs our two-stage deployment (the thinker in a vLLM
-engine, the DiT in a StageDiffusionCoreProc, contexts over shared memory) at concurrency 1, 4 and 8, in
-the same run; the KV bytes each request hands over and the handoff time (the context's copy out of the
-paged cache and its put, plus the DiT's get), and the handoff projected for BAGEL-7B-MoT.
+"""Images/s of the tiny BAGEL: the independent single-process reference
+(``vllm_omni_testkit/reference/bagel.py``, BAGEL's ``interleave_inference``) run sequentially vs our
+two-stage deployment (the thinker in a vLLM engine, the DiT in a StageDiffusionCoreProc, contexts over
+shared memory) at concurrency 1, 4 and 8, in the same run; the KV bytes each request hands over and the
+handoff time (the context's copy out of the paged cache and its put, plus the DiT's get), and the handoff
+projected for BAGEL-7B-MoT.
 
     python benchmarks/bagel_throughput.py [--model DIR] [--images 16] [--size 64] [--steps 8]
 
@@ -50,7 +51,7 @@ def work(i: int, size: int) -> tuple[str, Any]:
 
 
 def reference(model: str, n: int, size: int, steps: int) -> float:
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from vllm_omni_testkit.reference.bagel import BagelReference
 
     ref = BagelReference(model)
 
@@ -72,7 +73,7 @@ def ours(
 ) -> tuple[dict[int, float], dict]:
     from vllm_omni_plugin.entrypoints.omni import Omni
     from vllm_omni_plugin.stage.orchestrator import OmniRequest
-    from vllm_omni_plugin.testing.harness.load import in_flight
+    from vllm_omni_testkit.harness.load import in_flight
 
     def requests(total: int) -> list[OmniRequest]:
         out = []

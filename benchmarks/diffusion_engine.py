@@ -66,7 +66,7 @@ def diffusers_ceiling(model: str, images: int, threads: int) -> float:
     import diffusers
     import torch
 
-    from vllm_omni_plugin.testing.reference.diffusers import pipeline_class
+    from vllm_omni_testkit.reference.diffusers import pipeline_class
 
     torch.set_num_threads(threads)
     pipe = getattr(diffusers, pipeline_class(model)).from_pretrained(model, dtype=torch.float32)
@@ -231,7 +231,7 @@ def serve_and_measure(
     arrivals_for: Callable[[Closed], list[float]],
     tmp: str,
 ) -> tuple[Closed, list[float], list[float]]:
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+    from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
     slug = name.replace(" ", "_").replace("=", "")
     deploy = Path(tmp) / f"diffusion_{slug}.yaml"

@@ -51,7 +51,7 @@ def diffusers_rates(model: str, images: int, batch: int) -> tuple[float, float]:
     import diffusers
     import torch
 
-    from vllm_omni_plugin.testing.reference.diffusers import pipeline_class
+    from vllm_omni_testkit.reference.diffusers import pipeline_class
 
     pipe = getattr(diffusers, pipeline_class(model)).from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
@@ -77,7 +77,7 @@ def diffusers_rates(model: str, images: int, batch: int) -> tuple[float, float]:
 def offline_rates(model: str, deploy: str, images: int, levels: list[int]) -> dict[int, float]:
     from vllm_omni_plugin.entrypoints.omni import Omni
     from vllm_omni_plugin.stage.orchestrator import OmniRequest
-    from vllm_omni_plugin.testing.harness.load import in_flight
+    from vllm_omni_testkit.harness.load import in_flight
 
     def req(i: int) -> OmniRequest:
         return OmniRequest(prompt=prompt(i), height=SIZE, width=SIZE, num_inference_steps=STEPS, seed=i)
@@ -139,8 +139,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--max-batch-size", type=int, default=16, help="the stage's max_batch_size")
     args = parser.parse_args()
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
     from vllm_omni_plugin.tiny_models import build
+    from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
     model = args.model or str(build("sd3", ROOT / ".cache" / "tiny_models" / "sd3"))
     levels = sorted(args.concurrency)

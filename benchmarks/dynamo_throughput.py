@@ -65,9 +65,9 @@ def main() -> int:
         "--images", type=int, default=16, help="requests per round at concurrency 1 (x3 at 8)"
     )
     args = parser.parse_args()
-    from vllm_omni_plugin.testing.harness.dynamo import DynamoSite, dynamo_missing
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
     from vllm_omni_plugin.tiny_models import build
+    from vllm_omni_testkit.harness.dynamo import DynamoSite, dynamo_missing
+    from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
     if missing := dynamo_missing():
         print(f"error: {missing}", file=sys.stderr)

@@ -63,7 +63,7 @@ async def http_rate(base_url: str, model: str, images: int, concurrency: int) ->
 def offline_rate(model: str, images: int, concurrency: int) -> float:
     from vllm_omni_plugin.entrypoints.omni import Omni
     from vllm_omni_plugin.stage.orchestrator import OmniRequest
-    from vllm_omni_plugin.testing.harness.load import in_flight
+    from vllm_omni_testkit.harness.load import in_flight
 
     def req(i: int) -> OmniRequest:
         return OmniRequest(
@@ -88,8 +88,8 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args()
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
     from vllm_omni_plugin.tiny_models import build
+    from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
     model = args.model or str(build("glm-image", ROOT / ".cache" / "tiny_models" / "glm-image"))
     port = free_port()

@@ -109,9 +109,9 @@ async def lora_case(base_url: str, adapters: int, requests: int, repeats: int) -
 
 
 def main() -> int:
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
     from vllm_omni_plugin.tiny_models.builders import build
     from vllm_omni_plugin.tiny_models.lora import build_lora
+    from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)

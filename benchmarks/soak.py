@@ -43,8 +43,8 @@ def kill_plan(requests: int, every: int | None, kills: list[str]) -> dict[int, s
 
 
 def main() -> int:
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
-    from vllm_omni_plugin.testing.harness.soak import Deployment, SoakSettings, run_soak
+    from vllm_omni_testkit.harness.server import ServerProcess, bin_script, free_port
+    from vllm_omni_testkit.harness.soak import Deployment, SoakSettings, run_soak
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

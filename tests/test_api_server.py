@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from helpers import our_segments
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,

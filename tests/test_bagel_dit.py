@@ -483,7 +483,7 @@ def test_autoencoder_encoder_mean_is_deterministic_and_decoder_inverts_shape(
 
 @pytest.fixture(scope="module")
 def reference(tiny_bagel: Path):
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from vllm_omni_testkit.reference.bagel import BagelReference
 
     return BagelReference(tiny_bagel, dtype=torch.float32)
 

@@ -2,7 +2,7 @@
 
 vLLM's default ``cudagraph_mode`` (FULL_AND_PIECEWISE) captures the whole forward of uniform decode batches;
 a host synchronisation there (``.item()``, ``bool()``, ``.cpu()``, ``nonzero``, boolean indexing) aborts
-the capture. This machine has no GPU, so :class:`~vllm_omni_plugin.testing.harness.host_sync.HostSyncGuard` records
+the capture. This machine has no GPU, so :class:`~vllm_omni_testkit.harness.host_sync.HostSyncGuard` records
 those synchronisations on CPU. The child process (this file run as a script) serves the tiny BAGEL in a
 real in-process vLLM engine (V1 runner, scheduler, CPU attention) and wraps the thinker's forward: every
 decode step, and a dummy decode run like the ones vLLM captures, runs under the guard with its inputs and
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_plugin.testing.harness.host_sync import HostSyncGuard
+from vllm_omni_testkit.harness.host_sync import HostSyncGuard
 
 EDIT = "make the sky blue"
 QUESTION = "what is in the picture"
@@ -222,7 +222,7 @@ def engine(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest.fixture(scope="module")
 def reference(tiny_bagel: Path) -> Any:
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from vllm_omni_testkit.reference.bagel import BagelReference
 
     return BagelReference(str(tiny_bagel))
 

@@ -2,7 +2,7 @@
 
 One deployment for the module (``deploy/tiny_bagel_cpu.yaml``): the thinker in a vLLM EngineCore
 process with the Omni scheduler and worker, the DiT in a StageDiffusionCoreProc running our BAGEL
-generation runner, contexts over shared memory. The reference (``testing/bagel_reference.py``) runs
+generation runner, contexts over shared memory. The reference (``vllm_omni_testkit/reference/bagel.py``) runs
 BAGEL's ``interleave_inference`` in this process, sharing no model code with the stages.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from helpers import our_segments_left
 from vllm_omni_plugin.entrypoints.omni import Omni
 from vllm_omni_plugin.stage.orchestrator import OmniRequest
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.leaks import LeakWatch
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = str(REPO / "deploy" / "tiny_bagel_cpu.yaml")
@@ -50,7 +50,7 @@ def omni(tiny_bagel: Path):
 
 @pytest.fixture(scope="module")
 def reference(tiny_bagel: Path) -> Any:
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from vllm_omni_testkit.reference.bagel import BagelReference
 
     return BagelReference(str(tiny_bagel))
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vllm_omni_plugin.testing.reference.bagel import (
+from vllm_omni_testkit.reference.bagel import (
     GEN_THINK_SYSTEM_PROMPT,
     VLM_THINK_SYSTEM_PROMPT,
     BagelContext,

@@ -25,8 +25,8 @@ import pytest
 from PIL import Image
 
 from helpers import our_segments_left
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,
@@ -121,7 +121,7 @@ def test_served_images_equal_the_reference(client: openai.OpenAI, tiny_bagel: Pa
 
 def assert_reference_images(client: openai.OpenAI, model: str, tiny_bagel: Path) -> None:
     """A text-to-image chat request and an edit, each within :func:`assert_close` of BAGEL's own."""
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from vllm_omni_testkit.reference.bagel import BagelReference
 
     reference = BagelReference(str(tiny_bagel))
     steps = {"num_inference_steps": 6}

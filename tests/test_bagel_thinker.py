@@ -122,7 +122,7 @@ def engine(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 @pytest.fixture(scope="module")
 def reference(tiny_bagel: Path) -> Any:
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from vllm_omni_testkit.reference.bagel import BagelReference
 
     return BagelReference(str(tiny_bagel))
 

@@ -35,8 +35,8 @@ import pytest
 from PIL import Image
 
 from helpers import our_segments_left, source_image
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, free_port
 
 pytestmark = pytest.mark.server
 
@@ -183,7 +183,7 @@ def bf16_step(value: Any) -> Any:
 def clear_edit(model: Path, source: Image.Image) -> tuple[str, dict[str, Any]]:
     """The first of ``EDIT_PROMPTS`` whose greedy tokens (bf16 reference) each lead their runner-up by
     ``MARGIN_STEPS`` bf16 steps, and its reference prior."""
-    from vllm_omni_plugin.testing.reference.glm_image import glm_image_reference_prior_tokens
+    from vllm_omni_testkit.reference.glm_image import glm_image_reference_prior_tokens
 
     for prompt in EDIT_PROMPTS:
         prior = glm_image_reference_prior_tokens(
@@ -201,7 +201,7 @@ def test_glm_image_edit_equals_the_bf16_reference(glm_client: openai.OpenAI, tin
 
     The source image's VQ ids come from bf16 distances, which tie often; both sides run the same torch ops on
     the same features and so break ties alike, as the equal images show."""
-    from vllm_omni_plugin.testing.reference.glm_image import glm_image_reference_image
+    from vllm_omni_testkit.reference.glm_image import glm_image_reference_image
 
     source = Image.fromarray(source_image(SIZE, seed=3))
     prompt, prior = clear_edit(tiny_glm_image, source)
@@ -237,7 +237,7 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
 
     from vllm_omni_plugin.diffusion import DiffusionEngine
     from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
-    from vllm_omni_plugin.testing.reference.glm_image import (
+    from vllm_omni_testkit.reference.glm_image import (
         glm_image_reference_image,
         glm_image_reference_prior_tokens,
     )
@@ -284,7 +284,7 @@ def bagel_references(tiny_bagel: Path) -> tuple[Any, Any]:
     """The independent BAGEL in bf16 and in fp32."""
     import torch
 
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from vllm_omni_testkit.reference.bagel import BagelReference
 
     return BagelReference(tiny_bagel, dtype=torch.bfloat16), BagelReference(tiny_bagel, dtype=torch.float32)
 

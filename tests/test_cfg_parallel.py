@@ -347,7 +347,7 @@ def _peers(root: int) -> list[ProcessId]:
 
 def _server(model: Path, deploy: Path, tmp_path: Path) -> Any:
     """``vllm serve model --omni --deploy-config deploy`` on a free port (not started yet)."""
-    from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
+    from vllm_omni_testkit.harness.server import ServerProcess, bin_script, free_port
 
     port = free_port()
     return ServerProcess(
@@ -372,7 +372,7 @@ def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
     import httpx
     from PIL import Image
 
-    from vllm_omni_plugin.testing.reference.diffusers import reference_image
+    from vllm_omni_testkit.reference.diffusers import reference_image
 
     deploy = tmp_path / "deploy.yaml"
     deploy.write_text(f"pipeline: diffusion\nstages:\n  - {{stage_id: 0, {field}: 2}}\n")

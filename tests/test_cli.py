@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_cli_forks import VllmCliForks
-from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env
+from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
 pytestmark = pytest.mark.processes
 

@@ -16,7 +16,7 @@ from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment
 from vllm_omni_plugin.config.resolved import CPU_RESERVED_CORES_ENV, RUNNER_ENV
 from vllm_omni_plugin.processes import temporary_environment
 from vllm_omni_plugin.stage.factory import adopt_model_runner
-from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env
+from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"

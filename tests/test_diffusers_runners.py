@@ -24,7 +24,7 @@ from vllm_omni_plugin.families.diffusers.runner import (
     QwenImageEditRunner,
     QwenImageRunner,
 )
-from vllm_omni_plugin.testing.reference.diffusers import reference_image
+from vllm_omni_testkit.reference.diffusers import reference_image
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 

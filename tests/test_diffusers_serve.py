@@ -22,8 +22,8 @@ import pytest
 from PIL import Image
 
 from helpers import source_image
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
-from vllm_omni_plugin.testing.reference.diffusers import reference_image
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.reference.diffusers import reference_image
 
 pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore::FutureWarning")]
 

@@ -19,7 +19,7 @@ from vllm_omni_plugin.diffusion.diffusers_runner import DiffusersPipelineRunner
 from vllm_omni_plugin.diffusion.worker import CPUDiffusionWorker, CUDADiffusionWorker
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest, GlmImageRunner
-from vllm_omni_plugin.testing.reference.glm_image import (
+from vllm_omni_testkit.reference.glm_image import (
     glm_image_reference_image,
     glm_image_reference_prior_tokens,
 )

@@ -25,8 +25,8 @@ import openai
 import pytest
 from PIL import Image
 
-from vllm_omni_plugin.testing.harness.dynamo import DynamoSite, dynamo_missing
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.dynamo import DynamoSite, dynamo_missing
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,

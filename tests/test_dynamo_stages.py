@@ -27,9 +27,9 @@ import pytest
 from PIL import Image
 
 from vllm_omni_plugin.processes import SHM_DIR, descendants
-from vllm_omni_plugin.testing.harness.dynamo import DynamoSite, dynamo_missing
-from vllm_omni_plugin.testing.harness.holds import Hold
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.dynamo import DynamoSite, dynamo_missing
+from vllm_omni_testkit.harness.holds import Hold
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,

@@ -22,8 +22,8 @@ from PIL import Image
 
 from helpers import wait_for
 from vllm_omni_plugin.runtime_dir import SEGMENTS_FILE
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
-from vllm_omni_plugin.testing.harness.soak import Deployment, SoakSettings, run_soak
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, free_port
+from vllm_omni_testkit.harness.soak import Deployment, SoakSettings, run_soak
 
 pytestmark = pytest.mark.server
 

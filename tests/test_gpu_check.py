@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_omni_plugin.testing.harness.server import cpu_test_env
+from vllm_omni_testkit.harness.server import cpu_test_env
 
 pytestmark = pytest.mark.processes
 
@@ -32,7 +32,7 @@ def test_the_driver_serves_and_compares_on_cpu(tmp_path: Path) -> None:
     """The tiny GLM-Image served with the plugin's runner choice: text to image and an edit, each equal
     to the CPU reference, and the table says so."""
     result = subprocess.run(
-        [sys.executable, "-m", "vllm_omni_plugin.testing.harness.gpu_check", "--device", "cpu", "--runners", "choice",
+        [sys.executable, "-m", "vllm_omni_testkit.harness.gpu_check", "--device", "cpu", "--runners", "choice",
          "--models", "glm-image", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=900, env=cpu_test_env(),
     )  # fmt: skip

@@ -25,9 +25,9 @@ from PIL import Image
 
 from vllm_omni_plugin.connectors.mooncake import mooncake_missing
 from vllm_omni_plugin.processes import SHM_DIR, unlink_segment, unmapped
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.netns import NamespaceHTTP, NamespacePair
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.netns import NamespaceHTTP, NamespacePair
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,

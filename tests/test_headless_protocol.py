@@ -36,7 +36,7 @@ from vllm_omni_plugin.stage.placement.headless.protocol import (
 )
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
-from vllm_omni_plugin.testing.harness.server import free_port
+from vllm_omni_testkit.harness.server import free_port
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ import pytest
 from PIL import Image
 
 from helpers import png_header
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 pytestmark = pytest.mark.server
 

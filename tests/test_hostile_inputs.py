@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 from helpers import serve_model
-from vllm_omni_plugin.testing.harness.server import ServerProcess
+from vllm_omni_testkit.harness.server import ServerProcess
 
 pytestmark = pytest.mark.server
 

@@ -50,8 +50,9 @@ FAMILIES = PACKAGE / "families"
 FAMILY_FILES = ("pipeline.py", "processors.py", "runner.py", "settings.py")
 """What every model family folder holds (its ``Pipeline``, stage-input processors, DiT runner and request
 type, request settings type)."""
-ABOVE_FAMILIES = ("tiny_models", "testing")
-"""The layers that may import families: each family's tiny model, and test support (its reference)."""
+ABOVE_FAMILIES = ("tiny_models",)
+"""The one layer that may import families: each family's tiny model (its reference is in the test kit,
+outside the package)."""
 
 
 def unit_of(parts: tuple[str, ...] | list[str]) -> str:

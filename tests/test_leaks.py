@@ -20,7 +20,7 @@ from vllm_omni_plugin.processes import (
     unlink_segment,
     unmapped,
 )
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.leaks import LeakWatch
 
 pytestmark = pytest.mark.processes
 

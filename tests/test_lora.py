@@ -23,8 +23,8 @@ from helpers import serve_model
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.lora import LoadedAdapters, LoraError, LoraSpec, check_lora, read_lora
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 from vllm_omni_plugin.tiny_models.lora import FILE, build_lora
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 
@@ -70,7 +70,7 @@ def test_an_adapter_gives_the_image_diffusers_gives_with_it_loaded(
 ) -> None:
     import torch
 
-    from vllm_omni_plugin.testing.reference.diffusers import reference_image
+    from vllm_omni_testkit.reference.diffusers import reference_image
 
     model = request.getfixturevalue(f"tiny_{family}")
     runner = load_pipeline_runner(str(model), dtype=torch.float32, device="cpu")
@@ -218,7 +218,7 @@ def image_of(response: httpx.Response) -> np.ndarray:
 def test_adapters_served_loaded_listed_used_and_unloaded(
     served: ServerProcess, tiny_sd3: Path, adapters: Any
 ) -> None:
-    from vllm_omni_plugin.testing.reference.diffusers import reference_image
+    from vllm_omni_testkit.reference.diffusers import reference_image
 
     url = served.base_url
     body = {"prompt": "a lantern 0", "size": "64x64", "seed": 0, "num_inference_steps": STEPS,

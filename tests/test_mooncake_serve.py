@@ -19,8 +19,8 @@ from PIL import Image
 
 from helpers import our_segments_left
 from vllm_omni_plugin.connectors.mooncake import mooncake_missing
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     free_port,

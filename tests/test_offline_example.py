@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import cpu_test_env
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import cpu_test_env
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -36,7 +36,7 @@ from vllm_omni_plugin.stage.placement.headless.protocol import (
 from vllm_omni_plugin.stage.placement.local.placement import LocalPlacement
 from vllm_omni_plugin.stage.placement.ray.head import RayPlacement
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput
-from vllm_omni_plugin.testing.harness.server import free_port
+from vllm_omni_testkit.harness.server import free_port
 
 
 def folder(tmp_path: Path, name: str) -> Path:

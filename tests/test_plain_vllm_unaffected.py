@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from vllm_omni_plugin import __version__
-from vllm_omni_plugin.testing.harness.server import ServerProcess, cpu_test_env, free_port
+from vllm_omni_testkit.harness.server import ServerProcess, cpu_test_env, free_port
 
 pytestmark = pytest.mark.server
 

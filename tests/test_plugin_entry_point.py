@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from vllm_omni_plugin.testing.harness.server import cpu_test_env
+from vllm_omni_testkit.harness.server import cpu_test_env
 
 pytestmark = pytest.mark.processes
 

@@ -24,7 +24,7 @@ from vllm_omni_plugin.stage.diffusion_core_client import StageDiffusionCoreClien
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionProcConfig
 from vllm_omni_plugin.stage.diffusion_loop import DiffusionInbox, batch_prefix
 from vllm_omni_plugin.stage.errors import StageDeadError
-from vllm_omni_plugin.testing.harness.server import ServerProcess
+from vllm_omni_testkit.harness.server import ServerProcess
 
 # --- which requests start together ------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ import pytest
 from PIL import Image
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,
@@ -421,7 +421,7 @@ def test_a_cfg_parallel_stage_on_ray_gives_the_diffusers_images_and_its_peer_end
     from ray.util.state import list_actors
 
     from vllm_omni_plugin.processes import ProcessId, cmdline, descendants
-    from vllm_omni_plugin.testing.reference.diffusers import reference_image
+    from vllm_omni_testkit.reference.diffusers import reference_image
 
     deploy = tmp_path / "cfg.yaml"
     deploy.write_text(CFG_PARALLEL.format(namespace=NAMESPACE))

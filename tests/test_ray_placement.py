@@ -100,7 +100,7 @@ def test_no_cluster_at_the_address_is_one_line_and_exit_2(tmp_path: Path) -> Non
     """Ray itself would retry an address where nothing answers for minutes; the server says so at once."""
     import subprocess
 
-    from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env, free_port
+    from vllm_omni_testkit.harness.server import bin_script, cpu_test_env, free_port
 
     resolved = deployment(tmp_path, "pipeline: glm_image\nbackend: ray\n")
     argv = [bin_script("vllm"), "serve", resolved.model, "--omni", "--deploy-config", str(tmp_path / "deploy.yaml"),

@@ -16,7 +16,7 @@ from PIL import Image
 
 from helpers import FakePlacement, app_client, fake_deployment
 from vllm_omni_plugin.hold_points import HOLD_DIR_ENV
-from vllm_omni_plugin.testing.harness.holds import Hold
+from vllm_omni_testkit.harness.holds import Hold
 
 
 def running(tmp_path: Path, *flags: str) -> Any:

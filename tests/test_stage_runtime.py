@@ -15,7 +15,7 @@ from helpers import our_segments, source_image
 from vllm_omni_plugin.entrypoints.omni import Omni
 from vllm_omni_plugin.stage.errors import QuarantinedError
 from vllm_omni_plugin.stage.orchestrator import OmniRequest
-from vllm_omni_plugin.testing.reference.glm_image import glm_image_reference_image
+from vllm_omni_testkit.reference.glm_image import glm_image_reference_image
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = str(REPO / "deploy" / "tiny_glm_image_cpu.yaml")

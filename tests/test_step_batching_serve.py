@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, free_port
-from vllm_omni_plugin.testing.reference.diffusers import reference_image
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, free_port
+from vllm_omni_testkit.reference.diffusers import reference_image
 
 pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore::FutureWarning")]
 

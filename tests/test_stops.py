@@ -23,9 +23,9 @@ import pytest
 
 from vllm_omni_plugin.connectors.mooncake import mooncake_missing
 from vllm_omni_plugin.processes import SHM_DIR, descendants, semaphores_of
-from vllm_omni_plugin.testing.harness.holds import Hold
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.holds import Hold
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     free_port,

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from helpers import serve_model
-from vllm_omni_plugin.testing.harness.server import (
+from vllm_omni_testkit.harness.server import (
     ServerProcess,
     wait_for_metric,
 )

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from vllm_omni_plugin import tiny_models as tiny
-from vllm_omni_plugin.testing.harness.server import cpu_test_env
 from vllm_omni_plugin.tiny_models.text import text_config
+from vllm_omni_testkit.harness.server import cpu_test_env
 
 pytestmark = pytest.mark.slow
 

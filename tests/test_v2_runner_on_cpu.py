@@ -1,6 +1,6 @@
 """vLLM's V2 model runner serving real requests on CPU, against the V1 runner serving the same ones.
 
-The V2 side runs with ``testing/harness/v2_on_cpu.py`` in every process (its docstring says what is real and
+The V2 side runs with ``vllm_omni_testkit/harness/v2_on_cpu.py`` in every process (its docstring says what is real and
 what stands in: vLLM takes Triton as available, and V2's Triton kernels run unchanged in Triton's
 interpreter); the V1 side is stock, as in the rest of the suite. What is compared:
 
@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_omni_plugin.testing.harness import v2_on_cpu
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.harness import v2_on_cpu
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 
 def skip_reason() -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_omni_plugin.entrypoints.cli import installed_vllm, supported_vllm_range
-from vllm_omni_plugin.testing.harness.server import bin_script, cpu_test_env
+from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
 REPO = Path(__file__).resolve().parent.parent
 

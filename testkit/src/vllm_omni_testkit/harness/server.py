@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from vllm_omni_plugin.testing.harness.holds import Hold, HoldPoints
+from vllm_omni_testkit.harness.holds import Hold, HoldPoints
 
 CPU_TEST_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",

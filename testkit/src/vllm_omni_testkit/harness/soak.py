@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from vllm_omni_plugin.processes import SHM_DIR, cmdline, descendants, rss_bytes
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.leaks import LeakWatch
 
 KINDS = ("t2i", "edit", "bad", "disconnect")
 DEFAULT_MIX = {"t2i": 0.7, "edit": 0.15, "bad": 0.08, "disconnect": 0.07}

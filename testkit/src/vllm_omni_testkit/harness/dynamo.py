@@ -20,8 +20,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_omni_plugin.testing.harness.leaks import LeakWatch
-from vllm_omni_plugin.testing.harness.server import ServerProcess, cpu_test_env, free_port
+from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.server import ServerProcess, cpu_test_env, free_port
 
 LOOPBACK = {
     "DYN_TCP_RPC_HOST": "127.0.0.1",

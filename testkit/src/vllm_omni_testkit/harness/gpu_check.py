@@ -3,7 +3,7 @@ defaults (CUDA graphs on, async scheduling on, vLLM's own model runner: V2 on CU
 ``vllm`` script, text to image and an edit each; every image compared with a reference computed on this
 host's CPU (fp32, greedy AR); one summary table, saying which runner each AR stage reported.
 
-    python -m vllm_omni_plugin.testing.harness.gpu_check [--device cuda|cpu] [--runners choice,v2] [--out DIR]
+    python -m vllm_omni_testkit.harness.gpu_check [--device cuda|cpu] [--runners choice,v2] [--out DIR]
 
 ``--device cpu`` runs the same path on the CPU (V1 only: vLLM's CPU V2 runner needs Triton's CPU
 backend), which is how the test suite checks this driver. Exit status 0 when every row passes.
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from vllm_omni_plugin.testing.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 REPO = Path(__file__).resolve().parents[4]
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -114,7 +114,7 @@ def compare(row: Row, ours: np.ndarray, reference: np.ndarray) -> Row:
 def glm_image_references(model: Path, steps: int, guidance: float) -> dict[str, np.ndarray]:
     from PIL import Image
 
-    from vllm_omni_plugin.testing.reference.glm_image import glm_image_reference_image
+    from vllm_omni_testkit.reference.glm_image import glm_image_reference_image
 
     source = Image.open(io.BytesIO(source_png())).convert("RGB")
     common = {"num_inference_steps": steps, "guidance_scale": guidance, "seed": SEED}
@@ -128,7 +128,7 @@ def bagel_references(model: Path, steps: int) -> dict[str, np.ndarray]:
     import torch
     from PIL import Image
 
-    from vllm_omni_plugin.testing.reference.bagel import BagelReference
+    from vllm_omni_testkit.reference.bagel import BagelReference
 
     reference = BagelReference(str(model), dtype=torch.float32)
     source = Image.open(io.BytesIO(source_png())).convert("RGB")
@@ -267,7 +267,7 @@ def run(device: str, runners: list[str], out: Path, models: list[str]) -> Report
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_omni_plugin.testing.harness.gpu_check", description=__doc__
+        prog="python -m vllm_omni_testkit.harness.gpu_check", description=__doc__
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(

@@ -60,13 +60,13 @@ PROBE_MODULE = "vllm.triton_utils.importing"
 V2_CPU_RUNNER_MODULE = "vllm.v1.worker.cpu.model_runner"
 
 SITECUSTOMIZE = '''\
-"""Written by vllm_omni_plugin.testing.harness.v2_on_cpu: vLLM's V2 runner on CPU, for tests."""
+"""Written by vllm_omni_testkit.harness.v2_on_cpu: vLLM's V2 runner on CPU, for tests."""
 import importlib.machinery as _machinery
 import importlib.util as _util
 import os as _os
 import sys as _sys
 
-from vllm_omni_plugin.testing.harness.v2_on_cpu import install
+from vllm_omni_testkit.harness.v2_on_cpu import install
 
 install()
 _here = _os.path.dirname(_os.path.abspath(__file__))
