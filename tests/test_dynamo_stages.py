@@ -28,7 +28,6 @@ from PIL import Image
 
 from vllm_omni_plugin.processes import SHM_DIR, descendants
 from vllm_omni_testkit.harness.dynamo import DynamoSite, dynamo_missing
-from vllm_omni_testkit.harness.holds import Hold
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
@@ -36,6 +35,7 @@ from vllm_omni_testkit.harness.server import (
     free_port,
     wait_for_metric,
 )
+from vllm_omni_testkit.holds import Hold
 
 pytestmark = [
     pytest.mark.server,

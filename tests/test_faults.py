@@ -80,7 +80,7 @@ async def post_all(server: ServerProcess, bodies: list[dict[str, Any]]) -> list[
 
 
 HOLD_POINT = {"0": "ar.step", "1": "dit.step"}
-"""Where work is held in each stage (``vllm_omni_plugin.hold_points``)."""
+"""Where work is held in each stage (``vllm_omni_plugin.test_hooks``)."""
 
 
 def run_with_kill(server: ServerProcess, stage: str, min_inflight: int) -> tuple[list[httpx.Response], int]:

@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from helpers import serve_model
-from vllm_omni_plugin.hold_points import FAULT_SEED_ENV
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.diffusion_core_client import StageDiffusionCoreClient
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionProcConfig
 from vllm_omni_plugin.stage.diffusion_loop import DiffusionInbox, batch_prefix
 from vllm_omni_plugin.stage.errors import StageDeadError
 from vllm_omni_testkit.harness.server import ServerProcess
+from vllm_omni_testkit.holds import FAULT_SEED_ENV
 
 # --- which requests start together ------------------------------------------------------------------
 

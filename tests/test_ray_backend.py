@@ -84,12 +84,12 @@ ray: {{namespace: {namespace}, placement_timeout_s: 600}}
 stages:
   - stage_id: 0
     num_cpus: 0
-    env: {{VLLM_OMNI_HOLD_DIR: {hold_dir}}}
+    env: {{VLLM_OMNI_HOLD_DIR: {hold_dir}, VLLM_OMNI_TEST_HOOKS: vllm_omni_testkit.holds}}
   - stage_id: 1
     num_cpus: 0
 """
 """A second deployment beside the served one (no CPU of the cluster is free): its AR engine core holds
-at ``ar.load`` in its start-up (the hold directory reaches the actor through the stage's env)."""
+at ``ar.load`` in its start-up (the hold directory and the test hooks reach the actor through the stage's env)."""
 CFG_PARALLEL = """
 pipeline: diffusion
 backend: ray

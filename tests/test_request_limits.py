@@ -15,8 +15,7 @@ import pytest
 from PIL import Image
 
 from helpers import FakePlacement, app_client, fake_deployment
-from vllm_omni_plugin.hold_points import HOLD_DIR_ENV
-from vllm_omni_testkit.harness.holds import Hold
+from vllm_omni_testkit.holds import HOLD_DIR_ENV, HOOKS, Hold
 
 
 def running(tmp_path: Path, *flags: str) -> Any:
@@ -94,6 +93,8 @@ def test_health_answers_while_a_request_is_worked_on_off_the_event_loop(
     holds = tmp_path / "holds"
     holds.mkdir()
     monkeypatch.setenv(HOLD_DIR_ENV, str(holds))
+    for name, value in HOOKS.items():
+        monkeypatch.setenv(name, value)
 
     async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response, str]:
         async with running(tmp_path) as (client, _):

@@ -17,6 +17,7 @@ import pytest
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
+from vllm_omni_testkit.holds import HOLD_DIR_ENV, HOOKS
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 
@@ -417,7 +418,9 @@ def test_the_stage_loop_serves_rows_as_they_come_and_drops_an_aborted_one(
     report = LoopReport()
     loop = DiffusionBatchLoop(stepped, 1, report, max_batch=2)
     loop.engine.close = lambda: None  # the module's engine outlives this loop
-    monkeypatch.setenv("VLLM_OMNI_HOLD_DIR", str(tmp_path))
+    monkeypatch.setenv(HOLD_DIR_ENV, str(tmp_path))
+    for name, value in HOOKS.items():
+        monkeypatch.setenv(name, value)
     (tmp_path / "dit.step.armed").touch()
     serving = threading.Thread(target=loop.serve, daemon=True)
     serving.start()

@@ -23,7 +23,6 @@ import pytest
 
 from vllm_omni_plugin.connectors.mooncake import mooncake_missing
 from vllm_omni_plugin.processes import SHM_DIR, descendants, semaphores_of
-from vllm_omni_testkit.harness.holds import Hold
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
@@ -32,6 +31,7 @@ from vllm_omni_testkit.harness.server import (
     left_in_temp,
     user_like_env,
 )
+from vllm_omni_testkit.holds import Hold
 
 pytestmark = pytest.mark.server
 

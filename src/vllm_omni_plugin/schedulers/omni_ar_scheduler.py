@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_omni_plugin.ar_channel import OMNI_KEY, RUNNER_DROPPED_MESSAGE, omni_extra_args, runner_extras
 from vllm_omni_plugin.compat import resolve, uses_v2_model_runner
-from vllm_omni_plugin.hold_points import hold_point
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import exit_with_parent
+from vllm_omni_plugin.test_hooks import hold_point
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput

@@ -23,7 +23,6 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.dotted import import_object
-from vllm_omni_plugin.hold_points import settle_before_fault
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import exit_with_parent, spawning_without_main
 from vllm_omni_plugin.stage.core_types import (
@@ -44,6 +43,7 @@ from vllm_omni_plugin.stage.core_types import (
 )
 from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop, DiffusionInbox
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
+from vllm_omni_plugin.test_hooks import settle_before_fault
 
 logger = get_logger(__name__)
 

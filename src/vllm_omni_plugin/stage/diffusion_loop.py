@@ -25,9 +25,9 @@ import msgspec
 
 from vllm_omni_plugin.connectors.base import ConnectorHandle
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult
-from vllm_omni_plugin.hold_points import fault_point, hold_point
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.payload import internalize, release
+from vllm_omni_plugin.test_hooks import fault_point, hold_point
 
 if TYPE_CHECKING:
     from vllm_omni_plugin.connectors.base import OmniConnector

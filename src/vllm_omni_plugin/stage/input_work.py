@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from vllm_omni_plugin.hold_points import hold_point
+from vllm_omni_plugin.test_hooks import hold_point
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from vllm_omni_testkit.harness.holds import Hold, HoldPoints
+from vllm_omni_testkit.holds import Hold, HoldPoints
 
 CPU_TEST_ENV: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -163,7 +163,8 @@ class ServerProcess:
         self.host = host
         self.log_path = log_path
         self.holds = HoldPoints()
-        """Test-only hold points of this deployment (``vllm_omni_plugin.hold_points``)."""
+        """Hold points of this deployment (``vllm_omni_testkit.holds``, reached through the product's
+        ``vllm_omni_plugin.test_hooks``)."""
         self.env = {**(dict(env) if env is not None else cpu_test_env()), **self.holds.env}
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -239,7 +240,8 @@ class ServerProcess:
             self.holds.remove()
 
     def hold(self, point: str) -> Hold:
-        """Arm ``point`` (see ``harness.holds``); use as a context manager around the work it holds."""
+        """Arm ``point`` (see ``vllm_omni_testkit.holds``); use as a context manager around the work it
+        holds."""
         return self.holds.arm(point)
 
     def alive(self) -> bool:
