@@ -1,13 +1,17 @@
 """The shape of the repository: self-contained (nothing points outside it), layered (no import cycle
 between the subpackages of ``vllm_omni_plugin``, each model family a unit of its own; no generic module
-imports a family), and described (``docs/architecture.md`` names every subpackage)."""
+imports a family), the wheel free of test-only code (that is the test kit's, ``testkit/``), and described
+(``docs/architecture.md`` names every subpackage)."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
+import tomllib
 from collections import defaultdict
 from pathlib import Path
+
+import setuptools
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "src" / "vllm_omni_plugin"
@@ -384,3 +388,51 @@ def test_nothing_but_the_input_processor_fills_request_defaults() -> None:
         offenders += [f"{name} uses {n}" for n in sorted(default_names(path))]
     assert offenders == []
     assert default_names(PACKAGE / FILLS_DEFAULTS) >= {"model_defaults", "request_defaults", "with_defaults"}
+
+
+TEST_KIT = "vllm_omni_testkit"
+TEST_ONLY_NAMES = ("testing", "harness", "reference", "holds")
+"""Names of the test support that left the package for the test kit: none may come back under src/."""
+HOLD_PROTOCOL = ("VLLM_OMNI_HOLD_DIR", "VLLM_OMNI_FAULT_SEED", '".armed"', '".reached"')
+"""What only an implementation of the hold points and the fault hook spells (the product keeps the seam,
+``test_hooks.py``, which names none of them)."""
+
+
+def test_the_wheel_holds_no_test_only_code() -> None:
+    """Nothing under src/ imports the test kit or carries test support: no ``testing`` folder, no hold
+    point implementation (only the seam, whose calls go nowhere unless a test names the kit's module);
+    ``tiny_models`` is the one test-facing part that ships, a builder users run for CPU trials."""
+    sources = sorted((REPO / "src").rglob("*.py"))
+    offenders = []
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        for node in ast.walk(ast.parse(text)):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.relative_to(REPO)} imports {n}" for n in names if n.split(".")[0] == TEST_KIT
+            ]
+        offenders += [f"{path.relative_to(REPO)} spells {w!r}" for w in HOLD_PROTOCOL if w in text]
+        offenders += [
+            f"{path.relative_to(REPO)} is test support"
+            for part in path.relative_to(REPO / "src").with_suffix("").parts
+            if part in TEST_ONLY_NAMES
+        ]
+    assert offenders == []
+    assert (PACKAGE / "test_hooks.py").is_file() and (PACKAGE / "tiny_models" / "__main__.py").is_file()
+    kit = REPO / "testkit" / "src" / TEST_KIT
+    assert any(w in (kit / "holds.py").read_text(encoding="utf-8") for w in HOLD_PROTOCOL)  # the scan's words
+    # What the wheel's package search (pyproject.toml) finds: the plugin's packages and none of the kit's.
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = setuptools.find_packages(where=str(REPO / find["where"][0]))
+    assert "vllm_omni_plugin.tiny_models" in packages
+    assert [p for p in packages if p.split(".")[0] not in ("vllm_omni_plugin", "vllm_omni")] == []
+    assert [p for p in packages if set(p.split(".")) & set(TEST_ONLY_NAMES)] == []
+    kit_project = tomllib.loads((REPO / "testkit" / "pyproject.toml").read_text())["project"]
+    assert (
+        kit_project["name"] == "vllm-omni-plugin-testkit"
+        and "vllm-omni-plugin" in kit_project["dependencies"]
+    )
