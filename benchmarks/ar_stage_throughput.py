@@ -22,7 +22,7 @@ VARIANTS = {
     "stock": {},
     "omni": {
         "scheduler_cls": "vllm_omni_plugin.schedulers.omni_ar_scheduler.OmniARScheduler",
-        "worker_cls": "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker",
+        "worker_cls": "vllm_omni_plugin.ar_worker.cpu_worker.OmniCPUWorker",
     },
 }
 

@@ -56,7 +56,7 @@ def _engine_main(model: str, out_path: str) -> None:
         kv_cache_memory_bytes=32 << 20,
         enable_prefix_caching=True,
         limit_mm_per_prompt={"image": 2},
-        worker_cls="vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker",
+        worker_cls="vllm_omni_plugin.ar_worker.cpu_worker.OmniCPUWorker",
         scheduler_cls="vllm_omni_plugin.schedulers.omni_ar_scheduler.OmniARScheduler",
         kv_transfer_config=context_export_kv_transfer_config(connector, BAGEL.stage(0).context_position),
         **thinker_engine_args(model),

@@ -580,7 +580,7 @@ V1_PACKAGE = {
     )
     .replace('"Struct": ("field_a", "field_b?"),', '"Struct": ("field_a", "field_b?", "gone@v1"),')
     + 'V1_ONLY_NAMES = ("GPUModelRunner",)\n',
-    "vllm_omni_plugin/runners/v1_runner.py": textwrap.dedent("""
+    "vllm_omni_plugin/ar_worker/v1_runner.py": textwrap.dedent("""
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         V1_ONLY = True
@@ -625,7 +625,7 @@ def test_the_refusal_is_read_from_real_releases(version: str, refuses: bool) -> 
 
 
 def test_every_getattr_read_of_a_literal_name_is_declared(tmp_path: Path) -> None:
-    """Plugin code in runners/, schedulers/, models/ and compat.py reads no attribute by getattr/hasattr
+    """Plugin code in ar_worker/, schedulers/, models/ and compat.py reads no attribute by getattr/hasattr
     that compat.VLLM_READS does not declare and NOT_VLLM_READS does not list as not vLLM's; the list
     holds no name nothing reads. A new read of an undeclared name (a literal or a module constant) is
     caught."""

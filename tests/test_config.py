@@ -313,7 +313,7 @@ def test_every_packaged_bagel_config_resolves(path: Path, platform, tiny_bagel: 
     edge = resolved.edge(0, 1)
     kv_transfer = ar["kv_transfer_config"]
     assert kv_transfer["kv_connector"] == "ContextExportConnector"
-    assert kv_transfer["kv_connector_module_path"] == "vllm_omni_plugin.runners.context_export"
+    assert kv_transfer["kv_connector_module_path"] == "vllm_omni_plugin.ar_worker.context_export"
     assert kv_transfer["kv_role"] == "kv_producer"
     omni = kv_transfer["kv_connector_extra_config"]["omni"]
     exported = omni["context_connector"]

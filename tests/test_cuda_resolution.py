@@ -68,7 +68,7 @@ def test_bagel_thinker_exports_through_the_kv_connector(name: str, tiny_bagel: P
     assert "additional_config" not in thinker
     config = thinker["kv_transfer_config"]
     assert config["kv_connector"] == "ContextExportConnector"
-    assert config["kv_connector_module_path"] == "vllm_omni_plugin.runners.context_export"
+    assert config["kv_connector_module_path"] == "vllm_omni_plugin.ar_worker.context_export"
     assert config["kv_role"] == "kv_producer"
     edge = resolved.edge(0, 1)
     assert config["kv_connector_extra_config"]["omni"]["context_connector"] == {
@@ -92,7 +92,7 @@ def test_glm_image_on_v2_carries_its_stage_outputs_through_the_kv_connector(glm_
     config = ar.engine_args["kv_transfer_config"]
     assert config == {
         "kv_connector": "ContextExportConnector",
-        "kv_connector_module_path": "vllm_omni_plugin.runners.context_export",
+        "kv_connector_module_path": "vllm_omni_plugin.ar_worker.context_export",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"omni": {}},  # no context connector: it exports nothing
     }

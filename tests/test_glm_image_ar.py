@@ -21,7 +21,7 @@ from vllm_omni_plugin.families.glm_image.processors import upsample_prior
 
 ARCH = "GlmImageForConditionalGeneration"
 MODEL_CLASS = "vllm_omni_plugin.models.glm_image_ar:GlmImageForConditionalGeneration"
-WORKER_CLS = "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker"
+WORKER_CLS = "vllm_omni_plugin.ar_worker.cpu_worker.OmniCPUWorker"
 CODEBOOK_SIZE = 16384
 PROMPT = "A photo of a cat"
 EDIT_PROMPT = "Make it blue"

@@ -1,4 +1,4 @@
-"""GLM-Image's 2-D decode positions on vLLM's V2 model runner (``runners/planned_positions.py``), step by
+"""GLM-Image's 2-D decode positions on vLLM's V2 model runner (``ar_worker/planned_positions.py``), step by
 step against the V1 path (``OmniModelRunnerMixin._calc_mrope_positions``) for the same batches.
 
 What runs, and why not more:
@@ -93,7 +93,7 @@ def random_batch(seed: int, idx_dtype: torch.dtype) -> dict[str, Any]:
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])  # vLLM 0.31 / 0.32+
 def test_positions_follow_the_plan_then_run_on(idx_dtype: torch.dtype) -> None:
-    from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
+    from vllm_omni_plugin.ar_worker.planned_mrope import planned_mrope_positions
 
     batch = random_batch(0, idx_dtype)
     got = planned_mrope_positions(**batch)
@@ -114,7 +114,7 @@ def test_positions_follow_the_plan_then_run_on(idx_dtype: torch.dtype) -> None:
 
 
 def test_positions_go_into_the_runners_buffer() -> None:
-    from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
+    from vllm_omni_plugin.ar_worker.planned_mrope import planned_mrope_positions
 
     batch = random_batch(1, torch.int64)
     buffer = torch.full((3, 65), -7, dtype=torch.int64)  # the runner's buffer: max_num_tokens + 1 wide
@@ -128,7 +128,7 @@ def test_positions_go_into_the_runners_buffer() -> None:
 
 def test_positions_read_no_device_value_on_the_host() -> None:
     """On the meta device every host read of a tensor's value raises, so the function would too."""
-    from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
+    from vllm_omni_plugin.ar_worker.planned_mrope import planned_mrope_positions
 
     batch = random_batch(2, torch.int64)
     meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -145,7 +145,7 @@ def test_positions_read_no_device_value_on_the_host() -> None:
 def test_positions_are_captured_in_a_cuda_graph() -> None:
     """On the device the function runs inside a CUDA graph (a host read would fail the capture), and a
     replay over new inputs written in place gives what the CPU gives."""
-    from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
+    from vllm_omni_plugin.ar_worker.planned_mrope import planned_mrope_positions
 
     first, second = random_batch(3, torch.int64), random_batch(4, torch.int64)
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in first.items()}
@@ -271,9 +271,9 @@ def test_resumed_mid_decode(run: dict[str, Any]) -> None:
 
 
 def test_v2_hook_builds_the_planned_state_and_v1_never_loads_it(run: dict[str, Any]) -> None:
-    assert run["state_cls"] == "vllm_omni_plugin.runners.planned_positions.PlannedMRopeModelState"
+    assert run["state_cls"] == "vllm_omni_plugin.ar_worker.planned_positions.PlannedMRopeModelState"
     assert run["loaded_by_v1"] == {
-        "vllm_omni_plugin.runners.planned_positions": False,
+        "vllm_omni_plugin.ar_worker.planned_positions": False,
         "vllm.v1.worker.gpu.model_states.default": False,
     }
     # built on CPU on the CPU worker's buffers (the scenarios ran it), which it needs: without vLLM's

@@ -298,7 +298,7 @@ RUNNER_MODULES = (
     "vllm_omni_plugin.diffusion.runner",
     "vllm_omni_plugin.diffusion.engine",
     "vllm_omni_plugin.diffusion.diffusers_registry",
-    "vllm_omni_plugin.runners",
+    "vllm_omni_plugin.ar_worker",
 )
 """Runners and what loads them (besides each family's ``runner.py``, which no generic module imports)."""
 

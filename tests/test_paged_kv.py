@@ -1,4 +1,4 @@
-"""``runners/paged_kv.py`` against the KV caches vLLM's attention backends write.
+"""``ar_worker/paged_kv.py`` against the KV caches vLLM's attention backends write.
 
 Caches are built the way vLLM's workers build them: the backend's ``customize_spec``, the byte strides of
 ``compute_layout_strides`` and the per-layer views of ``create_kv_cache_views`` (kernel-block views where
@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
+from vllm_omni_plugin.ar_worker import paged_kv
+from vllm_omni_plugin.ar_worker.paged_kv import UnsupportedKVLayoutError
 from vllm_omni_plugin.compat import resolve
-from vllm_omni_plugin.runners import paged_kv
-from vllm_omni_plugin.runners.paged_kv import UnsupportedKVLayoutError
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 32

@@ -12,7 +12,7 @@ interpreter); the V1 side is stock, as in the rest of the suite. What is compare
   script): every exported context (text, an edit's with its image blocks, the text-only companion, a
   prefix-cache hit inside an image block) equal bit for bit, and the greedy understanding tokens.
 - **GLM-Image served** (``deploy/tiny_glm_image_cpu.yaml`` with a greedy AR stage, since the two runners'
-  samplers differ): text to image (V2: ``runners/planned_positions.py`` positions the 261 decode tokens on
+  samplers differ): text to image (V2: ``ar_worker/planned_positions.py`` positions the 261 decode tokens on
   their grids) and an edit (V2: the source images' prior tokens, recorded by that model state, reach the
   DiT through the plugin's KV connector): images within 1/255 (measured: equal). On V2 alone, a sampled
   edit gives the same image for the same seed.
@@ -84,7 +84,7 @@ def _runner_classes(worker: Any) -> list[str]:
 PREEMPTION_TOKENS = 60
 OMNI_AR = {
     "scheduler_cls": "vllm_omni_plugin.schedulers.omni_ar_scheduler.OmniARScheduler",
-    "worker_cls": "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker",
+    "worker_cls": "vllm_omni_plugin.ar_worker.cpu_worker.OmniCPUWorker",
 }
 
 

@@ -48,8 +48,8 @@ class NoV1Runner(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoV1Runner())
 sys.modules["vllm_omni_test_no_v1"] = sys.modules[__name__]
 """
-WORKERS = {"vllm_omni_plugin.runners.cpu_worker", "vllm_omni_plugin.runners.gpu_worker"}
-V1_ONLY = {"vllm_omni_plugin.runners.v1_cpu_runner", "vllm_omni_plugin.runners.v1_gpu_runner"}
+WORKERS = {"vllm_omni_plugin.ar_worker.cpu_worker", "vllm_omni_plugin.ar_worker.gpu_worker"}
+V1_ONLY = {"vllm_omni_plugin.ar_worker.v1_cpu_runner", "vllm_omni_plugin.ar_worker.v1_gpu_runner"}
 
 
 def test_without_vllms_v1_runner(
@@ -70,7 +70,7 @@ def test_without_vllms_v1_runner(
     # no module of ours imports V1 but the V1 runner modules; our workers only through vLLM's own workers
     assert set(result["failed_imports"]) == WORKERS | V1_ONLY, result["failed_imports"]
     # of the modules marked V1_ONLY only the mixin imports: it names vLLM's V1 types for the type checker only
-    assert result["v1_only_imported"] == ["vllm_omni_plugin.runners.omni_model_runner"]
+    assert result["v1_only_imported"] == ["vllm_omni_plugin.ar_worker.omni_model_runner"]
     for entry in result["blocked_anywhere"]:
         if entry["probe"]:
             continue  # compat.vllm_has_v1_runner locating the module, not importing it

@@ -17,14 +17,14 @@ from typing import Any
 OMNI_KEY = "omni"
 EXPORT_CONTEXT = "export_context"
 """``extra_args[OMNI_KEY][EXPORT_CONTEXT] = True``: export the request's whole K/V once its prompt is
-computed (KV-handoff pipelines; see ``runners/context_export.py``)."""
+computed (KV-handoff pipelines; see ``ar_worker/context_export.py``)."""
 CONTEXT_CONNECTOR_KEY = "context_connector"
 """``kv_transfer_config.kv_connector_extra_config[OMNI_KEY][CONTEXT_CONNECTOR_KEY]``: ``{"name", "class",
 "extra"}`` of the connector an AR stage exports contexts through (set by resolution)."""
 NEXT_POSITION_KEY = "next_position"
 """``kv_transfer_config.kv_connector_extra_config[OMNI_KEY][NEXT_POSITION_KEY]``: dotted path of the
 pipeline's ``f(vllm_config, request) -> int``, the position after a request's prompt (M-RoPE models)."""
-CONTEXT_EXPORT_CONNECTOR = ("vllm_omni_plugin.runners.context_export", "ContextExportConnector")
+CONTEXT_EXPORT_CONNECTOR = ("vllm_omni_plugin.ar_worker.context_export", "ContextExportConnector")
 """Module and class of the context export KV connector (``kv_transfer_config`` of such a stage)."""
 RUNNER_OUTPUT_ATTR = "omni"
 """The attribute of a ``ModelRunnerOutput`` that holds its :class:`OmniRunnerOutput`."""

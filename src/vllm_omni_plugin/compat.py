@@ -69,7 +69,7 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
         "vllm.attention.layer:Attention",
     ),
     "get_attention_context": ("vllm.model_executor.layers.attention.attention:get_attention_context",),
-    # paged KV cache layouts (runners/paged_kv.py and its tests)
+    # paged KV cache layouts (ar_worker/paged_kv.py and its tests)
     "AttentionBackendEnum": ("vllm.v1.attention.backends.registry:AttentionBackendEnum",),
     "cpu_attn_isa": ("vllm.v1.attention.backends.cpu_attn:_get_attn_isa",),
     "cpu_attn_reshape_and_cache": (

@@ -38,9 +38,9 @@ def main() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
 
-    import vllm_omni_plugin.runners.cpu_worker  # noqa: F401 - vLLM's CPU worker module first, as in a worker
+    import vllm_omni_plugin.ar_worker.cpu_worker  # noqa: F401 - vLLM's CPU worker module first, as in a worker
     from vllm_omni_plugin.ar_channel import runner_extras
-    from vllm_omni_plugin.runners.v1_cpu_runner import OmniCPUModelRunner
+    from vllm_omni_plugin.ar_worker.v1_cpu_runner import OmniCPUModelRunner
 
     config = engine_config(model, **TINY_ENGINE_ARGS)
     config.scheduler_config.async_scheduling = True  # the CPU platform turns it off; a GPU has it on

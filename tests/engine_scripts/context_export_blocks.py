@@ -22,7 +22,7 @@ def main() -> None:
     from vllm.v1.request import Request
 
     from vllm_omni_plugin.ar_channel import context_export_kv_transfer_config
-    from vllm_omni_plugin.runners.context_export import ContextExportWorkerMetadata
+    from vllm_omni_plugin.ar_worker.context_export import ContextExportWorkerMetadata
     from vllm_omni_plugin.schedulers.omni_ar_scheduler import OmniARScheduler
 
     connector = {"name": "ctx", "class": "SharedMemoryConnector", "extra": {}}

@@ -157,8 +157,8 @@ def main() -> None:
         result["rope_state_without_cpu_shim"] = f"{type(exc).__name__}: {exc}"
     import vllm.v1.worker.cpu.shm  # noqa: F401 - what every vLLM CPU worker process imports
 
-    from vllm_omni_plugin.runners.stage_outbox import STAGE_OUTBOX
-    from vllm_omni_plugin.runners.v1_cpu_runner import OmniCPUModelRunner
+    from vllm_omni_plugin.ar_worker.stage_outbox import STAGE_OUTBOX
+    from vllm_omni_plugin.ar_worker.v1_cpu_runner import OmniCPUModelRunner
 
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, MODEL_CLASS)
@@ -219,7 +219,7 @@ def main() -> None:
         result["loaded_by_v1"] = {
             name: name in sys.modules
             for name in (
-                "vllm_omni_plugin.runners.planned_positions",
+                "vllm_omni_plugin.ar_worker.planned_positions",
                 "vllm.v1.worker.gpu.model_states.default",
             )
         }

@@ -10,11 +10,11 @@ VARIANTS = {
     "stock": {},
     "omni_sync": {
         "scheduler_cls": "vllm_omni_plugin.schedulers.omni_ar_scheduler.OmniARScheduler",
-        "worker_cls": "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker",
+        "worker_cls": "vllm_omni_plugin.ar_worker.cpu_worker.OmniCPUWorker",
     },
     "omni_async_variant": {
         "scheduler_cls": "vllm_omni_plugin.schedulers.omni_ar_scheduler.OmniARAsyncScheduler",
-        "worker_cls": "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker",
+        "worker_cls": "vllm_omni_plugin.ar_worker.cpu_worker.OmniCPUWorker",
     },
 }
 PROMPTS = ["the quick brown fox", "a photo of a cat", "what is the capital of france", "hello world one two"]

@@ -26,9 +26,9 @@ def main() -> None:
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    import vllm_omni_plugin.runners.cpu_worker  # noqa: F401 - vLLM's CPU worker module first, as in a worker
+    import vllm_omni_plugin.ar_worker.cpu_worker  # noqa: F401 - vLLM's CPU worker module first, as in a worker
     from vllm_omni_plugin.ar_channel import RUNNER_OUTPUT_ATTR, OmniRunnerOutput
-    from vllm_omni_plugin.runners.v1_cpu_runner import CPUModelRunner
+    from vllm_omni_plugin.ar_worker.v1_cpu_runner import CPUModelRunner
     from vllm_omni_plugin.schedulers.omni_ar_scheduler import (
         OmniARAsyncScheduler,
         OmniARScheduler,

@@ -57,11 +57,11 @@ OPTIONAL_MARK = "?"
 V1_MARK = "@v1"
 """Ends a name of ``compat.VLLM_READS`` that the plugin does without (absent: shown, not failed)."""
 
-READ_SCOPE = ("runners", "schedulers", "models", "compat.py")
+READ_SCOPE = ("ar_worker", "schedulers", "models", "compat.py")
 """Where every ``getattr``/``hasattr`` read of a literal name must be declared (:func:`undeclared_reads`)."""
 
 NOT_VLLM_READS: dict[str, str] = {
-    "take_stage_outputs": "ours: the context export connector's (runners/context_export.py)",
+    "take_stage_outputs": "ours: the context export connector's (ar_worker/context_export.py)",
     "stage_outputs": "ours: the context export connector's worker metadata",
     "exports": "ours: the context export connector's metadata",
     "omni_stage_outputs": "ours: the hook of our models that compute stage outputs",

@@ -121,7 +121,7 @@ def omni_kv_connector_config(
         )
     if not fixed.exports_context:
         return context_export_kv_transfer_config(None, None)
-    from vllm_omni_plugin.runners.paged_kv import kv_cache_dtype_refusal
+    from vllm_omni_plugin.ar_worker.paged_kv import kv_cache_dtype_refusal
 
     refusal = kv_cache_dtype_refusal(args.get("kv_cache_dtype"))
     if refusal is not None:

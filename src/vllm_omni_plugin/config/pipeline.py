@@ -46,7 +46,7 @@ class PipelineStage(msgspec.Struct, frozen=True, kw_only=True):
     several rounds (BAGEL's thinker writes its plan, then builds the contexts) asks it for the next."""
     exports_context: bool = False
     """An AR stage that hands its KV cache over (BAGEL): resolution gives its engine the context export
-    KV connector (``runners/context_export.py``) with the connector of its output edge."""
+    KV connector (``ar_worker/context_export.py``) with the connector of its output edge."""
     context_position: str | None = None
     """Dotted path of ``f(vllm_config, request) -> int``: the position after a request's prompt, sent with
     its exported context (M-RoPE models whose prompt positions are not one per token). None: its length."""

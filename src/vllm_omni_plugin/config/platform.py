@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OMNI_GPU_WORKER = "vllm_omni_plugin.runners.gpu_worker.OmniGPUWorker"
-OMNI_CPU_WORKER = "vllm_omni_plugin.runners.cpu_worker.OmniCPUWorker"
+OMNI_GPU_WORKER = "vllm_omni_plugin.ar_worker.gpu_worker.OmniGPUWorker"
+OMNI_CPU_WORKER = "vllm_omni_plugin.ar_worker.cpu_worker.OmniCPUWorker"
 CPU_DIFFUSION_WORKER = "vllm_omni_plugin.diffusion.worker.CPUDiffusionWorker"
 CUDA_DIFFUSION_WORKER = "vllm_omni_plugin.diffusion.worker.CUDADiffusionWorker"
 
-OMNI_WORKER_PREFIXES = ("vllm_omni.worker.", "vllm_omni_plugin.runners.")
+OMNI_WORKER_PREFIXES = ("vllm_omni.worker.", "vllm_omni_plugin.ar_worker.")
 """Module prefixes of the Omni AR worker family: ours, and vllm-omni's in legacy files."""
 
 

@@ -73,6 +73,7 @@ from vllm.multimodal.processing import (
 )
 from vllm.sequence import IntermediateTensors
 
+from vllm_omni_plugin.ar_worker.paged_kv import layer_cpu_isa, read_tokens
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.models.bagel.autoencoder import VaeEncoder
 from vllm_omni_plugin.models.bagel.config import BagelConfig, cached_bagel_config
@@ -82,7 +83,6 @@ from vllm_omni_plugin.models.bagel.transforms import (
     normalized_tensor,
     patchify,
 )
-from vllm_omni_plugin.runners.paged_kv import layer_cpu_isa, read_tokens
 
 VAE_KWARG = "bagel_vae"
 """``mm_processor_kwargs`` key: False sends an image as a ViT block only (understanding)."""

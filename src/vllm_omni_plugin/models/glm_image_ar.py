@@ -17,8 +17,8 @@ vector quantizer. What differs from a plain decoder, and what this module does a
   positioned on the grid they belong to (t=base, h=base+row, w=base+col, base += max(h, w) per grid,
   preview first), which vLLM cannot derive from ``mrope_position_delta``. ``get_mrope_input_positions``
   therefore returns the prompt's positions followed by the whole precomputed decode plan; the plugin's
-  V1 model runner (``vllm_omni_plugin.runners``) takes completion positions from that plan, and on vLLM's
-  V2 runner ``get_model_state_cls`` hands it ``runners/planned_positions.py``'s model state, which does.
+  V1 model runner (``vllm_omni_plugin.ar_worker``) takes completion positions from that plan, and on vLLM's
+  V2 runner ``get_model_state_cls`` hands it ``ar_worker/planned_positions.py``'s model state, which does.
   The target grids are read from the prompt's scaffold ``<sop>H W<eop>`` (t2i: large then preview grid;
   i2i: the target grid), the source grids from the multimodal features.
 * **Image-to-image.** The ``<|image|>`` placeholders of a source image are embedded as
@@ -838,7 +838,7 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMR
         """vLLM's V2 model runner asks the model for its state class: ours takes the decode positions
         from the plan above (V2 would give them ``num_computed + delta``). Imported here, when V2 asks,
         so that the V1 runner and the CPU platform never load V2's modules."""
-        from vllm_omni_plugin.runners.planned_positions import PlannedMRopeModelState
+        from vllm_omni_plugin.ar_worker.planned_positions import PlannedMRopeModelState
 
         return PlannedMRopeModelState
 

@@ -12,7 +12,7 @@ resolution picks the variant from the final ``async_scheduling`` flag.
   be rebuilt) is finished with an error that reaches its client, instead of a ``KeyError`` that would
   kill the engine core.
 - Per-request stage outputs from the runner (``OmniRunnerOutput.stage_outputs``) and from the context
-  export KV connector (``runners/context_export.py``, whose worker metadata vLLM reads after it finished
+  export KV connector (``ar_worker/context_export.py``, whose worker metadata vLLM reads after it finished
   the step's requests) travel back with the request's final output under ``kv_transfer_params["omni"]``,
   vLLM's per-request dict channel to the client.
 - Hooks for KV-handoff pipelines: ``on_prefill_finished`` and ``on_trigger_token`` (token ids listed in

@@ -210,7 +210,7 @@ def serve_and_check(case: Case, model: Path, runner: str, device: str, out: Path
 
 
 def runner_seen(log: str) -> str:
-    """What the AR stage's worker said it runs (``runners/worker_mixin.py: log_model_runner``)."""
+    """What the AR stage's worker said it runs (``ar_worker/worker_mixin.py: log_model_runner``)."""
     graphs = "CUDA graphs captured" if "Graph capturing finished" in log else "no CUDA graphs"
     if "AR stage on vLLM's V2 model runner" in log:
         runner = "V2 runner"

@@ -4,7 +4,7 @@ Who records: the model's ``omni_stage_outputs(mm_features)`` (GLM-Image's source
 once per new request, by the V1 runner mixin (``_update_states``) or by the V2 model state
 (``add_request``, the one V2 seam that sees a new request with its features and the model). Who takes: the
 V1 runner, onto the step's ``ModelRunnerOutput`` for the requests that ran; the plugin's KV connector
-(``runners/context_export.py``), into its worker metadata: V2's only way from a worker to the scheduler.
+(``ar_worker/context_export.py``), into its worker metadata: V2's only way from a worker to the scheduler.
 Either way the Omni scheduler holds them until the request's final output.
 """
 

@@ -7,7 +7,7 @@ runner takes them through ``OmniModelRunnerMixin._calc_mrope_positions``; V2 kee
 module the plan is silently ignored there. V2's per-model seam is ``model.get_model_state_cls()``:
 :class:`PlannedMRopeModelState` is vLLM's ``DefaultModelState`` whose table holds the whole plan (clipped
 to the table's width, ``max_model_len``) and whose positions come from
-:func:`~vllm_omni_plugin.runners.planned_mrope.planned_mrope_positions` (plain torch, in a module of its
+:func:`~vllm_omni_plugin.ar_worker.planned_mrope.planned_mrope_positions` (plain torch, in a module of its
 own so that it runs, and is checked inside a CUDA graph, where vLLM is not installed).
 
 Only V2 imports this module (through the model's ``get_model_state_cls``); the V1 runner and the CPU
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_omni_plugin.ar_worker.planned_mrope import planned_mrope_positions
+from vllm_omni_plugin.ar_worker.stage_outbox import record_model_stage_outputs
 from vllm_omni_plugin.compat import resolve
-from vllm_omni_plugin.runners.planned_mrope import planned_mrope_positions
-from vllm_omni_plugin.runners.stage_outbox import record_model_stage_outputs
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

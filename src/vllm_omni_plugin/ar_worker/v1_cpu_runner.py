@@ -7,8 +7,8 @@ module that every AR stage imports may name it.
 
 from __future__ import annotations
 
+from vllm_omni_plugin.ar_worker.omni_model_runner import OmniModelRunnerMixin
 from vllm_omni_plugin.compat import resolve
-from vllm_omni_plugin.runners.omni_model_runner import OmniModelRunnerMixin
 
 V1_ONLY = True
 """Read by the release check: what this module needs from vLLM exists only where V1 does."""

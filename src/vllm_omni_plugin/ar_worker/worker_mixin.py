@@ -14,7 +14,7 @@ _logged_runner: list[bool] = []
 
 
 def context_export_connector() -> Any:
-    """This worker process's context export KV connector (``runners/context_export.py``), if any."""
+    """This worker process's context export KV connector (``ar_worker/context_export.py``), if any."""
     if not resolve("has_kv_transfer_group")():
         return None
     connector = resolve("get_kv_transfer_group")()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_omni_plugin.ar_worker.worker_mixin import OmniWorkerMixin, log_model_runner
 from vllm_omni_plugin.compat import resolve, uses_v2_model_runner
-from vllm_omni_plugin.runners.worker_mixin import OmniWorkerMixin, log_model_runner
 
 CPUWorker = resolve("CPUWorker")
 
@@ -23,6 +23,6 @@ class OmniCPUWorker(OmniWorkerMixin, CPUWorker):
         v2 = uses_v2_model_runner(self.vllm_config)
         log_model_runner(v2)
         if not v2:
-            from vllm_omni_plugin.runners.v1_cpu_runner import OmniCPUModelRunner
+            from vllm_omni_plugin.ar_worker.v1_cpu_runner import OmniCPUModelRunner
 
             self.model_runner = OmniCPUModelRunner(self.vllm_config, self.model_runner.device)

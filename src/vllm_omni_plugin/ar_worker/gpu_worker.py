@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_omni_plugin.ar_worker.worker_mixin import OmniWorkerMixin, log_model_runner
 from vllm_omni_plugin.compat import resolve, uses_v2_model_runner
-from vllm_omni_plugin.runners.worker_mixin import OmniWorkerMixin, log_model_runner
 
 GPUWorker = resolve("GPUWorker")
 
@@ -23,7 +23,7 @@ class OmniGPUWorker(OmniWorkerMixin, GPUWorker):
     def init_device(self, *args: Any, **kwargs: Any) -> None:
         super().init_device(*args, **kwargs)
         if not uses_v2_model_runner(self.vllm_config):
-            from vllm_omni_plugin.runners.v1_gpu_runner import OmniGPUModelRunner
+            from vllm_omni_plugin.ar_worker.v1_gpu_runner import OmniGPUModelRunner
 
             if not isinstance(self.model_runner, OmniGPUModelRunner):
                 self.model_runner = self._make_model_runner()
@@ -32,7 +32,7 @@ class OmniGPUWorker(OmniWorkerMixin, GPUWorker):
         v2 = uses_v2_model_runner(self.vllm_config)
         log_model_runner(v2)
         if not v2:
-            from vllm_omni_plugin.runners.v1_gpu_runner import OmniGPUModelRunner
+            from vllm_omni_plugin.ar_worker.v1_gpu_runner import OmniGPUModelRunner
 
             return OmniGPUModelRunner(self.vllm_config, self.device)
         if hasattr(GPUWorker, "_make_model_runner"):  # vLLM's own choice (0.32+)

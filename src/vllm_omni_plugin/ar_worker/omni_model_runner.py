@@ -13,12 +13,12 @@
 - **Precomputed decode positions.** M-RoPE models whose generated tokens have 2-D grid positions
   (GLM-Image) return them from ``get_mrope_input_positions`` after the prompt's; stock vLLM gives
   generated tokens ``delta + context_len`` on every axis. After vLLM's own computation we copy the
-  planned positions in wherever a request has them. (V2 runner: ``runners/planned_positions.py``.)
+  planned positions in wherever a request has them. (V2 runner: ``ar_worker/planned_positions.py``.)
 - **Stage outputs and dropped requests.** Per-request outputs for the next stage recorded with
   ``set_stage_output`` (or computed by the model, ``omni_stage_outputs(mm_features)``), and the requests
   the resume pre-pass left out, travel on the step's ``ModelRunnerOutput`` as an ``OmniRunnerOutput``
   (``vllm_omni_plugin.ar_channel``), which the Omni scheduler reads. (Context exports of KV-handoff
-  pipelines travel through the KV connector of ``runners/context_export.py`` on either runner.)
+  pipelines travel through the KV connector of ``ar_worker/context_export.py`` on either runner.)
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni_plugin.ar_channel import RUNNER_OUTPUT_ATTR, OmniRunnerOutput
+from vllm_omni_plugin.ar_worker.stage_outbox import STAGE_OUTBOX, record_model_stage_outputs
 from vllm_omni_plugin.compat import runner_output_payload
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.runners.stage_outbox import STAGE_OUTBOX, record_model_stage_outputs
 
 if TYPE_CHECKING:
     from vllm.config import CompilationConfig, VllmConfig

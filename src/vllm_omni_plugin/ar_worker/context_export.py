@@ -49,10 +49,10 @@ from vllm_omni_plugin.ar_channel import (
     OMNI_KEY,
     omni_extra_args,
 )
+from vllm_omni_plugin.ar_worker.paged_kv import check_kv_caches, layer_cpu_isa, read_tokens
+from vllm_omni_plugin.ar_worker.stage_outbox import STAGE_OUTBOX
 from vllm_omni_plugin.compat import resolve
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.runners.paged_kv import check_kv_caches, layer_cpu_isa, read_tokens
-from vllm_omni_plugin.runners.stage_outbox import STAGE_OUTBOX
 
 if TYPE_CHECKING:
     from vllm_omni_plugin.connectors.base import OmniConnector
