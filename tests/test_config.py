@@ -973,8 +973,8 @@ def test_a_parallel_size_gives_each_diffusion_replica_that_many_devices(tmp_path
     with pytest.raises(ConfigError, match=rf"cannot hold 1 replica\(s\) of {field} 2"):
         resolve_deployment(model, deploy_config=str(path), platform=GPU)
     path.write_text(f"pipeline: diffusion\nbackend: ray\nstages:\n  - {{stage_id: 0, {field}: 2}}\n")
-    placement = resolve_deployment(model, deploy_config=str(path), platform=GPU).stage(0).placement
-    assert placement is not None and placement.num_gpus == 2.0 and placement.placement_group
+    resources = resolve_deployment(model, deploy_config=str(path), platform=GPU).stage(0).ray_resources
+    assert resources is not None and resources.num_gpus == 2.0 and resources.placement_group
 
 
 def test_a_parallel_size_on_a_runner_without_it_is_one_config_error(tmp_path: Path, tiny_bagel: Path) -> None:

@@ -16,7 +16,7 @@ from vllm_omni_plugin.config import (
     resolve_deployment,
 )
 from vllm_omni_plugin.config.resolve import reresolve
-from vllm_omni_plugin.config.resolved import ResolvedPlacement, ResolvedRay
+from vllm_omni_plugin.config.resolved import RayResources, ResolvedRay
 
 GPU, CPU = PLATFORMS["cuda"], PLATFORMS["cpu"]
 RAY_DEPLOY = next(p for p in packaged_deploy_configs() if p.name == "glm_image_ray.yaml")
@@ -39,9 +39,9 @@ def test_packaged_ray_config_places_each_stage_by_its_resources(model_dir: str) 
     resolved = resolve_deployment(model_dir, deploy_config=str(RAY_DEPLOY), platform=GPU)
     assert resolved.backend == "ray"
     assert resolved.ray == ResolvedRay(namespace="vllm_omni", placement_timeout_s=300.0)
-    ar, dit = resolved.stage(0).placement, resolved.stage(1).placement
-    assert ar == ResolvedPlacement(num_cpus=1.0, num_gpus=1.0, resources={"ar_host": 1.0})
-    assert dit == ResolvedPlacement(num_cpus=1.0, num_gpus=1.0, resources={"dit_host": 1.0})
+    ar, dit = resolved.stage(0).ray_resources, resolved.stage(1).ray_resources
+    assert ar == RayResources(num_cpus=1.0, num_gpus=1.0, resources={"ar_host": 1.0})
+    assert dit == RayResources(num_cpus=1.0, num_gpus=1.0, resources={"dit_host": 1.0})
     assert resolved.stage(1).num_replicas == 2
     # NIXL between hosts, shared memory where both ends of a hand-over share a node
     for edge in resolved.edges:
@@ -61,27 +61,27 @@ def test_defaults_follow_the_platform_and_the_stage_devices(tmp_path: Path, mode
     )
     gpu = resolve_deployment(model_dir, deploy_config=str(path), platform=GPU)
     assert gpu.ray == ResolvedRay()
-    assert [s.placement.num_gpus for s in gpu.stages] == [2.0, 1.0]
-    assert gpu.stage(0).placement.placement_group and not gpu.stage(1).placement.placement_group
-    assert all(s.placement.num_cpus == 1.0 and s.placement.max_restarts == -1 for s in gpu.stages)
+    assert [s.ray_resources.num_gpus for s in gpu.stages] == [2.0, 1.0]
+    assert gpu.stage(0).ray_resources.placement_group and not gpu.stage(1).ray_resources.placement_group
+    assert all(s.ray_resources.num_cpus == 1.0 and s.ray_resources.max_restarts == -1 for s in gpu.stages)
     # Ray gives each replica its devices: no device ids of ours in its environment
     assert "CUDA_VISIBLE_DEVICES" not in gpu.stage(0).replicas[0].env
     assert gpu.stage(0).replicas[0].devices is None
     assert any("devices: ignored with backend ray" in n for n in gpu.notes)
     cpu = resolve_deployment(model_dir, deploy_config=str(path), platform=CPU)
-    assert [s.placement.num_gpus for s in cpu.stages] == [0.0, 0.0]
+    assert [s.ray_resources.num_gpus for s in cpu.stages] == [0.0, 0.0]
 
 
 def test_worker_backend_flag_wins_over_the_file(tmp_path: Path, model_dir: str) -> None:
     local = resolve_deployment(model_dir, deploy_config=str(RAY_DEPLOY), platform=GPU, backend="local")
     assert local.backend == "local" and local.ray is None
-    assert all(s.placement is None for s in local.stages)
+    assert all(s.ray_resources is None for s in local.stages)
     assert all(e.same_node_connector is None for e in local.edges)
     assert any("stage 1 resources: applies to backend ray only; ignored" in n for n in local.notes)
     assert any("same_node_connector applies to backend ray only" in n for n in local.notes)
     plain = write(tmp_path, "pipeline: glm_image\n")
     ray = resolve_deployment(model_dir, deploy_config=str(plain), platform=CPU, backend="ray")
-    assert ray.backend == "ray" and ray.stage(1).placement == ResolvedPlacement(num_cpus=1.0, num_gpus=0.0)
+    assert ray.backend == "ray" and ray.stage(1).ray_resources == RayResources(num_cpus=1.0, num_gpus=0.0)
 
 
 @pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])

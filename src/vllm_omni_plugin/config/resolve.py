@@ -30,14 +30,14 @@ from vllm_omni_plugin.config.loader import LoadedConfig
 from vllm_omni_plugin.config.merge import set_fields
 from vllm_omni_plugin.config.model_runner import context_export_cpu_env, model_runner
 from vllm_omni_plugin.config.pipeline import Pipeline, PipelineStage
-from vllm_omni_plugin.config.placement import (
+from vllm_omni_plugin.config.platform import PlatformInfo, current_platform
+from vllm_omni_plugin.config.replicas import (
     check_shared_devices,
     diffusion_devices,
-    ray_placement,
+    ray_resources,
     ray_settings,
     replicas,
 )
-from vllm_omni_plugin.config.platform import PlatformInfo, current_platform
 from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedHead, ResolvedStage
 from vllm_omni_plugin.config.schema import Backend, DeployConfig, HeadSpec, StageDeployConfig, StageOverride
@@ -172,7 +172,7 @@ def resolve_stage(
             msgspec.structs.replace(r, env={**threads.ar_env(fixed.stage_id, r.replica_id), **r.env})
             for r in stage_replicas
         ]
-    placement = ray_placement(stage, engine_args if is_ar else {}, platform, backend, report)
+    resources = ray_resources(stage, engine_args if is_ar else {}, platform, backend, report)
     sampling = sampling_params(stage, fixed, pipeline, report)
     dit_args: dict[str, Any] = {}
     defaults: dict[str, Any] = {}
@@ -201,7 +201,7 @@ def resolve_stage(
         headless=headless,
         continuation=fixed.continuation,
         companion_timeout_s=stage.companion_timeout_s or DEFAULT_COMPANION_TIMEOUT_S,
-        placement=placement,
+        ray_resources=resources,
         model_runner=runner,
         model_runner_reason=why,
     )

@@ -61,7 +61,7 @@ class ResolvedRay(msgspec.Struct, frozen=True, kw_only=True):
     placement_timeout_s: float = 120.0
 
 
-class ResolvedPlacement(msgspec.Struct, frozen=True, kw_only=True):
+class RayResources(msgspec.Struct, frozen=True, kw_only=True):
     """What each replica of a stage asks the Ray cluster for (backend ``ray``)."""
 
     num_cpus: float
@@ -113,8 +113,9 @@ class ResolvedStage(msgspec.Struct, kw_only=True):
     """The pipeline's next-round function for this stage (see ``PipelineStage.continuation``)."""
     companion_timeout_s: float = 30.0
     """AR stages: how long a request's companion requests may take after its main one."""
-    placement: ResolvedPlacement | None = None
-    """Backend ``ray``: what each replica asks the cluster for; None on the local backend."""
+    ray_resources: RayResources | None = msgspec.field(default=None, name="placement")
+    """Backend ``ray``: what each replica asks the cluster for; None on the local backend. Printed (and
+    encoded) as ``placement``, the key ``--print-resolved-config`` has always shown."""
     model_runner: str | None = None
     """AR stages: ``v1`` or ``v2``, the vLLM model runner the stage's engine runs."""
     model_runner_reason: str | None = None

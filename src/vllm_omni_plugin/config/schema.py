@@ -245,5 +245,5 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "sequence_parallel_size",
     }
 )
-RAY_PLACEMENT_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")
-"""Stage fields that place replicas on a Ray cluster (backend ``ray`` only)."""
+RAY_RESOURCE_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")
+"""Stage fields that say what each replica asks a Ray cluster for (backend ``ray`` only)."""

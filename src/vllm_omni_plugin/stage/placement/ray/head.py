@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_omni_plugin.config.resolved import ROUTER, ResolvedDeployment, ResolvedPlacement, ResolvedStage
+from vllm_omni_plugin.config.resolved import ROUTER, RayResources, ResolvedDeployment, ResolvedStage
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import best_effort, get_logger
@@ -88,19 +88,19 @@ def unreachable(address: str) -> str | None:
     return None
 
 
-def nodes_lacking(placement: ResolvedPlacement) -> str | None:
-    """Why no alive node of the cluster could ever hold a replica asking for ``placement`` (resources in
+def nodes_lacking(resources: RayResources) -> str | None:
+    """Why no alive node of the cluster could ever hold a replica asking for ``resources`` (resources in
     total, labels), or None when one could (it may be busy)."""
     ray = _ray()
-    wants = {"CPU": placement.num_cpus, "GPU": placement.num_gpus, **placement.resources}
+    wants = {"CPU": resources.num_cpus, "GPU": resources.num_gpus, **resources.resources}
     alive = [n for n in ray.nodes() if n.get("Alive")]
     for node in alive:
         resources, labels = node.get("Resources", {}), node.get("Labels", {}) or {}
         if all(resources.get(k, 0.0) >= v for k, v in wants.items() if v > 0) and all(
-            labels.get(k) == v for k, v in placement.node_labels.items()
+            labels.get(k) == v for k, v in resources.node_labels.items()
         ):
             return None
-    return f"no alive node of the Ray cluster has {placement.describe()} ({len(alive)} alive node(s))"
+    return f"no alive node of the Ray cluster has {resources.describe()} ({len(alive)} alive node(s))"
 
 
 class RayPlacement(StagePlacement):
@@ -189,17 +189,17 @@ class RayPlacement(StagePlacement):
         late = [c for c, f in pending.items() if f in waiting]
         loop = asyncio.get_running_loop()
         for client in late:
-            lacking = await loop.run_in_executor(None, nodes_lacking, client.placement)
+            lacking = await loop.run_in_executor(None, nodes_lacking, client.resources)
             if lacking is not None:
                 raise StagePlacementError(
-                    f"{client.label} cannot be placed: it asks for {client.placement.describe()} and "
+                    f"{client.label} cannot be placed: it asks for {client.resources.describe()} and "
                     f"{lacking} after {timeout:g} s (ray.placement_timeout_s)",
                     stage_id=client.stage_id,
                 )
         client = late[0]
         raise StageStartError(
             f"{client.label} got no place within {timeout:g} s (ray.placement_timeout_s): nodes with "
-            f"{client.placement.describe()} exist, but none took its actor in time (their resources are in "
+            f"{client.resources.describe()} exist, but none took its actor in time (their resources are in "
             "use, or the actor's process is still starting)",
             stage_id=client.stage_id,
         )
@@ -254,10 +254,10 @@ class RayStageClient(StageCoreClientBase):
         connectors: dict[str, OmniConnector],
     ) -> None:
         super().__init__(stage.stage_id, replica_id, stage.name)
-        assert stage.placement is not None, "backend ray only"
+        assert stage.ray_resources is not None, "backend ray only"
         self.owner = owner
         self.stage = stage
-        self.placement: ResolvedPlacement = stage.placement
+        self.resources: RayResources = stage.ray_resources
         deployment = owner.deployment
         sources = stage.input_sources
         self.input_edge = deployment.edge(sources[0], stage.stage_id) if sources else None
@@ -310,7 +310,7 @@ class RayStageClient(StageCoreClientBase):
         ray = _ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        p = self.placement
+        p = self.resources
         options: dict[str, Any] = {
             "name": self.actor_name,
             "namespace": self.owner.settings.namespace,
@@ -469,7 +469,7 @@ class RayStageClient(StageCoreClientBase):
                 logger.error("%s: Ray will not restart its actor (%s)", self.label, str(exc).splitlines()[0])
                 return
             except (ray.exceptions.RayActorError, TimeoutError):
-                lacking = await loop.run_in_executor(None, nodes_lacking, self.placement)
+                lacking = await loop.run_in_executor(None, nodes_lacking, self.resources)
                 self.waiting = lacking or "Ray is restarting the actor"
                 self.no_place = lacking is not None
                 await asyncio.sleep(RECOVER_POLL_S)

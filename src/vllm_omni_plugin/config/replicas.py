@@ -1,5 +1,6 @@
-"""Where a stage's replicas run: their devices on this host, what each asks a Ray cluster for (backend
-ray), and the memory budgets of stages that share a device."""
+"""A stage's replicas: their devices on this host, what each asks a Ray cluster for (backend ray), and
+the memory budgets of stages that share a device. (Where replicas run, a stage's *placement*, is
+``stage/placement/``'s.)"""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 from vllm_omni_plugin.config.merge import set_fields
 from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.report import Reporter
-from vllm_omni_plugin.config.resolved import ResolvedPlacement, ResolvedRay, ResolvedReplica, ResolvedStage
+from vllm_omni_plugin.config.resolved import RayResources, ResolvedRay, ResolvedReplica, ResolvedStage
 from vllm_omni_plugin.config.schema import (
-    RAY_PLACEMENT_FIELDS,
+    RAY_RESOURCE_FIELDS,
     Backend,
     DeployConfig,
     RaySpec,
@@ -73,17 +74,17 @@ def replicas(
     ]
 
 
-def ray_placement(
+def ray_resources(
     stage: StageDeployConfig,
     engine_args: dict[str, Any],
     platform: PlatformInfo,
     backend: Backend,
     report: Reporter,
-) -> ResolvedPlacement | None:
+) -> RayResources | None:
     """What each replica asks the Ray cluster for (backend ray); on the local backend the fields are
     noted as having no effect."""
     if backend != "ray":
-        for name in RAY_PLACEMENT_FIELDS:
+        for name in RAY_RESOURCE_FIELDS:
             if getattr(stage, name) is not None:
                 report.note_at(stage.stage_id, name, "applies to backend ray only; ignored")
         return None
@@ -100,7 +101,7 @@ def ray_placement(
             stage.stage_id,
             "num_gpus",
         )
-    return ResolvedPlacement(
+    return RayResources(
         num_cpus=1.0 if stage.num_cpus is None else stage.num_cpus,
         num_gpus=devices if stage.num_gpus is None else stage.num_gpus,
         resources=dict(sorted((stage.resources or {}).items())),
