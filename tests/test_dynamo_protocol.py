@@ -21,17 +21,14 @@ from PIL import Image
 
 from helpers import FakePlacement, app_client, fake_deployment, source_image
 from vllm_omni_plugin.dynamo import protocol
-from vllm_omni_plugin.entrypoints.openai_images import (
+from vllm_omni_plugin.entrypoints.chat_protocol import (
     ChatChoice,
     ChatCompletionResponse,
     ChatMessage,
     ChatUsage,
-    ImageGenerationRequest,
-    ImageObject,
-    ImagesResponse,
-    OmniAPIError,
-    parse_request,
 )
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError, parse_request
+from vllm_omni_plugin.entrypoints.image_protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 
 MODEL = "fake-image"
 

@@ -34,8 +34,10 @@ from vllm_omni_plugin.config import register_pipeline
 from vllm_omni_plugin.entrypoints import api_calls, routes
 from vllm_omni_plugin.entrypoints.api_server import build_api_app
 from vllm_omni_plugin.entrypoints.cli import build_parser
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError
+from vllm_omni_plugin.entrypoints.image_codec import decode_image
+from vllm_omni_plugin.entrypoints.image_protocol import ImageLimits
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer
-from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, decode_image
 from vllm_omni_plugin.stage.input_processor import OmniCoreRequest
 
 MODEL = "fake-image"
@@ -569,7 +571,7 @@ def test_request_validation_errors_are_error_json_where_fastapi_would_answer_det
 
 def test_json_nested_deeper_than_the_limit_is_refused_without_recursion() -> None:
     """The limit is ours and fixed (64 levels), not the interpreter's recursion depth at the call."""
-    from vllm_omni_plugin.entrypoints.openai_images import MAX_JSON_DEPTH, decode_json
+    from vllm_omni_plugin.entrypoints.errors import MAX_JSON_DEPTH, decode_json
 
     assert decode_json(nested(MAX_JSON_DEPTH).encode()) is not None
     for depth in (MAX_JSON_DEPTH + 1, 500, DEEP):

@@ -29,7 +29,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_omni_plugin.entrypoints.openai_images import ChatCompletionResponse, ImagesResponse, OmniAPIError
+from vllm_omni_plugin.entrypoints.chat_protocol import ChatCompletionResponse
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError
+from vllm_omni_plugin.entrypoints.image_protocol import ImagesResponse
 
 GENERATIONS = "images/generations"
 EDITS = "images/edits"

@@ -39,16 +39,12 @@ from vllm_omni_plugin.entrypoints.api_calls import (
     generation_call,
     images_body,
 )
+from vllm_omni_plugin.entrypoints.chat_protocol import ChatCompletionRequest
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError, parse_request
+from vllm_omni_plugin.entrypoints.image_codec import decode_data_uri
+from vllm_omni_plugin.entrypoints.image_protocol import ImageEditRequest, ImageGenerationRequest
 from vllm_omni_plugin.entrypoints.metrics import ABORT_PLACES, OmniMetrics
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, http_status, settings_from_args
-from vllm_omni_plugin.entrypoints.openai_images import (
-    ChatCompletionRequest,
-    ImageEditRequest,
-    ImageGenerationRequest,
-    OmniAPIError,
-    decode_data_uri,
-    parse_request,
-)
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.factory import placement_for

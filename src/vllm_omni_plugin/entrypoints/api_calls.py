@@ -3,10 +3,11 @@
 the same order, build the same ``OmniRequest``s and answer with the same response body.
 
 A front end reads its transport (a JSON body, a multipart form, Dynamo's request dict), parses it into
-the request types of ``openai_images``, calls the ``*_call`` function of its endpoint, runs the call's
-requests through ``OmniServer.run`` and turns the results into the body with ``images_body`` or
-``chat_body``. A call parses: what a request leaves unset and whether the model can make it are the
-runtime's input processor's (``OmniServer.prepare``). Every client mistake is an ``OmniAPIError``.
+the request types of ``image_protocol`` and ``chat_protocol``, calls the ``*_call`` function of its
+endpoint, runs the call's requests through ``OmniServer.run`` and turns the results into the body with
+``images_body`` or ``chat_body``. A call parses: what a request leaves unset and whether the model can
+make it are the runtime's input processor's (``OmniServer.prepare``). Every client mistake is an
+``OmniAPIError``.
 """
 
 from __future__ import annotations
@@ -20,24 +21,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_plugin.diffusion.lora import LoraSpec
-from vllm_omni_plugin.entrypoints.omni_server import OmniServer
-from vllm_omni_plugin.entrypoints.openai_images import (
+from vllm_omni_plugin.entrypoints.chat_protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
     ChatUsage,
+    chat_prompt_and_images,
+    image_content,
+)
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError
+from vllm_omni_plugin.entrypoints.image_codec import data_uri, encode_image
+from vllm_omni_plugin.entrypoints.image_protocol import (
     ImageEditRequest,
     ImageGenerationRequest,
     ImageObject,
     ImagesResponse,
-    OmniAPIError,
-    chat_prompt_and_images,
-    data_uri,
-    encode_image,
-    image_content,
     parse_size,
 )
+from vllm_omni_plugin.entrypoints.omni_server import OmniServer
 from vllm_omni_plugin.stage.input_processor import OmniCoreRequest, OmniRequest
 from vllm_omni_plugin.stage.orchestrator import OmniResult
 

@@ -30,9 +30,9 @@ from starlette.exceptions import HTTPException
 from vllm_omni_plugin import compat
 from vllm_omni_plugin.config import ResolvedDeployment
 from vllm_omni_plugin.diffusion.lora import LoraError
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
-from vllm_omni_plugin.entrypoints.openai_images import OmniAPIError
 from vllm_omni_plugin.entrypoints.routes import api_error_handler, framework_error_handler, router
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni

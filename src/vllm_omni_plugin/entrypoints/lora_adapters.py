@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from vllm_omni_plugin.diffusion.lora import LoraError, LoraSpec, check_lora, denoiser_skeleton, read_lora
-from vllm_omni_plugin.entrypoints.openai_images import OmniAPIError
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError
 
 RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 

@@ -19,9 +19,10 @@ from vllm_omni_plugin.config import ResolvedDeployment, get_pipeline
 from vllm_omni_plugin.config.pipeline import registered_pipelines
 from vllm_omni_plugin.config.settings import SettingError, read_settings
 from vllm_omni_plugin.diffusion.lora import LoraSpec
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError
+from vllm_omni_plugin.entrypoints.image_protocol import ImageLimits, check_prompt_length
 from vllm_omni_plugin.entrypoints.lora_adapters import ServedAdapters
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
-from vllm_omni_plugin.entrypoints.openai_images import ImageLimits, OmniAPIError, check_prompt_length
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.errors import RequestAbortedError, StageError

@@ -1,8 +1,8 @@
 """The omni server's HTTP routes: the OpenAI Images API, chat completions with image output, models,
 health and generated media. Each route reads its body (JSON, or the edit's multipart form), parses it
-(``openai_images``) and hands it to ``api_calls``, which checks it, builds its requests and encodes the
-answer as every front end does; the serving state (``OmniServer``) runs it. A client mistake is an
-``OmniAPIError``.
+(``image_protocol``, ``chat_protocol``, ``models_protocol``) and hands it to ``api_calls``, which checks it,
+builds its requests and encodes the answer as every front end does; the serving state (``OmniServer``)
+runs it. A client mistake is an ``OmniAPIError``.
 """
 
 from __future__ import annotations
@@ -34,24 +34,18 @@ from vllm_omni_plugin.entrypoints.api_calls import (
     generation_call,
     images_body,
 )
+from vllm_omni_plugin.entrypoints.chat_protocol import ChatCompletionRequest
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError, decode_json, error_body, parse_request
+from vllm_omni_plugin.entrypoints.image_codec import MEDIA_TYPES, decode_image
+from vllm_omni_plugin.entrypoints.image_protocol import ImageEditRequest, ImageGenerationRequest, ImageLimits
 from vllm_omni_plugin.entrypoints.lora_adapters import RUNTIME_UPDATES_ENV, runtime_updates_allowed
-from vllm_omni_plugin.entrypoints.omni_server import OmniServer, disconnected, http_status
-from vllm_omni_plugin.entrypoints.openai_images import (
-    MEDIA_TYPES,
-    ChatCompletionRequest,
-    ImageEditRequest,
-    ImageGenerationRequest,
-    ImageLimits,
+from vllm_omni_plugin.entrypoints.models_protocol import (
     LoadLoraRequest,
     ModelCard,
     ModelList,
-    OmniAPIError,
     UnloadLoraRequest,
-    decode_image,
-    decode_json,
-    error_body,
-    parse_request,
 )
+from vllm_omni_plugin.entrypoints.omni_server import OmniServer, disconnected, http_status
 from vllm_omni_plugin.entrypoints.streaming import chat_events, image_events
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.input_work import input_work

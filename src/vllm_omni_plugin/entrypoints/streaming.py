@@ -28,14 +28,10 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.entrypoints.api_calls import ApiCall
+from vllm_omni_plugin.entrypoints.chat_protocol import image_content
+from vllm_omni_plugin.entrypoints.errors import OmniAPIError, error_body
+from vllm_omni_plugin.entrypoints.image_codec import data_uri, encode_image
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer
-from vllm_omni_plugin.entrypoints.openai_images import (
-    OmniAPIError,
-    data_uri,
-    encode_image,
-    error_body,
-    image_content,
-)
 from vllm_omni_plugin.stage.orchestrator import OmniResult
 from vllm_omni_plugin.stage.request_events import ARProgress, PreviewImage
 
