@@ -1,5 +1,5 @@
 """Serving under Dynamo without Dynamo: how the requests Dynamo's frontend sends map onto our request
-types and our answers onto what it reads (``vllm_omni_plugin.dynamo.protocol``), that the Dynamo worker's
+types and our answers onto what it reads (``vllm_omni_plugin.dynamo.request_fields``), that the Dynamo worker's
 handler gives every request what our HTTP server gives the same request (one runtime of fake replicas
 behind both), and that nothing imports Dynamo until a role is started (without the extra: one line)."""
 
@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from helpers import FakePlacement, app_client, fake_deployment, source_image
-from vllm_omni_plugin.dynamo import protocol
+from vllm_omni_plugin.dynamo import request_fields
 from vllm_omni_plugin.entrypoints.chat_protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -51,12 +51,12 @@ def pixels(b64: str) -> np.ndarray:
 
 
 def test_each_api_is_told_apart_by_its_fields() -> None:
-    assert protocol.endpoint_of({"model": "m", "messages": []}) == protocol.CHAT
-    assert protocol.endpoint_of({"prompt": "a", "input_reference": "data:..."}) == protocol.EDITS
-    assert protocol.endpoint_of({"prompt": "a"}) == protocol.GENERATIONS
+    assert request_fields.endpoint_of({"model": "m", "messages": []}) == request_fields.CHAT
+    assert request_fields.endpoint_of({"prompt": "a", "input_reference": "data:..."}) == request_fields.EDITS
+    assert request_fields.endpoint_of({"prompt": "a"}) == request_fields.GENERATIONS
     for bad in ([1, 2], {"model": "m"}):
         with pytest.raises(OmniAPIError) as caught:
-            protocol.endpoint_of(bad)
+            request_fields.endpoint_of(bad)
         assert caught.value.status == 400
 
 
@@ -70,7 +70,7 @@ def test_nvext_and_passthrough_fields_reach_the_request_types() -> None:
                   "annotations": ["dynamo's own"]},
         "extra_args": {"media_passthrough": {"cfg_text_scale": 4.0, "seed": 7}},
     }  # fmt: skip
-    fields = protocol.image_fields(request)
+    fields = request_fields.image_fields(request)
     assert "nvext" not in fields and "extra_args" not in fields and "annotations" not in fields
     req = parse_request(ImageGenerationRequest, fields)
     assert (req.seed, req.num_inference_steps, req.guidance_scale) == (7, 3, 1.5)
@@ -86,19 +86,19 @@ def test_images_are_not_streamed_through_the_frontend() -> None:
         {"extra_args": {"media_passthrough": {"stream": True}}},
     ):
         with pytest.raises(OmniAPIError, match="not streamed through it") as caught:
-            protocol.image_fields({"prompt": "a", **extra})
+            request_fields.image_fields({"prompt": "a", **extra})
         assert caught.value.param in ("stream", "partial_images")
-    assert "stream" not in protocol.image_fields({"prompt": "a", "stream": False, "partial_images": 0})
+    assert "stream" not in request_fields.image_fields({"prompt": "a", "stream": False, "partial_images": 0})
 
 
 def test_a_field_given_twice_with_different_values_is_refused() -> None:
     request = {"prompt": "a", "nvext": {"seed": 1}, "extra_args": {"media_passthrough": {"seed": 2}}}
     with pytest.raises(OmniAPIError, match="seed is given twice") as caught:
-        protocol.image_fields(request)
+        request_fields.image_fields(request)
     assert caught.value.param == "seed"
     for bad in ({"prompt": "a", "nvext": [1]}, {"prompt": "a", "extra_args": {"media_passthrough": "x"}}):
         with pytest.raises(OmniAPIError, match="must be an object"):
-            protocol.image_fields(bad)
+            request_fields.image_fields(bad)
 
 
 def test_an_edit_takes_input_reference_then_images() -> None:
@@ -110,17 +110,17 @@ def test_an_edit_takes_input_reference_then_images() -> None:
             "media_passthrough": {"images": [two, {"image_url": three}, {"image_url": {"url": one}}]}
         },
     }
-    fields, sources = protocol.edit_fields(request, max_images=4)
+    fields, sources = request_fields.edit_fields(request, max_images=4)
     assert "input_reference" not in fields and "images" not in fields
     assert sources == [("input_reference", one), ("images[0]", two), ("images[1]", three), ("images[2]", one)]
     with pytest.raises(OmniAPIError, match="at most 3 per request .* got 4"):
-        protocol.edit_fields(request, max_images=3)
+        request_fields.edit_fields(request, max_images=3)
     with pytest.raises(OmniAPIError, match=r"images\[0\] must be an image as a data URI"):
-        protocol.edit_fields(
+        request_fields.edit_fields(
             {"prompt": "e", "input_reference": one, "extra_args": {"media_passthrough": {"images": [3]}}}, 4
         )
     with pytest.raises(OmniAPIError, match="images must be a list"):
-        protocol.edit_fields(
+        request_fields.edit_fields(
             {"prompt": "e", "input_reference": one, "extra_args": {"media_passthrough": {"images": one}}}, 4
         )
 
@@ -133,19 +133,19 @@ def test_chat_asks_for_an_image_unless_it_says_text() -> None:
         "seed": 3,
         "chat_template_args": {"num_inference_steps": 2, "size": "64x64"},
     }
-    fields = protocol.chat_fields(request)
+    fields = request_fields.chat_fields(request)
     assert fields["modalities"] == ["image"] and "stream" not in fields and "chat_template_args" not in fields
     assert (fields["seed"], fields["num_inference_steps"], fields["size"]) == (3, 2, "64x64")
-    assert protocol.chat_fields({**request, "modalities": ["text"]})["modalities"] == ["text"]
-    assert protocol.chat_fields({**request, "chat_template_kwargs": {"modalities": ["text"]}})[
+    assert request_fields.chat_fields({**request, "modalities": ["text"]})["modalities"] == ["text"]
+    assert request_fields.chat_fields({**request, "chat_template_kwargs": {"modalities": ["text"]}})[
         "modalities"
     ] == ["text"]
     with pytest.raises(OmniAPIError, match="seed is given twice"):
-        protocol.chat_fields({**request, "chat_template_args": {"seed": 4}})
+        request_fields.chat_fields({**request, "chat_template_args": {"seed": 4}})
 
 
 def test_answers_are_plain_dicts_the_frontend_reads() -> None:
-    images = protocol.images_reply(
+    images = request_fields.images_reply(
         ImagesResponse(created=5, data=[ImageObject(b64_json="QQ==")], size="64x64")
     )
     assert images == {"created": 5, "data": [{"b64_json": "QQ=="}], "size": "64x64"}  # no nulls
@@ -157,7 +157,7 @@ def test_answers_are_plain_dicts_the_frontend_reads() -> None:
         choices=[ChatChoice(index=0, message=ChatMessage(role="assistant", content=parts))],
         usage=ChatUsage(prompt_tokens=1, completion_tokens=2, total_tokens=3),
     )
-    (chunk,) = protocol.chat_chunks(body)
+    (chunk,) = request_fields.chat_chunks(body)
     assert (
         chunk["object"] == "chat.completion.chunk" and chunk["created"] == 6 and chunk["id"] == "chatcmpl-1"
     )
@@ -179,7 +179,7 @@ def test_answers_are_plain_dicts_the_frontend_reads() -> None:
      (499, "Cancelled"), (500, "Unknown"), (503, "Disconnected")],
 )  # fmt: skip
 def test_failures_become_exceptions_the_frontend_carries(status: int, name: str) -> None:
-    assert protocol.dynamo_error(status) == name
+    assert request_fields.dynamo_error(status) == name
 
 
 # --- the worker's handler against the HTTP routes ------------------------------------------------------
@@ -229,7 +229,7 @@ CASES: list[Case] = [
 
 def test_the_dynamo_handler_answers_as_the_http_routes_do(tmp_path: Path) -> None:
     """One runtime behind both: each call's image (or its status and message) is the same."""
-    from vllm_omni_plugin.dynamo.worker import ModelEndpoint
+    from vllm_omni_plugin.dynamo.roles import ModelEndpoint
 
     async def main() -> None:
         flags = ("--served-model-name", MODEL, "--image-max-prompt-chars", "64")
@@ -260,7 +260,7 @@ def test_the_dynamo_handler_answers_as_the_http_routes_do(tmp_path: Path) -> Non
 
 
 def test_an_edit_through_dynamo_is_the_multipart_edit(tmp_path: Path) -> None:
-    from vllm_omni_plugin.dynamo.worker import ModelEndpoint
+    from vllm_omni_plugin.dynamo.roles import ModelEndpoint
 
     source = source_image(64)
 
@@ -296,7 +296,7 @@ def test_an_edit_through_dynamo_is_the_multipart_edit(tmp_path: Path) -> None:
 def test_nothing_imports_dynamo_until_a_role_starts() -> None:
     """No module of ours imports Dynamo at its top: only functions a role runs do."""
     package = Path(importlib.import_module("vllm_omni_plugin").__file__).parent
-    modules = [*(package / "dynamo").glob("*.py"), *(package / "stage" / "placement" / "dynamo").glob("*.py")]
+    modules = list((package / "dynamo").glob("*.py"))
     assert len(modules) >= 10
     offenders = []
     for path in modules:

@@ -137,8 +137,12 @@ def test_every_family_folder_holds_its_files() -> None:
 
 
 PLACEMENT = PACKAGE / "stage" / "placement"
-PLACEMENT_FOLDERS = ("local", "headless", "ray", "dynamo")
-"""The placement implementations, each in a folder of its own below ``stage/placement/``."""
+PLACEMENT_FOLDERS = ("local", "headless", "ray")
+"""The placement implementations, each in a folder of its own below ``stage/placement/`` (Dynamo's lives
+with the rest of Dynamo, in ``dynamo/``: :data:`DYNAMO_PLACEMENT`)."""
+DYNAMO = PACKAGE / "dynamo"
+DYNAMO_PLACEMENT = ("placement.py", "stage_worker.py", "stage_wire.py")
+"""The Dynamo placement: the router's ``DynamoPlacement``, the stage worker and what they say."""
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -155,9 +159,8 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_placement_folders_do_not_import_each_other() -> None:
     """The remote placements share only ``placement/wire.py``; the local placement knows no remote one; the
-    crossings are the headless and Dynamo stage workers, which run their own stage on this host's
-    ``LocalPlacement``."""
-    allowed = {("headless", "local"): {"worker.py"}, ("dynamo", "local"): {"worker.py"}}
+    crossing is the headless stage worker, which runs its own stage on this host's ``LocalPlacement``."""
+    allowed = {("headless", "local"): {"worker.py"}}
     assert {p.name for p in PLACEMENT.iterdir() if (p / "__init__.py").is_file()} == set(PLACEMENT_FOLDERS)
     offenders = []
     for folder in PLACEMENT_FOLDERS:
@@ -173,6 +176,27 @@ def test_placement_folders_do_not_import_each_other() -> None:
         PLACEMENT / "ray" / "actor.py"
     )
     assert "vllm_omni_plugin.stage.placement.wire" in ray_head  # the shared replies, not the head's module
+
+
+def test_the_dynamo_placement_is_a_remote_placement_like_the_others() -> None:
+    """The Dynamo placement (in ``dynamo/``) takes from ``stage/placement/`` only the interface and the
+    shared ``wire.py``, its stage worker aside, which runs its stage on this host's ``LocalPlacement``;
+    nothing below ``stage/`` imports ``dynamo/`` (the router builds its placement and hands it in)."""
+    assert all((DYNAMO / name).is_file() for name in DYNAMO_PLACEMENT)
+    shared = {"vllm_omni_plugin.stage.placement.base", "vllm_omni_plugin.stage.placement.wire"}
+    offenders = []
+    for name in DYNAMO_PLACEMENT:
+        allowed = shared | ({"vllm_omni_plugin.stage.placement.local"} if name == "stage_worker.py" else set())
+        offenders += [
+            f"dynamo/{name} imports {m}"
+            for m in sorted(imported_modules(DYNAMO / name))
+            if m.startswith("vllm_omni_plugin.stage.placement")
+            and not any(m == a or m.startswith(a + ".") for a in allowed)
+        ]
+    for path in sorted((PACKAGE / "stage").rglob("*.py")):
+        hits = [m for m in imported_modules(path) if m.startswith("vllm_omni_plugin.dynamo")]
+        offenders += [f"{path.relative_to(PACKAGE)} imports {m}" for m in sorted(hits)]
+    assert offenders == []
 
 
 def test_the_runtime_knows_only_the_placement_interface() -> None:

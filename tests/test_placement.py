@@ -18,13 +18,13 @@ import zmq.asyncio
 import vllm_omni_plugin.stage.placement as placement_package
 from helpers import FakePlacement, HeadlessPeer, fake_deployment
 from vllm_omni_plugin.config import ResolvedDeployment
+from vllm_omni_plugin.dynamo.placement import DynamoPlacement
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput
 from vllm_omni_plugin.stage.errors import StageStartError
 from vllm_omni_plugin.stage.factory import placement_for
 from vllm_omni_plugin.stage.orchestrator import OmniRequest
 from vllm_omni_plugin.stage.placement.base import PerStagePlacement, StagePlacement
-from vllm_omni_plugin.stage.placement.dynamo.placement import DynamoPlacement
 from vllm_omni_plugin.stage.placement.headless.head import HeadlessPlacement, RemoteStageClient
 from vllm_omni_plugin.stage.placement.headless.protocol import (
     HeadShutdown,
@@ -56,9 +56,11 @@ def headless_deployment(tmp_path: Path, port: int | None = None) -> ResolvedDepl
 
 
 def implementations() -> set[type[StagePlacement]]:
-    """Every ``StagePlacement`` of the package (each of its modules imported; Ray itself is not)."""
+    """Every ``StagePlacement`` of the package (each module of ``stage/placement/`` and Dynamo's placement
+    imported; Ray and Dynamo themselves are not)."""
     for module in pkgutil.walk_packages(placement_package.__path__, placement_package.__name__ + "."):
         importlib.import_module(module.name)
+    importlib.import_module("vllm_omni_plugin.dynamo.placement")
     found: set[type[StagePlacement]] = set()
     todo = list(StagePlacement.__subclasses__())
     while todo:

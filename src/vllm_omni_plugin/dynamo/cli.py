@@ -187,10 +187,10 @@ def run(args: argparse.Namespace) -> int:
             raise DynamoCLIError(
                 f"--stage-id {args.stage_id}: the pipeline has no such stage (stages: {ids})"
             )
-        from vllm_omni_plugin.dynamo.worker import serve_stage
+        from vllm_omni_plugin.dynamo.roles import serve_stage
 
         return asyncio.run(serve_stage(resolved, args.stage_id, settings))
-    from vllm_omni_plugin.dynamo.worker import serve_model
+    from vllm_omni_plugin.dynamo.roles import serve_model
 
     return asyncio.run(serve_model(args, resolved, settings, router=args.omni_router))
 

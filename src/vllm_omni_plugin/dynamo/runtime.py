@@ -10,7 +10,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_omni_plugin.dynamo.protocol import dynamo_error
+from vllm_omni_plugin.dynamo.request_fields import dynamo_error
 from vllm_omni_plugin.log import get_logger
 
 logger = get_logger(__name__)
@@ -74,7 +74,7 @@ def make_runtime(settings: DynamoSettings) -> Any:
 
 
 def error_for(status: int, message: str) -> Exception:
-    """The Dynamo exception a failed request of this HTTP status raises (``protocol.dynamo_error``)."""
+    """The Dynamo exception a failed request of this HTTP status raises (``request_fields.dynamo_error``)."""
     import dynamo.llm.exceptions as dynamo_exceptions
 
     return getattr(dynamo_exceptions, dynamo_error(status))(message)

@@ -2,16 +2,16 @@
 
 Which clients serve a stage's replicas is its *placement* (``placement.base.StagePlacement``), chosen
 from the deployment by :func:`placement_for`: this host (``LocalPlacement``), a Ray cluster when the
-``backend`` is ``ray`` (``RayPlacement``), for a stage marked ``headless`` a worker on another host
-(``HeadlessPlacement``), and under a Dynamo router the stage workers its discovery finds
-(``DynamoPlacement``). This is the one place that knows which kinds exist.
+``backend`` is ``ray`` (``RayPlacement``), and for a stage marked ``headless`` a worker on another host
+(``HeadlessPlacement``). This is the one place that knows which kinds a deployment chooses; the Dynamo
+router's placement (``vllm_omni_plugin.dynamo.placement``, every stage on the stage workers Dynamo's
+discovery finds) is chosen by its role, not by the deployment, so the router builds it and passes it in.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from vllm_omni_plugin.config.resolved import RUNNER_ENV, ResolvedDeployment, ResolvedStage
 from vllm_omni_plugin.connectors.base import ConnectorError, OmniConnector, make_connector
@@ -41,15 +41,8 @@ def build_connectors(deployment: ResolvedDeployment) -> dict[str, OmniConnector]
     return built
 
 
-def placement_for(
-    deployment: ResolvedDeployment, *, dynamo: tuple[Any, Callable[[int], str]] | None = None
-) -> StagePlacement:
-    """The placement of the deployment's stages: its backend's, and headless stages on their workers; with
-    ``dynamo`` (a Dynamo runtime, and each stage's endpoint path) every stage on Dynamo's stage workers."""
-    if dynamo is not None:
-        from vllm_omni_plugin.stage.placement.dynamo.placement import DynamoPlacement
-
-        return DynamoPlacement(deployment, *dynamo)
+def placement_for(deployment: ResolvedDeployment) -> StagePlacement:
+    """The placement of the deployment's stages: its backend's, and headless stages on their workers."""
     backend: StagePlacement
     if deployment.backend == "ray":
         from vllm_omni_plugin.stage.placement.ray.head import RayPlacement

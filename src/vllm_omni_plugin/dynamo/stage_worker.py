@@ -2,11 +2,11 @@
 as a headless worker runs them), served as a Dynamo endpoint that routers find through discovery.
 
 Started with ``python -m vllm_omni_plugin.dynamo MODEL --deploy-config F --stage-id N``; the role module
-(``vllm_omni_plugin.dynamo.worker``) owns the runtime and the endpoint, this class answers its requests:
-what the stage is (``StageInfo``, with its config digest), its running counts (``StageStats``) and stage
-requests (``StageCall`` -> ``RemoteOutput``). When the router stops a request through Dynamo (an abort,
-a client gone), its replica drops it. Payloads do not pass through this process: the replica processes
-build the stage's connectors, and messages carry handles.
+(``roles.py``) owns the runtime and the endpoint, this class answers its requests: what the stage is
+(``StageInfo``, with its config digest), its running counts (``StageStats``) and stage requests (``StageCall``
+-> ``RemoteOutput``). When the router stops a request through Dynamo (an abort, a client gone), its replica
+drops it. Payloads do not pass through this process: the replica processes build the stage's connectors, and
+messages carry handles.
 """
 
 from __future__ import annotations
@@ -21,10 +21,7 @@ from typing import Any
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
-from vllm_omni_plugin.log import best_effort, get_logger
-from vllm_omni_plugin.stage.errors import StageError
-from vllm_omni_plugin.stage.factory import build_stages
-from vllm_omni_plugin.stage.placement.dynamo.protocol import (
+from vllm_omni_plugin.dynamo.stage_wire import (
     DynamoCodec,
     FromStage,
     StageCall,
@@ -34,6 +31,9 @@ from vllm_omni_plugin.stage.placement.dynamo.protocol import (
     StageStatsRequest,
     ToStage,
 )
+from vllm_omni_plugin.log import best_effort, get_logger
+from vllm_omni_plugin.stage.errors import StageError
+from vllm_omni_plugin.stage.factory import build_stages
 from vllm_omni_plugin.stage.placement.local.placement import LocalPlacement
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput, error_kind, stage_config_digest
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool

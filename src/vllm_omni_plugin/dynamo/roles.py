@@ -1,14 +1,16 @@
-"""The pipeline and router roles: the whole deployment in this process (``AsyncOmni``, as under ``vllm
-serve --omni``) behind a Dynamo endpoint that the frontend finds by the model registered on it.
+"""What each role serves on Dynamo's runtime. The pipeline and router roles: the whole deployment in this
+process (``AsyncOmni``, as under ``vllm serve --omni``) behind a Dynamo endpoint that the frontend finds by
+the model registered on it. The stage role: one stage's replicas (``stage_worker.py``) behind the stage's
+endpoint, for routers.
 
-Each request the frontend sends goes through ``protocol`` (Dynamo's dict -> our request types) and then
+Each request the frontend sends goes through ``request_fields`` (Dynamo's dict -> our request types) and then
 exactly what our HTTP routes do (``entrypoints/api_calls.py``: the same checks in the same order, the
 same requests, the same response body), run by the same ``OmniServer``. When Dynamo stops a
 request (its client went away) the request is aborted in every stage. A failed request is logged in one
 line with its id and raised as the Dynamo exception its status maps to.
 
-The router role is the same process with every stage placed on Dynamo stage workers
-(``stage/placement/dynamo/``); it registers the model once each stage has a worker.
+The router role is the same process with every stage placed on Dynamo stage workers (``placement.py``);
+it registers the model once each stage has a worker.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from vllm_omni_plugin.config import ResolvedDeployment
-from vllm_omni_plugin.dynamo import protocol
+from vllm_omni_plugin.dynamo import request_fields
+from vllm_omni_plugin.dynamo.placement import DynamoPlacement
 from vllm_omni_plugin.dynamo.runtime import (
     DynamoSettings,
     Replies,
@@ -32,6 +35,7 @@ from vllm_omni_plugin.dynamo.runtime import (
     stop_on_signals,
     until_stopped,
 )
+from vllm_omni_plugin.dynamo.stage_worker import DynamoStageWorker
 from vllm_omni_plugin.entrypoints.api_calls import (
     chat_body,
     chat_call,
@@ -48,7 +52,6 @@ from vllm_omni_plugin.entrypoints.omni_server import OmniServer, http_status, se
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.factory import placement_for
-from vllm_omni_plugin.stage.placement.dynamo.worker import DynamoStageWorker
 from vllm_omni_plugin.stage.replica_pool import StageReplicaPool
 
 logger = get_logger(__name__)
@@ -90,15 +93,15 @@ class ModelEndpoint:
         """What the frontend gets for ``request``: the replies, or the ``OmniAPIError`` our HTTP server
         would answer the same request with. ``context``: Dynamo's (its ``async_killed_or_stopped``)."""
         server = self.server
-        endpoint = protocol.endpoint_of(request)
-        if endpoint == protocol.CHAT:
-            req = parse_request(ChatCompletionRequest, protocol.chat_fields(request))
+        endpoint = request_fields.endpoint_of(request)
+        if endpoint == request_fields.CHAT:
+            req = parse_request(ChatCompletionRequest, request_fields.chat_fields(request))
             call = await chat_call(server, req)
             results = await server.run(call.endpoint, call.requests, until_stopped(context))
-            return protocol.chat_chunks(await chat_body(call, results))
-        if endpoint == protocol.EDITS:
+            return request_fields.chat_chunks(await chat_body(call, results))
+        if endpoint == request_fields.EDITS:
             limits = server.limits
-            fields, sources = protocol.edit_fields(request, limits.max_input_images)
+            fields, sources = request_fields.edit_fields(request, limits.max_input_images)
             req = parse_request(ImageEditRequest, fields)
 
             async def read_images() -> list[Any]:
@@ -106,15 +109,15 @@ class ModelEndpoint:
 
             call = await edit_call(server, req, read_images, image_param="input_reference")
         else:
-            req = parse_request(ImageGenerationRequest, protocol.image_fields(request))
+            req = parse_request(ImageGenerationRequest, request_fields.image_fields(request))
             call = await generation_call(server, req)
         results = await server.run(call.endpoint, call.requests, until_stopped(context))
-        return [protocol.images_reply(await images_body(call, results))]
+        return [request_fields.images_reply(await images_body(call, results))]
 
 
 def _endpoint_label(request: Any) -> str:
     try:
-        return protocol.endpoint_of(request)
+        return request_fields.endpoint_of(request)
     except OmniAPIError:
         return "request"
 
@@ -128,8 +131,10 @@ async def serve_model(
 ) -> int:
     """Run the pipeline role (``router``: the router role) until SIGINT/SIGTERM; the exit code."""
     runtime = make_runtime(settings)
-    dynamo = (runtime, settings.stage_path) if router else None
-    omni = AsyncOmni(deployment, placement=placement_for(deployment, dynamo=dynamo))
+    placement = (
+        DynamoPlacement(deployment, runtime, settings.stage_path) if router else placement_for(deployment)
+    )
+    omni = AsyncOmni(deployment, placement=placement)
     server_settings = dataclasses.replace(
         settings_from_args(args, deployment), media_dir=None, no_media=NO_MEDIA
     )

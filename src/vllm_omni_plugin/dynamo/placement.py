@@ -30,13 +30,7 @@ from typing import Any
 
 from vllm_omni_plugin.config.resolved import ResolvedDeployment, ResolvedStage
 from vllm_omni_plugin.connectors.base import OmniConnector
-from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
-from vllm_omni_plugin.stage.core_types import PROGRESS_REPORT_INTERVAL_S
-from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError
-from vllm_omni_plugin.stage.payload import discard_output, released_if_replica_dies, send_request_through
-from vllm_omni_plugin.stage.placement.base import StageConnectors, StagePlacement
-from vllm_omni_plugin.stage.placement.dynamo.protocol import (
+from vllm_omni_plugin.dynamo.stage_wire import (
     DynamoCodec,
     FromStage,
     StageCall,
@@ -46,6 +40,12 @@ from vllm_omni_plugin.stage.placement.dynamo.protocol import (
     StageStatsRequest,
     ToStage,
 )
+from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
+from vllm_omni_plugin.stage.core_types import PROGRESS_REPORT_INTERVAL_S
+from vllm_omni_plugin.stage.errors import RequestAbortedError, StageDeadError, StageError
+from vllm_omni_plugin.stage.payload import discard_output, released_if_replica_dies, send_request_through
+from vllm_omni_plugin.stage.placement.base import StageConnectors, StagePlacement
 from vllm_omni_plugin.stage.placement.wire import RemoteOutput, remote_stage_output, stage_config_digest
 
 logger = get_logger(__name__)
