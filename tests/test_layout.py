@@ -186,7 +186,9 @@ def test_the_dynamo_placement_is_a_remote_placement_like_the_others() -> None:
     shared = {"vllm_omni_plugin.stage.placement.base", "vllm_omni_plugin.stage.placement.wire"}
     offenders = []
     for name in DYNAMO_PLACEMENT:
-        allowed = shared | ({"vllm_omni_plugin.stage.placement.local"} if name == "stage_worker.py" else set())
+        allowed = shared | (
+            {"vllm_omni_plugin.stage.placement.local"} if name == "stage_worker.py" else set()
+        )
         offenders += [
             f"dynamo/{name} imports {m}"
             for m in sorted(imported_modules(DYNAMO / name))
