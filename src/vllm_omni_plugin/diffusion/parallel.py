@@ -46,10 +46,10 @@ from vllm_omni_plugin.diffusion.step_batching import (
     UNUSED,
     ArgumentJoin,
     SameValue,
-    _by_name,
-    _is_tensor,
-    _rows_of,
-    _take_rows,
+    by_name,
+    is_tensor,
+    rows_of,
+    take_rows,
 )
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ class DenoiserGroup:
         self, module: Any, kwargs: dict[str, Any], ranges: list[range], joins: Mapping[str, ArgumentJoin]
     ) -> Any:
         """``module(**kwargs)`` with rank ``r`` computing the rows ``ranges[r]``; the outputs in row order."""
-        rows = _rows_of(kwargs)
+        rows = rows_of(kwargs)
         with self._lock:  # one exchange at a time: the group's messages are matched in order
             if self.failed is None:
                 try:
@@ -371,8 +371,8 @@ class RowParallelDenoiser(DenoiserStandIn):
         return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        named = _by_name(self._signature, args, kwargs)
-        rows = _rows_of(named)
+        named = by_name(self._signature, args, kwargs)
+        rows = rows_of(named)
         group = self._group
         if rows < 2 or group.failed is not None or self._hooked() or not self._splittable(named):
             return self._module(**named)
@@ -415,7 +415,7 @@ class PairedBranches(DenoiserStandIn):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rows = self._rows
-        named = _by_name(self._signature, args, kwargs)
+        named = by_name(self._signature, args, kwargs)
         if self._sent is not None:
             return self._take_second(named)
         if self._passes(named) or self._hooked() or self._group.failed is not None or self._shared == set():
@@ -475,7 +475,7 @@ def _rows_taken(
     kwargs: dict[str, Any], keep: range, rows: int, joins: Mapping[str, ArgumentJoin]
 ) -> dict[str, Any]:
     """The call's arguments for the rows ``keep`` (a :class:`SplittableJoin`'s value cut by its join)."""
-    taken = _take_rows(kwargs, list(keep), rows, joins)
+    taken = take_rows(kwargs, list(keep), rows, joins)
     for name, join in joins.items():
         if isinstance(join, SplittableJoin) and taken.get(name) is not None:
             taken[name] = join.take(taken[name], keep)
@@ -486,7 +486,7 @@ def _same(a: Any, b: Any) -> bool:
     """The same argument: one object, or equal tensors (a timestep each call computes again)."""
     if a is b:
         return True
-    if _is_tensor(a) and _is_tensor(b):
+    if is_tensor(a) and is_tensor(b):
         import torch
 
         return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
@@ -519,7 +519,7 @@ ALIGN = 16
 
 def _strip(value: Any, tensors: list[Any], offset: list[int]) -> Any:
     """``value`` with its tensors replaced by slots (their host copies appended to ``tensors``)."""
-    if _is_tensor(value):
+    if is_tensor(value):
         import torch
 
         flat = value.detach().to("cpu").reshape(-1)
@@ -644,11 +644,11 @@ def _cat(parts: list[Any]) -> Any:
     import torch
 
     first = parts[0]
-    if _is_tensor(first):
+    if is_tensor(first):
         return torch.cat([p.to(first.device) for p in parts], dim=0)
     if isinstance(first, tuple | list):
         return type(first)(
-            _cat([p[i] for p in parts]) if _is_tensor(item) else item for i, item in enumerate(first)
+            _cat([p[i] for p in parts]) if is_tensor(item) else item for i, item in enumerate(first)
         )
     if hasattr(first, "to_tuple"):
         return type(first)(**{key: _cat([p[key] for p in parts]) for key in first.keys()})

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, DenoiserStandIn, _wait
-from vllm_omni_plugin.diffusion.step_batching import _by_name, _is_tensor
+from vllm_omni_plugin.diffusion.step_batching import by_name, is_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def sequence_plan(module: Any) -> SequencePlan:
 def _latent_tokens(patch: int) -> Callable[[dict[str, Any]], int | None]:
     def tokens(kwargs: dict[str, Any]) -> int | None:
         latents = kwargs.get("hidden_states")
-        if not _is_tensor(latents) or latents.dim() != 4:
+        if not is_tensor(latents) or latents.dim() != 4:
             return None
         return (int(latents.shape[-2]) // patch) * (int(latents.shape[-1]) // patch)
 
@@ -100,7 +100,7 @@ def _sd3_plan(module: Any) -> SequencePlan:
 
 def _packed_tokens(kwargs: dict[str, Any]) -> int | None:
     latents = kwargs.get("hidden_states")
-    return int(latents.shape[1]) if _is_tensor(latents) and latents.dim() == 3 else None
+    return int(latents.shape[1]) if is_tensor(latents) and latents.dim() == 3 else None
 
 
 def _text_tokens(kwargs: dict[str, Any]) -> int:
@@ -495,7 +495,7 @@ class SequenceParallelDenoiser(DenoiserStandIn):
         return tokens is not None and tokens % self._group.size == 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        named = _by_name(self._signature, args, kwargs)
+        named = by_name(self._signature, args, kwargs)
         group = self._group
         # Every forward holds the group's lock: a forward here must not run into another's hooks.
         with group._lock:

@@ -66,7 +66,7 @@ class SameValue:
     image tokens; a group of 16 requests has 16 rows)."""
 
     def key(self, value: Any) -> Hashable:
-        if not _is_tensor(value):
+        if not is_tensor(value):
             return ("value", repr(value))
         return ("tensor", tuple(value.shape), str(value.dtype), value.detach().cpu().numpy().tobytes())
 
@@ -136,7 +136,7 @@ class StepBatcher:
 
     def track(self, row: str, alive: Callable[[], list[bool]]) -> None:
         """``alive()``: which of the requests of ``row`` are still wanted, asked at each of its calls. Once
-        one is aborted its rows leave the forwards (:func:`_live_rows`): the others' rows run without
+        one is aborted its rows leave the forwards (:func:`live_rows`): the others' rows run without
         them, and the call gets zeros in their place, which its pipeline steps and then drops."""
         self._alive[row] = alive
 
@@ -180,16 +180,16 @@ class StepBatcher:
                 raise RowAborted(row)
             return self.module(**kwargs)
         alive = self._alive.get(row)
-        keep = _live_rows(kwargs, requests, alive(), self.joins) if alive is not None and not once else None
+        keep = live_rows(kwargs, requests, alive(), self.joins) if alive is not None and not once else None
         if keep is not None:
-            rows = _rows_of(kwargs)
-            out = self._queue(row, _take_rows(kwargs, keep, rows, self.joins), requests, once)
-            return _expand(out, keep, rows)
+            rows = rows_of(kwargs)
+            out = self._queue(row, take_rows(kwargs, keep, rows, self.joins), requests, once)
+            return expand_rows(out, keep, rows)
         return self._queue(row, kwargs, requests, once)
 
     def _queue(self, row: str, kwargs: dict[str, Any], requests: int, once: bool) -> Any:
         """The call waits for its step boundary; its part of the forward's result."""
-        rows = _rows_of(kwargs)
+        rows = rows_of(kwargs)
         weight = rows * (self.row_weight(kwargs) if self.row_weight is not None else 1)
         call = _Call(row, rows, kwargs, time.perf_counter(), requests, weight)
         with self._lock:
@@ -260,7 +260,7 @@ class DenoiserProxy:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if args:  # UNet pipelines pass the sample and timestep by position: joined by name
-            kwargs = _by_name(self._batcher.signature, args, kwargs)
+            kwargs = by_name(self._batcher.signature, args, kwargs)
         return self._batcher.call(self._row, kwargs, self._requests)
 
     @contextlib.contextmanager
@@ -293,8 +293,8 @@ class DecodeCalls:
 def latent_elements(kwargs: dict[str, Any]) -> int:
     """A decode row's weight: the size of one row of its latents."""
     value = kwargs.get("z")
-    if not _is_tensor(value):
-        value = next(v for v in kwargs.values() if _is_tensor(v) and v.dim() > 0)
+    if not is_tensor(value):
+        value = next(v for v in kwargs.values() if is_tensor(v) and v.dim() > 0)
     return int(value[0].numel())
 
 
@@ -310,7 +310,7 @@ class GroupVae:
 
     def decode(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            kwargs = _by_name(self._decodes.signature, args, kwargs)
+            kwargs = by_name(self._decodes.signature, args, kwargs)
         return self._decodes.call(self._row, kwargs, once=True)
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
@@ -329,7 +329,7 @@ class GroupVae:
 # --- joining and splitting calls -----------------------------------------------------------------
 
 
-def _by_name(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def by_name(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """A call's arguments, all by keyword."""
     named: dict[str, Any] = {}
     for name, value in signature.bind(*args, **kwargs).arguments.items():
@@ -343,29 +343,29 @@ def _by_name(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[s
     return named
 
 
-def _is_tensor(value: Any) -> bool:
+def is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
 
 
-def _rows_of(kwargs: dict[str, Any]) -> int:
+def rows_of(kwargs: dict[str, Any]) -> int:
     """A call's rows: the first dimension of its ``hidden_states`` (or its first tensor)."""
     value = kwargs.get("hidden_states")
-    if not _is_tensor(value):
-        value = next((v for v in kwargs.values() if _is_tensor(v) and v.dim() > 0), None)
+    if not is_tensor(value):
+        value = next((v for v in kwargs.values() if is_tensor(v) and v.dim() > 0), None)
     if value is None:
         raise TypeError("a denoiser call without a tensor argument cannot be batched")
     return int(value.shape[0])
 
 
 def _per_row(value: Any, rows: int) -> bool:
-    if _is_tensor(value):
+    if is_tensor(value):
         return value.dim() > 0 and value.shape[0] == rows
     return isinstance(value, list) and len(value) == rows
 
 
-def _live_rows(
+def live_rows(
     kwargs: dict[str, Any], requests: int, alive: list[bool], joins: Mapping[str, ArgumentJoin]
 ) -> list[int] | None:
     """The rows of a call of ``requests`` requests that belong to live ones (None: every row runs). A
@@ -379,22 +379,22 @@ def _live_rows(
         value = kwargs.get(name)
         if value is not None and not isinstance(join, SameValue) and join.key(value) != UNUSED:
             return None
-    rows = _rows_of(kwargs)
+    rows = rows_of(kwargs)
     if rows % requests or rows // requests > 2:
         return None
     return [i for i in range(rows) if alive[i % requests]]
 
 
-def _take_rows(
+def take_rows(
     kwargs: dict[str, Any], keep: list[int], rows: int, joins: Mapping[str, ArgumentJoin]
 ) -> dict[str, Any]:
     """The call's arguments with only the rows ``keep`` (shared values, and the joined ones
-    :func:`_live_rows` let through, as they are)."""
+    :func:`live_rows` let through, as they are)."""
     taken: dict[str, Any] = {}
     for name, value in kwargs.items():
         if name in joins:
             taken[name] = value
-        elif _is_tensor(value) and _per_row(value, rows):
+        elif is_tensor(value) and _per_row(value, rows):
             import torch
 
             taken[name] = value.index_select(0, torch.tensor(keep, device=value.device))
@@ -405,16 +405,16 @@ def _take_rows(
     return taken
 
 
-def _expand(out: Any, keep: list[int], rows: int) -> Any:
+def expand_rows(out: Any, keep: list[int], rows: int) -> Any:
     """A forward's output over the rows ``keep`` as an output over all ``rows``: zeros elsewhere."""
-    if _is_tensor(out):
+    if is_tensor(out):
         full = out.new_zeros((rows, *out.shape[1:]))
         full[keep] = out
         return full
     if isinstance(out, tuple | list):
-        return type(out)(_expand(item, keep, rows) if _is_tensor(item) else item for item in out)
+        return type(out)(expand_rows(item, keep, rows) if is_tensor(item) else item for item in out)
     if hasattr(out, "to_tuple"):  # a diffusers BaseOutput
-        return type(out)(**{key: _expand(value, keep, rows) for key, value in out.items()})
+        return type(out)(**{key: expand_rows(value, keep, rows) for key, value in out.items()})
     raise TypeError(f"cannot expand a denoiser output of type {type(out).__name__}")
 
 
@@ -426,7 +426,7 @@ def _signature(call: _Call, joins: Mapping[str, ArgumentJoin]) -> tuple[Any, ...
         if name in joins:
             parts.append((name, "joined", joins[name].key(value)))
         elif _per_row(value, call.rows):
-            kind = (tuple(value.shape[1:]), value.dtype, str(value.device)) if _is_tensor(value) else "list"
+            kind = (tuple(value.shape[1:]), value.dtype, str(value.device)) if is_tensor(value) else "list"
             parts.append((name, "row", kind))
         else:
             parts.append((name, "shared"))
@@ -436,12 +436,12 @@ def _signature(call: _Call, joins: Mapping[str, ArgumentJoin]) -> tuple[Any, ...
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
-    if _is_tensor(a) or _is_tensor(b):
+    if is_tensor(a) or is_tensor(b):
         import torch
 
         return (
-            _is_tensor(a)
-            and _is_tensor(b)
+            is_tensor(a)
+            and is_tensor(b)
             and a.shape == b.shape
             and a.dtype == b.dtype
             and a.device == b.device
@@ -488,7 +488,7 @@ def _joined(group: list[_Call], joins: Mapping[str, ArgumentJoin]) -> dict[str, 
             joined[name] = joins[name].join(values, [c.rows for c in group])
         elif not _per_row(value, first.rows):
             joined[name] = value
-        elif _is_tensor(value):
+        elif is_tensor(value):
             joined[name] = torch.cat(values, dim=0)
         else:
             joined[name] = [item for v in values for item in v]
@@ -497,10 +497,10 @@ def _joined(group: list[_Call], joins: Mapping[str, ArgumentJoin]) -> dict[str, 
 
 def _split(out: Any, rows: list[int]) -> list[Any]:
     """A forward's output cut into the calls' rows, each part of the output's own type."""
-    if _is_tensor(out):
+    if is_tensor(out):
         return list(out.split(rows, dim=0))
     if isinstance(out, tuple | list):
-        columns = [_split(item, rows) if _is_tensor(item) else [item] * len(rows) for item in out]
+        columns = [_split(item, rows) if is_tensor(item) else [item] * len(rows) for item in out]
         return [type(out)(column[i] for column in columns) for i in range(len(rows))]
     if hasattr(out, "to_tuple"):  # a diffusers BaseOutput (an ordered dict of tensors)
         fields = {key: _split(value, rows) for key, value in out.items()}

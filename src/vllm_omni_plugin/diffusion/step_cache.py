@@ -39,12 +39,12 @@ from msgspec import Meta
 
 from vllm_omni_plugin.diffusion.step_batching import (
     ArgumentJoin,
-    _by_name,
-    _expand,
-    _is_tensor,
-    _live_rows,
-    _rows_of,
-    _take_rows,
+    by_name,
+    expand_rows,
+    is_tensor,
+    live_rows,
+    rows_of,
+    take_rows,
 )
 
 CachePolicy = Literal["none", "fixed", "threshold"]
@@ -266,7 +266,7 @@ class CallCache:
 class CachedDenoiser:
     """A diffusers pipeline's denoiser as one call's requests see it with step caching: each call runs the
     rows of the requests that compute this step (all of them where the rows cannot be taken apart:
-    ``takes_rows`` false, or :func:`_live_rows` declines) and gives the others their estimates. Request
+    ``takes_rows`` false, or :func:`live_rows` declines) and gives the others their estimates. Request
     ``r``'s rows are those ``i`` with ``i % requests == r`` (one row each, or diffusers' guidance pair).
     Calls ``passes(kwargs)`` names (GLM-Image's write of its source images) run as they are."""
 
@@ -293,12 +293,12 @@ class CachedDenoiser:
         return inspect.signature(self._module.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        named = _by_name(self._signature, args, kwargs)
+        named = by_name(self._signature, args, kwargs)
         if self._passes is not None and self._passes(named):
             return self._inner(**named)
         cache = self._cache
         requests = cache.size
-        rows = _rows_of(named)
+        rows = rows_of(named)
         if rows % requests:
             cache.count([True] * requests)
             return self._inner(**named)
@@ -306,7 +306,7 @@ class CachedDenoiser:
         cache.slot += 1
         states = named.get("hidden_states")
         if slot == 0 or not cache.requests:
-            cache.begin(states if _is_tensor(states) and states.shape[0] >= requests else None)
+            cache.begin(states if is_tensor(states) and states.shape[0] >= requests else None)
         # a request without an output of this slot yet computes it whatever its decision
         compute = [
             c or not request.outputs.get(slot)
@@ -319,12 +319,12 @@ class CachedDenoiser:
         elif not any(compute) and slot in self._templates:
             out = None
         else:
-            keep = _live_rows(named, requests, compute, self._joins) if self._takes_rows else None
+            keep = live_rows(named, requests, compute, self._joins) if self._takes_rows else None
             if keep is None:
                 out = self._inner(**named)
                 ran = [True] * requests
             else:
-                out = _expand(self._inner(**_take_rows(named, keep, rows, self._joins)), keep, rows)
+                out = expand_rows(self._inner(**take_rows(named, keep, rows, self._joins)), keep, rows)
         cache.count(ran)
         if out is not None:
             self._templates[slot] = out
@@ -350,7 +350,7 @@ class CachedDenoiser:
 def _coordinate(timestep: Any, step: int) -> float:
     """Where a step lies for extrapolation: its timestep (any scale: the line is the same), else its
     index."""
-    if _is_tensor(timestep) and timestep.numel() > 0:
+    if is_tensor(timestep) and timestep.numel() > 0:
         return float(timestep.flatten()[0])
     if isinstance(timestep, int | float):
         return float(timestep)
@@ -360,7 +360,7 @@ def _coordinate(timestep: Any, step: int) -> float:
 def _primary(out: Any) -> Any:
     """A denoiser output's prediction tensor (a tensor, a tuple's first item, a diffusers output's first
     field)."""
-    if _is_tensor(out):
+    if is_tensor(out):
         return out
     if isinstance(out, tuple | list):
         return out[0]
@@ -371,7 +371,7 @@ def _primary(out: Any) -> Any:
 
 def _with_primary(template: Any, tensor: Any) -> Any:
     """``template``'s structure with ``tensor`` as its prediction."""
-    if _is_tensor(template):
+    if is_tensor(template):
         return tensor
     if isinstance(template, tuple | list):
         return type(template)([tensor, *template[1:]])
