@@ -284,7 +284,7 @@ def _attention_rank(rank: int, size: int, port: int, heads: int, results: Any) -
     import torch
     import torch.distributed as dist
 
-    from vllm_omni_plugin.diffusion.parallel import _gloo_group
+    from vllm_omni_plugin.diffusion.peer_group import _gloo_group
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=60)

@@ -43,7 +43,7 @@ from vllm_omni_plugin.diffusion.step_cache import CachedDenoiser, CallCache
 from vllm_omni_plugin.log import get_logger
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.parallel import PairedBranches, PeerSpec
+    from vllm_omni_plugin.diffusion.peer_group import PairedBranches, PeerSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
@@ -586,7 +586,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
     sequence_parallel = True
 
     def peer_spec(self, model: str, device: str, num_threads: int | None) -> PeerSpec:
-        from vllm_omni_plugin.diffusion.parallel import PeerSpec
+        from vllm_omni_plugin.diffusion.peer_group import PeerSpec
 
         module, name = denoiser_of(self.pipe), denoiser_attribute(self.pipe)
         if name is None:
@@ -648,7 +648,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             return pipe, None
         import copy
 
-        from vllm_omni_plugin.diffusion.parallel import PairedBranches, RowParallelDenoiser
+        from vllm_omni_plugin.diffusion.peer_group import PairedBranches, RowParallelDenoiser
 
         if pipe is self.pipe:
             pipe = copy.copy(pipe)

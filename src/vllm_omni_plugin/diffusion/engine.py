@@ -41,8 +41,8 @@ from vllm_omni_plugin.diffusion.memory import (
     gib,
     tensor_bytes,
 )
-from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, RowParallelDenoiser
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
+from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, RowParallelDenoiser
 from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE, BatchAborted, DiffusionRunner, PreviewCallback
 from vllm_omni_plugin.diffusion.sequence_parallel import SequenceParallelDenoiser, sequence_plan
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements

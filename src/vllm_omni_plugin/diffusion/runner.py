@@ -23,7 +23,7 @@ from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.params import RunnerRequest
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.parallel import PeerSpec
+    from vllm_omni_plugin.diffusion.peer_group import PeerSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, DecodeCalls, StepBatcher
 
 
@@ -119,7 +119,7 @@ class DiffusionRunner(abc.ABC):
     ``sequence_parallel_size``), where it has a sequence plan (``diffusion/sequence_parallel.py``)."""
     parallel_denoiser: Any = None
     """Set by the engine of a CFG- or sequence-parallel replica: the denoiser as its pipelines call it
-    (``diffusion/parallel.py``: ``RowParallelDenoiser``, ``SequenceParallelDenoiser``)."""
+    (``diffusion/peer_group.py``: ``RowParallelDenoiser``, ``SequenceParallelDenoiser``)."""
     compiles_blocks: ClassVar[bool] = False
     """It compiles its denoiser's repeated blocks (:meth:`compile_blocks`, a stage's ``compile`` block)."""
     step_cache: bool = False

@@ -1,5 +1,5 @@
 """Sequence parallelism over a denoiser group (``sequence_parallel_size``; the group, its peers and its
-wire are ``parallel.py``'s): every rank runs the whole forward on its contiguous share of the image tokens.
+wire are ``peer_group.py``'s): every rank runs the whole forward on its contiguous share of the image tokens.
 
 A denoiser's :class:`SequencePlan` says where its image tokens are cut (the output of the module that
 hands them to the blocks, and the image part of its rotary table) and where they are joined again (the
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_omni_plugin.diffusion.parallel import DenoiserGroup, DenoiserStandIn, _wait
+from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, DenoiserStandIn, _wait
 from vllm_omni_plugin.diffusion.step_batching import by_name, is_tensor
 
 logger = logging.getLogger(__name__)

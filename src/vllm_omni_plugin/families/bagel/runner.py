@@ -50,7 +50,7 @@ from vllm_omni_plugin.models.bagel.transforms import unpatchify
 from vllm_omni_plugin.models.bagel.weights import CheckpointReader
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.parallel import PeerSpec
+    from vllm_omni_plugin.diffusion.peer_group import PeerSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
@@ -372,10 +372,10 @@ class BagelGenerationRunner(DiffusionRunner):
     step_cache = True
     cfg_parallel = True
     """Rows (a request's guidance branches) split over the ranks; each peer keeps its rows' contexts for
-    the batch (``diffusion/parallel.py``)."""
+    the batch (``diffusion/peer_group.py``)."""
 
     def peer_spec(self, model: str, device: str, num_threads: int | None) -> PeerSpec:
-        from vllm_omni_plugin.diffusion.parallel import PeerSpec
+        from vllm_omni_plugin.diffusion.peer_group import PeerSpec
 
         return PeerSpec(
             model=model,
@@ -680,7 +680,7 @@ class AttentionRowsJoin:
         self._cached: tuple[list[AttentionRows], AttentionRows] | None = None
 
     def take(self, value: AttentionRows, rows: range) -> AttentionRows:
-        """A CFG-parallel rank's rows (``diffusion/parallel.py``'s ``SplittableJoin``)."""
+        """A CFG-parallel rank's rows (``diffusion/peer_group.py``'s ``SplittableJoin``)."""
         return value.take(rows.start, rows.stop)
 
     def key(self, value: AttentionRows) -> Hashable:

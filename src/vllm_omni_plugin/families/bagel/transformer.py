@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_omni_plugin.diffusion.parallel import PeerKept
+from vllm_omni_plugin.diffusion.peer_group import PeerKept
 from vllm_omni_plugin.models.bagel.config import BagelConfig, BagelConfigError
 from vllm_omni_plugin.models.bagel.transforms import flattened_position_ids
 from vllm_omni_plugin.models.bagel.weights import CheckpointReader

@@ -748,7 +748,7 @@ def _peer_main(spec: PeerSpec, rank: int, port: int, size: int) -> None:
 if __name__ == "__main__":
     # Run as ``python -m``: this file is ``__main__`` here, so the peer runs the package module's copy,
     # whose classes are the ones rank 0's pickles name.
-    from vllm_omni_plugin.diffusion import parallel
+    from vllm_omni_plugin.diffusion import peer_group
 
-    spec = parallel.PeerSpec(**json.loads(sys.argv[1]))
-    parallel._peer_main(spec, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    spec = peer_group.PeerSpec(**json.loads(sys.argv[1]))
+    peer_group._peer_main(spec, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
