@@ -1,4 +1,4 @@
-"""CFG parallelism (``diffusion/peer_group.py``) over two processes with gloo, on tiny SD3 (batched guidance),
+"""CFG parallelism (``diffusion/cfg_parallel.py``, ``diffusion/peer_group.py``) over two processes with gloo, on tiny SD3 (batched guidance),
 FLUX (embedded guidance: rows split as data), Qwen-Image (true CFG), GLM-Image (two calls a step: rank 1
 computes each step's second call while rank 0 computes the first) and BAGEL (rows of request x branch over
 their own contexts, which a peer keeps for the batch; also over three processes): every image
@@ -21,8 +21,9 @@ from test_bagel_dit import STEPS as BAGEL_STEPS
 from test_bagel_dit import edit, t2i
 from test_step_batching import BAGEL_RUNNER, ask, assert_within_one_level, glm_edit
 from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.diffusion.cfg_parallel import split_rows
 from vllm_omni_plugin.diffusion.diffusers_runner import denoiser_of
-from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, PeerSpec, split_rows
+from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, PeerSpec
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
 from vllm_omni_plugin.families.bagel.transformer import AttentionRows
 from vllm_omni_plugin.processes import ProcessId, cmdline, descendants
@@ -338,9 +339,7 @@ def test_a_bagel_step_batched_group_splits_and_a_dead_peer_costs_no_request(
 def _peers(root: int) -> list[ProcessId]:
     """The denoiser groups' peer processes under ``root`` (not another user's of the machine)."""
     found = [
-        ProcessId.of(pid)
-        for pid in descendants(root)
-        if "-m vllm_omni_plugin.diffusion.peer_group" in cmdline(pid)
+        ProcessId.of(pid) for pid in descendants(root) if "-m vllm_omni_plugin.diffusion.peer" in cmdline(pid)
     ]
     return [p for p in found if p is not None]
 

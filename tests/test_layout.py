@@ -462,3 +462,83 @@ def test_the_wheel_holds_no_test_only_code() -> None:
         kit_project["name"] == "vllm-omni-plugin-testkit"
         and "vllm-omni-plugin" in kit_project["dependencies"]
     )
+
+
+DIFFUSION = PACKAGE / "diffusion"
+
+
+def module_of(path: Path, package: Path = PACKAGE) -> str:
+    """The dotted name of a module file of ``vllm_omni_plugin`` (a package by its ``__init__.py``)."""
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts).removesuffix(".__init__")
+
+
+def imports_in(path: Path, package: Path = PACKAGE) -> list[tuple[str, str | None, str]]:
+    """Every import of ``path``, module level and inside functions (``if TYPE_CHECKING`` too), as ``(module,
+    None, bound)`` for ``import module`` and ``(module, name, bound)`` for ``from module import name``
+    (relative ones resolved), ``bound`` the local name it binds."""
+    name = module_of(path, package)
+    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, str | None, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None, a.asname or a.name.partition(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join([*parent, base]).rstrip(".")
+            found += [(base, a.name, a.asname or a.name) for a in node.names]
+    return found
+
+
+def diffusion_import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module of ``diffusion/`` -> the modules of ``diffusion/`` it imports, wherever the import stands
+    (a deferred import inside a function still ties the two modules together)."""
+    folder = package / "diffusion"
+    modules = {module_of(path, package) for path in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for path in folder.glob("*.py"):
+        name = module_of(path, package)
+        for module, imported, _ in imports_in(path, package):
+            target = f"{module}.{imported}" if f"{module}.{imported}" in modules else module
+            if target in modules and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def private_imports(folder: Path, package: Path = PACKAGE) -> list[str]:
+    """The private names (``_x``) that the modules of ``folder`` take from another module of the package:
+    by ``from module import _x``, or as ``module._x`` of a module they imported."""
+    modules = {module_of(path, package) for path in package.rglob("*.py")}
+    found: set[str] = set()
+    for path in sorted(folder.glob("*.py")):
+        name = module_of(path, package)
+        aliases: dict[str, str] = {}  # a local name -> the module of ours it stands for
+        for module, imported, bound in imports_in(path, package):
+            whole = module if imported is None else f"{module}.{imported}"
+            if whole in modules and (imported is not None or bound != module.partition(".")[0]):
+                aliases[bound] = whole
+            if module in modules and module != name and imported is not None and _private(imported):
+                found.add(f"{name} imports {module}.{imported}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                owner = ast.unparse(node.value)  # a dotted module path, or a name bound to a module
+                module = owner if owner in modules else aliases.get(owner)
+                if module is not None and module != name:
+                    found.add(f"{name} uses {module}.{node.attr}")
+    return sorted(found)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_the_diffusion_modules_form_no_import_circle_and_take_no_private_name() -> None:
+    """The diffusion layer's modules import each other one way only (counting imports inside functions,
+    which a top-level circle check misses: the denoiser group and sequence parallelism once imported each
+    other), and each keeps its private names to itself: what another module needs is public."""
+    graph = diffusion_import_graph()
+    assert "vllm_omni_plugin.diffusion.peer_group" in graph["vllm_omni_plugin.diffusion.sequence_parallel"]
+    assert circles_in(graph) == []
+    assert private_imports(DIFFUSION) == []

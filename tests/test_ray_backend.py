@@ -439,7 +439,7 @@ def test_a_cfg_parallel_stage_on_ray_gives_the_diffusers_images_and_its_peer_end
         peers = [
             p
             for p in map(ProcessId.of, descendants(actor.pid))
-            if p is not None and "-m vllm_omni_plugin.diffusion.peer_group" in cmdline(p.pid)
+            if p is not None and "-m vllm_omni_plugin.diffusion.peer" in cmdline(p.pid)
         ]
         assert len(peers) == 1, peers
         body = {"prompt": "a red fox", "size": "64x64", "n": 2, "num_inference_steps": 4,

@@ -284,11 +284,11 @@ def _attention_rank(rank: int, size: int, port: int, heads: int, results: Any) -
     import torch
     import torch.distributed as dist
 
-    from vllm_omni_plugin.diffusion.peer_group import _gloo_group
+    from vllm_omni_plugin.diffusion.peer_group import gloo_group
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=60)
-    group = _gloo_group(
+    group = gloo_group(
         dist.TCPStore("127.0.0.1", port, size + 1, False, timeout=timeout), rank, size, timeout
     )
     generator = torch.Generator().manual_seed(0)  # every rank draws the same whole sequence

@@ -43,7 +43,8 @@ from vllm_omni_plugin.diffusion.step_cache import CachedDenoiser, CallCache
 from vllm_omni_plugin.log import get_logger
 
 if TYPE_CHECKING:
-    from vllm_omni_plugin.diffusion.peer_group import PairedBranches, PeerSpec
+    from vllm_omni_plugin.diffusion.cfg_parallel import PairedBranches
+    from vllm_omni_plugin.diffusion.peer_group import PeerSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
@@ -648,7 +649,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             return pipe, None
         import copy
 
-        from vllm_omni_plugin.diffusion.peer_group import PairedBranches, RowParallelDenoiser
+        from vllm_omni_plugin.diffusion.cfg_parallel import PairedBranches, RowParallelDenoiser
 
         if pipe is self.pipe:
             pipe = copy.copy(pipe)

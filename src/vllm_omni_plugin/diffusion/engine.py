@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from vllm_omni_plugin.diffusion.blocks import CompileSpec
+from vllm_omni_plugin.diffusion.cfg_parallel import RowParallelDenoiser
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.memory import (
@@ -42,7 +43,7 @@ from vllm_omni_plugin.diffusion.memory import (
     tensor_bytes,
 )
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
-from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, RowParallelDenoiser
+from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup
 from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE, BatchAborted, DiffusionRunner, PreviewCallback
 from vllm_omni_plugin.diffusion.sequence_parallel import SequenceParallelDenoiser, sequence_plan
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements

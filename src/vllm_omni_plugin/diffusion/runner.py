@@ -119,7 +119,8 @@ class DiffusionRunner(abc.ABC):
     ``sequence_parallel_size``), where it has a sequence plan (``diffusion/sequence_parallel.py``)."""
     parallel_denoiser: Any = None
     """Set by the engine of a CFG- or sequence-parallel replica: the denoiser as its pipelines call it
-    (``diffusion/peer_group.py``: ``RowParallelDenoiser``, ``SequenceParallelDenoiser``)."""
+    (``diffusion/cfg_parallel.py``'s ``RowParallelDenoiser``, ``diffusion/sequence_parallel.py``'s
+    ``SequenceParallelDenoiser``)."""
     compiles_blocks: ClassVar[bool] = False
     """It compiles its denoiser's repeated blocks (:meth:`compile_blocks`, a stage's ``compile`` block)."""
     step_cache: bool = False

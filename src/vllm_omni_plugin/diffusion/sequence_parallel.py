@@ -1,5 +1,5 @@
-"""Sequence parallelism over a denoiser group (``sequence_parallel_size``; the group, its peers and its
-wire are ``peer_group.py``'s): every rank runs the whole forward on its contiguous share of the image tokens.
+"""Sequence parallelism over a denoiser group (``sequence_parallel_size``; the group and its peers are
+``peer_group.py``'s): every rank runs the whole forward on its contiguous share of the image tokens.
 
 A denoiser's :class:`SequencePlan` says where its image tokens are cut (the output of the module that
 hands them to the blocks, and the image part of its rotary table) and where they are joined again (the
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, DenoiserStandIn, _wait
+from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, DenoiserStandIn
 from vllm_omni_plugin.diffusion.step_batching import by_name, is_tensor
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ def _swap(group: Any, sends: Any, received: Any, rank: int, size: int) -> None:
     works = [group.recv([received[peer]], peer, EXCHANGE_TAG) for peer in peers]
     works += [group.send([sends[peer]], peer, EXCHANGE_TAG) for peer in peers]
     for work in works:
-        _wait(work)
+        work.wait()
 
 
 def _all_to_all(group: Any, rows: Any, rank: int, size: int) -> Any:
@@ -472,7 +472,7 @@ def _exchanging_class(processor: type) -> type[_ExchangingProcessor]:
 
 class SequenceParallelDenoiser(DenoiserStandIn):
     """The denoiser as the pipelines call it on a sequence-parallel replica: each forward's image tokens
-    cut over the group's ranks (:meth:`DenoiserGroup.forward_sequence`), or the forward computed here
+    cut over the group's ranks (:meth:`DenoiserGroup.exchange`), or the forward computed here
     where they cannot be (a token count the ranks do not divide, a hook inside the denoiser, a call the
     plan keeps local)."""
 
@@ -498,8 +498,17 @@ class SequenceParallelDenoiser(DenoiserStandIn):
         named = by_name(self._signature, args, kwargs)
         group = self._group
         # Every forward holds the group's lock: a forward here must not run into another's hooks.
-        with group._lock:
+        with group.lock:
             if group.failed is not None or not self._splittable(named):
                 return self._module(**named)
         self.split_calls += 1
-        return group.forward_sequence(self._module, named, self._plan)
+        size = group.size
+        done = group.exchange(
+            "sequence",
+            {rank: named for rank in range(1, size)},
+            lambda: sequence_call(self._module, self._plan, named, group.process_group, 0, size),
+        )
+        if done is not None:
+            return done[0]
+        with group.lock:
+            return self._module(**named)

@@ -372,7 +372,7 @@ class BagelGenerationRunner(DiffusionRunner):
     step_cache = True
     cfg_parallel = True
     """Rows (a request's guidance branches) split over the ranks; each peer keeps its rows' contexts for
-    the batch (``diffusion/peer_group.py``)."""
+    the batch (``diffusion/cfg_parallel.py``, ``diffusion/peer_group.py``'s ``PeerKept``)."""
 
     def peer_spec(self, model: str, device: str, num_threads: int | None) -> PeerSpec:
         from vllm_omni_plugin.diffusion.peer_group import PeerSpec
@@ -680,7 +680,7 @@ class AttentionRowsJoin:
         self._cached: tuple[list[AttentionRows], AttentionRows] | None = None
 
     def take(self, value: AttentionRows, rows: range) -> AttentionRows:
-        """A CFG-parallel rank's rows (``diffusion/peer_group.py``'s ``SplittableJoin``)."""
+        """A CFG-parallel rank's rows (``diffusion/cfg_parallel.py``'s ``SplittableJoin``)."""
         return value.take(rows.start, rows.stop)
 
     def key(self, value: AttentionRows) -> Hashable:

@@ -61,7 +61,8 @@ class GlmImageRunner(DiffusersPipelineRunner):
     batched_guidance = False  # the unconditional pass is a second transformer call
     cfg_parallel = True
     """Its guidance branches are two transformer calls in turn: on a CFG-parallel replica rank 1 computes
-    each step's second call while rank 0 computes the first (``diffusion/peer_group.py: PairedBranches``)."""
+    each step's second call while rank 0 computes the first (``diffusion/cfg_parallel.py``:
+    ``PairedBranches``)."""
     glyph_max_length: ClassVar[int] = 2048  # the pipeline's max_sequence_length default
     _GLYPH_PATTERNS = (r"'([^']*)'", r"\u201c([^\u201c\u201d]*)\u201d", r'"([^"]*)"', r"「([^「」]*)」")
 
