@@ -31,6 +31,7 @@ from vllm_omni_plugin.diffusion.step_batching import (
     is_tensor,
     rows_of,
     take_rows,
+    without_unused,
 )
 
 
@@ -91,7 +92,7 @@ class RowParallelDenoiser(DenoiserStandIn):
         call: fewer rows than ranks); the outputs in row order."""
         joins = self._joins
         calls = {
-            rank: _rows_taken(named, ranges[rank], rows, joins)
+            rank: without_unused(_rows_taken(named, ranges[rank], rows, joins), joins)
             for rank in range(1, len(ranges))
             if ranges[rank]
         }
@@ -163,12 +164,7 @@ class PairedBranches(DenoiserStandIn):
 
     def _own(self, named: dict[str, Any]) -> dict[str, Any]:
         """``named`` as a peer takes it: an argument the call leaves unused (a cache it skips) is None."""
-        return {
-            name: None
-            if name in self._joins and value is not None and self._joins[name].key(value) == UNUSED
-            else value
-            for name, value in named.items()
-        }
+        return without_unused(named, self._joins)
 
     def _learn(self, first: dict[str, Any], second: dict[str, Any]) -> None:
         shared = {name for name in first if name in second and _same(first[name], second[name])}

@@ -324,7 +324,9 @@ class DiffusionEngine:
         start = time.perf_counter()
         group = DenoiserGroup(size, [runner.peer_spec(self.model, d, threads) for d in devices[1:]])
         if plan is not None:
-            runner.parallel_denoiser = SequenceParallelDenoiser(runner.denoiser(), group, plan)
+            runner.parallel_denoiser = SequenceParallelDenoiser(
+                runner.denoiser(), group, plan, runner.step_joins()
+            )
         else:
             runner.parallel_denoiser = RowParallelDenoiser(runner.denoiser(), group, runner.step_joins())
         logger.info(

@@ -14,7 +14,16 @@ from collections.abc import Hashable
 from typing import Any
 
 from vllm_omni_plugin.diffusion.peer_group import PEER_START_TIMEOUT_S, PeerKept, PeerSpec, gloo_group
-from vllm_omni_plugin.diffusion.peer_wire import Link, encode
+from vllm_omni_plugin.diffusion.peer_wire import (
+    Call,
+    Failure,
+    Link,
+    Message,
+    Reply,
+    WireError,
+    encode,
+    resolve_class,
+)
 from vllm_omni_plugin.diffusion.sequence_parallel import SequencePlan, sequence_call, sequence_plan
 
 logger = logging.getLogger(__name__)
@@ -77,33 +86,53 @@ def serve(spec: PeerSpec, rank: int, port: int, size: int) -> None:
             message = link.take(device)
         except RuntimeError:  # rank 0 is gone
             return
-        if message is None:
+        if not isinstance(message, Call):  # Stop
             return
-        mode, kwargs, kept = message
+        mode, kwargs = message.mode, dict(message.kwargs)
         try:
             now = {}
-            for name, (key, *sent) in kept.items():
-                now[key] = held[key] if not sent else sent[0].from_wire(sent[1], device)
-                kwargs[name] = now[key]
+            for name, kept in message.kept.items():
+                now[kept.key] = (
+                    held[kept.key]
+                    if kept.cls is None
+                    else _kept_class(kept.cls).from_wire(kept.state, device)
+                )
+                kwargs[name] = now[kept.key]
             held = now
             with torch.no_grad():
                 if mode == "sequence":
                     plan = plan or sequence_plan(module)
                     sequence_call(module, plan, kwargs, group, rank, size)
-                    reply: tuple[str, Any] = ("ok", None)
+                    reply: Message = Reply(None)
                 else:
-                    reply = ("ok", module(**kwargs))
+                    reply = Reply(module(**kwargs))
         except Exception as exc:
             if mode == "sequence":
                 # Rank 0 may wait in a collective this rank will not reach: leaving closes the group's
                 # connections, which ends that wait with an error, and rank 0 goes on alone.
                 logger.error("sequence-parallel rank %d: %s: %s; leaving", rank, type(exc).__name__, exc)
                 os._exit(1)
-            reply = ("error", f"{type(exc).__name__}: {exc}")
+            reply = Failure(f"{type(exc).__name__}: {exc}")
         try:
-            link.send(encode(reply))
+            link.send(_encoded(reply))
         except RuntimeError:
             return
+
+
+def _kept_class(path: str) -> type[PeerKept]:
+    """The :class:`PeerKept` class a call names for a kept argument."""
+    cls = resolve_class(path)
+    if not issubclass(cls, PeerKept):
+        raise TypeError(f"{path} is no PeerKept")
+    return cls
+
+
+def _encoded(reply: Message) -> Any:
+    """``reply`` encoded; a failure naming what the wire cannot carry where its output holds that."""
+    try:
+        return encode(reply)
+    except WireError as exc:
+        return encode(Failure(f"WireError: {exc}"))
 
 
 def main(argv: list[str]) -> None:

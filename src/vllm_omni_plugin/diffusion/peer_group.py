@@ -32,9 +32,19 @@ import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
-from vllm_omni_plugin.diffusion.peer_wire import Link, encode
+from vllm_omni_plugin.diffusion.peer_wire import (
+    Call,
+    Failure,
+    Kept,
+    Link,
+    Reply,
+    Stop,
+    WireError,
+    class_path,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +79,8 @@ class PeerKept:
     """Equal for one value for as long as it lives (never reused by another)."""
 
     def wire_state(self) -> Any:
-        """The value as the wire carries it: tensors in tuples, lists and dicts."""
+        """The value as the wire carries it (``peer_wire.py``): tensors, numbers and strings in tuples,
+        lists and dicts."""
         raise NotImplementedError
 
     @classmethod
@@ -165,13 +176,13 @@ class DenoiserGroup:
         return joined[0]
 
     def exchange(
-        self, mode: str, calls: Mapping[int, dict[str, Any]], own: Callable[[], Any]
+        self, mode: Literal["rows", "sequence"], calls: Mapping[int, dict[str, Any]], own: Callable[[], Any]
     ) -> tuple[Any, list[Any]] | None:
         """Rank ``r`` computes the call ``calls[r]`` (``mode``: ``"rows"``, a forward of its own;
         ``"sequence"``, its part of a sequence-parallel one) while this rank runs ``own()``: what ``own()``
         returned and the peers' outputs, in the order of ``calls``. None where the group has failed, before
         or now (logged; the caller computes the call whole). An argument the wire cannot carry raises
-        before anything is sent."""
+        :class:`~.peer_wire.WireError` before anything is sent (the group stays as it was)."""
         with self.lock:
             if self.failed is not None:
                 return None
@@ -201,8 +212,8 @@ class DenoiserGroup:
                 return True
         except RuntimeError as exc:  # gloo: a closed connection, a timeout
             self._fail(f"the exchange with its peers failed: {exc}")
-        except Exception:  # pickling an argument
-            pass
+        except WireError as exc:
+            logger.warning("denoiser group: rank 1 is not sent the call: %s", exc)
         self.lock.release()
         return False
 
@@ -221,26 +232,32 @@ class DenoiserGroup:
     def _reply(self, rank: int, device: Any = None) -> Any:
         """Rank ``rank``'s answer to the call it was sent (:class:`PeerError` where its forward raised)."""
         reply = self._links[rank].take(device)
-        if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "error":
-            raise PeerError(f"rank {rank}'s forward failed: {reply[1]}")
-        return reply[1]
+        if isinstance(reply, Failure):
+            raise PeerError(f"rank {rank}'s forward failed: {reply.message}")
+        if not isinstance(reply, Reply):
+            raise PeerError(f"rank {rank} answered a call with {type(reply).__name__}")
+        return reply.output
 
-    def _messages(self, mode: str, calls: Mapping[int, dict[str, Any]]) -> dict[int, Any]:
+    def _messages(
+        self, mode: Literal["rows", "sequence"], calls: Mapping[int, dict[str, Any]]
+    ) -> dict[int, Any]:
         """Each rank's call as it is sent (encoded, every one before any is sent): its :class:`PeerKept`
         values by key alone where the rank holds them."""
         messages, named = {}, {}
         for rank, kwargs in calls.items():
             held, named[rank] = self._held[rank], set()
             plain: dict[str, Any] = {}
-            kept: dict[str, Any] = {}
+            kept: dict[str, Kept] = {}
             for name, value in kwargs.items():
                 if not isinstance(value, PeerKept):
                     plain[name] = value
                     continue
                 key = value.wire_key
                 named[rank].add(key)
-                kept[name] = (key,) if key in held else (key, type(value), value.wire_state())
-            messages[rank] = encode((mode, plain, kept))
+                kept[name] = (
+                    Kept(key) if key in held else Kept(key, class_path(type(value)), value.wire_state())
+                )
+            messages[rank] = encode(Call(mode, plain, kept))
         for rank, keys in named.items():
             self._held[rank] = keys
         return messages
@@ -263,7 +280,7 @@ class DenoiserGroup:
         if self.failed is None and getattr(self, "_links", None) is not None:
             with contextlib.suppress(Exception), self.lock:
                 for rank in range(1, self.size):
-                    self._links[rank].send(encode(None))
+                    self._links[rank].send(encode(Stop()))
             for process in self.processes:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=10)

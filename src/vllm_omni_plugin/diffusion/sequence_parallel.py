@@ -30,12 +30,12 @@ import functools
 import logging
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, DenoiserStandIn
-from vllm_omni_plugin.diffusion.step_batching import by_name, is_tensor
+from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, by_name, is_tensor, without_unused
 
 logger = logging.getLogger(__name__)
 
@@ -476,9 +476,17 @@ class SequenceParallelDenoiser(DenoiserStandIn):
     where they cannot be (a token count the ranks do not divide, a hook inside the denoiser, a call the
     plan keeps local)."""
 
-    def __init__(self, module: Any, group: DenoiserGroup, plan: SequencePlan) -> None:
+    def __init__(
+        self,
+        module: Any,
+        group: DenoiserGroup,
+        plan: SequencePlan,
+        joins: Mapping[str, ArgumentJoin] | None = None,
+    ) -> None:
         super().__init__(module, group)
         self._plan = plan
+        self._joins: Mapping[str, ArgumentJoin] = joins or {}
+        """The runner's step joins: an argument one says a call leaves unused goes to the peers as None."""
         self.split_calls = 0
         """Forwards whose tokens went over the group (tests count them)."""
         if attention_method(plan, group.size) == "ulysses":
@@ -505,7 +513,7 @@ class SequenceParallelDenoiser(DenoiserStandIn):
         size = group.size
         done = group.exchange(
             "sequence",
-            {rank: named for rank in range(1, size)},
+            dict.fromkeys(range(1, size), without_unused(named, self._joins)),
             lambda: sequence_call(self._module, self._plan, named, group.process_group, 0, size),
         )
         if done is not None:

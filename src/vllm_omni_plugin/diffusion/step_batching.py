@@ -385,6 +385,21 @@ def live_rows(
     return [i for i in range(rows) if alive[i % requests]]
 
 
+def without_unused(kwargs: dict[str, Any], joins: Mapping[str, ArgumentJoin]) -> dict[str, Any]:
+    """``kwargs`` with None for each argument its join says the call leaves unused (a cache it skips): the
+    call reads None the same way, so a denoiser group's peer is sent that (no object the wire need not
+    carry)."""
+    return {
+        name: None
+        if value is not None
+        and name in joins
+        and not isinstance(joins[name], SameValue)
+        and joins[name].key(value) == UNUSED
+        else value
+        for name, value in kwargs.items()
+    }
+
+
 def take_rows(
     kwargs: dict[str, Any], keep: list[int], rows: int, joins: Mapping[str, ArgumentJoin]
 ) -> dict[str, Any]:
