@@ -88,7 +88,9 @@ class Served:
         self.threads: list[threading.Thread] = []
 
     def ready(self) -> Served:
-        self.server.wait_ready(timeout=300)
+        # Up to three servers start side by side on the suite's two cores, next to the other worker's
+        # tests: each gets the time of three starts.
+        self.server.wait_ready(timeout=600)
         return self
 
     def send_in_flight(self, hold_ar: Hold | None = None) -> Hold:
