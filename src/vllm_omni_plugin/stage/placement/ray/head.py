@@ -88,19 +88,19 @@ def unreachable(address: str) -> str | None:
     return None
 
 
-def nodes_lacking(resources: RayResources) -> str | None:
-    """Why no alive node of the cluster could ever hold a replica asking for ``resources`` (resources in
+def nodes_lacking(asked: RayResources) -> str | None:
+    """Why no alive node of the cluster could ever hold a replica asking for ``asked`` (resources in
     total, labels), or None when one could (it may be busy)."""
     ray = _ray()
-    wants = {"CPU": resources.num_cpus, "GPU": resources.num_gpus, **resources.resources}
+    wants = {"CPU": asked.num_cpus, "GPU": asked.num_gpus, **asked.resources}
     alive = [n for n in ray.nodes() if n.get("Alive")]
     for node in alive:
-        resources, labels = node.get("Resources", {}), node.get("Labels", {}) or {}
-        if all(resources.get(k, 0.0) >= v for k, v in wants.items() if v > 0) and all(
-            labels.get(k) == v for k, v in resources.node_labels.items()
+        has, labels = node.get("Resources", {}), node.get("Labels", {}) or {}
+        if all(has.get(k, 0.0) >= v for k, v in wants.items() if v > 0) and all(
+            labels.get(k) == v for k, v in asked.node_labels.items()
         ):
             return None
-    return f"no alive node of the Ray cluster has {resources.describe()} ({len(alive)} alive node(s))"
+    return f"no alive node of the Ray cluster has {asked.describe()} ({len(alive)} alive node(s))"
 
 
 class RayPlacement(StagePlacement):
