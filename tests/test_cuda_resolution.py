@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import yaml
 
 from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment
 from vllm_omni_plugin.config.resolved import CPU_RESERVED_CORES_ENV, RUNNER_ENV
-from vllm_omni_plugin.processes import temporary_environment
+from vllm_omni_plugin.processes import settled_environment, temporary_environment
 from vllm_omni_plugin.stage.factory import adopt_model_runner
 from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
@@ -246,3 +247,42 @@ def test_print_resolved_config_for_cuda_shows_them(tiny_bagel: Path) -> None:
     assert thinker["model_runner"] == "v2" and RUNNER_ENV not in thinker["replicas"][0]["env"]
     assert thinker["engine_args"]["kv_transfer_config"]["kv_connector"] == "ContextExportConnector"
     assert "enforce_eager" in thinker["engine_args"] and "gpu_memory_utilization" in thinker["engine_args"]
+
+
+def test_replicas_starting_at_once_each_start_with_their_own_environment() -> None:
+    """Replicas start (and restart) on threads of their own, an AR engine in a temporary environment (its
+    devices, its endpoints): another one waits for that block to end instead of overwriting its values
+    while its engine starts and restoring the wrong ones afterwards, and a DiT process is not started
+    meanwhile (it would inherit them)."""
+    key = "VLLM_OMNI_TEST_REPLICA_ENV"
+    first_in, first_out = threading.Event(), threading.Event()
+    seen: dict[str, str | None] = {}
+
+    def first() -> None:
+        with temporary_environment({key: "0"}):
+            first_in.set()
+            first_out.wait(30)
+            seen["first"] = os.environ.get(key)
+
+    def second() -> None:
+        with temporary_environment({key: "1"}):
+            seen["second"] = os.environ.get(key)
+
+    def dit_start() -> None:
+        with settled_environment():
+            seen["dit"] = os.environ.get(key)
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert first_in.wait(30)
+    others = [threading.Thread(target=second), threading.Thread(target=dit_start)]
+    for thread in others:
+        thread.start()
+    for thread in others:
+        thread.join(0.5)
+    assert all(thread.is_alive() for thread in others) and seen == {}  # waiting for the first block
+    first_out.set()
+    for thread in (a, *others):
+        thread.join(30)
+    assert seen == {"first": "0", "second": "1", "dit": None}
+    assert key not in os.environ

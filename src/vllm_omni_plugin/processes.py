@@ -285,6 +285,13 @@ class ProcessTree:
                 os.kill(member.pid, signal.SIGKILL)
         return self.wait_gone(timeout)
 
+    def end(self, shm_dir: str = SHM_DIR) -> list[str]:
+        """SIGKILL the members at once, then :meth:`release`: for what is left of a replica whose root
+        died (an engine core's workers), which has nothing to finish and would only delay its restart
+        while it noticed (seconds on a loaded host)."""
+        self.kill()
+        return self.release(shm_dir)
+
     def release(self, shm_dir: str = SHM_DIR) -> list[str]:
         """Remove the segments the members left: their own (``vllm_omni_<member pid>_*``) and the
         ``psm_*`` / ``sem.*`` files they mapped that no live process maps. Members still running keep
@@ -329,17 +336,33 @@ class ProcessTree:
 def temporary_environment(env: Mapping[str, str]) -> Iterator[None]:
     """``env`` in this process's environment for the block, then as it was: what the processes started
     in it inherit (vLLM's engine processes: device selection), or what a constructor reads (Mooncake's
-    engine: its transfer timeout)."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    engine: its transfer timeout).
+
+    One block at a time in the process (replicas start and restart on threads of their own): two
+    overlapping blocks would start one replica's engine with the other's devices and endpoints, and
+    restore each other's values when they end."""
+    with _environment_lock:
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@contextlib.contextmanager
+def settled_environment() -> Iterator[None]:
+    """No ``temporary_environment`` of another thread is in force during the block: a process started
+    in it inherits this process's own environment."""
+    with _environment_lock:
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+
+
+_environment_lock = threading.RLock()
 
 
 # --- processes we start -------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import msgspec
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.processes import exit_with_parent, spawning_without_main
+from vllm_omni_plugin.processes import exit_with_parent, settled_environment, spawning_without_main
 from vllm_omni_plugin.stage.core_types import (
     PROGRESS_REPORT_INTERVAL_S,
     FromStageMessage,
@@ -261,7 +261,7 @@ class StageDiffusionCoreProcManager:
             name=f"StageDiffusionCoreProc-{self.config.stage_id}-{self.config.replica_id}",
             daemon=True,
         )
-        with spawning_without_main():
+        with settled_environment(), spawning_without_main():
             self.process.start()
 
     @property

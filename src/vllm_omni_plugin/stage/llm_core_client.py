@@ -279,13 +279,15 @@ class StageLLMCoreClient(StageCoreClientBase):
             self._restarting = asyncio.create_task(self._restart())
 
     async def _restart(self) -> None:
-        """Stop what is left of the dead engine (its workers exit with it), remove the shared memory its
-        processes left, then start a new engine unless the replica stays down."""
+        """End what is left of the dead engine (its workers: killed at once, they have nothing to finish
+        without their core), remove the shared memory its processes left, then start a new engine unless
+        the replica stays down. The new engine starts only once the old processes are gone: on a GPU they
+        hold its memory."""
         old, self.engine = self.engine, None
         with best_effort("shutting down the dead AR engine", logger):
             old.shutdown()
         try:
-            await asyncio.to_thread(self.processes.stop, EXIT_GRACE_S)
+            await asyncio.to_thread(self.processes.end)
             if not self.restart_on_death or self.state == StageState.STOPPED:
                 return
             self.restarts += 1
