@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import pytest
 
 SLOW_MARKS = ("server", "processes", "slow", "cuda")
-PROCESS_FIXTURES = frozenset({"spawn"})
+PROCESS_FIXTURES = frozenset({"spawn", "vllm_cli"})
 """Fixtures that start processes: a test using one, directly or through another fixture, is not fast."""
 ALLOWED_COMMANDS = frozenset({"git"})
 """Programs a fast test may run: quick, and never an engine."""

@@ -16,15 +16,14 @@ pytestmark = pytest.mark.processes
 
 
 @pytest.fixture(scope="module", autouse=True)
-def forks() -> Iterator[VllmCliForks]:
-    """Command lines in the suite's usual environment run as forks of one process that imported vLLM's
-    command line once (tests/vllm_cli_forks.py); a changed environment gets a fresh ``vllm``."""
+def forks(vllm_cli: VllmCliForks) -> Iterator[VllmCliForks]:
+    """Command lines in the suite's usual environment run as forks (the session's ``vllm_cli``); a
+    changed environment gets a fresh ``vllm``."""
     global _forks
-    _forks = VllmCliForks(cpu_test_env(drop=("VLLM_PLUGINS",)))
+    _forks = vllm_cli
     try:
-        yield _forks
+        yield vllm_cli
     finally:
-        _forks.close()
         _forks = None
 
 

@@ -10,7 +10,6 @@ import base64
 import io
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from PIL import Image
 
 from helpers import source_image
+from vllm_cli_forks import VllmCliForks
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 from vllm_omni_testkit.reference.diffusers import reference_image
 
@@ -339,16 +339,13 @@ def test_offline_api_in_process_stage_edits_and_counts_steps(
     ids=["no-usable-call", "no-model-index"],
 )
 def test_serve_refuses_what_it_cannot_drive_with_one_line(
-    tmp_path: Path, index: dict | None, message: str
+    tmp_path: Path, index: dict | None, message: str, vllm_cli: VllmCliForks
 ) -> None:
     model = tmp_path / "model"
     model.mkdir()
     if index is not None:
         (model / "model_index.json").write_text(json.dumps(index))
-    result = subprocess.run(
-        [bin_script("vllm"), "serve", str(model), "--omni", "--port", str(free_port())],
-        capture_output=True, text=True, env=cpu_test_env(), timeout=300,
-    )  # fmt: skip
+    result = vllm_cli.run("serve", str(model), "--omni", "--port", str(free_port()), env=cpu_test_env())
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]

@@ -208,7 +208,7 @@ def hosts(
         head.stop()
         http.close()
         shm_watch.stop()
-        left = shm_watch.leftovers(grace=10).segments
+        left = shm_watch.leftovers(grace=10, processes_only=True).segments
         new_semaphores = [
             n for n in os.listdir(SHM_DIR) if n.startswith("sem.") and n not in semaphores_before
         ]

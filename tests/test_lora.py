@@ -9,7 +9,6 @@ Adapters are tiny random ones in diffusers' format, built here (``tiny_models/lo
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,12 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from helpers import serve_model
+from vllm_cli_forks import VllmCliForks
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.lora import LoadedAdapters, LoraError, LoraSpec, check_lora, read_lora
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.tiny_models.lora import FILE, build_lora
-from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.harness.server import ServerProcess, cpu_test_env, free_port
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 
@@ -297,12 +297,13 @@ async def one_batch(server: ServerProcess, asks: list[dict[str, Any]]) -> list[n
 
 
 @pytest.mark.server
-def test_a_bad_start_up_adapter_is_one_line_and_exit_2(tiny_sd3: Path, tmp_path: Path) -> None:
+def test_a_bad_start_up_adapter_is_one_line_and_exit_2(
+    tiny_sd3: Path, tmp_path: Path, vllm_cli: VllmCliForks
+) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"nothing")
-    argv = [bin_script("vllm"), "serve", str(tiny_sd3), "--omni", "--port", str(free_port()),
-            "--lora-modules", f"bad={bad}"]  # fmt: skip
-    done = subprocess.run(argv, env=cpu_test_env(), capture_output=True, text=True, timeout=300)
+    argv = ["serve", str(tiny_sd3), "--omni", "--port", str(free_port()), "--lora-modules", f"bad={bad}"]
+    done = vllm_cli.run(*argv, env=cpu_test_env())
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"error: --lora-modules: LoRA 'bad': {bad} is not a safetensors file" in done.stderr
     assert "Traceback" not in done.stderr

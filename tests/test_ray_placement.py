@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_cli_forks import VllmCliForks
 from vllm_omni_plugin.config import PLATFORMS, ResolvedDeployment, resolve_deployment
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.stage.errors import StageStartError
@@ -96,17 +97,15 @@ def test_shared_memory_cannot_reach_another_node(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_no_cluster_at_the_address_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_no_cluster_at_the_address_is_one_line_and_exit_2(tmp_path: Path, vllm_cli: VllmCliForks) -> None:
     """Ray itself would retry an address where nothing answers for minutes; the server says so at once."""
-    import subprocess
-
-    from vllm_omni_testkit.harness.server import bin_script, cpu_test_env, free_port
+    from vllm_omni_testkit.harness.server import cpu_test_env, free_port
 
     resolved = deployment(tmp_path, "pipeline: glm_image\nbackend: ray\n")
-    argv = [bin_script("vllm"), "serve", resolved.model, "--omni", "--deploy-config", str(tmp_path / "deploy.yaml"),
+    argv = ["serve", resolved.model, "--omni", "--deploy-config", str(tmp_path / "deploy.yaml"),
             "--port", str(free_port())]  # fmt: skip
     env = cpu_test_env({"RAY_ADDRESS": f"127.0.0.1:{free_port()}"})
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    result = vllm_cli.run(*argv, env=env)
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.rstrip().splitlines()[-1]
     assert last.startswith("error: backend ray: cannot join a Ray cluster (nothing answers at 127.0.0.1:"), (

@@ -3,6 +3,7 @@ StageDiffusionCoreProc (or in-process), shared-memory connectors, compared with 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -38,6 +39,17 @@ def request(prompt: str, size: int = 64, **kwargs) -> OmniRequest:
     return OmniRequest(prompt=prompt, height=size, width=size, seed=0, sampling_params=GREEDY, **kwargs)
 
 
+@functools.cache
+def reference(model: Path, prompt: str, size: int, *, edit: bool = False) -> np.ndarray:
+    """diffusers' own GLM-Image for the request, computed once for the tests that compare with it (an
+    edit: of ``source_image()``)."""
+    from PIL import Image
+
+    images = [Image.fromarray(source_image())] if edit else None
+    return glm_image_reference_image(str(model), prompt, size, size, images=images, seed=0,
+                                     num_inference_steps=STEPS, guidance_scale=1.5)  # fmt: skip
+
+
 def assert_same_image(ours: np.ndarray, reference: np.ndarray) -> None:
     assert ours.shape == reference.shape and ours.dtype == np.uint8
     assert int(np.abs(ours.astype(int) - reference.astype(int)).max()) <= 1  # <= 1/255
@@ -47,9 +59,7 @@ def assert_same_image(ours: np.ndarray, reference: np.ndarray) -> None:
 def test_text_to_image_equals_diffusers_reference(omni: Omni, tiny_glm_image: Path, size: int) -> None:
     (result,) = omni.generate([request("A photo of a cat", size)])
     assert result.ok, result.error
-    reference = glm_image_reference_image(str(tiny_glm_image), "A photo of a cat", size, size, seed=0,
-                                          num_inference_steps=STEPS, guidance_scale=1.5)  # fmt: skip
-    assert_same_image(result.output.image, reference)
+    assert_same_image(result.output.image, reference(tiny_glm_image, "A photo of a cat", size))
     assert omni.deployment.stage(1).process  # the DiT ran in a StageDiffusionCoreProc
     # per-request stage timings: queue, AR, processors, transfers (connector put/get), DiT
     for key in ("queue", "stage_0", "processor_1", "stage_1", "stage_1_transfer_put", "stage_1_transfer_in",
@@ -58,14 +68,10 @@ def test_text_to_image_equals_diffusers_reference(omni: Omni, tiny_glm_image: Pa
 
 
 def test_image_to_image_equals_diffusers_reference(omni: Omni, tiny_glm_image: Path) -> None:
-    from PIL import Image
 
-    src = source_image()
-    (result,) = omni.generate([request("make it blue", images=[src])])
+    (result,) = omni.generate([request("make it blue", images=[source_image()])])
     assert result.ok, result.error
-    reference = glm_image_reference_image(str(tiny_glm_image), "make it blue", 64, 64, images=[Image.fromarray(src)],
-                                          seed=0, num_inference_steps=STEPS, guidance_scale=1.5)  # fmt: skip
-    assert_same_image(result.output.image, reference)
+    assert_same_image(result.output.image, reference(tiny_glm_image, "make it blue", 64, edit=True))
 
 
 def test_concurrent_requests_overlap_stages(omni: Omni) -> None:
@@ -119,17 +125,11 @@ def inline_omni(tiny_glm_image: Path, omni: Omni):
 
 
 def test_inline_diffusion_client_gives_the_same_images(inline_omni: Omni, tiny_glm_image: Path) -> None:
-    from PIL import Image
-
     from vllm_omni_plugin.stage.diffusion_core_client import InlineStageDiffusionClient
 
     assert isinstance(inline_omni._async.pools[1].clients[0], InlineStageDiffusionClient)
     src = source_image()
     t2i, i2i = inline_omni.generate([request("A photo of a cat"), request("make it blue", images=[src])])
     assert t2i.ok and i2i.ok, (t2i.error, i2i.error)
-    ref_t2i = glm_image_reference_image(str(tiny_glm_image), "A photo of a cat", 64, 64, seed=0,
-                                        num_inference_steps=STEPS, guidance_scale=1.5)  # fmt: skip
-    ref_i2i = glm_image_reference_image(str(tiny_glm_image), "make it blue", 64, 64, images=[Image.fromarray(src)],
-                                        seed=0, num_inference_steps=STEPS, guidance_scale=1.5)  # fmt: skip
-    assert_same_image(t2i.output.image, ref_t2i)
-    assert_same_image(i2i.output.image, ref_i2i)
+    assert_same_image(t2i.output.image, reference(tiny_glm_image, "A photo of a cat", 64))
+    assert_same_image(i2i.output.image, reference(tiny_glm_image, "make it blue", 64, edit=True))

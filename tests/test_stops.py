@@ -83,7 +83,7 @@ class Served:
         self.server.start()
         assert self.server.proc is not None
         self.pid = self.server.proc.pid
-        self.watch = LeakWatch(root=self.pid, interval=0.1).start()
+        self.watch = LeakWatch(root=self.pid).start()
         self.responses: list[int | str] = []
         self.threads: list[threading.Thread] = []
 

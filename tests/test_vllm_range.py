@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_cli_forks import VllmCliForks
 from vllm_omni_plugin.entrypoints.cli import installed_vllm, supported_vllm_range
 from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
@@ -56,9 +57,9 @@ def omni(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 @pytest.mark.processes
-def test_version_names_the_plugin_vllm_and_the_range() -> None:
+def test_version_names_the_plugin_vllm_and_the_range(vllm_cli: VllmCliForks) -> None:
     dist, version = installed_vllm()
-    result = omni("--omni", "--version")
+    result = vllm_cli.run("serve", "--omni", "--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines() == [
         f"vllm-omni-plugin 0.1.0 on {dist} {version} (supported: {dist}{supported_vllm_range(dist)})"

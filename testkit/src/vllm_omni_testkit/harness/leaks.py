@@ -67,6 +67,7 @@ class LeakWatch:
         only_new_processes: bool = False,
     ) -> None:
         self.root = root if root is not None else os.getpid()
+        self.root_id = ProcessId.of(self.root)
         self.interval = interval
         self.shm_dir = shm_dir
         self.processes: dict[int, ProcessId] = {}
@@ -144,12 +145,18 @@ class LeakWatch:
                 left.append(name)
         return sorted(left)
 
-    def leftovers(self, grace: float = 0.0) -> Leftovers:
-        """What is left, after waiting up to ``grace`` s for it to go."""
+    def leftovers(self, grace: float = 0.0, *, processes_only: bool = False) -> Leftovers:
+        """What is left, after waiting up to ``grace`` s for it to go. The wait ends early once every
+        watched process is gone, the root too (a watch of another process's tree: a server's): nothing
+        of the tree is left to remove a segment then, so what is there stays (a SIGKILLed deployment's
+        segments, left for the next start's sweep). ``processes_only``: end it once the processes are
+        gone whatever the root (a watch of this process whose caller removes what they left)."""
         deadline = time.monotonic() + grace
         while True:
-            left = Leftovers(self.running(), self.left_segments())
-            if not left or time.monotonic() >= deadline:
+            running = self.running()
+            left = Leftovers(running, self.left_segments())
+            settled = not running and (processes_only or self._root_gone())
+            if not left or time.monotonic() >= deadline or settled:
                 with self._lock:
                     for name in left.segments:
                         pid = self.segments.get(name)
@@ -157,6 +164,11 @@ class LeakWatch:
                             left.mappers[name] = f"pid {pid} ({self.commands.get(pid, 'this process')[:120]})"
                 return left
             time.sleep(0.2)
+
+    def _root_gone(self) -> bool:
+        if self.root == os.getpid():
+            return False
+        return self.root_id is None or not self.root_id.alive()
 
     def clean(self, left: Leftovers) -> None:
         """Kill the leftover processes and remove the leftover segments."""
