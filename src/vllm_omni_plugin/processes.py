@@ -39,7 +39,7 @@ logger = get_logger(__name__)
 SHM_DIR = "/dev/shm"
 OUR_SEGMENT_PREFIX = "vllm_omni_"
 """Our connectors' segments: ``vllm_omni_<owner pid>_...``."""
-_MAPPED_SHM = re.compile(r" /dev/shm/(\S+)$")
+_MAPPED_SHM = re.compile(r" /dev/shm/(\S+)$", re.MULTILINE)
 _OWNER = re.compile(r"^vllm_omni_(\d+)_")
 PARENT_POLL_S = 0.5
 
@@ -108,10 +108,10 @@ def mapped_segments(pid: int) -> set[str]:
     """Names of the ``/dev/shm`` files ``pid`` maps (unlinked ones excluded)."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except OSError:
         return set()
-    return {m.group(1) for line in lines if (m := _MAPPED_SHM.search(line)) is not None}
+    return set(_MAPPED_SHM.findall(text))
 
 
 def rss_bytes(pid: int) -> int | None:
