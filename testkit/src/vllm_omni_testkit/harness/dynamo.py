@@ -146,3 +146,9 @@ class DynamoSite:
         for process in frontend:
             stop(process)
         return statuses
+
+    def terminate(self, processes: Sequence[ServerProcess]) -> None:
+        """Stop ``processes`` with SIGTERM, as systemd or Kubernetes stop them; AssertionError unless each
+        one exits 0."""
+        statuses = self.stop(processes, how=signal.SIGTERM)
+        assert statuses and set(statuses.values()) == {0}, statuses
