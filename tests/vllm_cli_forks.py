@@ -14,6 +14,7 @@ Run as a script (``python tests/vllm_cli_forks.py``): one JSON object per line o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -102,21 +103,30 @@ class VllmCliForks:
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = dict(env)
-        self.proc = subprocess.Popen(
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[str]:
+        """The forking process, ready. Started again by :meth:`run` where it is gone: a test that ends
+        the processes its worker started (a leak guard's clean-up) may take it with them."""
+        proc = subprocess.Popen(
             [sys.executable, __file__],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=self.env,
             text=True,
         )
-        assert self.proc.stdout is not None
-        ready = self.proc.stdout.readline()
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()
         if not ready:
-            raise RuntimeError(f"the vllm fork process exited ({self.proc.wait()}) before it was ready")
+            raise RuntimeError(f"the vllm fork process exited ({proc.wait()}) before it was ready")
+        return proc
 
     def run(
         self, *args: str, env: Mapping[str, str] | None = None, timeout: float = 300
     ) -> subprocess.CompletedProcess[str]:
+        if self.proc.poll() is not None:
+            self._close_pipes()
+            self.proc = self._start()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         case = {"args": list(args), "env": dict(env or self.env), "timeout": timeout}
         self.proc.stdin.write(json.dumps(case) + "\n")
@@ -131,14 +141,20 @@ class VllmCliForks:
 
     def close(self) -> None:
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # it may be gone already
+                self.proc.stdin.close()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 if __name__ == "__main__":
