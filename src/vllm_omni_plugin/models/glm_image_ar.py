@@ -559,19 +559,22 @@ def glm_image_processor_dir(model: str, tokenizer: str | None) -> str | None:
 
 
 class GlmImageProcessingInfo(BaseProcessingInfo):
-    def get_hf_processor(self, **kwargs: object) -> Any:
+    @functools.cached_property
+    def _processor_dir(self) -> str | None:
+        """The local processor folder (``glm_image_processor_dir``), looked up once: the image processor is
+        asked for at every size the encoder budget tries and at every request."""
         model_config = self.ctx.model_config
-        path = glm_image_processor_dir(model_config.model, model_config.tokenizer)
-        if path is None:  # not a local upstream layout: let vLLM resolve it from the model
+        return glm_image_processor_dir(model_config.model, model_config.tokenizer)
+
+    def get_hf_processor(self, **kwargs: object) -> Any:
+        if self._processor_dir is None:  # not a local upstream layout: let vLLM resolve it from the model
             return self.ctx.get_hf_processor(**kwargs)
-        return _load_glm_image_processor(path)
+        return _load_glm_image_processor(self._processor_dir)
 
     def get_image_processor(self, **kwargs: object) -> Any:
-        model_config = self.ctx.model_config
-        path = glm_image_processor_dir(model_config.model, model_config.tokenizer)
-        if path is None:
+        if self._processor_dir is None:
             return self.get_hf_processor(**kwargs).image_processor
-        return _load_glm_image_image_processor(path)
+        return _load_glm_image_image_processor(self._processor_dir)
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {"image": None}
