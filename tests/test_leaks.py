@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import secrets
 import signal
+import sys
 import time
 from multiprocessing import shared_memory
 
@@ -15,12 +16,13 @@ import pytest
 from vllm_omni_plugin.processes import (
     SHM_DIR,
     ProcessTree,
+    cmdline,
     exit_with_parent,
     mapped_segments,
     unlink_segment,
     unmapped,
 )
-from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.leaks import RESOURCE_TRACKER, LeakWatch
 
 pytestmark = pytest.mark.processes
 
@@ -76,6 +78,36 @@ def test_the_watch_finds_what_a_killed_child_left_and_cleans_it(spawn) -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
+
+
+def test_a_resource_tracker_first_seen_before_its_exec_is_still_this_process_own() -> None:
+    """A child seen between its fork and its exec carries this process's command line; the watch judges
+    it by the one it has when asked (a run once failed on its own resource tracker, caught in that gap)."""
+    watch = LeakWatch()
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: held before its exec until the watch has seen it
+        try:
+            os.close(go_write)
+            os.read(go_read, 1)
+            code = "from multiprocessing.resource_tracker import main; import time; time.sleep(60)"
+            os.execv(sys.executable, [sys.executable, "-c", code])
+        finally:
+            os._exit(1)
+    os.close(go_read)
+    try:
+        watch.poll()
+        assert RESOURCE_TRACKER not in watch.commands[pid]  # recorded under this process's command line
+        os.write(go_write, b"x")
+        deadline = time.monotonic() + 60
+        while RESOURCE_TRACKER not in cmdline(pid):
+            assert time.monotonic() < deadline, "the child did not exec"
+            time.sleep(0.01)
+        assert watch.running() == {}
+    finally:
+        os.close(go_write)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def hold_semaphore(name_queue: multiprocessing.Queue) -> None:

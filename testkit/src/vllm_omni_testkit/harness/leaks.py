@@ -123,13 +123,17 @@ class LeakWatch:
 
     def running(self) -> dict[int, str]:
         """Processes of the run still running, except this process's own resource tracker (it ends with
-        this process)."""
+        this process). Each is named by the command line it has now: one first seen between its fork and
+        its exec was recorded with its parent's."""
         with self._lock:
             alive = [p for p in self.processes.values() if p.alive() and p.pid != self.root]
+            for p in alive:
+                self.commands[p.pid] = cmdline(p.pid) or self.commands.get(p.pid, "")
+            commands = {p.pid: self.commands[p.pid] for p in alive}
         return {
-            p.pid: self.commands.get(p.pid, "")
-            for p in alive
-            if not (RESOURCE_TRACKER in self.commands.get(p.pid, "") and _parent(p.pid) == self.root)
+            pid: command
+            for pid, command in commands.items()
+            if not (RESOURCE_TRACKER in command and _parent(pid) == self.root)
         }
 
     def left_segments(self) -> list[str]:
