@@ -13,8 +13,10 @@ out of pytest's.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
+import io
 import json
 import os
 import subprocess
@@ -409,6 +411,29 @@ def serve_model(
     with ServerProcess(argv, port=port, env=cpu_test_env(env), log_path=directory / "server.log") as server:
         server.wait_ready(timeout=300)
         yield server
+
+
+def pixels(b64: str) -> np.ndarray:
+    """The RGB pixels of a base64-encoded image (an API answer's ``b64_json``)."""
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def assert_streamed(events: list[Any], prefix: str, previews: int, plain: np.ndarray) -> list[Any]:
+    """A streamed image answer (the ``openai`` client's events): its previews then its completed image,
+    equal to the image not streamed (``plain``); returns the events before the first preview."""
+    kinds = [event.type for event in events]
+    first = kinds.index(f"{prefix}.partial_image")
+    partial = [e for e in events if e.type == f"{prefix}.partial_image"]
+    assert [e.partial_image_index for e in partial] == list(range(previews))
+    assert kinds[-1] == f"{prefix}.completed" and kinds.count(f"{prefix}.completed") == 1
+    assert kinds[first : first + previews] == [f"{prefix}.partial_image"] * previews
+    completed = events[-1]
+    np.testing.assert_array_equal(pixels(completed.b64_json), plain)
+    for event in partial:
+        assert pixels(event.b64_json).shape == plain.shape and event.size == completed.size
+    return events[:first]
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:

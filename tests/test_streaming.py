@@ -1,17 +1,16 @@
-"""Streamed answers through real servers and the official ``openai`` client: a generation of the tiny SD3
-with ``partial_images=2`` yields two previews and a completed image equal to the same request not
-streamed; the same for an edit of the tiny Qwen-Image-Edit and for the tiny GLM-Image, whose AR stage's
-progress comes first; chat streams its image as a content part; a client that closes the stream after
-its first preview has its request aborted in every stage (the DiT is held by a hold point meanwhile, so
-the test does not depend on the machine's speed)."""
+"""Streamed answers of the diffusion-only pipelines through real servers and the official ``openai``
+client: a generation of the tiny SD3 with ``partial_images=2`` yields two previews and a completed image
+equal to the same request not streamed; the same for an edit of the tiny Qwen-Image-Edit; a client that
+closes the stream after its first preview has its request aborted in every stage (the DiT is held by a
+hold point meanwhile, so the test does not depend on the machine's speed). The tiny GLM-Image's streams
+(its AR stage's progress first; chat's image as a content part) are tested on the one GLM-Image server
+of ``test_api_server.py``."""
 
 from __future__ import annotations
 
-import base64
 import io
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -19,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from helpers import serve_model
+from helpers import assert_streamed, pixels, serve_model
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     wait_for_metric,
@@ -27,7 +26,6 @@ from vllm_omni_testkit.harness.server import (
 
 pytestmark = pytest.mark.server
 
-REPO = Path(__file__).resolve().parent.parent
 DIFFUSION_DEPLOY = """
 pipeline: diffusion
 stages:
@@ -53,19 +51,8 @@ def qwen_edit(
     yield from serve_model(tiny_qwen_image_edit, directory / "deploy.yaml", directory)
 
 
-@pytest.fixture(scope="module")
-def glm(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serve_model(
-        tiny_glm_image, REPO / "deploy" / "tiny_glm_image_cpu.yaml", tmp_path_factory.mktemp("glm")
-    )
-
-
 def client_of(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=600, max_retries=0)
-
-
-def pixels(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
 def png(seed: int) -> bytes:
@@ -73,22 +60,6 @@ def png(seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(out, format="PNG")
     return out.getvalue()
-
-
-def assert_streamed(events: list[Any], prefix: str, previews: int, plain: np.ndarray) -> list[Any]:
-    """The stream's previews then its completed image, equal to the image not streamed; returns the
-    events before the first preview."""
-    kinds = [event.type for event in events]
-    first = kinds.index(f"{prefix}.partial_image")
-    partial = [e for e in events if e.type == f"{prefix}.partial_image"]
-    assert [e.partial_image_index for e in partial] == list(range(previews))
-    assert kinds[-1] == f"{prefix}.completed" and kinds.count(f"{prefix}.completed") == 1
-    assert kinds[first : first + previews] == [f"{prefix}.partial_image"] * previews
-    completed = events[-1]
-    np.testing.assert_array_equal(pixels(completed.b64_json), plain)
-    for event in partial:
-        assert pixels(event.b64_json).shape == plain.shape and event.size == completed.size
-    return events[:first]
 
 
 def test_a_streamed_generation_gives_its_previews_then_the_image_it_gives_unstreamed(
@@ -111,34 +82,6 @@ def test_a_streamed_edit_gives_its_previews_then_the_image_it_gives_unstreamed(
     plain = pixels(client.images.edit(**ask, extra_body=extra).data[0].b64_json)
     events = list(client.images.edit(**ask, stream=True, partial_images=2, extra_body=extra))
     assert assert_streamed(events, "image_edit", 2, plain) == []
-
-
-def test_glm_image_streams_its_ar_progress_before_its_previews(glm: ServerProcess) -> None:
-    client = client_of(glm)
-    ask = {"model": glm.argv[2], "prompt": "a red fox", "size": "64x64"}
-    extra = {"seed": 3, "num_inference_steps": 4}
-    plain = pixels(client.images.generate(**ask, extra_body=extra).data[0].b64_json)
-    events = list(client.images.generate(**ask, stream=True, partial_images=2, extra_body=extra))
-    before = assert_streamed(events, "image_generation", 2, plain)
-    progress = [(e.tokens, e.total) for e in before]
-    assert before and all(e.type == "image_generation.progress" for e in before)
-    total = progress[0][1]
-    assert progress[-1] == (total, total) and [t for t, _ in progress] == sorted(t for t, _ in progress)
-
-
-def test_chat_streams_the_image_as_a_content_part(glm: ServerProcess) -> None:
-    client = client_of(glm)
-    messages = [{"role": "user", "content": "a red fox"}]
-    extra = {"modalities": ["image"], "size": "64x64", "seed": 3, "num_inference_steps": 4}
-    (plain,) = client.chat.completions.create(model=glm.argv[2], messages=messages,
-                                              extra_body=extra).choices  # fmt: skip
-    chunks = list(client.chat.completions.create(model=glm.argv[2], messages=messages, stream=True,
-                                                 extra_body=extra))  # fmt: skip
-    assert chunks[0].choices[0].delta.role == "assistant"
-    parts = [c.choices[0].delta.content for c in chunks if isinstance(c.choices[0].delta.content, list)]
-    assert len(parts) == 1 and parts[0][0]["type"] == "image_url"
-    assert parts[0][0]["image_url"]["url"] == plain.message.content[0]["image_url"]["url"]
-    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_a_client_that_closes_the_stream_after_its_first_preview_aborts_the_request(
