@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cli_forks import VllmCliForks
+from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
 pytestmark = pytest.mark.processes
 
 
 @pytest.fixture(scope="module", autouse=True)
-def forks(vllm_cli: VllmCliForks) -> Iterator[VllmCliForks]:
+def forks(vllm_cli: VllmForks) -> Iterator[VllmForks]:
     """Command lines in the suite's usual environment run as forks (the session's ``vllm_cli``); a
     changed environment gets a fresh ``vllm``."""
     global _forks
@@ -27,7 +27,7 @@ def forks(vllm_cli: VllmCliForks) -> Iterator[VllmCliForks]:
         _forks = None
 
 
-_forks: VllmCliForks | None = None
+_forks: VllmForks | None = None
 
 
 def vllm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_cli_forks import VllmCliForks
 from vllm_omni_plugin.config import PLATFORMS, ConfigError, resolve_deployment
 from vllm_omni_plugin.config.resolved import CPU_RESERVED_CORES_ENV, RUNNER_ENV
 from vllm_omni_plugin.processes import settled_environment, temporary_environment
 from vllm_omni_plugin.stage.factory import adopt_model_runner
+from vllm_omni_testkit.harness.forks import VllmForks
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -233,7 +233,7 @@ def test_stages_sharing_a_device_must_split_its_memory(glm_dir: str, tmp_path: P
     assert "stage 0 (ar) 0.9 (vLLM's default), stage 1 (dit) 0.3: together 1.2" in str(err.value)
 
 
-def test_print_resolved_config_for_cuda_shows_them(tiny_bagel: Path, vllm_cli: VllmCliForks) -> None:
+def test_print_resolved_config_for_cuda_shows_them(tiny_bagel: Path, vllm_cli: VllmForks) -> None:
     result = vllm_cli.run(
         "serve", str(tiny_bagel), "--omni", "--deploy-config", str(DEPLOY / "bagel.yaml"),
         "--print-resolved-config", "cuda",

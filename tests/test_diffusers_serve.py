@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from helpers import source_image
-from vllm_cli_forks import VllmCliForks
+from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 from vllm_omni_testkit.reference.diffusers import reference_image
 
@@ -339,7 +339,7 @@ def test_offline_api_in_process_stage_edits_and_counts_steps(
     ids=["no-usable-call", "no-model-index"],
 )
 def test_serve_refuses_what_it_cannot_drive_with_one_line(
-    tmp_path: Path, index: dict | None, message: str, vllm_cli: VllmCliForks
+    tmp_path: Path, index: dict | None, message: str, vllm_cli: VllmForks
 ) -> None:
     model = tmp_path / "model"
     model.mkdir()

@@ -19,11 +19,11 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from helpers import serve_model
-from vllm_cli_forks import VllmCliForks
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.lora import LoadedAdapters, LoraError, LoraSpec, check_lora, read_lora
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.tiny_models.lora import FILE, build_lora
+from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.server import ServerProcess, cpu_test_env, free_port
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
@@ -298,7 +298,7 @@ async def one_batch(server: ServerProcess, asks: list[dict[str, Any]]) -> list[n
 
 @pytest.mark.server
 def test_a_bad_start_up_adapter_is_one_line_and_exit_2(
-    tiny_sd3: Path, tmp_path: Path, vllm_cli: VllmCliForks
+    tiny_sd3: Path, tmp_path: Path, vllm_cli: VllmForks
 ) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"nothing")

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cli_forks import VllmCliForks
 from vllm_omni_plugin.config import PLATFORMS, ResolvedDeployment, resolve_deployment
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.stage.errors import StageStartError
 from vllm_omni_plugin.stage.factory import build_connectors
 from vllm_omni_plugin.stage.placement.ray.actor import ActorPlaced
 from vllm_omni_plugin.stage.placement.ray.head import RayPlacement, RayStageClient
+from vllm_omni_testkit.harness.forks import VllmForks
 
 HEAD_NODE, OTHER_NODE = "a" * 56, "b" * 56
 
@@ -97,7 +97,7 @@ def test_shared_memory_cannot_reach_another_node(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_no_cluster_at_the_address_is_one_line_and_exit_2(tmp_path: Path, vllm_cli: VllmCliForks) -> None:
+def test_no_cluster_at_the_address_is_one_line_and_exit_2(tmp_path: Path, vllm_cli: VllmForks) -> None:
     """Ray itself would retry an address where nothing answers for minutes; the server says so at once."""
     from vllm_omni_testkit.harness.server import cpu_test_env, free_port
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_cli_forks import VllmCliForks
 from vllm_omni_plugin.entrypoints.cli import installed_vllm, supported_vllm_range
+from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ def omni(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 @pytest.mark.processes
-def test_version_names_the_plugin_vllm_and_the_range(vllm_cli: VllmCliForks) -> None:
+def test_version_names_the_plugin_vllm_and_the_range(vllm_cli: VllmForks) -> None:
     dist, version = installed_vllm()
     result = vllm_cli.run("serve", "--omni", "--version")
     assert result.returncode == 0, result.stderr

@@ -32,6 +32,16 @@ from vllm_omni_plugin.processes import (
 RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
 
 
+_SPARED: set[ProcessId] = set()
+
+
+def spare_from_watches(pid: int) -> None:
+    """The test harness's own long-lived helper (a fork server): no watch counts it as left behind,
+    though they follow the processes it starts."""
+    if (process := ProcessId.of(pid)) is not None:
+        _SPARED.add(process)
+
+
 @dataclass
 class Leftovers:
     processes: dict[int, str] = field(default_factory=dict)
@@ -126,7 +136,9 @@ class LeakWatch:
         this process). Each is named by the command line it has now: one first seen between its fork and
         its exec was recorded with its parent's."""
         with self._lock:
-            alive = [p for p in self.processes.values() if p.alive() and p.pid != self.root]
+            alive = [
+                p for p in self.processes.values() if p.alive() and p.pid != self.root and p not in _SPARED
+            ]
             for p in alive:
                 self.commands[p.pid] = cmdline(p.pid) or self.commands.get(p.pid, "")
             commands = {p.pid: self.commands[p.pid] for p in alive}

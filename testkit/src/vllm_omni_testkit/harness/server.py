@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from vllm_omni_testkit.harness.forks import ForkedProcess, active_forks
 from vllm_omni_testkit.holds import Hold, HoldPoints
 
 CPU_TEST_ENV: dict[str, str] = {
@@ -166,7 +167,8 @@ class ServerProcess:
         """Hold points of this deployment (``vllm_omni_testkit.holds``, reached through the product's
         ``vllm_omni_plugin.test_hooks``)."""
         self.env = {**(dict(env) if env is not None else cpu_test_env()), **self.holds.env}
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
+        """The main process: a fork of the session's fork server where it can be (``forks.py``)."""
 
     @property
     def base_url(self) -> str:
@@ -174,6 +176,10 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        forks = active_forks()
+        if forks is not None and forks.can_fork(self.argv, self.env):
+            self.proc = forks.start(self.argv, self.env, self.log_path)
+            return self
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             self.argv,
