@@ -9,10 +9,11 @@ a user's would) and ending as the interpreter ends a script (threads joined, ``a
 uncaught Ctrl-C re-raised as the signal). The fork server loads no vLLM plugin: each child loads ours
 from its entry point, as the console script does.
 
-A command line forks only where its environment equals the fork server's, test hold points aside (what
-is imported depends on the environment: ``VLLM_PLUGINS``, ``PYTHONPATH``, thread settings read when a
-library loads); any other runs as a fresh process. Tests that check how a user's process starts or stops
-(tests/test_stops.py) give their servers environments of their own, so they run fresh.
+A command line forks only where its environment equals the fork server's, but for variables nothing
+reads at import (``READ_WHEN_USED``): what is imported depends on the environment (``VLLM_PLUGINS``,
+``PYTHONPATH``, thread settings read when a library loads); any other runs as a fresh process. Tests
+that check how a user's process starts or stops (tests/test_stops.py) give their servers environments
+of their own, so they run fresh.
 
 Run as a module, this is the fork server: one JSON object per line on stdin (``{"id", "argv", "env",
 "cwd", "stdout", "stderr"}``), answered with ``{"id", "pid"}``; ``{"pid", "returncode"}`` follows when
@@ -48,8 +49,12 @@ PRELOADED = (
     "vllm.v1.engine.async_llm",
 )
 """What the fork server imports: the costly part of every ``vllm`` start (no plugin among them)."""
-PER_SERVER_ENV = ("VLLM_OMNI_HOLD_DIR", "VLLM_OMNI_TEST_HOOKS", "VLLM_OMNI_FAULT_SEED")
-"""Variables that may differ between a fork and the fork server: the test seam's, read when used."""
+READ_WHEN_USED = frozenset({
+    "VLLM_OMNI_HOLD_DIR", "VLLM_OMNI_TEST_HOOKS", "VLLM_OMNI_FAULT_SEED",  # the test seam's
+    "VLLM_LOG_STATS_INTERVAL",  # vllm.envs reads it when the engine logs its stats
+    "RAY_ADDRESS",  # ray.init
+})  # fmt: skip
+"""Variables that may differ between a fork and the fork server: nothing imported reads them at import."""
 
 _active: VllmForks | None = None
 
@@ -229,12 +234,12 @@ class VllmForks:
 
     def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether ``argv`` with ``env`` runs as a fork: the stock ``vllm`` under the fork server's
-        environment (test hold points aside)."""
+        environment (variables read only when used aside)."""
         vllm = str(Path(sys.executable).parent / "vllm")
         if not argv or argv[0] != vllm:
             return False
-        ours = {k: v for k, v in env.items() if k not in PER_SERVER_ENV}
-        return ours == {k: v for k, v in self.env.items() if k not in PER_SERVER_ENV}
+        ours = {k: v for k, v in env.items() if k not in READ_WHEN_USED}
+        return ours == {k: v for k, v in self.env.items() if k not in READ_WHEN_USED}
 
     def start(
         self, argv: Sequence[str], env: Mapping[str, str], stdout: Path, stderr: Path | None = None
