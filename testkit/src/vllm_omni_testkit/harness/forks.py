@@ -118,7 +118,7 @@ def _child(case: dict[str, Any], own: Sequence[int]) -> None:
         except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
             traceback.print_exc()
             status = 1
-        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does at exit, in order
+        getattr(threading, "_shutdown")()  # noqa: B009 - what the interpreter does at exit, in order
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
