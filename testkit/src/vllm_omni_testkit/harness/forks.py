@@ -56,6 +56,9 @@ READ_WHEN_USED = frozenset({
 })  # fmt: skip
 """Variables that may differ between a fork and the fork server: nothing imported reads them at import."""
 
+VLLM = str(Path(sys.executable).parent / "vllm")
+"""The stock console script this environment runs (what forks)."""
+
 _active: VllmForks | None = None
 
 
@@ -235,8 +238,7 @@ class VllmForks:
     def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether ``argv`` with ``env`` runs as a fork: the stock ``vllm`` under the fork server's
         environment (variables read only when used aside)."""
-        vllm = str(Path(sys.executable).parent / "vllm")
-        if not argv or argv[0] != vllm:
+        if not argv or argv[0] != VLLM:
             return False
         ours = {k: v for k, v in env.items() if k not in READ_WHEN_USED}
         return ours == {k: v for k, v in self.env.items() if k not in READ_WHEN_USED}
@@ -271,10 +273,9 @@ class VllmForks:
         """``vllm *args`` to its end (killed after ``timeout`` s), its output captured."""
         import tempfile
 
-        vllm = str(Path(sys.executable).parent / "vllm")
         with tempfile.TemporaryDirectory(prefix="vllm_fork_") as directory:
             out, err = Path(directory) / "stdout", Path(directory) / "stderr"
-            child = self.start([vllm, *args], env if env is not None else self.env, out, err)
+            child = self.start([VLLM, *args], env if env is not None else self.env, out, err)
             try:
                 code = child.wait(timeout)
             except subprocess.TimeoutExpired:
