@@ -204,6 +204,9 @@ def test_health_reports_every_stage(server: ServerProcess) -> None:
         for replica in stage["replicas"]:
             assert replica["state"] == "ready" and isinstance(replica["pid"], int)
             assert replica["pid"] != server.proc.pid  # both stages run in processes of their own
+    # the stages started side by side: the DiT's process ran (and loaded) while the AR engine started
+    log = server.log_text()
+    assert log.index("stage 1 (dit) replica 0 launched") < log.index("stage 0 (ar) replica 0 starting")
 
 
 def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -17,6 +17,7 @@ import torch
 from helpers import FakePlacement, FakeStageClient, ar_answer, dit_answer, fake_deployment
 from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorError, InProcessConnector
 from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
+from vllm_omni_plugin.stage.async_omni import stages_start_side_by_side
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.errors import (
@@ -745,3 +746,18 @@ def test_a_stage_request_error_is_a_client_error() -> None:
     assert StageError("bug").http_status == 500
     assert StageDeadError("died").http_status == StageStartError("x").http_status == 503
     assert RequestAbortedError("gone").http_status == 503
+
+
+def test_stages_start_side_by_side_unless_two_share_a_gpu(tmp_path: Path) -> None:
+    """vLLM sizes an engine's KV cache from the GPU memory it measures while it loads, so stages whose
+    replicas share a GPU (or do not say which) start one after the other; on CPU they start together."""
+    deployment = fake_deployment(tmp_path)
+    assert stages_start_side_by_side(deployment)
+    deployment.platform = "cuda"
+    assert not stages_start_side_by_side(deployment)  # no stage names its devices
+    for stage, devices in zip(deployment.stages, ("0", "1,2"), strict=True):
+        for replica in stage.replicas:
+            replica.devices = devices
+    assert stages_start_side_by_side(deployment)
+    deployment.stages[1].replicas[0].devices = "2,0"
+    assert not stages_start_side_by_side(deployment)

@@ -73,11 +73,25 @@ class AsyncOmni:
     async def start(self) -> None:
         self.connectors = build_connectors(self.deployment)
         self.pools = build_stages(self.deployment, self.connectors, placement=self.placement)
+        starting: list[asyncio.Task[None]] = []
         try:
-            for pool in self.pools.values():
-                await pool.start()
+            if stages_start_side_by_side(self.deployment):
+                # the stages that keep the environment while they load last, each once the one before
+                # runs its processes: a DiT loads while the AR engine does
+                for pool in sorted(self.pools.values(), key=lambda p: p.holds_environment_while_loading):
+                    starting.append(asyncio.create_task(pool.start(), name=f"start {pool.name}"))
+                    await pool.launched(starting[-1])
+                done, _ = await asyncio.wait(starting, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if (error := task.exception()) is not None:
+                        raise error
+            else:
+                for pool in self.pools.values():
+                    await pool.start()
             await self.placement.start()  # only once the pools run: starting them blocks this loop at times
-        except BaseException:  # including an interrupt half-way: every pool, also the one starting
+        except BaseException:  # including an interrupt half-way: every pool, also the ones starting
+            for task in starting:
+                task.cancel()
             self.placement.abandon()
             for pool in self.pools.values():
                 await pool.shutdown()
@@ -108,3 +122,21 @@ class AsyncOmni:
                 connector.close()
             except Exception:  # closing must release the rest
                 logger.exception("closing a connector failed")
+
+
+def stages_start_side_by_side(deployment: ResolvedDeployment) -> bool:
+    """Whether the stages may load at the same time. On a GPU, vLLM's engine sizes its KV cache from the
+    device memory it measures while it loads, so another stage loading on the same device meanwhile would
+    be counted against it: stages start one after the other unless every replica names its devices and
+    no device serves two stages. On CPU the KV cache has a set size."""
+    if deployment.platform == "cpu":
+        return True
+    owner: dict[str, int] = {}
+    for stage in deployment.stages:
+        for replica in stage.replicas:
+            if not replica.devices:
+                return False
+            for device in replica.devices.split(","):
+                if owner.setdefault(device.strip(), stage.stage_id) != stage.stage_id:
+                    return False
+    return True

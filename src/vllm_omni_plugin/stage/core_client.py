@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import collections
 import enum
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.log import get_logger
@@ -38,7 +39,14 @@ class StageCoreClientBase(abc.ABC):
     the orchestrator retries those within each request's budget.
     """
 
+    holds_environment_while_loading: ClassVar[bool] = False
+    """Its start keeps this process's environment (``temporary_environment``) until the replica has
+    loaded (vLLM's engine): no other stage's process can start meanwhile, so such stages start last."""
+
     def __init__(self, stage_id: int, replica_id: int, name: str, *, restart: bool = True) -> None:
+        self.launched = asyncio.Event()
+        """Set once the replica's processes run, while they may still load: the next stage's replicas
+        may start beside them (replicas that do not set it count as launched when their start ends)."""
         self.stage_id = stage_id
         self.replica_id = replica_id
         self.name = name

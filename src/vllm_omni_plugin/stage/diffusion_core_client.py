@@ -117,6 +117,8 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         await loop.run_in_executor(None, self._start_process)
+        logger.info("%s launched (pid %s); loading", self.label, self.manager.pid)
+        self.launched.set()
         deadline = loop.time() + READY_TIMEOUT_S
         while not self._ready.done():
             if not self.manager.is_alive():

@@ -102,6 +102,8 @@ class StageLLMCoreClient(StageCoreClientBase):
         """The engine arguments of the next start: the resolved ones, plus the measured KV cache."""
         return {**self.engine_args, **self.kv_cache_args}
 
+    holds_environment_while_loading = True
+
     async def start(self) -> None:
         await self._launch()
 
@@ -110,6 +112,7 @@ class StageLLMCoreClient(StageCoreClientBase):
         AsyncLLM = resolve("AsyncLLM")
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
+        logger.info("%s starting (vLLM engine)", self.label)
 
         def build() -> Any:
             args = self.launch_args()

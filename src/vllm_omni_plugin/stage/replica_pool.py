@@ -27,6 +27,19 @@ class StageReplicaPool:
             await self.shutdown()
             raise errors[0]
 
+    @property
+    def holds_environment_while_loading(self) -> bool:
+        return any(c.holds_environment_while_loading for c in self.clients)
+
+    async def launched(self, starting: asyncio.Task[None]) -> None:
+        """Returns once every replica's processes run (they may still load) or ``starting``, the pool's
+        start, has ended."""
+        every = asyncio.ensure_future(asyncio.gather(*(c.launched.wait() for c in self.clients)))
+        try:
+            await asyncio.wait({every, starting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            every.cancel()
+
     def pick(self) -> StageCoreClientBase:
         """The healthy replica with the fewest requests in flight."""
         healthy = [c for c in self.clients if c.healthy]
