@@ -92,6 +92,7 @@ class AsyncOmni:
         except BaseException:  # including an interrupt half-way: every pool, also the ones starting
             for task in starting:
                 task.cancel()
+            await asyncio.gather(*starting, return_exceptions=True)  # their outcomes read: none is logged
             self.placement.abandon()
             for pool in self.pools.values():
                 await pool.shutdown()

@@ -10,6 +10,7 @@ from vllm_omni_plugin.stage.core_types import StageCoreOutput
 from vllm_omni_plugin.stage.errors import StageDeadError
 
 RESTART_WAIT_S = 300.0
+LAUNCH_POLL_S = 0.05
 
 
 class StageReplicaPool:
@@ -33,12 +34,9 @@ class StageReplicaPool:
 
     async def launched(self, starting: asyncio.Task[None]) -> None:
         """Returns once every replica's processes run (they may still load) or ``starting``, the pool's
-        start, has ended."""
-        every = asyncio.ensure_future(asyncio.gather(*(c.launched.wait() for c in self.clients)))
-        try:
-            await asyncio.wait({every, starting}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            every.cancel()
+        start, has ended (its outcome is left to whoever awaits it)."""
+        while not starting.done() and not all(c.launched.is_set() for c in self.clients):
+            await asyncio.wait({starting}, timeout=LAUNCH_POLL_S)
 
     def pick(self) -> StageCoreClientBase:
         """The healthy replica with the fewest requests in flight."""
