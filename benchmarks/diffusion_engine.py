@@ -292,11 +292,13 @@ def dit_closed_loop(
     engine's counters over the timed rounds."""
     import msgspec
 
-    from vllm_omni_plugin.diffusion.engine import DiffusionEngine
+    from vllm_omni_plugin.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
     from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest
     from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
 
-    engine = DiffusionEngine(model, runner_cls=BAGEL_RUNNER, max_batch_size=clients, batching=batching)
+    engine = DiffusionEngine(
+        model, DiffusionEngineConfig(runner_cls=BAGEL_RUNNER, max_batch_size=clients, batching=batching)
+    )
     model_cfg = (
         engine.runner.transformer.num_layers,
         engine.runner.transformer.num_kv_heads,

@@ -172,7 +172,7 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from vllm_omni_plugin.diffusion import DiffusionEngine
+    from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig
     from vllm_omni_plugin.tiny_models import build
 
     if args.device == "cpu":
@@ -180,7 +180,7 @@ def main() -> int:
     else:
         print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     concurrency = tuple(args.concurrency)
-    device_args: dict[str, Any] = {"device": args.device, "max_batch_size": max(concurrency)}
+    device_args: dict[str, Any] = {"max_batch_size": max(concurrency)}
     if args.dtype:
         device_args["dtype"] = args.dtype
     cache_dir = Path(os.environ.get("VLLM_OMNI_TINY_MODEL_CACHE", ROOT / ".cache" / "tiny_models"))
@@ -199,7 +199,9 @@ def main() -> int:
             if "compile" in engine_args:  # warmed up at the size measured
                 engine_args["compile"] = {**engine_args["compile"], "warmup_sizes": [[args.size, args.size]]}
             try:
-                engine = DiffusionEngine(path, **engine_args)
+                engine = DiffusionEngine(
+                    path, DiffusionEngineConfig.from_args(engine_args), device=args.device
+                )
             except ValueError as exc:  # a runner without it
                 print(f"{model:10s} {variant:10s} not available: {exc}", flush=True)
                 continue

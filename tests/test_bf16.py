@@ -235,7 +235,7 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
     docstring), and then every later token and the image differ."""
     import torch
 
-    from vllm_omni_plugin.diffusion import DiffusionEngine
+    from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig
     from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
     from vllm_omni_testkit.reference.glm_image import (
         glm_image_reference_image,
@@ -252,7 +252,7 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
     assert served.shape == (SIZE, SIZE, 3) and served.std() > 10  # an image, not a flat or broken one
 
     prior = glm_image_reference_prior_tokens(tiny_glm_image, PROMPT, SIZE, SIZE, seed=SEED, dtype="bfloat16")
-    engine = DiffusionEngine(tiny_glm_image, dtype="bfloat16")
+    engine = DiffusionEngine(tiny_glm_image, DiffusionEngineConfig(dtype="bfloat16"))
     assert engine.dtype == torch.bfloat16
     [ours] = engine.generate(
         [

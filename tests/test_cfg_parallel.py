@@ -20,7 +20,7 @@ import pytest
 from test_bagel_dit import STEPS as BAGEL_STEPS
 from test_bagel_dit import edit, t2i
 from test_step_batching import BAGEL_RUNNER, ask, assert_within_one_level, glm_edit
-from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig
 from vllm_omni_plugin.diffusion.cfg_parallel import split_rows
 from vllm_omni_plugin.diffusion.diffusers_runner import denoiser_of
 from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, PeerSpec
@@ -49,8 +49,10 @@ class Pair:
     leaves the forwards split; one inside it would keep them on rank 0, as LoRA's do)."""
 
     def __init__(self, model: Path, **kwargs: Any) -> None:
-        self.plain = DiffusionEngine(model, max_batch_size=4, **kwargs)
-        self.parallel = DiffusionEngine(model, max_batch_size=4, cfg_parallel_size=2, **kwargs)
+        self.plain = DiffusionEngine(model, DiffusionEngineConfig(max_batch_size=4, **kwargs))
+        self.parallel = DiffusionEngine(
+            model, DiffusionEngineConfig(max_batch_size=4, cfg_parallel_size=2, **kwargs)
+        )
         self.rows: list[int] = []
         denoiser = denoiser_of(self.parallel.runner.pipe)
         self._hook = denoiser.register_forward_pre_hook(
@@ -171,11 +173,13 @@ def _step_batched(engine: DiffusionEngine, batch: list[Any]) -> list[np.ndarray]
 
 
 def test_a_step_batched_group_goes_through_the_group(tiny_sd3: Path) -> None:
-    plain = DiffusionEngine(tiny_sd3, max_batch_size=4)
+    plain = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(max_batch_size=4))
     batch = [ask(f"step-{i}", seed=i, steps=STEPS) for i in range(2)]
     expected = _images(plain.generate(batch))
     plain.close()
-    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, batching="step", cfg_parallel_size=2)
+    engine = DiffusionEngine(
+        tiny_sd3, DiffusionEngineConfig(max_batch_size=4, batching="step", cfg_parallel_size=2)
+    )
     try:
         got = _step_batched(engine, batch)
         assert engine.runner.parallel_denoiser.split_calls == STEPS
@@ -189,7 +193,7 @@ def test_a_step_batched_group_goes_through_the_group(tiny_sd3: Path) -> None:
 def test_a_dead_peer_costs_no_request_and_closing_leaves_no_peer(
     tiny_sd3: Path, caplog: pytest.LogCaptureFixture, field: str
 ) -> None:
-    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, **{field: 2})
+    engine = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(max_batch_size=4, **{field: 2}))
     group = engine.parallel
     assert group is not None and group.alive
     batch = [ask(f"dead-{i}", seed=i, steps=STEPS) for i in range(2)]
@@ -206,7 +210,7 @@ def test_a_dead_peer_costs_no_request_and_closing_leaves_no_peer(
             assert_within_one_level(a, b)
     finally:
         engine.close()
-    healthy = DiffusionEngine(tiny_sd3, max_batch_size=4, **{field: 2})
+    healthy = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(max_batch_size=4, **{field: 2}))
     processes = healthy.parallel.processes
     assert all(p.poll() is None for p in processes)
     healthy.close()
@@ -237,9 +241,12 @@ class BagelRanks:
     per velocity forward, and the contexts rank 0 sends (one ``wire_state`` per rank and row set)."""
 
     def __init__(self, model: Path, size: int, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> None:
-        self.plain = DiffusionEngine(model, max_batch_size=4, runner_cls=BAGEL_RUNNER)
+        self.plain = DiffusionEngine(model, DiffusionEngineConfig(max_batch_size=4, runner_cls=BAGEL_RUNNER))
         self.parallel = DiffusionEngine(
-            model, max_batch_size=4, runner_cls=BAGEL_RUNNER, cfg_parallel_size=size, **kwargs
+            model,
+            DiffusionEngineConfig(
+                max_batch_size=4, runner_cls=BAGEL_RUNNER, cfg_parallel_size=size, **kwargs
+            ),
         )
         self.rows: list[int] = []
         self.sent: list[int] = []

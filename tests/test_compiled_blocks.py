@@ -22,7 +22,7 @@ import torch
 from torch._inductor.async_compile import AsyncCompile
 
 from helpers import wait_for
-from vllm_omni_plugin.diffusion.blocks import repeated_blocks
+from vllm_omni_plugin.diffusion.blocks import CompileSpec, repeated_blocks
 from vllm_omni_plugin.diffusion.compiled_blocks import (
     compile_blocks,
     compile_count,
@@ -229,7 +229,7 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
     """A stage's ``compile: {blocks: true}``: the engine compiles and warms up at start-up (a guided
     batch and an unguided request), then batches of every size, guided or not, compile nothing and give
     the eager engine's images within one level."""
-    from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
+    from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, DiffusionRequest
 
     if compile_unavailable_reason("cpu") is not None:
         pytest.skip("no torch.compile here")
@@ -248,7 +248,7 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
             for i in range(3)
         ]
 
-    eager = DiffusionEngine(tiny_sd3, max_batch_size=4)
+    eager = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(max_batch_size=4))
     plain = eager.generate(requests())
     eager.close()
     # the pool of compile workers a GPU host's compile starts (this CPU's compiles run in-process)
@@ -256,7 +256,10 @@ def test_a_compiled_engine_warms_up_so_that_no_request_compiles(tiny_sd3: Path) 
     try:
         wait_for(lambda: bool(inductor_workers()), 30, "inductor's compile workers to start")
         engine = DiffusionEngine(
-            tiny_sd3, max_batch_size=4, compile={"blocks": True, "warmup_sizes": [[SIZE, SIZE]]}
+            tiny_sd3,
+            DiffusionEngineConfig(
+                max_batch_size=4, compile=CompileSpec(blocks=True, warmup_sizes=[(SIZE, SIZE)])
+            ),
         )
         try:
             assert engine.compile_seconds > 0
@@ -290,7 +293,9 @@ def inductor_workers() -> list[psutil.Process]:
 
 def test_a_runner_that_cannot_compile_refuses_the_compile_block(tiny_bagel: Path) -> None:
     from test_step_batching import BAGEL_RUNNER
-    from vllm_omni_plugin.diffusion import DiffusionEngine
+    from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig
 
     with pytest.raises(ValueError, match="cannot compile its denoiser's blocks; remove the compile block"):
-        DiffusionEngine(tiny_bagel, runner_cls=BAGEL_RUNNER, compile={"blocks": True})
+        DiffusionEngine(
+            tiny_bagel, DiffusionEngineConfig(runner_cls=BAGEL_RUNNER, compile=CompileSpec(blocks=True))
+        )

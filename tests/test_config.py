@@ -23,8 +23,7 @@ from vllm_omni_plugin.config import (
 )
 from vllm_omni_plugin.config import pipeline as pipeline_module
 from vllm_omni_plugin.config.resolve import reresolve
-from vllm_omni_plugin.diffusion.engine import MAX_BATCH_SIZE
-from vllm_omni_plugin.diffusion.runner import DiffusionRunner
+from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE, DiffusionRunner
 from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER
 
 DATA = Path(__file__).parent / "data"

@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 
 from helpers import source_image
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
+from vllm_omni_plugin.diffusion import (
+    DiffusionEngine,
+    DiffusionEngineConfig,
+    DiffusionRequest,
+    DiffusionResult,
+)
 from vllm_omni_plugin.diffusion import diffusers_registry as registry
 from vllm_omni_plugin.diffusion.diffusers_runner import DiffusersPipelineRunner
 from vllm_omni_plugin.families.diffusers.runner import (
@@ -41,7 +46,7 @@ def engine_of(request: pytest.FixtureRequest) -> Callable[[str], DiffusionEngine
     def get(family: str) -> DiffusionEngine:
         if family not in loaded:
             model = request.getfixturevalue(f"tiny_{family}")
-            loaded[family] = DiffusionEngine(model, max_batch_size=4)
+            loaded[family] = DiffusionEngine(model, DiffusionEngineConfig(max_batch_size=4))
         return loaded[family]
 
     return get
@@ -257,7 +262,7 @@ def test_qwen_image_edit_plus_takes_a_list_of_images(tiny_qwen_image_edit: Path,
             os.symlink(entry, model / entry.name)
     index = json.loads((tiny_qwen_image_edit / "model_index.json").read_text())
     (model / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
-    engine = DiffusionEngine(model, max_batch_size=4)
+    engine = DiffusionEngine(model, DiffusionEngineConfig(max_batch_size=4))
     assert type(engine.runner) is QwenImageEditPlusRunner
     images = [source_image(64, seed=1), source_image(64, seed=2)]
     request = ask("p0", "put them side by side", seed=3, guidance=1.0, steps=2, images=images)
@@ -326,7 +331,7 @@ def engine_log() -> Iterator[list[str]]:
 
 
 def test_long_batches_log_progress_and_count_denoise_steps(tiny_sd3: Path) -> None:
-    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, progress_interval_s=0)
+    engine = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(max_batch_size=4, progress_interval_s=0))
     reported: list[int] = []
     engine.on_progress = lambda: reported.append(engine.denoise_steps)
     with engine_log() as lines:
@@ -349,7 +354,9 @@ def test_long_batches_log_progress_and_count_denoise_steps(tiny_sd3: Path) -> No
 
 
 def test_step_batched_groups_log_their_progress_too(tiny_sd3: Path) -> None:
-    engine = DiffusionEngine(tiny_sd3, max_batch_size=4, progress_interval_s=0, batching="step")
+    engine = DiffusionEngine(
+        tiny_sd3, DiffusionEngineConfig(max_batch_size=4, progress_interval_s=0, batching="step")
+    )
     try:
         with engine_log() as lines:
             (group,), failed = engine.admit([ask(f"g{i}", "a cat", seed=i, guidance=2.0) for i in range(2)])

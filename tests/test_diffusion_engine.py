@@ -13,7 +13,7 @@ import pytest
 
 import helpers
 from vllm_omni_plugin.config import PLATFORMS
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionResult
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, DiffusionResult
 from vllm_omni_plugin.diffusion import diffusers_registry as registry
 from vllm_omni_plugin.diffusion.diffusers_runner import DiffusersPipelineRunner
 from vllm_omni_plugin.diffusion.worker import CPUDiffusionWorker, CUDADiffusionWorker
@@ -35,7 +35,7 @@ CODEBOOK = 16384
 
 @pytest.fixture(scope="module")
 def engine(tiny_glm_image: Path) -> DiffusionEngine:
-    return DiffusionEngine(tiny_glm_image, dtype="float32", max_batch_size=4)
+    return DiffusionEngine(tiny_glm_image, DiffusionEngineConfig(dtype="float32", max_batch_size=4))
 
 
 @pytest.fixture(scope="module")
@@ -157,10 +157,7 @@ def test_compatible_requests_batch_and_match_alone(engine: DiffusionEngine) -> N
 
 def test_batch_invariant_engine_is_bit_exact(engine: DiffusionEngine, tiny_glm_image: Path) -> None:
     exact = DiffusionEngine(
-        tiny_glm_image,
-        max_batch_size=4,
-        batch_invariant=True,
-        runner=engine.runner,
+        tiny_glm_image, DiffusionEngineConfig(max_batch_size=4, batch_invariant=True), runner=engine.runner
     )
     requests = [t2i(str(i), seed=i) for i in range(3)]
     results = exact.generate(requests)
@@ -330,8 +327,10 @@ def test_the_engine_fills_no_default(engine: DiffusionEngine) -> None:
     [result] = engine.generate([request])
     assert "multiples of 32" in result.error  # no size, and nobody here gives one
     # What a resolved deploy config's diffusion_args hold (tiny_glm_image_cpu.yaml's stage 1).
-    diffusion_args = {"model": engine.model, "dtype": "float32", "max_batch_size": 4, "seed": 0}
-    staged = DiffusionEngine(**diffusion_args, runner=engine.runner)
+    diffusion_args = {"dtype": "float32", "max_batch_size": 4, "seed": 0}
+    staged = DiffusionEngine(
+        engine.model, DiffusionEngineConfig.from_args(diffusion_args), runner=engine.runner
+    )
     assert staged.max_batch_size == 4
     np.testing.assert_array_equal(
         alone(staged, t2i("d", seed=1)).image, alone(engine, t2i("d", seed=1)).image

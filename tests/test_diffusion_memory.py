@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, DiffusionRequest
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.memory import RESERVE_BYTES, MemoryBudget, tensor_bytes
 from vllm_omni_plugin.entrypoints.omni_server import http_status
@@ -64,8 +64,7 @@ def test_batches_keep_to_the_budget_and_a_request_too_large_alone_is_refused(
     assert big > room
     weights = tensor_bytes(glm_runner.weight_tensors())
     fraction = fraction_leaving(weights, room)
-    engine = DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", max_batch_size=8,
-                             gpu_memory_utilization=fraction)  # fmt: skip
+    engine = DiffusionEngine(tiny_glm_image, DiffusionEngineConfig(dtype="float32", max_batch_size=8, gpu_memory_utilization=fraction), runner=glm_runner)  # fmt: skip
     assert engine.memory is not None and engine.memory.weight_bytes == weights
 
     requests = [glm_request(f"r{i}", 64, seed=i) for i in range(5)] + [glm_request("big", 512)]
@@ -80,7 +79,9 @@ def test_batches_keep_to_the_budget_and_a_request_too_large_alone_is_refused(
     assert [r.batch_size for r in results[:5]] == [2, 2, 2, 2, 1] and all(r.ok for r in results[:5])
     assert results[5].invalid and results[5].error == message
 
-    unbounded = DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", max_batch_size=8)
+    unbounded = DiffusionEngine(
+        tiny_glm_image, DiffusionEngineConfig(dtype="float32", max_batch_size=8), runner=glm_runner
+    )
     assert unbounded.plan(requests)[0] == [[0, 1, 2, 3, 4], [5]]  # without a budget: batches by size only
 
 
@@ -88,7 +89,11 @@ def test_a_budget_the_weights_fill_fails_at_start(tiny_glm_image: Path, glm_runn
     weights = tensor_bytes(glm_runner.weight_tensors())
     fraction = (weights + RESERVE_BYTES // 2) / psutil.virtual_memory().total
     with pytest.raises(ValueError, match="holds its weights and nothing more.*raise gpu_memory_utilization"):
-        DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", gpu_memory_utilization=fraction)
+        DiffusionEngine(
+            tiny_glm_image,
+            DiffusionEngineConfig(dtype="float32", gpu_memory_utilization=fraction),
+            runner=glm_runner,
+        )
 
 
 def test_a_request_too_large_for_the_budget_is_a_400_through_the_stage(
@@ -205,8 +210,7 @@ def test_a_long_prompt_is_not_padded_into_a_batch_of_short_ones_past_the_budget(
     assert phases["encode_prompt"] > runner.activation_phases(short)["encode_prompt"]
 
     fraction = fraction_leaving(tensor_bytes(runner.weight_tensors()), (four_short + with_long) // 2)
-    engine = DiffusionEngine(tiny_qwen_image, runner=runner, dtype="float32", max_batch_size=8,
-                             gpu_memory_utilization=fraction)  # fmt: skip
+    engine = DiffusionEngine(tiny_qwen_image, DiffusionEngineConfig(dtype="float32", max_batch_size=8, gpu_memory_utilization=fraction), runner=runner)  # fmt: skip
     batches, failed = engine.plan([*short, long])
     assert not failed and batches == [[0, 1, 2, 3], [4]]  # the long one alone: four short ones fit
 
@@ -233,8 +237,7 @@ def test_step_batched_groups_in_flight_keep_to_the_budget_together(
         limits["gpu_memory_utilization"] = fraction_leaving(tensor_bytes(glm_runner.weight_tensors()), room)
     else:
         limits["max_step_tokens"] = 2 * glm_runner.step_tokens(glm_request("r", 64))
-    engine = DiffusionEngine(tiny_glm_image, runner=glm_runner, dtype="float32", max_batch_size=8,
-                             batching="step", batch_wait_ms=60_000, **limits)  # fmt: skip
+    engine = DiffusionEngine(tiny_glm_image, DiffusionEngineConfig(dtype="float32", max_batch_size=8, batching="step", batch_wait_ms=60_000, **limits), runner=glm_runner)  # fmt: skip
     in_flight: list[int] = []
 
     class CountingLoop(DiffusionBatchLoop):

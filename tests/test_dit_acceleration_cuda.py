@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, DiffusionRequest
+from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -36,7 +37,7 @@ def requests(count: int, cache: StepCacheSpec | None = None) -> list[DiffusionRe
 
 
 def test_cached_and_compiled_tiny_sd3_on_cuda(tiny_sd3: Path) -> None:
-    eager = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4)
+    eager = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(dtype="float32", max_batch_size=4), device="cuda")
     plain = [r.image for r in eager.generate(requests(3))]
     before = eager.counters()
     cached = eager.generate(requests(3, StepCacheSpec(policy="fixed")))
@@ -47,7 +48,7 @@ def test_cached_and_compiled_tiny_sd3_on_cuda(tiny_sd3: Path) -> None:
     eager.close()
     # how far caching moves an image is the CPU tests' business (tests/test_step_cache.py); here the
     # cached requests give on the device what they give on the CPU
-    on_cpu = DiffusionEngine(tiny_sd3, device="cpu", dtype="float32", max_batch_size=4)
+    on_cpu = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(dtype="float32", max_batch_size=4), device="cpu")
     try:
         expected = [r.image for r in on_cpu.generate(requests(3, StepCacheSpec(policy="fixed")))]
     finally:
@@ -57,10 +58,10 @@ def test_cached_and_compiled_tiny_sd3_on_cuda(tiny_sd3: Path) -> None:
 
     compiled = DiffusionEngine(
         tiny_sd3,
+        DiffusionEngineConfig(
+            dtype="float32", max_batch_size=4, compile=CompileSpec(blocks=True, warmup_sizes=[(64, 64)])
+        ),
         device="cuda",
-        dtype="float32",
-        max_batch_size=4,
-        compile={"blocks": True, "warmup_sizes": [[64, 64]]},
     )
     try:
         for batch in (1, 3):  # a batch size the warm-up did not run
@@ -77,10 +78,12 @@ def test_a_parallel_tiny_sd3_over_two_cuda_devices(tiny_sd3: Path, field: str) -
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"{field} 2 needs two CUDA devices")
-    plain = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4)
+    plain = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(dtype="float32", max_batch_size=4), device="cuda")
     expected = [r.image for r in plain.generate(requests(2))]
     plain.close()
-    engine = DiffusionEngine(tiny_sd3, device="cuda", dtype="float32", max_batch_size=4, **{field: 2})
+    engine = DiffusionEngine(
+        tiny_sd3, DiffusionEngineConfig(dtype="float32", max_batch_size=4, **{field: 2}), device="cuda"
+    )
     try:
         results = engine.generate(requests(2))
         assert engine.runner.parallel_denoiser.split_calls == STEPS
@@ -101,11 +104,11 @@ def test_a_cfg_parallel_tiny_bagel_over_two_cuda_devices(tiny_bagel: Path) -> No
     if torch.cuda.device_count() < 2:
         pytest.skip("cfg_parallel_size 2 needs two CUDA devices")
     batch = [edit("e", 1), t2i("t", 2)]
-    args = {"device": "cuda", "dtype": "float32", "max_batch_size": 4, "runner_cls": BAGEL_RUNNER}
-    plain = DiffusionEngine(tiny_bagel, **args)
+    args = {"dtype": "float32", "max_batch_size": 4, "runner_cls": BAGEL_RUNNER}
+    plain = DiffusionEngine(tiny_bagel, DiffusionEngineConfig(**args), device="cuda")
     expected = [[r.image for r in plain.generate([request])] for request in batch]
     plain.close()
-    engine = DiffusionEngine(tiny_bagel, cfg_parallel_size=2, **args)
+    engine = DiffusionEngine(tiny_bagel, DiffusionEngineConfig(cfg_parallel_size=2, **args), device="cuda")
     try:
         got = [engine.generate([request]) for request in batch]
         assert engine.runner.parallel_denoiser.split_calls > 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from test_step_batching import BAGEL_RUNNER, FAMILIES, WAIT_S, ask
-from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig
 from vllm_omni_plugin.diffusion.runner import preview_steps
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
@@ -42,7 +42,9 @@ def engines(request: pytest.FixtureRequest) -> Iterator[Callable[[str, str], Dif
         if (family, batching) not in loaded:
             model = request.getfixturevalue(f"tiny_{family}")
             runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
-            loaded[family, batching] = DiffusionEngine(model, max_batch_size=4, batching=batching, **runner)
+            loaded[family, batching] = DiffusionEngine(
+                model, DiffusionEngineConfig(max_batch_size=4, batching=batching, **runner)
+            )
         return loaded[family, batching]
 
     yield get

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from test_step_batching import ask, assert_within_one_level, glm_edit
-from vllm_omni_plugin.diffusion import DiffusionEngine, sequence_parallel
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, sequence_parallel
+from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.diffusers_runner import denoiser_of
 from vllm_omni_plugin.diffusion.sequence_parallel import attention_method, sequence_plan
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
@@ -35,8 +36,10 @@ class Engines:
     tokens rank 0's first block takes in each forward, recorded by its forward."""
 
     def __init__(self, model: Path) -> None:
-        self.plain = DiffusionEngine(model, max_batch_size=4)
-        self.parallel = DiffusionEngine(model, max_batch_size=4, sequence_parallel_size=2)
+        self.plain = DiffusionEngine(model, DiffusionEngineConfig(max_batch_size=4))
+        self.parallel = DiffusionEngine(
+            model, DiffusionEngineConfig(max_batch_size=4, sequence_parallel_size=2)
+        )
         self.tokens: list[int] = []
         # A wrapped forward, not a hook: a hook inside the denoiser keeps its forwards on rank 0.
         self._first = denoiser_of(self.parallel.runner.pipe).transformer_blocks[0]
@@ -366,11 +369,13 @@ def test_bagel_refuses_it_in_one_line(tiny_bagel: Path) -> None:
     with pytest.raises(
         ValueError, match=r"sequence_parallel_size: .* cannot run sequence-parallel; remove it"
     ):
-        DiffusionEngine(tiny_bagel, sequence_parallel_size=2, runner_cls=BAGEL_RUNNER)
+        DiffusionEngine(tiny_bagel, DiffusionEngineConfig(sequence_parallel_size=2, runner_cls=BAGEL_RUNNER))
 
 
 def test_compiled_blocks_and_sequence_parallelism_refuse_each_other(tiny_sd3: Path) -> None:
     with pytest.raises(ValueError, match="sequence_parallel_size: compiled blocks would trace its exchanges"):
-        DiffusionEngine(tiny_sd3, sequence_parallel_size=2, compile={"blocks": True})
+        DiffusionEngine(
+            tiny_sd3, DiffusionEngineConfig(sequence_parallel_size=2, compile=CompileSpec(blocks=True))
+        )
     with pytest.raises(ValueError, match="cfg_parallel_size and sequence_parallel_size cannot be combined"):
-        DiffusionEngine(tiny_sd3, sequence_parallel_size=2, cfg_parallel_size=2)
+        DiffusionEngine(tiny_sd3, DiffusionEngineConfig(sequence_parallel_size=2, cfg_parallel_size=2))

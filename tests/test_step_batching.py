@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest, DiffusionResult
+from vllm_omni_plugin.diffusion import (
+    DiffusionEngine,
+    DiffusionEngineConfig,
+    DiffusionRequest,
+    DiffusionResult,
+)
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
 from vllm_omni_testkit.holds import HOLD_DIR_ENV, HOOKS
@@ -42,8 +47,8 @@ def engines(
             model = request.getfixturevalue(f"tiny_{family}")
             runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
             args = {"max_batch_size": 4, **runner}
-            stepped = DiffusionEngine(model, batching="step", **args)
-            loaded[family] = (stepped, DiffusionEngine(model, **args))
+            stepped = DiffusionEngine(model, DiffusionEngineConfig(batching="step", **args))
+            loaded[family] = (stepped, DiffusionEngine(model, DiffusionEngineConfig(**args)))
         return loaded[family]
 
     yield get
@@ -402,9 +407,9 @@ def test_steps_go_on_while_a_decode_runs_and_decodes_that_wait_together_run_as_o
 
 def test_step_batching_is_refused_where_it_cannot_run(tiny_sd3: Path) -> None:
     with pytest.raises(ValueError, match="batching: step is not available: batch_invariant runs"):
-        DiffusionEngine(tiny_sd3, batching="step", batch_invariant=True)
+        DiffusionEngine(tiny_sd3, DiffusionEngineConfig(batching="step", batch_invariant=True))
     with pytest.raises(ValueError, match="batching must be one of request, step"):
-        DiffusionEngine(tiny_sd3, batching="rows")
+        DiffusionEngine(tiny_sd3, DiffusionEngineConfig(batching="rows"))
 
 
 def test_the_stage_loop_serves_rows_as_they_come_and_drops_an_aborted_one(

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from test_step_batching import BAGEL_RUNNER, ask, assert_within_one_level
-from vllm_omni_plugin.diffusion import DiffusionEngine
+from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig
 from vllm_omni_plugin.diffusion.blocks import repeated_blocks
 from vllm_omni_plugin.diffusion.diffusers_runner import denoiser_of
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
@@ -56,7 +56,9 @@ class Engines:
         if key not in self.loaded:
             model = self.request.getfixturevalue(f"tiny_{family}")
             runner = {"runner_cls": BAGEL_RUNNER} if family == "bagel" else {}
-            engine = DiffusionEngine(model, max_batch_size=4, batching=batching, **runner)
+            engine = DiffusionEngine(
+                model, DiffusionEngineConfig(max_batch_size=4, batching=batching, **runner)
+            )
             self.loaded[key] = engine
             self._count(family, engine)
         return self.loaded[key]
@@ -176,7 +178,9 @@ def test_off_is_todays_image_bit_for_bit(
     """A stage whose cache block says ``fixed``, and a request that turns it off: the image of an engine
     that has no cache block at all."""
     model = request.getfixturevalue(f"tiny_{family}")
-    cached_stage = DiffusionEngine(model, max_batch_size=4, cache={"policy": "fixed"})
+    cached_stage = DiffusionEngine(
+        model, DiffusionEngineConfig(max_batch_size=4, cache=StepCacheSpec(policy="fixed"))
+    )
     try:
         off = cached_stage.generate([make(family, "off", 7, StepCacheSpec(policy="none"))])[0]
         on = cached_stage.generate([make(family, "on", 7)])[0]

@@ -12,7 +12,9 @@ import pytest
 
 from vllm_omni_plugin.config import PLATFORMS, resolve_deployment
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionRequest
-from vllm_omni_plugin.diffusion.engine import MAX_BATCH_SIZE, MAX_STEP_TOKENS
+from vllm_omni_plugin.diffusion.engine import MAX_STEP_TOKENS
+from vllm_omni_plugin.diffusion.engine_config import DiffusionEngineConfig
+from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE
 from vllm_omni_plugin.families.bagel.request import BagelContext, BagelGenerationRequest, BagelSampling
 from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
 
@@ -26,7 +28,7 @@ def ask(request_id: str, size: int = 64, guidance: float = 4.0) -> DiffusionRequ
 
 @pytest.fixture(scope="module")
 def sd3(tiny_sd3: Path) -> DiffusionEngine:
-    return DiffusionEngine(tiny_sd3, max_step_tokens=64)
+    return DiffusionEngine(tiny_sd3, DiffusionEngineConfig(max_step_tokens=64))
 
 
 def test_each_family_counts_the_tokens_a_step_carries(
@@ -78,11 +80,11 @@ def test_batches_keep_to_max_step_tokens_and_a_large_request_runs_alone(sd3: Dif
 
 
 def test_a_pinned_max_batch_size_still_caps_the_count(tiny_sd3: Path, sd3: DiffusionEngine) -> None:
-    pinned = DiffusionEngine(tiny_sd3, runner=sd3.runner, max_batch_size=3)
+    pinned = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(max_batch_size=3), runner=sd3.runner)
     assert pinned.max_step_tokens == MAX_STEP_TOKENS["cpu"] == 1024
     assert pinned.plan([ask(f"u{i}", guidance=1.0) for i in range(5)])[0] == [[0, 1, 2], [3, 4]]
     with pytest.raises(ValueError, match="max_step_tokens must be >= 1"):
-        DiffusionEngine(tiny_sd3, runner=sd3.runner, max_step_tokens=-1)
+        DiffusionEngine(tiny_sd3, DiffusionEngineConfig(max_step_tokens=-1), runner=sd3.runner)
 
 
 def test_resolution_hands_the_token_budget_to_the_stage(tiny_sd3: Path, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         register_diffusion_pipeline,
     )
     from vllm_omni_plugin.diffusion.engine import DiffusionEngine
+    from vllm_omni_plugin.diffusion.engine_config import DiffusionEngineConfig
     from vllm_omni_plugin.diffusion.runner import DiffusionRunner
     from vllm_omni_plugin.diffusion.worker import (
         CPUDiffusionWorker,
@@ -31,6 +32,7 @@ __all__ = [
     "CPUDiffusionWorker",
     "CUDADiffusionWorker",
     "DiffusionEngine",
+    "DiffusionEngineConfig",
     "DiffusionRequest",
     "DiffusionResult",
     "DiffusionRunner",
@@ -43,6 +45,7 @@ __all__ = [
 
 _LAZY = {
     "DiffusionEngine": "engine",
+    "DiffusionEngineConfig": "engine_config",
     "DiffusionRunner": "runner",
     "UnknownPipelineError": "diffusers_registry",
     "UnservablePipelineError": "diffusers_registry",

@@ -34,7 +34,7 @@ import msgspec
 from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.cfg_parallel import RowParallelDenoiser
 from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
-from vllm_omni_plugin.diffusion.lora import MAX_LORAS
+from vllm_omni_plugin.diffusion.engine_config import DiffusionEngineConfig
 from vllm_omni_plugin.diffusion.memory import (
     MemoryBudget,
     allocated_bytes,
@@ -44,7 +44,7 @@ from vllm_omni_plugin.diffusion.memory import (
 )
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
 from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup
-from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE, BatchAborted, DiffusionRunner, PreviewCallback
+from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, PreviewCallback
 from vllm_omni_plugin.diffusion.sequence_parallel import SequenceParallelDenoiser, sequence_plan
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
@@ -54,13 +54,6 @@ from vllm_omni_plugin.log import get_logger
 logger = get_logger(__name__)
 
 MAX_SEED = 2**63 - 1
-BATCHING_MODES = ("request", "step")
-"""``request``: a batch of whole requests runs all its steps and decodes before the next forms;
-``step``: requests join and leave the running batch at step boundaries (:mod:`.step_batching`)."""
-BATCH_WAIT_MS = 100.0
-"""The default ``batch_wait_ms``: long enough that requests arriving together start as one group (shorter
-waits made groups of one under load), short enough to cost a request little
-(``benchmarks/diffusion_engine.py``)."""
 MAX_STEP_TOKENS = {"cpu": 1024}
 """The default ``max_step_tokens`` by device type: where a CPU denoiser forward stops gaining from more
 rows, so a real model's request runs alone (``benchmarks/diffusion_engine.py --max-step-tokens``)."""
@@ -72,8 +65,6 @@ DECODE_LATENTS_PER_CALL = {"cpu": 16384}
 decode takes, by device type: a few small images per call, where joining still pays on CPU."""
 GPU_DECODE_LATENTS = 1 << 20
 """Elsewhere: 4 megapixels of a 16-channel, 8x VAE per call."""
-PROGRESS_INTERVAL_S = 10.0
-"""How often a long batch logs its progress: short batches stay quiet, a minute-long one says so."""
 ABORTED = "aborted"
 
 IsAborted = Callable[[str], bool]
@@ -118,37 +109,23 @@ class DiffusionEngine:
     def __init__(
         self,
         model: str | Path,
+        config: DiffusionEngineConfig | None = None,
         *,
-        dtype: Any = "auto",
         device: Any = "cpu",
-        max_batch_size: int = MAX_BATCH_SIZE,
-        max_step_tokens: int | None = None,
-        seed: int | None = None,
-        batch_invariant: bool = False,
         runner: DiffusionRunner | None = None,
-        runner_cls: str | None = None,
-        progress_interval_s: float = PROGRESS_INTERVAL_S,
-        gpu_memory_utilization: float | None = None,
-        batching: str = "request",
-        batch_wait_ms: float = BATCH_WAIT_MS,
-        max_loras: int = MAX_LORAS,
-        cache: StepCacheSpec | dict[str, Any] | None = None,
-        compile: CompileSpec | dict[str, Any] | None = None,  # noqa: A002 (the stage field's name)
-        cfg_parallel_size: int = 1,
-        sequence_parallel_size: int = 1,
     ) -> None:
         import torch
 
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        config = config or DiffusionEngineConfig()
+        self.config = config
         self.model = str(model)
         self.device = torch.device(device)
-        self.dtype = torch_dtype(dtype, self.device)
-        self.max_batch_size = max_batch_size
-        if max_step_tokens is not None and max_step_tokens < 1:
-            raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
-        self.max_step_tokens = max_step_tokens or MAX_STEP_TOKENS.get(self.device.type, GPU_STEP_TOKENS)
-        self.batch_invariant = batch_invariant
+        self.dtype = torch_dtype(config.dtype, self.device)
+        self.max_batch_size = max_batch_size = config.max_batch_size
+        device_default = MAX_STEP_TOKENS.get(self.device.type, GPU_STEP_TOKENS)
+        self.max_step_tokens = config.max_step_tokens or device_default
+        self.batch_invariant = batch_invariant = config.batch_invariant
+        runner_cls = config.runner_cls
         start = time.perf_counter()
         if runner is None and runner_cls:  # a runner the pipeline names (its model is no diffusers pipeline)
             runner = _runner_class(runner_cls).load(self.model, dtype=self.dtype, device=self.device)
@@ -159,12 +136,12 @@ class DiffusionEngine:
         runner = self.runner
         self.memory: MemoryBudget | None = None
         """The stage's memory budget, its weights measured (None: no budget, batches by size only)."""
-        if gpu_memory_utilization is not None:
-            self.memory = self._measure_budget(gpu_memory_utilization)
+        if config.gpu_memory_utilization is not None:
+            self.memory = self._measure_budget(config.gpu_memory_utilization)
         self.request_type: type[RunnerRequest] = runner.request_type
         """What this engine's runner takes."""
-        self._seeds = random.Random(seed)
-        self.progress_interval_s = progress_interval_s
+        self._seeds = random.Random(config.seed)
+        self.progress_interval_s = config.progress_interval_s
         self._counters = DiffusionCounters()
         """What ran since load (:meth:`counters`); written under ``_count_lock`` (groups count from their
         own threads)."""
@@ -179,8 +156,8 @@ class DiffusionEngine:
         called from the thread that runs the request."""
         if runner.previews:
             runner.on_preview = self._preview
-        runner.max_loras = max_loras
-        self.cache = msgspec.convert(cache, StepCacheSpec) if isinstance(cache, dict) else cache
+        runner.max_loras = config.max_loras
+        self.cache = config.cache
         """The stage's step caching settings (requests override them field by field); None: off."""
         if self.cache is not None and self.cache.active and not runner.step_cache:
             raise ValueError(f"step caching is not available for {runner.label}; remove the cache block")
@@ -188,10 +165,9 @@ class DiffusionEngine:
         self.parallel: DenoiserGroup | None = None
         """A CFG- or sequence-parallel replica's group (``cfg_parallel_size`` or ``sequence_parallel_size``
         > 1): its peers compute their share of every denoiser forward's rows, or of its image tokens."""
-        self.compile = msgspec.convert(compile, CompileSpec) if isinstance(compile, dict) else compile
+        self.compile = config.compile
         """Regional compilation of the denoiser's blocks (None: eager); compiled and warmed up here."""
-        if cfg_parallel_size > 1 and sequence_parallel_size > 1:
-            raise ValueError("cfg_parallel_size and sequence_parallel_size cannot be combined; choose one")
+        cfg_parallel_size, sequence_parallel_size = config.cfg_parallel_size, config.sequence_parallel_size
         if sequence_parallel_size > 1 and self.compile is not None and self.compile.active:
             raise ValueError(
                 "sequence_parallel_size: compiled blocks would trace its exchanges; remove the compile block"
@@ -209,8 +185,7 @@ class DiffusionEngine:
         self.step_batcher: StepBatcher | None = None
         """``batching: step``: groups of requests in flight share denoiser forwards step by step
         (:meth:`run_group`); ``None``: whole requests batch (:meth:`generate`)."""
-        if batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {batching!r}")
+        batching = config.batching
         if batching == "step":
             if not runner.step_batching or batch_invariant:
                 why = "batch_invariant runs requests alone" if batch_invariant else f"{runner.label} cannot"
@@ -230,9 +205,7 @@ class DiffusionEngine:
                     name="dit-decode",
                 )
                 runner.decode_batcher = self.decode_batcher
-        if batch_wait_ms < 0:
-            raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms}")
-        self.batch_wait_ms = batch_wait_ms
+        self.batch_wait_ms = config.batch_wait_ms
         """``batching: step``: while requests run, how long a new request waits for others to start with
         it as one group (one pipeline call: its prompt encoding and decode batched)."""
         logger.info(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from vllm_omni_plugin.diffusion.engine import DiffusionEngine
+from vllm_omni_plugin.diffusion.engine_config import DiffusionEngineConfig
 from vllm_omni_plugin.diffusion.params import DiffusionRequest, DiffusionResult
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.processes import usable_cores
@@ -46,9 +47,10 @@ class DiffusionWorker:
         if engine_args.get("dtype") in (None, "auto"):
             engine_args["dtype"] = self.default_dtype
         engine_args.pop("device", None)
-        if engine_args.get("gpu_memory_utilization") is not None:
-            self.limit_memory(float(engine_args["gpu_memory_utilization"]))
-        self.engine = DiffusionEngine(model, device=self.device, **engine_args)
+        config = DiffusionEngineConfig.from_args(engine_args)
+        if config.gpu_memory_utilization is not None:
+            self.limit_memory(config.gpu_memory_utilization)
+        self.engine = DiffusionEngine(model, config, device=self.device)
         return self.engine
 
     def limit_memory(self, fraction: float) -> None:
