@@ -4,7 +4,6 @@ a run which leaves processes or shared-memory segments behind."""
 from __future__ import annotations
 
 import gc
-import json
 import multiprocessing
 import os
 import shutil
@@ -90,33 +89,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-MODULE_SECONDS = json.loads((Path(__file__).parent / "module_seconds.json").read_text())
-"""Each module's seconds in a full run (``scripts/module_seconds.py`` writes them from a JUnit report)."""
-UNMEASURED_SECONDS = {"server": 60.0, "processes": 10.0, "fast": 0.0}
-"""What a module not measured yet counts as, by its heaviest mark: a server, other processes or tiny
-models, or the fast tier only."""
-
-
-def module_seconds(module: str, items: list[pytest.Item]) -> float:
-    """How long a module runs: as measured, else as its marks suggest."""
-    if module in MODULE_SECONDS:
-        return float(MODULE_SECONDS[module])
+def module_weight(items: list[pytest.Item]) -> int:
+    """How heavy a module is, by its marks: servers, then other processes and tiny models, then the rest."""
     if any(item.get_closest_marker("server") is not None for item in items):
-        return UNMEASURED_SECONDS["server"]
+        return 0
     if any(item.get_closest_marker("fast") is None for item in items):
-        return UNMEASURED_SECONDS["processes"]
-    return UNMEASURED_SECONDS["fast"]
+        return 1
+    return 2
 
 
 def run_heaviest_modules_first(items: list[pytest.Item]) -> None:
-    """Orders modules longest first, each module's tests kept in their order: the test command runs
+    """Orders modules heaviest first, each module's tests kept in their order: the test command runs
     modules on parallel workers (``--dist loadfile --no-loadscope-reorder``), which take them in this
     order, so the run ends with short modules rather than with one worker alone on a long one."""
     by_module: dict[str, list[pytest.Item]] = {}
     for item in items:
         by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    ordered = sorted(by_module.items(), key=lambda kv: -module_seconds(*kv))
-    items[:] = [item for _, group in ordered for item in group]
+    items[:] = [item for group in sorted(by_module.values(), key=module_weight) for item in group]
 
 
 @pytest.fixture(autouse=True)
