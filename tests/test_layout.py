@@ -6,7 +6,6 @@ imports a family), the wheel free of test-only code (that is the test kit's, ``t
 from __future__ import annotations
 
 import ast
-import json
 import subprocess
 import tomllib
 from collections import defaultdict
@@ -543,12 +542,3 @@ def test_the_diffusion_modules_form_no_import_circle_and_take_no_private_name() 
     assert "vllm_omni_plugin.diffusion.peer_group" in graph["vllm_omni_plugin.diffusion.sequence_parallel"]
     assert circles_in(graph) == []
     assert private_imports(DIFFUSION) == []
-
-
-def test_the_measured_module_times_name_modules_that_exist() -> None:
-    """``tests/module_seconds.json`` orders the run (longest modules first): a module renamed or merged
-    away would leave its time behind, and the module it became would run as unmeasured."""
-    measured = json.loads((REPO / "tests" / "module_seconds.json").read_text())
-    assert measured, "no module times"
-    assert sorted(m for m in measured if not (REPO / m).is_file()) == []
-    assert all(isinstance(s, int) and s >= 0 for s in measured.values())
