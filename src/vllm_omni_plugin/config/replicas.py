@@ -138,7 +138,7 @@ def check_shared_devices(
             share, note = stage.diffusion_args.get("gpu_memory_utilization"), ""
             if share is None:
                 continue
-        for device in {d for replica in stage.replicas for d in (replica.devices or "").split(",") if d}:
+        for device in stage.devices():
             shares.setdefault(device, []).append((stage, float(share), note))
     for device, users in sorted(shares.items()):
         total = sum(share for _, share, _ in users)

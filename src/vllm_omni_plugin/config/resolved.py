@@ -121,6 +121,10 @@ class ResolvedStage(msgspec.Struct, kw_only=True):
     model_runner_reason: str | None = None
     """AR stages: why that runner (who chose it, and what it means for the stage)."""
 
+    def devices(self) -> set[str]:
+        """The devices its replicas name (a replica that names none takes the platform's default)."""
+        return {d for replica in self.replicas for d in (replica.devices or "").split(",") if d}
+
 
 class ResolvedDeployment(msgspec.Struct, kw_only=True):
     pipeline: str

@@ -132,12 +132,11 @@ def stages_start_side_by_side(deployment: ResolvedDeployment) -> bool:
     no device serves two stages. On CPU the KV cache has a set size."""
     if deployment.platform == "cpu":
         return True
-    owner: dict[str, int] = {}
+    if any(not replica.devices for stage in deployment.stages for replica in stage.replicas):
+        return False
+    taken: set[str] = set()
     for stage in deployment.stages:
-        for replica in stage.replicas:
-            if not replica.devices:
-                return False
-            for device in replica.devices.split(","):
-                if owner.setdefault(device.strip(), stage.stage_id) != stage.stage_id:
-                    return False
+        if stage.devices() & taken:
+            return False
+        taken |= stage.devices()
     return True
