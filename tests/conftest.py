@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -18,6 +19,9 @@ from fast_tier import select as select_fast_tier
 from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import CPU_TEST_ENV, cpu_test_env
+
+if TYPE_CHECKING:
+    import numpy as np
 
 for _key, _value in CPU_TEST_ENV.items():
     os.environ.setdefault(_key, _value)
@@ -151,6 +155,21 @@ def tiny_glm_image() -> Path:
     from vllm_omni_plugin.tiny_models import build
 
     return build("glm-image", tiny_model_cache() / "glm-image")
+
+
+@pytest.fixture(scope="session")
+def glm_image_served(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    """What ``vllm serve --omni`` makes of the tiny GLM-Image with its CPU deploy file
+    (``vllm_omni_testkit.harness.served_glm``), made once per run: the parallel workers of a run share
+    their base temp directory's parent."""
+    from vllm_omni_testkit.harness.served_glm import made_once, serve_reference
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "glm_image_served"
+    deploy = REPO_ROOT / "deploy" / "tiny_glm_image_cpu.yaml"
+    return made_once(
+        shared, lambda: serve_reference(tiny_glm_image, deploy, tmp_path_factory.mktemp("served"))
+    )
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Serving under Dynamo: Dynamo's real HTTP frontend (``make_engine`` + ``run_input``, what
 ``python -m dynamo.frontend`` runs) and our workers as processes discovering each other through a folder,
-on loopback, in one site and namespace for the module; one ``vllm serve --omni`` of the tiny GLM-Image
-makes the reference images every GLM-Image test compares with (a generation and a two-image edit).
+on loopback, in one site and namespace for the module; the run's one ``vllm serve --omni`` of the tiny
+GLM-Image (``glm_image_served``) makes the reference images every GLM-Image test compares with (a
+generation and a two-image edit).
 
 The pipeline role (``python -m vllm_omni_plugin.dynamo``) serving the whole tiny GLM-Image, then the tiny
 BAGEL: the official ``openai`` client gets what ``vllm serve --omni`` gives for the same request (the same
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import os
 import re
 import signal
@@ -37,15 +37,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from PIL import Image
 
 from vllm_omni_plugin.processes import SHM_DIR, descendants
 from vllm_omni_testkit.harness.dynamo import DynamoSite, dynamo_missing
+from vllm_omni_testkit.harness.served_glm import EDIT_SOURCES, GENERATION, pixels, png
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
-    bin_script,
-    cpu_test_env,
-    free_port,
     wait_for_metric,
 )
 from vllm_omni_testkit.holds import Hold
@@ -63,8 +60,8 @@ GLM = "tiny-glm-image"
 STAGES_GLM = "tiny-glm-image-stages"
 SEED_000_GLM = "tiny-glm-image-seed-000"
 BAGEL = "tiny-bagel"
-PROMPT = "a red fox in the snow"
-IMAGE = {"seed": 11, "num_inference_steps": 4}
+PROMPT = GENERATION["prompt"]
+IMAGE = {"seed": GENERATION["seed"], "num_inference_steps": GENERATION["num_inference_steps"]}
 """The generation every GLM-Image deployment is compared on (64x64), with ``vllm serve --omni``'s."""
 ENDLESS = 100_000
 """Steps no request finishes while a test holds it (nvext's step count is a u8: these go top-level)."""
@@ -127,49 +124,12 @@ stage_args:
 """
 
 
-def png(image: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, format="PNG")
-    return out.getvalue()
-
-
-def pixels(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
 def uri_pixels(uri: str) -> np.ndarray:
     assert uri.startswith("data:image/png;base64,"), uri[:40]
     return pixels(uri.split(",", 1)[1])
 
 
-SOURCES = [np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8) for seed in (1, 2)]
-
-
-def vllm_serve_images(model: Path, deploy: Path, log_dir: Path) -> dict[str, np.ndarray]:
-    """What ``vllm serve --omni`` makes for this module's requests: a generation and a two-image edit."""
-    port = free_port()
-    argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
-            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
-    with ServerProcess(argv, port=port, log_path=log_dir / "vllm_serve.log", env=cpu_test_env()) as server:
-        server.wait_ready(timeout=600)
-        made = httpx.post(
-            server.base_url + "/v1/images/generations",
-            json={"prompt": PROMPT, "size": "64x64", **IMAGE},
-            timeout=300,
-        )
-        assert made.status_code == 200, made.text
-        files = [("image", (f"{i}.png", png(image), "image/png")) for i, image in enumerate(SOURCES)]
-        edited = httpx.post(
-            server.base_url + "/v1/images/edits",
-            data={"prompt": "make it blue", "seed": "5", "num_inference_steps": "4"},
-            files=files,
-            timeout=300,
-        )
-        assert edited.status_code == 200, edited.text
-        return {
-            "generation": pixels(made.json()["data"][0]["b64_json"]),
-            "edit": pixels(edited.json()["data"][0]["b64_json"]),
-        }
+SOURCES = EDIT_SOURCES
 
 
 @pytest.fixture(scope="module")
@@ -177,43 +137,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DynamoSite]:
     """Dynamo's frontend; at the end, nothing of this module's left (processes, shared memory)."""
     with DynamoSite.running(tmp_path_factory.mktemp("dynamo")) as site:
         yield site
-
-
-class Reference:
-    """``vllm serve --omni``'s images for this module (``vllm_serve_images``), made once, on a thread that
-    starts beside the first deployment that asks for them."""
-
-    def __init__(self, model: Path, log_dir: Path) -> None:
-        self._images: dict[str, np.ndarray] = {}
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._make, args=(model, log_dir))
-        self._thread.start()
-
-    def _make(self, model: Path, log_dir: Path) -> None:
-        try:
-            self._images.update(vllm_serve_images(model, GLM_DEPLOY, log_dir))
-        except BaseException as exc:  # the fixture that asks for them says what
-            self._error = exc
-
-    def images(self, timeout: float = 900) -> dict[str, np.ndarray]:
-        self._thread.join(timeout)
-        if self._error is not None:
-            raise AssertionError(f"vllm serve --omni failed: {self._error!r}") from self._error
-        assert self._images, "vllm serve --omni gave no image"
-        return self._images
-
-    def join(self) -> None:
-        self._thread.join()
-
-
-@pytest.fixture(scope="module")
-def reference(site: DynamoSite, tiny_glm_image: Path) -> Iterator[Reference]:
-    """The one ``vllm serve --omni`` run of the module (its server stopped before the site's leak check)."""
-    made = Reference(tiny_glm_image, site.directory)
-    try:
-        yield made
-    finally:
-        made.join()
 
 
 # The pipeline role
@@ -257,9 +180,9 @@ def serve(site: DynamoSite, model: Path, deploy: Path, name: str, *flags: str) -
 
 
 @pytest.fixture(scope="class")
-def glm(site: DynamoSite, tiny_glm_image: Path, reference: Reference) -> Iterator[Served]:
-    worker = serve(site, tiny_glm_image, GLM_DEPLOY, GLM)  # vllm serve --omni starts beside the worker
-    images = reference.images()
+def glm(site: DynamoSite, tiny_glm_image: Path, glm_image_served: dict[str, np.ndarray]) -> Iterator[Served]:
+    worker = serve(site, tiny_glm_image, GLM_DEPLOY, GLM)
+    images = glm_image_served
     client = openai.OpenAI(base_url=site.processes[0].base_url + "/v1", api_key="unused", timeout=300)
     try:
         yield Served(site, worker, client, GLM, images)
@@ -463,10 +386,12 @@ def deploy_stages(site: DynamoSite, argv: list[str], model: str, dits: int) -> S
 
 
 @pytest.fixture(scope="class")
-def stages(site: DynamoSite, tiny_glm_image: Path, reference: Reference) -> Iterator[Stages]:
+def stages(
+    site: DynamoSite, tiny_glm_image: Path, glm_image_served: dict[str, np.ndarray]
+) -> Iterator[Stages]:
     deployed = deploy_stages(site, [str(tiny_glm_image), "--deploy-config", str(GLM_DEPLOY)], STAGES_GLM, 2)
     try:
-        deployed.reference = reference.images()["generation"]
+        deployed.reference = glm_image_served["generation"]
         yield deployed
     finally:
         deployed.stop()

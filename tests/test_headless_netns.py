@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import functools
 import io
-import json
 import os
 import signal
 import threading
@@ -27,14 +26,12 @@ from vllm_omni_plugin.connectors.mooncake import mooncake_missing
 from vllm_omni_plugin.processes import SHM_DIR, unlink_segment, unmapped
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.netns import NamespaceHTTP, NamespacePair
+from vllm_omni_testkit.harness.served_glm import GENERATION
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
     cpu_test_env,
-    free_port,
-    left_in_temp,
     metric_value,
-    user_like_env,
     wait_denoising,
     wait_for_metric,
 )
@@ -68,7 +65,7 @@ stages:
     input_connectors: {{from_stage_0: ar_to_dit}}
     output_connectors: {{to_stage_router: dit_to_router}}
 """
-REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
+REQUEST = GENERATION
 
 
 @pytest.fixture(scope="module")
@@ -108,25 +105,11 @@ def pixels(response: httpx.Response) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def single_host_image(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
-    """The same deployment with the DiT stage run by the head itself, on one host (the image does not
-    depend on the connector). Served as a user's server is (UCX loads its modules as it would there), it
-    stops on SIGTERM with exit status 0 (NIXL's libraries once crashed the exit) and leaves nothing in its
-    temp directory."""
-    deploy = write_deploy(tmp_path_factory.mktemp("single_host"), "NixlConnector")
-    port = free_port()
-    argv = serve_argv(tiny_glm_image, deploy, "--port", str(port), "--host", "127.0.0.1",
-                      "--stage-overrides", json.dumps({"1": {"headless": False}}))  # fmt: skip
-    env = user_like_env()
-    server = ServerProcess(
-        argv, port=port, env=env, log_path=tmp_path_factory.mktemp("single") / "server.log"
-    )
-    with server:
-        server.wait_ready(timeout=300)
-        image = pixels(httpx.post(server.base_url + "/v1/images/generations", json=REQUEST, timeout=300))
-        assert server.stop(how=signal.SIGTERM) == 0, server.log_text()[-3000:]
-    assert left_in_temp(env) == []
-    return image
+def single_host_image(glm_image_served: dict[str, np.ndarray]) -> np.ndarray:
+    """What the run's one local ``vllm serve --omni`` of the tiny GLM-Image makes of ``REQUEST``, every
+    stage on one host (the image depends on no connector). How such a server stops on SIGTERM over NIXL
+    (exit status 0, nothing left in its temp directory) is tests/test_stops.py's."""
+    return glm_image_served["generation"]
 
 
 @dataclass

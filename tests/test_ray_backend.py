@@ -5,8 +5,8 @@ transfer engine (TCP) from the DiT nodes back to the API server.
 
 One cluster and one deployment for the module (the AR stage on the head node, two DiT replicas, one per
 ``dit_host`` node); the tests run in order and the last ones change the cluster (a killed actor, lost
-and added nodes). The local-backend image is made first by the same deploy file with
-``--worker-backend local``.
+and added nodes). The local-backend image is the run's one local ``vllm serve --omni`` of the tiny
+GLM-Image (``glm_image_served``), made before the cluster starts.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import pytest
 from PIL import Image
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
+from vllm_omni_testkit.harness.served_glm import GENERATION
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
@@ -104,7 +105,7 @@ stages:
 """
 """A CFG-parallel diffusion stage beside the served deployment: its actor starts the replica's peer. Ray
 places it on any node (no CPU is free), so its images reach the API server as the DiT replicas' do."""
-REQUEST = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
+REQUEST = GENERATION
 SLOW_REQUEST = {**REQUEST, "seed": 12, "num_inference_steps": 400}
 """Long enough in the DiT for its actor to be killed while it works on it."""
 STEPS = "omni_diffusion_denoise_steps_total"
@@ -131,13 +132,10 @@ def deploy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def local_image(tiny_glm_image: Path, deploy: Path, tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
-    """The same deploy file on the local backend (every stage a process of this host)."""
-    port = free_port()
-    argv = serve_argv(tiny_glm_image, deploy, port, "--worker-backend", "local")
-    with ServerProcess(argv, port=port, log_path=tmp_path_factory.mktemp("local") / "server.log") as server:
-        server.wait_ready(timeout=600)
-        return pixels(httpx.post(server.base_url + "/v1/images/generations", json=REQUEST, timeout=300))
+def local_image(glm_image_served: dict[str, np.ndarray]) -> np.ndarray:
+    """What ``vllm serve --omni`` makes of ``REQUEST`` with every stage a process of this host (the
+    run's one local server of the tiny GLM-Image: the image depends on neither backend nor connector)."""
+    return glm_image_served["generation"]
 
 
 @dataclass

@@ -5,7 +5,12 @@ runtime directory with every IPC endpoint: ``runtime_dir.py``), and the main pro
 or SIGINT. Each server runs as a user's does (``user_like_env``: a temp directory of its own, the default
 runtime directory resolution). A SIGKILL (of the main process alone, or of the whole group) leaves what
 the dead processes owned for the next start's sweep, which is checked too, and which spares a live server
-beside it. Each connector's servers share one temp directory, so that every sweep meets the others'."""
+beside it. Each deployment's servers share one temp directory, so that every sweep meets the others'.
+
+Two deployments: shared memory on both edges (the deploy file as it is), and the two network connectors
+in one deployment, NIXL from the AR stage to the DiT and Mooncake's transfer engine from the DiT to the
+API server, so that every stop meets what both of them hold (NIXL on both edges where Mooncake is not
+installed)."""
 
 from __future__ import annotations
 
@@ -38,15 +43,20 @@ pytestmark = pytest.mark.server
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy" / "tiny_glm_image_cpu.yaml"
 CONNECTOR_EXTRA = {
-    "SharedMemoryConnector": "",
     "NixlConnector": "{transfer_timeout_s: 30}",
     "MooncakeTransferEngineConnector": "{protocol: tcp, transfer_timeout_s: 30}",
 }
-"""Each connector under test with its settings (shared memory: the deploy file as it is, its default)."""
+"""The network connectors with their settings."""
+DEPLOYMENTS = {
+    "shared_memory": None,
+    "nixl_then_mooncake": ("NixlConnector", "MooncakeTransferEngineConnector"),
+}
+"""The connectors of each deployment under test, AR -> DiT and DiT -> API server (shared memory: the
+deploy file as it is, its default)."""
 CONNECTOR_DEPLOY = """base_config: tiny_glm_image_cpu.yaml
 connectors:
-  ar_to_dit: {{name: {cls}, extra: {extra}}}
-  dit_to_router: {{name: {cls}, extra: {extra}}}
+  ar_to_dit: {{name: {ar_cls}, extra: {ar_extra}}}
+  dit_to_router: {{name: {dit_cls}, extra: {dit_extra}}}
 stages:
   - stage_id: 0
     output_connectors: {{to_stage_1: ar_to_dit}}
@@ -187,29 +197,38 @@ def present(segments: list[str]) -> list[str]:
     return [n for n in segments if os.path.exists(os.path.join(SHM_DIR, n))]
 
 
-def deploy_for(connector: str, directory: Path) -> Path:
-    if not CONNECTOR_EXTRA[connector]:
+def deploy_for(deployment: str, directory: Path) -> Path:
+    connectors = DEPLOYMENTS[deployment]
+    if connectors is None:
         return DEPLOY
-    path = directory / f"tiny_glm_image_{connector}.yaml"
-    path.write_text(CONNECTOR_DEPLOY.format(cls=connector, extra=CONNECTOR_EXTRA[connector]))
+    ar_cls, dit_cls = connectors
+    if dit_cls == "MooncakeTransferEngineConnector" and mooncake_missing():
+        dit_cls = "NixlConnector"
+    path = directory / f"tiny_glm_image_{deployment}.yaml"
+    path.write_text(
+        CONNECTOR_DEPLOY.format(
+            ar_cls=ar_cls,
+            ar_extra=CONNECTOR_EXTRA[ar_cls],
+            dit_cls=dit_cls,
+            dit_extra=CONNECTOR_EXTRA[dit_cls],
+        )
+    )
     return path
 
 
-@pytest.mark.parametrize("connector", list(CONNECTOR_EXTRA))
+@pytest.mark.parametrize("deployment", list(DEPLOYMENTS))
 def test_every_stop_leaves_nothing_and_spares_the_server_beside(
-    connector: str, tiny_glm_image: Path, tmp_path: Path
+    deployment: str, tiny_glm_image: Path, tmp_path: Path
 ) -> None:
     """Servers of one deployment in one temp directory, each stopped another way: B by a SIGKILL of its
-    main process alone (over shared memory: the other connectors' processes do the same), C by a SIGKILL
+    main process alone (over shared memory: the network deployment's processes do the same), C by a SIGKILL
     of its whole group (a container runtime's hard stop), then D starts and sweeps what B and C left but
     not A's, which still serves beside; A's AR engine is SIGKILLed under load and restarted (no request
     lost), then A gets SIGTERM at its main process (as ``kill`` or systemd send it: drained, not
     dropped), D a Ctrl-C (SIGINT to the group), and E SIGTERM to the group then SIGKILL to the group once
     its main process is gone (as container runtimes stop a container: nothing may rely on a process
     outliving the main one)."""
-    if connector == "MooncakeTransferEngineConnector" and (missing := mooncake_missing()):
-        pytest.skip(missing)
-    deploy = deploy_for(connector, tmp_path)
+    deploy = deploy_for(deployment, tmp_path)
     env = user_like_env()
     started: list[Served] = []
 
@@ -219,7 +238,7 @@ def test_every_stop_leaves_nothing_and_spares_the_server_beside(
         return [server.ready() for server in servers]  # started side by side, then waited for
 
     try:
-        main_alone = connector == "SharedMemoryConnector"
+        main_alone = DEPLOYMENTS[deployment] is None
         a, c, *b = start("a", "c", *(["b"] if main_alone else []))
         swept: list[str] = []
         if b:
