@@ -1,8 +1,8 @@
 """GLM-Image on two "hosts": the head (API server + AR stage) in one network namespace, a headless DiT
-worker in another, joined by a veth pair; both hops (AR -> DiT, DiT -> router) over NIXL (UCX over TCP
-on the veth) and, as a second run of every test, over Mooncake's transfer engine (TCP, ``host: auto``
-finding the veth's address). Real ``vllm serve --omni`` processes, a tiny random-weight GLM-Image, real
-HTTP."""
+worker in another, joined by a veth pair; the AR -> DiT hop over NIXL (UCX over TCP on the veth) and the
+DiT -> router hop over Mooncake's transfer engine (TCP, ``host: auto`` finding the veth's address), so that
+each connector's owner and reader sit on different hosts (NIXL on both hops where Mooncake is not
+installed). Real ``vllm serve --omni`` processes, a tiny random-weight GLM-Image, real HTTP."""
 
 from __future__ import annotations
 
@@ -48,11 +48,11 @@ DEPLOY = """
 base_config: tiny_glm_image_cpu.yaml
 connectors:
   ar_to_dit:
-    name: {cls}
-    extra: {extra}
+    name: NixlConnector
+    extra: {nixl}
   dit_to_router:
-    name: {cls}
-    extra: {extra}
+    name: {back_cls}
+    extra: {back_extra}
 head:
   port: {HEAD_PORT}
   heartbeat_interval_s: 0.5
@@ -80,18 +80,18 @@ def namespaces() -> Iterator[NamespacePair]:
         pair.close()
 
 
-def write_deploy(directory: Path, cls: str) -> Path:
-    path = directory / f"glm_image_two_hosts_{cls}.yaml"
-    path.write_text(DEPLOY.format(cls=cls, extra=CONNECTOR_EXTRA[cls], HEAD_PORT=HEAD_PORT))
+@pytest.fixture(scope="module")
+def deploy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The two-host deployment: NIXL to the DiT, Mooncake back (NIXL where Mooncake is missing)."""
+    back = "NixlConnector" if mooncake_missing() else "MooncakeTransferEngineConnector"
+    path = tmp_path_factory.mktemp("headless") / "glm_image_two_hosts.yaml"
+    path.write_text(
+        DEPLOY.format(
+            nixl=CONNECTOR_EXTRA["NixlConnector"], back_cls=back, back_extra=CONNECTOR_EXTRA[back],
+            HEAD_PORT=HEAD_PORT,
+        )
+    )  # fmt: skip
     return path
-
-
-@pytest.fixture(scope="module", params=list(CONNECTOR_EXTRA))
-def deploy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The two-host deployment with both hops on the connector class under test."""
-    if request.param == "MooncakeTransferEngineConnector" and (missing := mooncake_missing()):
-        pytest.skip(missing)
-    return write_deploy(tmp_path_factory.mktemp("headless"), request.param)
 
 
 def serve_argv(model: Path, deploy: Path, *extra: str) -> list[str]:
