@@ -13,6 +13,7 @@ from vllm_omni_plugin.config.pipeline import Pipeline
 from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.schema import StageDeployConfig
+from vllm_omni_plugin.diffusion.engine_config import DiffusionEngineConfig
 from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE
 from vllm_omni_plugin.dotted import import_object
 
@@ -21,17 +22,14 @@ REQUEST_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "widt
 field of the same name wins): the stage's ``request_defaults``."""
 DIFFUSION_DEFAULT_KEYS = (*REQUEST_DEFAULT_KEYS, "seed")
 """Those, and ``seed``: it seeds the engine's draw of seeds for unseeded requests."""
-DIFFUSION_ENGINE_FIELDS = (
-    "dtype",
-    "gpu_memory_utilization",
-    "batching",
-    "batch_wait_ms",
-    "max_loras",
-    "max_step_tokens",
-    "cfg_parallel_size",
-    "sequence_parallel_size",
+SET_BY_DIFFUSION_ARGS = ("max_batch_size", "seed", "cache", "compile")
+"""Stage fields the engine's configuration also has that ``diffusion_args`` resolves itself."""
+DIFFUSION_ENGINE_FIELDS = tuple(
+    name
+    for name in DiffusionEngineConfig.__struct_fields__
+    if name in StageDeployConfig.__struct_fields__ and name not in SET_BY_DIFFUSION_ARGS
 )
-"""Further stage fields handed to the diffusion engine as they are."""
+"""The other stage fields of the engine's configuration, handed to it as they are when set."""
 
 
 def diffusion_args(
