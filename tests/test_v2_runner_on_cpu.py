@@ -4,7 +4,9 @@ The V2 side runs with ``vllm_omni_testkit/harness/v2_on_cpu.py`` in every proces
 what stands in: vLLM takes Triton as available, and V2's Triton kernels run unchanged in Triton's
 interpreter); the V1 side is stock, as in the rest of the suite. What is compared:
 
-- **The tiny text model** (offline ``LLM``, one engine per runner in a script): greedy tokens equal. Seeded
+- **The tiny text model** (offline ``LLM`` through the Omni scheduler and worker, as the AR stages run it;
+  per runner, in a script, one engine with a large KV cache and one too small for its batch, which
+  preempts): greedy tokens equal, preempted or not. Seeded
   sampling is not compared across runners: they draw differently by design (V1 from a torch generator
   seeded per request, V2 by hashing seed, position and token id in its Gumbel kernel), so the V2 side is
   checked to draw the same tokens for a seed whatever the batch, and not to be greedy.
@@ -88,45 +90,49 @@ OMNI_AR = {
 }
 
 
-def _preempted_tokens(text_model: str) -> dict[str, Any]:
-    """Greedy tokens of four requests through the Omni scheduler and worker, with a KV cache (64 KiB) too
-    small for them together (preempted and resumed: on V2 a resumed request is sent again whole) and with
-    a large one (never preempted), and how many preemptions each engine made."""
-    from vllm import LLM, SamplingParams
+def _text_engine(text_model: str, kv_bytes: int) -> Any:
+    """The tiny text model through the Omni scheduler and worker (as the AR stages run)."""
+    from vllm import LLM
 
-    out: dict[str, Any] = {}
+    return LLM(
+        model=text_model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
+        max_model_len=96, max_num_seqs=4, block_size=32, enable_prefix_caching=False, seed=0,
+        disable_log_stats=False, **OMNI_AR,
+    )  # fmt: skip
+
+
+def _preempted_tokens(llm: Any) -> dict[str, Any]:
+    """Greedy tokens of four requests, and how many preemptions the engine made so far."""
+    from vllm import SamplingParams
+
     prompts = [{"prompt_token_ids": p} for p in (*TEXT_PROMPTS, [20, 21, 22, 23])]
     params = SamplingParams(temperature=0.0, max_tokens=PREEMPTION_TOKENS, ignore_eos=True)
-    for name, kv_bytes in (("small_cache", 64 << 10), ("large_cache", 64 << 20)):
-        llm = LLM(
-            model=text_model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=kv_bytes,
-            max_model_len=96, max_num_seqs=4, block_size=32, enable_prefix_caching=False, seed=0,
-            disable_log_stats=False, **OMNI_AR,
-        )  # fmt: skip
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        metrics = llm.llm_engine.get_metrics()
-        out[name] = {
-            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-            "preemptions": sum(getattr(m, "value", 0) for m in metrics if m.name == "vllm:num_preemptions"),
-        }
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-    return out
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    metrics = llm.llm_engine.get_metrics()
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "preemptions": sum(getattr(m, "value", 0) for m in metrics if m.name == "vllm:num_preemptions"),
+    }
+
+
+def _close(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
 
 
 def _engine_main(text_model: str, bagel_model: str, out: str) -> None:
-    """The tiny text model's greedy and seeded tokens, then BAGEL's thinker contexts
-    (``test_bagel_thinker._engine_main``, which writes ``out``.json and ``out``.safetensors)."""
-    from vllm import LLM, SamplingParams
+    """The tiny text model's greedy and seeded tokens and the four requests of ``_preempted_tokens`` on an
+    engine with a large KV cache (never preempted), the latter again with a KV cache (64 KiB) too small
+    for them together (preempted and resumed: on V2 a resumed request is sent again whole); then BAGEL's
+    thinker contexts (``test_bagel_thinker._engine_main``, which writes ``out``.json and
+    ``out``.safetensors)."""
+    from vllm import SamplingParams
     from vllm.triton_utils import HAS_TRITON
 
     import test_bagel_thinker
 
-    llm = LLM(
-        model=text_model, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-        max_model_len=256, max_num_seqs=4, seed=0,
-    )  # fmt: skip
+    llm = _text_engine(text_model, 64 << 20)
     prompts = [{"prompt_token_ids": p} for p in TEXT_PROMPTS]
     greedy = SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS)
     seeded = [
@@ -144,10 +150,11 @@ def _engine_main(text_model: str, bagel_model: str, out: str) -> None:
         # the same requests again, in the other order and each with the others in other places
         "seeded_reversed": tokens(llm.generate(prompts[::-1], seeded[::-1], use_tqdm=False))[::-1],
     }
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    text["preempted"] = _preempted_tokens(text_model)
+    text["preempted"] = {"large_cache": _preempted_tokens(llm)}
+    _close(llm)
+    llm = _text_engine(text_model, 64 << 10)
+    text["preempted"]["small_cache"] = _preempted_tokens(llm)
+    _close(llm)
     test_bagel_thinker._engine_main(bagel_model, out)
     meta = json.loads(Path(out + ".json").read_text())
     Path(out + ".json").write_text(json.dumps({**meta, "text": text}))
