@@ -46,7 +46,7 @@ LEAK_GRACE_S = 20.0
 def nothing_left_behind() -> Iterator[LeakWatch]:
     """Fails the run, naming them, when processes it started or ``/dev/shm`` segments they made are still
     there at its end (then removes them, so that the next run starts clean)."""
-    watch = LeakWatch(interval=0.5).start()  # a safety net: the tests' own watches look closer
+    watch = LeakWatch(interval=1.0).start()  # a safety net: the tests' own watches look closer
     yield watch
     gc.collect()  # objects nobody references release what they hold now, not at exit
     watch.stop()
