@@ -217,6 +217,32 @@ def test_a_dead_peer_costs_no_request_and_closing_leaves_no_peer(
     assert all(p.poll() is not None for p in processes)
 
 
+def test_a_start_up_that_fails_leaves_no_peer(tiny_sd3: Path, tiny_bagel: Path) -> None:
+    """A refusal the engine can make before its peers start is made before (BAGEL's runner compiles no
+    blocks); a start-up step that fails after they started (a warm-up size the pipeline refuses) stops
+    them before the error goes up."""
+    import os
+
+    from vllm_omni_plugin.diffusion.blocks import CompileSpec
+
+    with pytest.raises(ValueError, match="cannot compile its denoiser's blocks"):
+        DiffusionEngine(
+            tiny_bagel,
+            DiffusionEngineConfig(
+                runner_cls=BAGEL_RUNNER, cfg_parallel_size=2, compile=CompileSpec(blocks=True)
+            ),
+        )
+    assert _peers(os.getpid()) == []
+    with pytest.raises(ValueError):
+        DiffusionEngine(
+            tiny_sd3,
+            DiffusionEngineConfig(
+                cfg_parallel_size=2, compile=CompileSpec(blocks=True, warmup_sizes=[(65, 64)])
+            ),
+        )
+    assert _peers(os.getpid()) == []
+
+
 def test_a_peer_that_cannot_load_stops_start_up_in_one_line(tmp_path: Path) -> None:
     spec = PeerSpec(
         model=str(tmp_path / "no-such-model"),

@@ -167,47 +167,34 @@ class DiffusionEngine:
         > 1): its peers compute their share of every denoiser forward's rows, or of its image tokens."""
         self.compile = config.compile
         """Regional compilation of the denoiser's blocks (None: eager); compiled and warmed up here."""
-        cfg_parallel_size, sequence_parallel_size = config.cfg_parallel_size, config.sequence_parallel_size
-        if sequence_parallel_size > 1 and self.compile is not None and self.compile.active:
+        compiles = self.compile is not None and self.compile.active
+        if config.sequence_parallel_size > 1 and compiles:
             raise ValueError(
                 "sequence_parallel_size: compiled blocks would trace its exchanges; remove the compile block"
             )
-        if cfg_parallel_size > 1:
-            self.parallel = self._start_group(cfg_parallel_size, "cfg")
-        elif sequence_parallel_size > 1:
-            self.parallel = self._start_group(sequence_parallel_size, "sequence")
-        self.compile_seconds = 0.0
-        if self.compile is not None and self.compile.active:
-            self._compile(self.compile)
+        if compiles:
+            self._check_compile()
+        batching = config.batching
+        if batching == "step" and (not runner.step_batching or batch_invariant):
+            why = "batch_invariant runs requests alone" if batch_invariant else f"{runner.label} cannot"
+            raise ValueError(f"batching: step is not available: {why}; use batching: request")
         self.decode_batcher: StepBatcher | None = None
         """``batching: step``: the groups' VAE decodes, joined where several wait (runners with a
         :meth:`DiffusionRunner.decode_calls`)."""
         self.step_batcher: StepBatcher | None = None
         """``batching: step``: groups of requests in flight share denoiser forwards step by step
         (:meth:`run_group`); ``None``: whole requests batch (:meth:`generate`)."""
-        batching = config.batching
-        if batching == "step":
-            if not runner.step_batching or batch_invariant:
-                why = "batch_invariant runs requests alone" if batch_invariant else f"{runner.label} cannot"
-                raise ValueError(f"batching: step is not available: {why}; use batching: request")
-            self.step_batcher = StepBatcher(
-                runner.parallel_denoiser or runner.denoiser(),
-                max_rows=2 * max_batch_size,
-                joins=runner.step_joins(),
-                on_boundary=self._boundary_done,
-            )
-            decoder = runner.decode_calls()
-            if decoder is not None:
-                self.decode_batcher = StepBatcher(
-                    decoder,
-                    max_rows=DECODE_LATENTS_PER_CALL.get(self.device.type, GPU_DECODE_LATENTS),
-                    row_weight=latent_elements,
-                    name="dit-decode",
-                )
-                runner.decode_batcher = self.decode_batcher
         self.batch_wait_ms = config.batch_wait_ms
         """``batching: step``: while requests run, how long a new request waits for others to start with
         it as one group (one pipeline call: its prompt encoding and decode batched)."""
+        self.compile_seconds = 0.0
+        # Everything checkable is checked above, before any peer process starts; what fails from here on
+        # (a peer that cannot load, a warm-up request) stops what started before the error goes up.
+        try:
+            self._start(config, compiles)
+        except BaseException:
+            self.close()
+            raise
         logger.info(
             "diffusion engine: %s (%s) on %s, %s, max_batch_size %d, max_step_tokens %d, %s batching%s, "
             "step cache %s, load %.2f s",
@@ -222,6 +209,34 @@ class DiffusionEngine:
             self.cache.describe() if self.cache is not None else "off",
             self.load_seconds,
         )
+
+    def _start(self, config: DiffusionEngineConfig, compiles: bool) -> None:
+        """What starts processes and threads: the parallel group's peers, the compiled blocks and their
+        warm-up, the step and decode batchers."""
+        runner = self.runner
+        if config.cfg_parallel_size > 1:
+            self.parallel = self._start_group(config.cfg_parallel_size, "cfg")
+        elif config.sequence_parallel_size > 1:
+            self.parallel = self._start_group(config.sequence_parallel_size, "sequence")
+        if compiles:
+            assert self.compile is not None
+            self._compile(self.compile)
+        if config.batching == "step":
+            self.step_batcher = StepBatcher(
+                runner.parallel_denoiser or runner.denoiser(),
+                max_rows=2 * self.max_batch_size,
+                joins=runner.step_joins(),
+                on_boundary=self._boundary_done,
+            )
+            decoder = runner.decode_calls()
+            if decoder is not None:
+                self.decode_batcher = StepBatcher(
+                    decoder,
+                    max_rows=DECODE_LATENTS_PER_CALL.get(self.device.type, GPU_DECODE_LATENTS),
+                    row_weight=latent_elements,
+                    name="dit-decode",
+                )
+                runner.decode_batcher = self.decode_batcher
 
     def _measure_budget(self, fraction: float) -> MemoryBudget:
         """The budget with the weights as loaded: the allocator's count on CUDA, else the runner's
@@ -296,12 +311,16 @@ class DiffusionEngine:
             devices = [f"{self.device.type}:{first + rank}" for rank in range(size)]
         start = time.perf_counter()
         group = DenoiserGroup(size, [runner.peer_spec(self.model, d, threads) for d in devices[1:]])
-        if plan is not None:
-            runner.parallel_denoiser = SequenceParallelDenoiser(
-                runner.denoiser(), group, plan, runner.step_joins()
-            )
-        else:
-            runner.parallel_denoiser = RowParallelDenoiser(runner.denoiser(), group, runner.step_joins())
+        try:
+            if plan is not None:
+                runner.parallel_denoiser = SequenceParallelDenoiser(
+                    runner.denoiser(), group, plan, runner.step_joins()
+                )
+            else:
+                runner.parallel_denoiser = RowParallelDenoiser(runner.denoiser(), group, runner.step_joins())
+        except BaseException:
+            group.close()
+            raise
         logger.info(
             "diffusion engine: %s over %d ranks (%s) ready in %.1f s",
             "CFG-parallel" if plan is None else "sequence-parallel",
@@ -311,12 +330,9 @@ class DiffusionEngine:
         )
         return group
 
-    def _compile(self, spec: CompileSpec) -> None:
-        """Compile the blocks, then run the warm-up requests: each size as two guided requests (the
-        denoiser's batch-symbolic graph) and one unguided (its batch-1 graph), so that no request compiles."""
-        import torch
-
-        from vllm_omni_plugin.diffusion.compiled_blocks import compile_count, compile_unavailable_reason
+    def _check_compile(self) -> None:
+        """Whether this runner on this device can compile its blocks (checked before anything starts)."""
+        from vllm_omni_plugin.diffusion.compiled_blocks import compile_unavailable_reason
 
         if not self.runner.compiles_blocks:
             label = self.runner.label
@@ -324,6 +340,14 @@ class DiffusionEngine:
         reason = compile_unavailable_reason(self.device)
         if reason is not None:
             raise ValueError(f"compile: {reason}; remove the compile block")
+
+    def _compile(self, spec: CompileSpec) -> None:
+        """Compile the blocks, then run the warm-up requests: each size as two guided requests (the
+        denoiser's batch-symbolic graph) and one unguided (its batch-1 graph), so that no request compiles."""
+        import torch
+
+        from vllm_omni_plugin.diffusion.compiled_blocks import compile_count
+
         start, graphs = time.perf_counter(), compile_count()
         blocks = self.runner.compile_blocks(spec)
         sizes = spec.warmup_sizes or []
