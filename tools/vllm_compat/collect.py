@@ -12,6 +12,7 @@ that has the V1 runner."""
 from __future__ import annotations
 
 import ast
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -390,8 +391,27 @@ def _engine_arg_names(modules: list[_OurModule], package_dir: Path) -> dict[str,
     return out
 
 
+_COLLECTED: dict[tuple[Any, ...], list[Need]] = {}
+""":func:`collect_needs` per package and state of its sources: reading them costs seconds, and one
+process (the test suite) checks several vLLM trees against the same package."""
+
+
+def _sources_state(package_dir: Path) -> tuple[Any, ...]:
+    """What :func:`collect_needs` reads, as paths with their sizes and modification times."""
+    paths = [*package_dir.rglob("*.py"), *(package_dir / "deploy").glob("*.yaml")]
+    return (package_dir.resolve(), *sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths))
+
+
 def collect_needs(package_dir: Path = PACKAGE_DIR) -> list[Need]:
-    """Everything of vLLM's that the package at ``package_dir`` uses, read from its sources."""
+    """Everything of vLLM's that the package at ``package_dir`` uses, read from its sources (once per
+    state of them in a process; each caller gets its own copy)."""
+    state = _sources_state(package_dir)
+    if state not in _COLLECTED:
+        _COLLECTED[state] = _collect_needs(package_dir)
+    return copy.deepcopy(_COLLECTED[state])
+
+
+def _collect_needs(package_dir: Path) -> list[Need]:
     locations = compat_locations(package_dir)
     compat_names = set(locations)
     modules = []
