@@ -13,17 +13,19 @@ interpreter); the V1 side is stock, as in the rest of the suite. What is compare
 - **BAGEL's thinker** with the context export KV connector (``test_bagel_thinker.py``'s engine, in the same
   script): every exported context (text, an edit's with its image blocks, the text-only companion, a
   prefix-cache hit inside an image block) equal bit for bit, and the greedy understanding tokens.
-- **GLM-Image served** (``deploy/tiny_glm_image_cpu.yaml`` with a greedy AR stage, since the two runners'
-  samplers differ): text to image (V2: ``ar_worker/planned_positions.py`` positions the 261 decode tokens on
-  their grids) and an edit (V2: the source images' prior tokens, recorded by that model state, reach the
-  DiT through the plugin's KV connector): images within 1/255 (measured: equal). On V2 alone, a sampled
-  edit gives the same image for the same seed.
+- **GLM-Image served** (``deploy/tiny_glm_image_cpu.yaml``; greedy chat requests, temperature 0 for the AR
+  stage, since the two runners' samplers differ): text to image (V2: ``ar_worker/planned_positions.py``
+  positions the 261 decode tokens on their grids) and an edit (V2: the source images' prior tokens,
+  recorded by that model state, reach the DiT through the plugin's KV connector): images within 1/255
+  (measured: equal). The V1 side is the run's one ``vllm serve --omni`` of the tiny GLM-Image
+  (``glm_image_served``, which says the runner it ran on). On V2 alone, a sampled edit gives the same
+  image for the same seed.
 - **BAGEL served** (``deploy/tiny_bagel_cpu.yaml``, greedy thinker): text to image, an edit and think mode
   (image and plan text) within 1/255 (measured: equal).
 - That V2 ran: the engine's runner is V2's ``GPUModelRunner`` subclass, and V2's workers launched vLLM's
   sampling and block-table kernels through the interpreter.
 
-Start-ups dominate, so they overlap: the two engine scripts and GLM-Image's two servers start together,
+Start-ups dominate, so they overlap: the two engine scripts and GLM-Image's V2 server start together,
 BAGEL's two as soon as either are done (at most four start-ups at once, about 8 GiB at the peak). Sampling
 over GLM-Image's 16512 ids in the interpreter makes its V2 text to image the longest request (261 decode
 steps, tens of milliseconds each). The tests time nothing.
@@ -43,11 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
 from vllm_omni_testkit.harness import v2_on_cpu
 from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.served_glm import GREEDY_EDIT, GREEDY_GENERATION, chat_pixels
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 
@@ -67,6 +71,8 @@ pytestmark = [pytest.mark.server, pytest.mark.skipif(SKIP is not None, reason=SK
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNERS = ("v1", "v2")
+SERVED_RUNNERS = {"glm": ("v2",), "bagel": RUNNERS}
+"""The runners each model is served on here (GLM-Image's V1 images: ``glm_image_served``)."""
 SIZE = 64
 MAX_PIXEL_DIFF = 1
 """In 1/255: the same arithmetic on both sides, rounding aside (measured: no difference)."""
@@ -183,11 +189,12 @@ class Launched:
         return v2_on_cpu.environment(self.root / "site", kernels=self.kernels[name])
 
     def serve(self, model: str) -> None:
-        """Start ``model``'s two servers (once)."""
-        if (model, RUNNERS[0]) in self.servers:
+        """Start ``model``'s servers (once): both runners' for BAGEL, V2's for GLM-Image (its V1 images are
+        ``glm_image_served``'s)."""
+        if (model, "v2") in self.servers:
             return
-        deploy = deploy_file(model, self.root)
-        for runner in RUNNERS:
+        deploy = REPO / "deploy" / f"tiny_{'bagel' if model == 'bagel' else 'glm_image'}_cpu.yaml"
+        for runner in SERVED_RUNNERS[model]:
             port = free_port()
             server = ServerProcess(
                 [
@@ -208,26 +215,13 @@ class Launched:
 
         self.serve(model)
         out = {}
-        for runner in RUNNERS:
+        for runner in SERVED_RUNNERS[model]:
             server = self.servers[model, runner]
             server.wait_ready(timeout=600)
             out[runner] = openai.OpenAI(
                 base_url=server.base_url + "/v1", api_key="unused", timeout=600, max_retries=0
             )
         return out
-
-
-def deploy_file(model: str, folder: Path) -> Path:
-    """The model's tiny CPU deploy file; GLM-Image's with a greedy AR stage (BAGEL's is greedy already)."""
-    import yaml
-
-    if model == "bagel":
-        return REPO / "deploy" / "tiny_bagel_cpu.yaml"
-    config = yaml.safe_load((REPO / "deploy" / "tiny_glm_image_cpu.yaml").read_text())
-    config["stages"][0]["default_sampling_params"] = {"temperature": 0.0}
-    path = folder / "tiny_glm_image_greedy.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -267,10 +261,14 @@ def engines(launched: Launched) -> dict[str, tuple[Any, dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
-def glm(launched: Launched) -> dict[str, Any]:
+def glm(launched: Launched, glm_image_served: dict[str, np.ndarray]) -> dict[str, Any]:
+    """V2's client (``"v2"``) and chat URL (``"v2_chat"``), and the V1 images of the greedy requests
+    (``"v1"``)."""
+    assert str(glm_image_served["runner"]) == "V1", glm_image_served["runner"]
     clients = launched.clients("glm")
     launched.serve("bagel")  # its start-up overlaps GLM-Image's requests
-    return clients
+    chat = launched.servers["glm", "v2"].base_url + "/v1/chat/completions"
+    return {**clients, "v2_chat": chat, "v1": glm_image_served}
 
 
 @pytest.fixture(scope="module")
@@ -376,26 +374,14 @@ def test_bagel_thinker_contexts_equal_bit_for_bit(engines: dict[str, tuple[Any, 
 
 
 def test_glm_image_text_to_image_equal(glm: dict[str, Any], launched: Launched) -> None:
-    def t2i(client: Any) -> np.ndarray:
-        result = client.images.generate(
-            model="glm", prompt="a red fox in the snow", size=f"{SIZE}x{SIZE}",
-            extra_body={"seed": 7, "num_inference_steps": 4},
-        )  # fmt: skip
-        return decode(result.data[0].b64_json)
-
-    assert_same_image(on_both(glm, t2i))
+    v2 = chat_pixels(httpx.post(glm["v2_chat"], json={"model": "glm", **GREEDY_GENERATION}, timeout=600))
+    assert_same_image({"v1": glm["v1"]["greedy_generation"], "v2": v2})
     assert_interpreted(launched, "glm")
 
 
 def test_glm_image_edit_equal(glm: dict[str, Any]) -> None:
-    def edit(client: Any) -> np.ndarray:
-        result = client.images.edit(
-            model="glm", image=("source.png", source(SIZE, SIZE, 3), "image/png"), prompt="make it blue",
-            size=f"{SIZE}x{SIZE}", extra_body={"seed": 7, "num_inference_steps": 4},
-        )  # fmt: skip
-        return decode(result.data[0].b64_json)
-
-    assert_same_image(on_both(glm, edit))
+    v2 = chat_pixels(httpx.post(glm["v2_chat"], json={"model": "glm", **GREEDY_EDIT}, timeout=600))
+    assert_same_image({"v1": glm["v1"]["greedy_edit"], "v2": v2})
 
 
 def test_glm_image_sampled_edit_on_v2_follows_its_seed(glm: dict[str, Any]) -> None:
