@@ -126,9 +126,10 @@ def tiny_model_cache() -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def vllm_forks() -> Iterator[VllmForks]:
-    """The session's fork server: ``vllm`` command lines, servers included, start as forks of one
-    process per worker that imported vLLM, torch and diffusers once (about seven seconds of CPU saved on
-    each start; ``vllm_omni_testkit.harness.forks`` says which run fresh). Started at its first use."""
+    """The session's fork server: ``vllm`` command lines (servers included), ``python -m`` modules (Dynamo's
+    frontend and workers) and ``python`` scripts (the engine scripts) start as forks of one process per
+    worker that imported vLLM, torch and diffusers once (about seven seconds of CPU saved on each start;
+    ``vllm_omni_testkit.harness.forks`` says which run fresh). Started at its first use."""
     forks = VllmForks(cpu_test_env(drop=("VLLM_PLUGINS",))).activate()
     try:
         yield forks

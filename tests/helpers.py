@@ -7,7 +7,7 @@ stage-input processors need no model. :class:`FakePlacement` puts every replica 
 on fake clients, through the placement interface the runtime uses; :func:`app_client` serves the API app
 over such a runtime. :func:`run_result_script` and :func:`run_output_script` run a script (an engine
 script, or a test module run as one) in a process of its own, so that a vLLM engine's global state stays
-out of pytest's.
+out of pytest's: a fork of the session's fork server where it can be (``vllm_omni_testkit.harness.forks``).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from vllm_omni_plugin.stage.placement.headless.protocol import (
     stage_config_digest,
 )
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
+from vllm_omni_testkit.harness.forks import run_to_end
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
@@ -315,14 +316,10 @@ def _run_script(
     path: Path | str, args: tuple[str, ...], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``python path *args`` with the CPU test environment (plus ``env``), its vLLM engine core and worker
-    in that one process (a child's threads and global state never reach pytest's process)."""
-    return subprocess.run(
-        [sys.executable, str(path), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}),
-    )
+    in that one process (a child's threads and global state never reach pytest's process): a fork of the
+    session's fork server where it can be one (vLLM, torch and diffusers imported), else fresh."""
+    argv = [sys.executable, str(path), *args]
+    return run_to_end(argv, cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}), timeout)
 
 
 def _ends(result: subprocess.CompletedProcess[str]) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_omni_testkit.harness.forks import run_to_end
 from vllm_omni_testkit.harness.server import cpu_test_env
 
 pytestmark = pytest.mark.processes
@@ -31,10 +32,11 @@ def test_the_script_says_in_one_line_that_it_needs_cuda() -> None:
 def test_the_driver_serves_and_compares_on_cpu(tmp_path: Path) -> None:
     """The tiny GLM-Image served with the plugin's runner choice: text to image and an edit, each equal
     to the CPU reference, and the table says so."""
-    result = subprocess.run(
+    # a fork of the session's fork server (vLLM, torch and diffusers imported), as python -m runs it
+    result = run_to_end(
         [sys.executable, "-m", "vllm_omni_testkit.harness.gpu_check", "--device", "cpu", "--runners", "choice",
          "--models", "glm-image", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=cpu_test_env(),
+        cpu_test_env(), timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line.split("|") for line in (tmp_path / "summary.txt").read_text().splitlines()[1:]]

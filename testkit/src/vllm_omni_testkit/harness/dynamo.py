@@ -4,7 +4,9 @@ loopback, in one namespace of their own.
 
 Each process is a ``ServerProcess``: the frontend's ``port`` is its HTTP port; a worker's is its system
 port (``DYN_SYSTEM_PORT``: ``/metrics`` with our counts, Dynamo's ``/health``), and its hold points are its
-own (``ServerProcess.hold``).
+own (``ServerProcess.hold``). Each is a ``python -m`` in the suite's environment plus Dynamo's ``DYN_*``
+variables, so it starts as a fork of the session's fork server (``forks.py``): vLLM, torch and diffusers
+already imported.
 """
 
 from __future__ import annotations
