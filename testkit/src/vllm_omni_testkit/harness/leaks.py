@@ -31,9 +31,15 @@ from vllm_omni_plugin.processes import (
 
 RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
 POLL_INTERVAL_S = 0.5
-"""How often a watch looks: a poll reads every watched process's memory map (about 7 ms of CPU for one
-served deployment's processes), and the segments an engine maps live as long as it does."""
+"""How often a watch looks: a poll lists /dev/shm and, where a segment there is not yet accounted for,
+reads every watched process's memory map (about 7 ms of CPU for one served deployment's processes); the
+segments an engine maps live as long as it does."""
 
+
+FOREIGN_POLLS = 4
+"""Polls after which a segment none of the run's processes maps is taken for another's (a parallel test
+worker's): a process maps what it creates at once, so only a segment mapped for less than a poll
+interval can escape, as it could before."""
 
 _SPARED: set[ProcessId] = set()
 
@@ -94,6 +100,8 @@ class LeakWatch:
         to whatever started them (a watch of one part of a test run, beside what earlier tests left)."""
         if only_new_processes:
             self.earlier = {p for p in map(ProcessId.of, descendants(self.root)) if p is not None}
+        self._unmapped: dict[str, int] = {}
+        """Segments in /dev/shm that no process of the run mapped, with the polls that found so."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,9 +138,23 @@ class LeakWatch:
                     if pid_id is not None and pid_id not in self.earlier:
                         self.processes[pid] = pid_id
                         self.commands[pid] = cmdline(pid)
+            # A process's memory map names only files that are in /dev/shm now: while every one there is
+            # accounted for (there before the watch, its mapper known, or nobody's of the run for
+            # FOREIGN_POLLS polls: another test worker's), reading maps finds nothing new.
+            listed = set(self._listing())
+            self._unmapped = {name: n for name, n in self._unmapped.items() if name in listed}
+            unknown = {
+                name
+                for name in listed - self.before - self.segments.keys()
+                if self._unmapped.get(name, 0) < FOREIGN_POLLS
+            }
+            if not unknown:
+                return
             for pid in (self.root, *[p.pid for p in self.processes.values() if p.alive()]):
-                for name in mapped_segments(pid):
+                for name in mapped_segments(pid) & unknown:
                     self.segments.setdefault(name, pid)
+            for name in unknown - self.segments.keys():
+                self._unmapped[name] = self._unmapped.get(name, 0) + 1
 
     def running(self) -> dict[int, str]:
         """Processes of the run still running, except this process's own resource tracker (it ends with
