@@ -33,6 +33,7 @@ from PIL import Image
 
 from helpers import assert_streamed, our_segments, pixels, wait_for
 from vllm_omni_plugin.runtime_dir import SEGMENTS_FILE
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
@@ -105,7 +106,7 @@ def assert_openai_error(body: object, status: int, param: str | None = None) -> 
 
 
 def stage_pids(server: ServerProcess) -> dict[str, list[int]]:
-    health = httpx.get(server.base_url + "/health", timeout=10).json()
+    health = http_client.get(server.base_url + "/health", timeout=10).json()
     return {sid: [r["pid"] for r in stage["replicas"]] for sid, stage in health["stages"].items()}
 
 
@@ -194,7 +195,7 @@ def test_models(client: openai.OpenAI) -> None:
 
 
 def test_health_reports_every_stage(server: ServerProcess) -> None:
-    response = httpx.get(server.base_url + "/health", timeout=10)
+    response = http_client.get(server.base_url + "/health", timeout=10)
     assert response.status_code == 200
     body = response.json()
     assert body["status"] == "ok"
@@ -211,7 +212,7 @@ def test_health_reports_every_stage(server: ServerProcess) -> None:
 
 def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     client.images.generate(prompt="a lake", size="64x64", extra_body=FAST)
-    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    text = http_client.get(server.base_url + "/metrics", timeout=10).text
     for name in (
         "omni_stage_queue_depth{",
         "omni_stage_latency_seconds_bucket{",
@@ -277,7 +278,7 @@ def test_chat_streams_the_image_as_a_content_part(client: openai.OpenAI) -> None
 
 
 def test_malformed_json(server: ServerProcess) -> None:
-    response = httpx.post(
+    response = http_client.post(
         server.base_url + "/v1/images/generations",
         content=b'{"prompt": "a cat", ',
         headers={"content-type": "application/json"},
@@ -359,7 +360,7 @@ def test_client_disconnect_aborts_the_request_in_every_stage(server: ServerProce
         drops + 1,
     )
     assert "went away; aborted 1 request(s)" in server.log_text()
-    stages = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]
+    stages = http_client.get(server.base_url + "/health", timeout=10).json()["stages"]
     assert all(r["inflight"] == 0 for s in stages.values() for r in s["replicas"])
     stopped_at = server.metric("omni_diffusion_denoise_steps_total")
     assert stopped_at - steps < ENDLESS  # dropped from the DiT's batch, not run to its end
@@ -374,7 +375,7 @@ def test_killed_diffusion_proc_is_retried_on_the_restarted_replica(server: Serve
     steps = 20  # the hold keeps it in the DiT until it is killed
 
     def slow_request() -> None:
-        outcome["response"] = httpx.post(
+        outcome["response"] = http_client.post(
             base + "/v1/images/generations",
             json={"prompt": "a very slow painting", "size": "64x64", "num_inference_steps": steps},
             timeout=300,
@@ -389,11 +390,11 @@ def test_killed_diffusion_proc_is_retried_on_the_restarted_replica(server: Serve
     response = outcome["response"]
     assert response.status_code == 200, response.text  # ran again on the restarted replica
     assert decode_b64(response.json()["data"][0]["b64_json"]).size == (64, 64)
-    health = httpx.get(base + "/health", timeout=10)
+    health = http_client.get(base + "/health", timeout=10)
     assert health.status_code == 200
     replica = health.json()["stages"]["1"]["replicas"][0]
     assert replica["restarts"] == 1 and replica["pid"] != old_pid
-    metrics = httpx.get(base + "/metrics", timeout=10).text
+    metrics = http_client.get(base + "/metrics", timeout=10).text
     assert 'omni_stage_retries_total{name="dit",stage="1"} 1.0' in metrics
     assert 'omni_stage_replica_deaths_total{name="dit",stage="1"} 1.0' in metrics
 
@@ -402,7 +403,7 @@ def test_killed_diffusion_proc_is_retried_on_the_restarted_replica(server: Serve
 
 
 def health(server: ServerProcess) -> dict[str, Any]:
-    return httpx.get(server.base_url + "/health", timeout=30).json()
+    return http_client.get(server.base_url + "/health", timeout=30).json()
 
 
 def replica(server: ServerProcess, stage: str) -> dict[str, Any]:
@@ -510,7 +511,7 @@ def test_ten_ar_engine_restarts_leave_the_endpoints_of_one(server: ServerProcess
     for _ in range(kills):
         before = replica(server, "0")
         os.kill(before["pid"], signal.SIGKILL)
-        response = httpx.post(server.base_url + GENERATIONS, json=small, timeout=300)
+        response = http_client.post(server.base_url + GENERATIONS, json=small, timeout=300)
         assert response.status_code == 200, response.text  # run again on the restarted engine
         now_replica = replica(server, "0")
         assert now_replica["restarts"] == before["restarts"] + 1 and now_replica["state"] == "ready"
@@ -557,7 +558,7 @@ def test_a_request_that_kills_its_stage_every_time_is_quarantined_after_its_budg
     assert server.metric("omni_stage_retries_exhausted_total", stage="1", name="dit") == 0
     wait_for(lambda: replica(server, "1")["state"] == "ready", 120, "the DiT to come back")
     assert replica(server, "1")["restarts"] == restarts + 2
-    after = httpx.post(server.base_url + GENERATIONS, json=body(2), timeout=300)
+    after = http_client.post(server.base_url + GENERATIONS, json=body(2), timeout=300)
     assert after.status_code == 200, after.text
 
 
@@ -638,7 +639,7 @@ def test_clients_gone_during_the_dit_stage_are_dropped_from_its_queue_and_its_ba
     time.sleep(1.0)
     assert images_made(server) == images  # no image was made for either
     assert server.metric("omni_stage_discarded_outputs_total", stage="1", name="dit") == discarded
-    after = httpx.post(server.base_url + GENERATIONS, json=body(7), timeout=300)
+    after = http_client.post(server.base_url + GENERATIONS, json=body(7), timeout=300)
     assert after.status_code == 200, after.text
 
 
@@ -683,7 +684,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server: ServerProcess) ->
     outcome: dict[str, httpx.Response] = {}
 
     def in_flight() -> None:
-        outcome["response"] = httpx.post(
+        outcome["response"] = http_client.post(
             base + "/v1/images/generations",
             json={"prompt": "the last painting", "size": "64x64", "num_inference_steps": 20},
             timeout=300,
@@ -703,4 +704,4 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server: ServerProcess) ->
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a stage process outlived the server"
     assert our_segments(set(pids)) == []
     with pytest.raises(httpx.ConnectError):
-        httpx.get(base + "/health", timeout=5)
+        http_client.get(base + "/health", timeout=5)

@@ -25,6 +25,7 @@ import pytest
 from PIL import Image
 
 from helpers import our_segments_left
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
@@ -107,7 +108,7 @@ def test_the_seed_request(server: ServerProcess) -> None:
         "num_inference_steps": 6,
         "seed": 42,
     }
-    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    response = http_client.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     message = response.json()["choices"][0]["message"]
     assert message["role"] == "assistant"
@@ -213,7 +214,7 @@ def test_settings_change_the_image_and_are_checked(client: openai.OpenAI, server
         return np.asarray(image_of(response.choices[0].message.content), dtype=int)
 
     assert np.abs(chat(cfg_text_scale=1.0) - chat(cfg_text_scale=4.0)).mean() > 1.0
-    bad = httpx.post(
+    bad = http_client.post(
         server.base_url + "/v1/chat/completions",
         json={
             "messages": [{"role": "user", "content": "x"}],
@@ -223,7 +224,7 @@ def test_settings_change_the_image_and_are_checked(client: openai.OpenAI, server
         timeout=30,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cfg_renorm_type"
-    too_big = httpx.post(
+    too_big = http_client.post(
         server.base_url + "/v1/images/generations",
         json={"prompt": "x", "size": "512x512", "num_inference_steps": 2},
         timeout=60,
@@ -310,8 +311,10 @@ def test_nothing_held_after_fifty_mixed_requests(server: ServerProcess) -> None:
     assert statuses.count(200) >= 40
     deadline = time.monotonic() + 300
     while True:
-        thinker = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][0]
-        metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+        thinker = http_client.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][
+            0
+        ]
+        metrics = http_client.get(server.base_url + "/metrics", timeout=10).text
         exports = metric_value(metrics, "omni_context_exports_total")
         held = metric_value(metrics, "omni_context_export_outstanding")
         idle = (
@@ -329,7 +332,7 @@ def test_a_dit_death_runs_the_request_again_from_the_thinker(server: ServerProce
     """The DiT process is killed while it denoises an edit. The contexts it had read are gone with it, so
     the request runs the thinker again (fresh contexts, the companions too) and then the restarted DiT:
     the client gets the image an undisturbed run gives, and nothing stays held."""
-    health = httpx.get(server.base_url + "/health", timeout=10).json()
+    health = http_client.get(server.base_url + "/health", timeout=10).json()
     dit_pid = health["stages"]["1"]["replicas"][0]["pid"]
     body = {
         "messages": [
@@ -347,7 +350,7 @@ def test_a_dit_death_runs_the_request_again_from_the_thinker(server: ServerProce
         "num_inference_steps": 20,
         "seed": 1,
     }
-    before = httpx.get(server.base_url + "/metrics", timeout=10).text
+    before = http_client.get(server.base_url + "/metrics", timeout=10).text
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
@@ -360,21 +363,23 @@ def test_a_dit_death_runs_the_request_again_from_the_thinker(server: ServerProce
     response = asyncio.run(run())
     assert response.status_code == 200, response.text
     retried = np.asarray(image_of(response.json()["choices"][0]["message"]["content"]))
-    stages = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]
+    stages = http_client.get(server.base_url + "/health", timeout=10).json()["stages"]
     assert stages["1"]["replicas"][0]["pid"] != dit_pid
-    undisturbed = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+    undisturbed = http_client.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
     assert undisturbed.status_code == 200, undisturbed.text
     expected = np.asarray(image_of(undisturbed.json()["choices"][0]["message"]["content"]))
     assert np.abs(retried.astype(int) - expected.astype(int)).max() <= 1
-    after = httpx.get(server.base_url + "/metrics", timeout=10).text
+    after = http_client.get(server.base_url + "/metrics", timeout=10).text
     retries = [metric_value(text, "omni_stage_retries_total", stage="1") for text in (before, after)]
     assert retries[1] - retries[0] == 1
     assert metric_value(after, "omni_stage_replica_deaths_total", stage="1") >= 1
     deadline = time.monotonic() + 300
     while True:  # the thinker freed both runs' blocks; every context of both runs was released
-        thinker = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][0]
+        thinker = http_client.get(server.base_url + "/health", timeout=10).json()["stages"]["0"]["replicas"][
+            0
+        ]
         held = metric_value(
-            httpx.get(server.base_url + "/metrics", timeout=10).text, "omni_context_export_outstanding"
+            http_client.get(server.base_url + "/metrics", timeout=10).text, "omni_context_export_outstanding"
         )
         if thinker.get("kv_cache_usage") == 0.0 and held == 0:
             break

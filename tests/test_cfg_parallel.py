@@ -27,6 +27,7 @@ from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, PeerSpec
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
 from vllm_omni_plugin.families.bagel.transformer import AttentionRows
 from vllm_omni_plugin.processes import ProcessId, cmdline, descendants
+from vllm_omni_testkit.harness import http_client
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.slow]
 
@@ -402,7 +403,6 @@ def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
     import base64
     import io
 
-    import httpx
     from PIL import Image
 
     from vllm_omni_testkit.reference.diffusers import reference_image
@@ -417,7 +417,7 @@ def test_a_served_parallel_stage_gives_diffusers_images_and_stops_its_peer(
         assert len(started) == 1
         body = {"prompt": "a red fox", "size": "64x64", "n": 2, "num_inference_steps": STEPS,
                 "guidance_scale": 3.0, "seed": 21}  # fmt: skip
-        answer = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
+        answer = http_client.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
         answer.raise_for_status()
         for i, item in enumerate(answer.json()["data"]):
             image = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))

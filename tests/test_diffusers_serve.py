@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
 
 from helpers import assert_streamed, pixels, source_image
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
@@ -176,7 +176,7 @@ def test_a_size_the_pipeline_cannot_make_is_400_before_any_stage_runs(served: Se
     message = str(caught.value)
     assert "at most 1024 pixels for" in message and "StableDiffusion3Pipeline" in message, message
     assert served.server.metric("omni_diffusion_denoise_steps_total") == steps
-    health = httpx.get(served.server.base_url + "/health", timeout=30).json()
+    health = http_client.get(served.server.base_url + "/health", timeout=30).json()
     assert all(r["inflight"] == 0 for s in health["stages"].values() for r in s["replicas"])
 
 
@@ -246,7 +246,7 @@ def test_a_request_caches_steps_as_its_cache_field_says(served: Served) -> None:
 
 def test_models_and_health(served: Served) -> None:
     assert [m.id for m in served.client.models.list().data] == [served.name]
-    body = httpx.get(served.server.base_url + "/health", timeout=10).json()
+    body = http_client.get(served.server.base_url + "/health", timeout=10).json()
     assert body["status"] == "ok" and list(body["stages"]) == ["0"]
     assert body["stages"]["0"]["name"] == "diffusion" and body["stages"]["0"]["healthy"] is True
 
@@ -308,7 +308,7 @@ def test_a_client_that_closes_the_stream_after_its_first_preview_aborts_the_requ
         drops + 1,
     )
     assert server.metric("omni_images_generated_total", endpoint="images/generations") == made
-    stages = httpx.get(server.base_url + "/health", timeout=10).json()["stages"]
+    stages = http_client.get(server.base_url + "/health", timeout=10).json()["stages"]
     assert all(r["inflight"] == 0 for s in stages.values() for r in s["replicas"])
 
 
@@ -316,9 +316,9 @@ def test_streaming_takes_one_image_per_request(served: Served) -> None:
     if served.family != "sd3":
         pytest.skip("the API refuses these streams alike for every family: checked on the tiny SD3")
     url = served.server.base_url + "/v1/images/generations"
-    response = httpx.post(url, json={"prompt": "two", "n": 2, "stream": True}, timeout=60)
+    response = http_client.post(url, json={"prompt": "two", "n": 2, "stream": True}, timeout=60)
     assert response.status_code == 400 and "send n=1" in response.json()["error"]["message"]
-    response = httpx.post(url, json={"prompt": "many", "stream": True, "partial_images": 4}, timeout=60)
+    response = http_client.post(url, json={"prompt": "many", "stream": True, "partial_images": 4}, timeout=60)
     assert response.status_code == 400 and "partial_images" in response.json()["error"]["message"]
 
 

@@ -39,6 +39,7 @@ import openai
 import pytest
 
 from vllm_omni_plugin.processes import SHM_DIR, descendants
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.dynamo import DynamoSite, dynamo_missing
 from vllm_omni_testkit.harness.served_glm import EDIT_SOURCES, GENERATION, pixels, png
 from vllm_omni_testkit.harness.server import (
@@ -148,7 +149,7 @@ def wait_model(frontend: ServerProcess, name: str, worker: ServerProcess, timeou
     def listed() -> bool:
         if not worker.alive():
             raise AssertionError(f"the worker exited before registering {name}:\n{worker.log_text()[-4000:]}")
-        models = httpx.get(frontend.base_url + "/v1/models", timeout=5).json()["data"]
+        models = http_client.get(frontend.base_url + "/v1/models", timeout=5).json()["data"]
         return any(m["id"] == name for m in models)
 
     frontend.wait_until(listed, timeout, stop=False)  # the module's frontend: later tests use it
@@ -167,7 +168,9 @@ class Served:
         return self.site.processes[0]
 
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(self.frontend.base_url + path, json={"model": self.model, **body}, timeout=300)
+        return http_client.post(
+            self.frontend.base_url + path, json={"model": self.model, **body}, timeout=300
+        )
 
 
 def serve(site: DynamoSite, model: Path, deploy: Path, name: str, *flags: str) -> ServerProcess:
@@ -375,7 +378,7 @@ def deploy_stages(site: DynamoSite, argv: list[str], model: str, dits: int) -> S
         frontend.wait_until(
             lambda: any(
                 m["id"] == model
-                for m in httpx.get(frontend.base_url + "/v1/models", timeout=5).json()["data"]
+                for m in http_client.get(frontend.base_url + "/v1/models", timeout=5).json()["data"]
             ),
             600,
             stop=False,  # the module's frontend: the other classes' deployments use it

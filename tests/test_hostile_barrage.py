@@ -31,6 +31,7 @@ import pytest
 from PIL import Image
 
 from helpers import png_header
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 pytestmark = pytest.mark.server
@@ -1126,7 +1127,7 @@ async def barrage(server: ServerProcess, bodies: list[Body]) -> list[Outcome]:
 def death_counts(server: ServerProcess) -> dict[str, float]:
     """``omni_stage_replica_deaths_total`` per stage (none when /metrics does not answer)."""
     try:
-        text = httpx.get(server.base_url + "/metrics", timeout=30).text
+        text = http_client.get(server.base_url + "/metrics", timeout=30).text
     except httpx.HTTPError:
         return {}
     return {
@@ -1180,7 +1181,7 @@ def run_barrage(kind: Kind, model: Path, directory: Path) -> Barrage:
         outcomes = asyncio.run(barrage(server, BODIES[kind.name]))
         seconds = time.perf_counter() - start
         try:
-            answer = httpx.get(server.base_url + "/health", timeout=30)
+            answer = http_client.get(server.base_url + "/health", timeout=30)
             health = (answer.status_code, answer.text[:2000])
         except httpx.HTTPError as exc:
             health = (0, f"/health did not answer: {exc!r}")

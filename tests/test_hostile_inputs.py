@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 from helpers import serve_model
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.server import ServerProcess
 
 pytestmark = pytest.mark.server
@@ -74,7 +75,7 @@ def prompt_of(tokenizer: Any, tokens: int) -> str:
 
 def replica(server: ServerProcess) -> dict[str, Any]:
     """The diffusion stage's replica as /health reports it."""
-    return httpx.get(server.base_url + "/health", timeout=30).json()["stages"]["0"]["replicas"][0]
+    return http_client.get(server.base_url + "/health", timeout=30).json()["stages"]["0"]["replicas"][0]
 
 
 def stage_counts(server: ServerProcess) -> tuple[float, int]:
@@ -134,7 +135,9 @@ def test_prompts_past_the_models_token_limit_are_refused_naming_it(
 
 def test_more_source_images_than_the_model_takes_are_refused_before_any_stage(server: ServerProcess) -> None:
     files = [("image[]", (f"{i}.png", png(i))) for i in range(2)]
-    response = httpx.post(server.base_url + EDITS, data={"prompt": "merge them"}, files=files, timeout=60)
+    response = http_client.post(
+        server.base_url + EDITS, data={"prompt": "merge them"}, files=files, timeout=60
+    )
     assert response.status_code == 400, response.text
     assert "at most 1 images per request" in response.json()["error"]["message"]
 
@@ -157,7 +160,7 @@ def test_a_30_mb_prompt_does_not_hold_health(server: ServerProcess) -> None:
 
     def chat(prompt: str) -> httpx.Response:
         body = {"messages": [{"role": "user", "content": prompt}], "modalities": ["image"]}
-        return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+        return http_client.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
 
     prober = threading.Thread(target=probe)
     prober.start()

@@ -23,6 +23,7 @@ from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 from vllm_omni_plugin.diffusion.lora import LoadedAdapters, LoraError, LoraSpec, check_lora, read_lora
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.tiny_models.lora import FILE, build_lora
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.server import ServerProcess, cpu_test_env, free_port
 
@@ -226,34 +227,36 @@ def test_adapters_served_loaded_listed_used_and_unloaded(
     ink = adapters(tiny_sd3, "a")
     reference = {"prompt": "a lantern 0", "seed": 0, "height": SIZE, "width": SIZE, "steps": STEPS,
                  "guidance": GUIDANCE}  # fmt: skip
-    by_field = image_of(httpx.post(url + "/v1/images/generations", json={**body, "lora": "ink"}, timeout=300))
+    by_field = image_of(
+        http_client.post(url + "/v1/images/generations", json={**body, "lora": "ink"}, timeout=300)
+    )
     np.testing.assert_array_equal(
         by_field, reference_image(tiny_sd3, **reference, lora=("ink", str(ink), 1.0))
     )
     by_model = image_of(
-        httpx.post(url + "/v1/images/generations", json={**body, "model": "ink"}, timeout=300)
+        http_client.post(url + "/v1/images/generations", json={**body, "model": "ink"}, timeout=300)
     )
     np.testing.assert_array_equal(by_model, by_field)
 
     wash = adapters(tiny_sd3, "b")
-    loaded = httpx.post(
+    loaded = http_client.post(
         url + "/v1/load_lora_adapter", json={"lora_name": "wash", "lora_path": str(wash)}, timeout=60
     )
     assert loaded.status_code == 200 and "wash" in loaded.text
-    models = {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+    models = {m["id"]: m for m in http_client.get(url + "/v1/models", timeout=30).json()["data"]}
     assert set(models) == {"sd3", "ink", "wash"} and models["wash"]["parent"] == "sd3"
     scaled = {**body, "lora": {"name": "wash", "scale": 0.5}}
     np.testing.assert_array_equal(
-        image_of(httpx.post(url + "/v1/images/generations", json=scaled, timeout=300)),
+        image_of(http_client.post(url + "/v1/images/generations", json=scaled, timeout=300)),
         reference_image(tiny_sd3, **reference, lora=("wash", str(wash), 0.5)),
     )
-    again = httpx.post(
+    again = http_client.post(
         url + "/v1/load_lora_adapter", json={"lora_name": "wash", "lora_path": str(wash)}, timeout=60
     )
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
     bad = ink.parent / "not_a_lora.safetensors"
     bad.write_bytes(b"nothing")
-    refused = httpx.post(
+    refused = http_client.post(
         url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}, timeout=60
     )
     assert refused.status_code == 400 and "not a safetensors file" in refused.json()["error"]["message"]
@@ -261,22 +264,24 @@ def test_adapters_served_loaded_listed_used_and_unloaded(
     # one batch of ink, wash and none (held behind a blocker until all three wait): each its image alone
     asks = [{**body, "seed": 3, "lora": "ink"}, {**body, "seed": 4, "lora": {"name": "wash", "scale": 0.5}},
             {**body, "seed": 5}]  # fmt: skip
-    alone = [image_of(httpx.post(url + "/v1/images/generations", json=a, timeout=300)) for a in asks]
+    alone = [image_of(http_client.post(url + "/v1/images/generations", json=a, timeout=300)) for a in asks]
     batched = asyncio.run(one_batch(served, asks))
     for got, want in zip(batched, alone, strict=True):
         assert_within_one_level(got, want)
 
-    gone = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "wash"}, timeout=60)
+    gone = http_client.post(url + "/v1/unload_lora_adapter", json={"lora_name": "wash"}, timeout=60)
     assert gone.status_code == 200
-    after = httpx.post(url + "/v1/images/generations", json=scaled, timeout=300)
+    after = http_client.post(url + "/v1/images/generations", json=scaled, timeout=300)
     assert (
         after.status_code == 400
         and "no LoRA adapter named 'wash' (loaded: ink)" in after.json()["error"]["message"]
     )
-    unknown = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "wash"}, timeout=60)
+    unknown = http_client.post(url + "/v1/unload_lora_adapter", json={"lora_name": "wash"}, timeout=60)
     assert unknown.status_code == 404
     assert (
-        httpx.post(url + "/v1/images/generations", json={**body, "model": "wash"}, timeout=60).status_code
+        http_client.post(
+            url + "/v1/images/generations", json={**body, "model": "wash"}, timeout=60
+        ).status_code
         == 404
     )
 

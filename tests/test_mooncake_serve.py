@@ -12,13 +12,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
 from helpers import our_segments_left
 from vllm_omni_plugin.connectors.mooncake import mooncake_missing
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
@@ -89,14 +89,14 @@ def serve_seed_request(model: Path, document: str, directory: Path) -> tuple[np.
         assert server.proc is not None
         watch = LeakWatch(root=server.proc.pid).start()
         server.wait_ready(timeout=300)
-        response = httpx.post(server.base_url + "/v1/chat/completions", json=SEED_REQUEST, timeout=300)
+        response = http_client.post(server.base_url + "/v1/chat/completions", json=SEED_REQUEST, timeout=300)
         assert response.status_code == 200, response.text
         url = response.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
         image = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
         # The thinker's exported context was read by the DiT and released at its owner.
         deadline = time.monotonic() + 60
         while True:
-            metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+            metrics = http_client.get(server.base_url + "/metrics", timeout=10).text
             if metric_value(metrics, "omni_context_export_outstanding") == 0 and metric_value(
                 metrics, "omni_context_exports_total"
             ):

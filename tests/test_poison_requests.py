@@ -23,6 +23,7 @@ from vllm_omni_plugin.stage.diffusion_core_client import StageDiffusionCoreClien
 from vllm_omni_plugin.stage.diffusion_core_proc import StageDiffusionProcConfig
 from vllm_omni_plugin.stage.diffusion_loop import DiffusionInbox, batch_prefix
 from vllm_omni_plugin.stage.errors import StageDeadError
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.server import ServerProcess
 from vllm_omni_testkit.holds import FAULT_SEED_ENV
 
@@ -187,5 +188,5 @@ def test_a_poison_request_among_normal_ones_is_failed_after_one_lone_run(server:
     log = server.log_text()
     assert "Traceback" not in log
     assert re.search(r"request [0-9a-f]{32}: quarantined after 2 replica death\(s\)", log)
-    after = httpx.post(server.base_url + "/v1/images/generations", json=generate(7), timeout=300)
+    after = http_client.post(server.base_url + "/v1/images/generations", json=generate(7), timeout=300)
     assert after.status_code == 200, after.text

@@ -32,6 +32,7 @@ import pytest
 from PIL import Image
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.served_glm import GENERATION
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
@@ -187,7 +188,7 @@ class Served:
         return self.server.base_url + path
 
     def health(self) -> tuple[int, dict]:
-        response = httpx.get(self.url("/health"), timeout=10)
+        response = http_client.get(self.url("/health"), timeout=10)
         return response.status_code, response.json()
 
     def dit_replicas(self) -> list[dict]:
@@ -203,7 +204,7 @@ class Served:
             time.sleep(0.25)
 
     def generate(self, request: dict) -> httpx.Response:
-        return httpx.post(self.url("/v1/images/generations"), json=request, timeout=300)
+        return http_client.post(self.url("/v1/images/generations"), json=request, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -442,7 +443,7 @@ def test_a_cfg_parallel_stage_on_ray_gives_the_diffusers_images_and_its_peer_end
         assert len(peers) == 1, peers
         body = {"prompt": "a red fox", "size": "64x64", "n": 2, "num_inference_steps": 4,
                 "guidance_scale": 3.0, "seed": 21}  # fmt: skip
-        answer = httpx.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
+        answer = http_client.post(f"{server.base_url}/v1/images/generations", json=body, timeout=300)
         assert answer.status_code == 200, answer.text
         for i, item in enumerate(answer.json()["data"]):
             image = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))

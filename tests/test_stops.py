@@ -28,6 +28,7 @@ import pytest
 
 from vllm_omni_plugin.connectors.mooncake import mooncake_missing
 from vllm_omni_plugin.processes import SHM_DIR, descendants, semaphores_of
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
@@ -116,7 +117,7 @@ class Served:
         def send(body: dict) -> None:
             try:
                 self.responses.append(
-                    httpx.post(self.server.base_url + GENERATIONS, json=body, timeout=300).status_code
+                    http_client.post(self.server.base_url + GENERATIONS, json=body, timeout=300).status_code
                 )
             except httpx.HTTPError as exc:
                 self.responses.append(type(exc).__name__)
@@ -130,7 +131,7 @@ class Served:
         def wait_until(busy: Callable[[int, int], bool]) -> None:
             deadline = time.monotonic() + 600
             while True:
-                stages = httpx.get(self.server.base_url + "/health", timeout=30).json()["stages"]
+                stages = http_client.get(self.server.base_url + "/health", timeout=30).json()["stages"]
                 if busy(*(stages[s]["replicas"][0]["inflight"] for s in ("0", "1"))):
                     return
                 assert time.monotonic() < deadline, stages
@@ -171,7 +172,8 @@ class Served:
         return responses
 
     def ar_replica(self) -> dict[str, Any]:
-        return httpx.get(self.server.base_url + "/health", timeout=30).json()["stages"]["0"]["replicas"][0]
+        health = http_client.get(self.server.base_url + "/health", timeout=30).json()
+        return health["stages"]["0"]["replicas"][0]
 
     def runtime_dir(self) -> str:
         """The name of the server's runtime directory in its temp directory."""

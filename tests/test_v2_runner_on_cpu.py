@@ -45,11 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
-from vllm_omni_testkit.harness import v2_on_cpu
+from vllm_omni_testkit.harness import http_client, v2_on_cpu
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.served_glm import GREEDY_EDIT, GREEDY_GENERATION, chat_pixels
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
@@ -374,13 +373,15 @@ def test_bagel_thinker_contexts_equal_bit_for_bit(engines: dict[str, tuple[Any, 
 
 
 def test_glm_image_text_to_image_equal(glm: dict[str, Any], launched: Launched) -> None:
-    v2 = chat_pixels(httpx.post(glm["v2_chat"], json={"model": "glm", **GREEDY_GENERATION}, timeout=600))
+    v2 = chat_pixels(
+        http_client.post(glm["v2_chat"], json={"model": "glm", **GREEDY_GENERATION}, timeout=600)
+    )
     assert_same_image({"v1": glm["v1"]["greedy_generation"], "v2": v2})
     assert_interpreted(launched, "glm")
 
 
 def test_glm_image_edit_equal(glm: dict[str, Any]) -> None:
-    v2 = chat_pixels(httpx.post(glm["v2_chat"], json={"model": "glm", **GREEDY_EDIT}, timeout=600))
+    v2 = chat_pixels(http_client.post(glm["v2_chat"], json={"model": "glm", **GREEDY_EDIT}, timeout=600))
     assert_same_image({"v1": glm["v1"]["greedy_edit"], "v2": v2})
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 REPO = Path(__file__).resolve().parents[4]
@@ -227,9 +228,9 @@ def request_row(
     row = Row(case.name, runner, name, "")
     try:
         if files is None:
-            response = httpx.post(server.base_url + path, json=body, timeout=600)
+            response = http_client.post(server.base_url + path, json=body, timeout=600)
         else:
-            response = httpx.post(server.base_url + path, data=body, files=files, timeout=600)
+            response = http_client.post(server.base_url + path, data=body, files=files, timeout=600)
     except httpx.HTTPError as exc:
         row.status, row.detail = "no answer", f"{type(exc).__name__}: {exc}"
         return row

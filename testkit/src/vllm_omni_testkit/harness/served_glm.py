@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 GENERATION = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
@@ -78,14 +79,14 @@ def serve_reference(model: Path, deploy: Path, log_dir: Path) -> dict[str, np.nd
             "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
     with ServerProcess(argv, port=port, log_path=log_dir / "vllm_serve.log", env=cpu_test_env()) as server:
         server.wait_ready(timeout=600)
-        made = httpx.post(server.base_url + "/v1/images/generations", json=GENERATION, timeout=300)
+        made = http_client.post(server.base_url + "/v1/images/generations", json=GENERATION, timeout=300)
         assert made.status_code == 200, made.text
         files = [("image", (f"{i}.png", png(image), "image/png")) for i, image in enumerate(EDIT_SOURCES)]
-        edited = httpx.post(server.base_url + "/v1/images/edits", data=EDIT, files=files, timeout=300)
+        edited = http_client.post(server.base_url + "/v1/images/edits", data=EDIT, files=files, timeout=300)
         assert edited.status_code == 200, edited.text
         chat = server.base_url + "/v1/chat/completions"
         greedy = {
-            name: chat_pixels(httpx.post(chat, json=body, timeout=300))
+            name: chat_pixels(http_client.post(chat, json=body, timeout=300))
             for name, body in (("greedy_generation", GREEDY_GENERATION), ("greedy_edit", GREEDY_EDIT))
         }
         (runner,) = set(RUNNER_LINE.findall(server.log_text()))

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.forks import ForkedProcess, active_forks
 from vllm_omni_testkit.holds import Hold, HoldPoints
 
@@ -200,13 +201,13 @@ class ServerProcess:
 
     def metric(self, sample: str, /, **labels: str) -> float:
         """See ``metric_value``: one sample (or a sum) of this server's /metrics."""
-        return metric_value(httpx.get(self.base_url + "/metrics", timeout=30).text, sample, **labels)
+        return metric_value(http_client.get(self.base_url + "/metrics", timeout=30).text, sample, **labels)
 
     def wait_denoising(self, since: float, steps: int, timeout: float = 120.0) -> None:
         """See the module's ``wait_denoising``, on this server's /metrics."""
         wait_denoising(self.metric, since, steps, timeout)
 
-    def wait_ready(self, timeout: float = 300.0, path: str = "/health", http: Any = httpx) -> None:
+    def wait_ready(self, timeout: float = 300.0, path: str = "/health", http: Any = http_client) -> None:
         """Until ``path`` answers 200; ``http`` is anything with httpx's ``get`` (e.g. a client that
         runs inside the server's network namespace)."""
         self.wait_until(lambda: http.get(self.base_url + path, timeout=2.0).status_code == 200, timeout)

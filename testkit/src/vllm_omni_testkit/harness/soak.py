@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from vllm_omni_plugin.processes import SHM_DIR, cmdline, descendants, rss_bytes
+from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.leaks import LeakWatch
 
 KINDS = ("t2i", "edit", "bad", "disconnect")
@@ -167,13 +168,13 @@ class Deployment:
         self.watch = LeakWatch(root=main_pid, only_new=False)  # it runs already: count what it holds
 
     def stage_pids(self) -> dict[str, list[int]]:
-        health = httpx.get(self.base_url + "/health", timeout=30).json()
+        health = http_client.get(self.base_url + "/health", timeout=30).json()
         return {
             sid: [r["pid"] for r in stage["replicas"] if r["pid"]] for sid, stage in health["stages"].items()
         }
 
     def inflight(self, stage: str) -> int:
-        health = httpx.get(self.base_url + "/health", timeout=30).json()
+        health = http_client.get(self.base_url + "/health", timeout=30).json()
         return sum(r["inflight"] for r in health["stages"][stage]["replicas"])
 
     def roles(self) -> dict[int, str]:
@@ -231,7 +232,7 @@ class Deployment:
         """Until no stage has requests in flight and every replica is back."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            health = httpx.get(self.base_url + "/health", timeout=30)
+            health = http_client.get(self.base_url + "/health", timeout=30)
             stages = health.json()["stages"].values()
             if health.status_code == 200 and all(
                 r["inflight"] == 0 and r["state"] == "ready" for s in stages for r in s["replicas"]
