@@ -18,7 +18,7 @@ from fast_tier import forbid_processes
 from fast_tier import select as select_fast_tier
 from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.leaks import LeakWatch
-from vllm_omni_testkit.harness.server import CPU_TEST_ENV, cpu_test_env
+from vllm_omni_testkit.harness.server import CPU_TEST_ENV, cpu_test_env, freeze_test_environment
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,6 +36,7 @@ RUN_DIR = (
 if RUN_DIR is not None:
     os.environ["VLLM_RPC_BASE_PATH"] = RUN_DIR
     os.environ["TMPDIR"] = RUN_DIR
+freeze_test_environment()  # the processes tests start get this, whatever in-process engines set later
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LEAK_GRACE_S = 20.0

@@ -96,14 +96,15 @@ def _differing(env: dict[str, str], forks: VllmForks) -> list[str]:
 @pytest.mark.processes
 def test_a_module_runs_as_a_fork_as_python_m_runs_it(tmp_path: Path, vllm_forks: VllmForks) -> None:
     (tmp_path / "fork_probe.py").write_text("import sys\nVALUE = 1\n" + PROBE + "sys.exit(3)\n")
-    # the environment as the suite's helpers make it, in this test (pytest's PYTEST_CURRENT_TEST names it)
+    # the environment as the suite's helpers make it, in this test (frozen at the run's start: no
+    # PYTEST_CURRENT_TEST, which pytest sets in this process for each test phase)
     env = cpu_test_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DYN_NAMESPACE": "probe"})
     said, forked, stderr, status = _probe([sys.executable, "-m", "fork_probe", "a", "--b"], env, tmp_path)
     assert forked, _differing(env, vllm_forks)
     assert said["argv"] == [str(tmp_path / "fork_probe.py"), "a", "--b"] and said["spec"] == "fork_probe"
     assert said["name"] == "__main__" and said["cwd"] == str(tmp_path)
     assert said["seen"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DYN_NAMESPACE": "probe", "PROBE": None,
-                            "PYTEST_CURRENT_TEST": os.environ["PYTEST_CURRENT_TEST"]}  # fmt: skip
+                            "PYTEST_CURRENT_TEST": env.get("PYTEST_CURRENT_TEST")}  # fmt: skip
     assert (stderr, status) == ("", 3)
 
 

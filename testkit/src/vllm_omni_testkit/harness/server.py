@@ -50,8 +50,24 @@ def bin_script(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
+_frozen_environ: dict[str, str] | None = None
+
+
+def freeze_test_environment() -> None:
+    """Take this process's environment as it is now for every process :func:`cpu_test_env` makes one
+    for. A test run freezes it at its start: what in-process engines and Ray's driver later write into
+    pytest's own environment (vLLM's CPU settings, ``LD_PRELOAD``, ``PYTHONBREAKPOINT``) is theirs, not
+    what the processes a test starts inherit (a user's would not), and it would keep those from
+    starting as forks (``forks.py``)."""
+    global _frozen_environ
+    _frozen_environ = dict(os.environ)
+
+
 def cpu_test_env(extra: Mapping[str, str] | None = None, drop: Sequence[str] = ()) -> dict[str, str]:
-    env = {**os.environ, **CPU_TEST_ENV, **(extra or {})}
+    """The environment of a process a test starts: this process's (as frozen at the run's start, where
+    it was: :func:`freeze_test_environment`), the CPU test settings, then ``extra``, less ``drop``."""
+    base = _frozen_environ if _frozen_environ is not None else os.environ
+    env = {**base, **CPU_TEST_ENV, **(extra or {})}
     for key in drop:
         env.pop(key, None)
     return env
