@@ -19,7 +19,6 @@ import io
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from PIL import Image
 from helpers import assert_streamed, our_segments, pixels, wait_for
 from vllm_omni_plugin.runtime_dir import SEGMENTS_FILE
 from vllm_omni_testkit.harness import http_client
+from vllm_omni_testkit.harness.forks import run_to_end
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
@@ -664,10 +664,10 @@ def test_ci_sized_soak(server: ServerProcess) -> None:
 
 
 def test_busy_port_exits_2(server: ServerProcess, tiny_glm_image: Path) -> None:
-    result = subprocess.run(
+    result = run_to_end(
         [bin_script("vllm"), "serve", str(tiny_glm_image), "--omni", "--deploy-config", DEPLOY,
          "--port", str(server.port), "--host", "127.0.0.1"],
-        capture_output=True, text=True, env=cpu_test_env(drop=("VLLM_PLUGINS",)), timeout=300,
+        cpu_test_env(drop=("VLLM_PLUGINS",)), timeout=300,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

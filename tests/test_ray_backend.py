@@ -16,7 +16,6 @@ import io
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -33,6 +32,7 @@ from PIL import Image
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_testkit.harness import http_client
+from vllm_omni_testkit.harness.forks import run_to_end
 from vllm_omni_testkit.harness.served_glm import GENERATION
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
@@ -359,9 +359,7 @@ def test_a_stage_asking_for_a_resource_no_node_has_fails_start_up_with_one_line(
     argv = serve_argv(tiny_glm_image, deploy.parent / "unplaceable.yaml", free_port())
     env = cpu_test_env({"RAY_ADDRESS": cluster.cluster.address})
     before = set(stage_actors())
-    result = subprocess.run(
-        argv, env=env, capture_output=True, text=True, timeout=600, start_new_session=True
-    )
+    result = run_to_end(argv, env, timeout=600)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr[-3000:]

@@ -25,6 +25,7 @@ from vllm_omni_plugin.diffusion.peer_wire import (
     resolve_class,
 )
 from vllm_omni_plugin.diffusion.sequence_parallel import SequencePlan, sequence_call, sequence_plan
+from vllm_omni_plugin.processes import end_process
 
 logger = logging.getLogger(__name__)
 
@@ -143,3 +144,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    end_process(0)  # the group told it to leave: nothing of the interpreter's teardown is needed

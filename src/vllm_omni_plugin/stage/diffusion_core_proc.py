@@ -24,7 +24,12 @@ import msgspec
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.processes import exit_with_parent, settled_environment, spawning_without_main
+from vllm_omni_plugin.processes import (
+    end_process,
+    exit_with_parent,
+    settled_environment,
+    spawning_without_main,
+)
 from vllm_omni_plugin.stage.core_types import (
     PROGRESS_REPORT_INTERVAL_S,
     FromStageMessage,
@@ -218,7 +223,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
         push.close(linger=2000)
         outbox.term()
         context.term()
-        return
+        end_process(0)
 
     loop = DiffusionBatchLoop(
         engine,
@@ -244,6 +249,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
         push.close(linger=1000)
         outbox.term()
         context.term()
+    end_process(0)  # all it held is released: the interpreter's module teardown would only cost CPU
 
 
 class StageDiffusionCoreProcManager:

@@ -51,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_plugin.processes import ProcessId
+from vllm_omni_plugin.processes import ProcessId, run_exit_functions
 from vllm_omni_testkit.harness.leaks import spare_from_watches
 
 PRELOADED = (
@@ -171,7 +171,6 @@ def _child(case: dict[str, Any], own: Sequence[int], main_path: str | None) -> N
     the fork server's descriptors beyond the standard three, closed here; ``main_path``: the fork
     server's own ``sys.path[0]`` (None where Python adds none: ``-P``), which the command line's
     replaces."""
-    import atexit
     import runpy
     import tempfile
 
@@ -221,10 +220,7 @@ def _child(case: dict[str, Any], own: Sequence[int], main_path: str | None) -> N
         except BaseException as error:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
             _print_uncaught(error)
             status = 1
-        getattr(threading, "_shutdown")()  # noqa: B009 - what the interpreter does at exit, in order
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        run_exit_functions()  # what the interpreter runs at exit, in order
         if interrupted:  # as CPython ends on an uncaught KeyboardInterrupt: killed by the signal
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
