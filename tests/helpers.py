@@ -13,10 +13,8 @@ out of pytest's: a fork of the session's fork server where it can be (``vllm_omn
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import inspect
-import io
 import json
 import os
 import subprocess
@@ -64,6 +62,7 @@ from vllm_omni_plugin.stage.placement.headless.protocol import (
 )
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 from vllm_omni_testkit.harness.forks import run_to_end
+from vllm_omni_testkit.harness.images import pixels
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
@@ -408,13 +407,6 @@ def serve_model(
     with ServerProcess(argv, port=port, env=cpu_test_env(env), log_path=directory / "server.log") as server:
         server.wait_ready(timeout=300)
         yield server
-
-
-def pixels(b64: str) -> np.ndarray:
-    """The RGB pixels of a base64-encoded image (an API answer's ``b64_json``)."""
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
 def assert_streamed(events: list[Any], prefix: str, previews: int, plain: np.ndarray) -> list[Any]:

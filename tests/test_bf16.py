@@ -23,7 +23,6 @@ What bf16 lets a test compare, measured on these models (64x64 images, differenc
 
 from __future__ import annotations
 
-import base64
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ import pytest
 from PIL import Image
 
 from helpers import our_segments_left, source_image
+from vllm_omni_testkit.harness.images import DATA_URI_PREFIX, pixels
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, free_port
 
@@ -149,10 +149,6 @@ def png(image: Image.Image) -> bytes:
     return out.getvalue()
 
 
-def decode(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
 def differences(ours: np.ndarray, reference: np.ndarray) -> tuple[int, float, float]:
     """Max, mean and 99th percentile of the per-pixel difference, in 1/255."""
     assert ours.shape == reference.shape and ours.dtype == reference.dtype == np.uint8
@@ -212,7 +208,7 @@ def test_glm_image_edit_equals_the_bf16_reference(glm_client: openai.OpenAI, tin
         size=f"{SIZE}x{SIZE}",
         extra_body={"seed": SEED, "num_inference_steps": GLM_STEPS},
     )
-    served = decode(result.data[0].b64_json)
+    served = pixels(result.data[0].b64_json)
     common = {"images": [source], "seed": SEED, "num_inference_steps": GLM_STEPS, "prior": prior}
     expected = glm_image_reference_image(
         tiny_glm_image, prompt, SIZE, SIZE, guidance_scale=GLM_GUIDANCE, dtype="bfloat16", **common
@@ -248,7 +244,7 @@ def test_glm_image_text_to_image_dit_equals_the_bf16_reference_given_its_prior(
         size=f"{SIZE}x{SIZE}",
         extra_body={"seed": SEED, "num_inference_steps": GLM_STEPS},
     )
-    served = decode(result.data[0].b64_json)
+    served = pixels(result.data[0].b64_json)
     assert served.shape == (SIZE, SIZE, 3) and served.std() > 10  # an image, not a flat or broken one
 
     prior = glm_image_reference_prior_tokens(tiny_glm_image, PROMPT, SIZE, SIZE, seed=SEED, dtype="bfloat16")
@@ -320,7 +316,7 @@ def test_bagel_text_to_image_in_bf16(bagel_client: openai.OpenAI, bagel_referenc
         },
     )  # fmt: skip
     url = response.choices[0].message.content[0]["image_url"]["url"]
-    served = decode(url.removeprefix("data:image/png;base64,"))
+    served = pixels(url.removeprefix(DATA_URI_PREFIX))
     check_bagel(served, [PROMPT], {"height": SIZE, "width": SIZE, **T2I}, bagel_references)
 
 
@@ -334,5 +330,5 @@ def test_bagel_edit_in_bf16(bagel_client: openai.OpenAI, bagel_references: tuple
         prompt="make it blue",
         extra_body={"seed": SEED, "num_inference_steps": BAGEL_STEPS},
     )
-    served = decode(result.data[0].b64_json)
+    served = pixels(result.data[0].b64_json)
     check_bagel(served, [source, "make it blue"], EDIT, bagel_references)

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import base64
 import importlib
-import io
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from PIL import Image
 
 from helpers import FakePlacement, app_client, fake_deployment, source_image
 from vllm_omni_plugin.dynamo import request_fields
@@ -29,22 +26,9 @@ from vllm_omni_plugin.entrypoints.chat_protocol import (
 )
 from vllm_omni_plugin.entrypoints.errors import OmniAPIError, parse_request
 from vllm_omni_plugin.entrypoints.image_protocol import ImageGenerationRequest, ImageObject, ImagesResponse
+from vllm_omni_testkit.harness.images import data_uri, pixels, png
 
 MODEL = "fake-image"
-
-
-def png(image: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, format="PNG")
-    return out.getvalue()
-
-
-def data_uri(image: np.ndarray) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(image)).decode()
-
-
-def pixels(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
 # --- the mapping ------------------------------------------------------------------------------------

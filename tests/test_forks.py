@@ -160,14 +160,18 @@ def test_a_module_the_fork_server_imported_runs_in_a_fresh_interpreter(vllm_fork
 
 @pytest.mark.processes
 def test_a_fork_past_its_timeout_is_killed_with_its_session(tmp_path: Path, vllm_forks: VllmForks) -> None:
-    """As ``subprocess.run`` ends one, with what it printed; and its children go with it."""
+    """As ``subprocess.run`` ends one, with what it printed; and its children go with it. The script
+    starts its child and prints its pid at once (no import to wait for): ten seconds leave it time to
+    get there however busy the machine is."""
     script = tmp_path / "sleeps.py"
     script.write_text("import subprocess, sys, time\n"
                       "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
                       "print(child.pid, flush=True)\ntime.sleep(600)\n")  # fmt: skip
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
-        vllm_forks.complete([sys.executable, str(script)], vllm_forks.env, timeout=3)
-    child = ProcessId.of(int(str(timed_out.value.output)))
+        vllm_forks.complete([sys.executable, str(script)], vllm_forks.env, timeout=10)
+    printed = str(timed_out.value.output).strip()
+    assert printed.isdigit(), f"the script printed no child pid in 10 s: {printed!r}"
+    child = ProcessId.of(int(printed))
     deadline = time.monotonic() + 10
     while child is not None and child.alive() and time.monotonic() < deadline:
         time.sleep(0.1)

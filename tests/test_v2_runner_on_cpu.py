@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import base64
 import gc
-import io
 import json
 import os
 import sys
@@ -49,6 +48,7 @@ import numpy as np
 import pytest
 
 from vllm_omni_testkit.harness import http_client, v2_on_cpu
+from vllm_omni_testkit.harness.images import DATA_URI_PREFIX, chat_image, pixels, png
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.served_glm import GREEDY_EDIT, GREEDY_GENERATION, chat_pixels
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
@@ -282,25 +282,6 @@ def on_both(clients: dict[str, Any], request: Callable[[Any], Any]) -> dict[str,
         return {runner: future.result() for runner, future in futures.items()}
 
 
-def decode(b64: str) -> np.ndarray:
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
-def png(pixels: np.ndarray) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-def chat_image(content: Any) -> np.ndarray:
-    url = content[0]["image_url"]["url"]
-    return decode(url.removeprefix("data:image/png;base64,"))
-
-
 def assert_same_image(images: dict[str, np.ndarray]) -> None:
     v1, v2 = images["v1"], images["v2"]
     assert v1.shape == v2.shape, (v1.shape, v2.shape)
@@ -389,7 +370,7 @@ def test_glm_image_sampled_edit_on_v2_follows_its_seed(glm: dict[str, Any]) -> N
     """Sampled AR tokens (temperature 1, V2 alone: the runners draw differently): the same seed, the same
     image. The DiT takes codebook ids only, which the AR request's logit bias keeps to on V2 too (V2's
     sampler refuses GLM-Image's 16384 allowed ids)."""
-    uri = "data:image/png;base64," + base64.b64encode(source(SIZE, SIZE, 5)).decode()
+    uri = DATA_URI_PREFIX + base64.b64encode(source(SIZE, SIZE, 5)).decode()
 
     def edit() -> np.ndarray:
         response = glm["v2"].chat.completions.create(
@@ -426,7 +407,7 @@ def test_bagel_edit_equal(bagel: dict[str, Any]) -> None:
             model="bagel", image=("source.png", source(48, SIZE, 9), "image/png"), prompt="make it blue",
             extra_body={"seed": 7, "num_inference_steps": 4},
         )  # fmt: skip
-        return decode(result.data[0].b64_json)
+        return pixels(result.data[0].b64_json)
 
     assert_same_image(on_both(bagel, edit))
 

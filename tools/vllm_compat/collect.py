@@ -399,7 +399,8 @@ process (the test suite) checks several vLLM trees against the same package."""
 def _sources_state(package_dir: Path) -> tuple[Any, ...]:
     """What :func:`collect_needs` reads, as paths with their sizes and modification times."""
     paths = [*package_dir.rglob("*.py"), *(package_dir / "deploy").glob("*.yaml")]
-    return (package_dir.resolve(), *sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths))
+    stats = ((str(p), p.stat()) for p in paths)
+    return (package_dir.resolve(), *sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
 def collect_needs(package_dir: Path = PACKAGE_DIR) -> list[Need]:

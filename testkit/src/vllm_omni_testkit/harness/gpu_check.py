@@ -12,7 +12,6 @@ backend), which is how the test suite checks this driver. Exit status 0 when eve
 from __future__ import annotations
 
 import argparse
-import base64
 import io
 import json
 import os
@@ -26,6 +25,7 @@ import httpx
 import numpy as np
 
 from vllm_omni_testkit.harness import http_client
+from vllm_omni_testkit.harness.images import pixels
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 REPO = Path(__file__).resolve().parents[4]
@@ -91,12 +91,6 @@ def source_png(seed: int = 3) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
-
-
-def decode(b64: str) -> np.ndarray:
-    from PIL import Image
-
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
 def compare(row: Row, ours: np.ndarray, reference: np.ndarray) -> Row:
@@ -241,7 +235,7 @@ def request_row(
         )
         row.detail = message[:200]
         return row
-    return compare(row, decode(response.json()["data"][0]["b64_json"]), refs[name])
+    return compare(row, pixels(response.json()["data"][0]["b64_json"]), refs[name])
 
 
 def run(device: str, runners: list[str], out: Path, models: list[str]) -> Report:

@@ -6,9 +6,7 @@ start a server of its own for the same images."""
 
 from __future__ import annotations
 
-import base64
 import fcntl
-import io
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -16,9 +14,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-from PIL import Image
 
 from vllm_omni_testkit.harness import http_client
+from vllm_omni_testkit.harness.images import chat_image, data_uri, pixels, png
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 GENERATION = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
@@ -39,22 +37,14 @@ GREEDY = {
 a model runner that samples otherwise (vLLM's V2) is compared on them."""
 
 
-def png(image: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, format="PNG")
-    return out.getvalue()
-
-
-def pixels(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
 def greedy_chat(text: str, source: np.ndarray | None = None) -> dict[str, Any]:
     """A greedy chat request for an image: text to image, or an edit of ``source``."""
     content: Any = text
     if source is not None:
-        uri = "data:image/png;base64," + base64.b64encode(png(source)).decode()
-        content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": uri}}]
+        content = [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": data_uri(source)}},
+        ]
     return {"messages": [{"role": "user", "content": content}], **GREEDY}
 
 
@@ -66,8 +56,7 @@ RUNNER_LINE = re.compile(r"AR stage on vLLM's (\S+) model runner")
 
 def chat_pixels(answer: httpx.Response) -> np.ndarray:
     assert answer.status_code == 200, answer.text
-    url = answer.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
-    return pixels(url.removeprefix("data:image/png;base64,"))
+    return chat_image(answer.json()["choices"][0]["message"]["content"])
 
 
 def serve_reference(model: Path, deploy: Path, log_dir: Path) -> dict[str, np.ndarray]:
