@@ -3,9 +3,9 @@ through the stock ``vllm`` console script), driven with the official ``openai`` 
 client cannot send it): the endpoints' answers and refusals; streamed answers (the AR stage's progress
 before the previews, chat's image as a content part); faults: a client that goes away in either stage
 has its request aborted in every stage with no image made, a stage process killed under load loses no
-request and changes no image, ten AR engine restarts leave the endpoints of one, a request that kills
-its stage every time is quarantined after its budget, a CI-sized soak; the command line; SIGTERM with a
-request in flight.
+request and changes no image, a request that kills its stage every time is quarantined after its
+budget, a CI-sized soak; the command line; SIGTERM with a request in each stage, leaving nothing (the
+shared-memory deployment's SIGTERM of ``test_stops.py``).
 
 One server for all of them (each start of one costs CPU time across its processes). Tests run in file
 order: those that count from a fresh server (its first DiT death, retry and restart; its first
@@ -30,10 +30,10 @@ import openai
 import pytest
 from PIL import Image
 
-from helpers import assert_streamed, our_segments, pixels, wait_for
-from vllm_omni_plugin.runtime_dir import SEGMENTS_FILE
+from helpers import assert_streamed, pixels, wait_for
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.forks import run_to_end
+from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
@@ -493,36 +493,6 @@ def test_a_stage_killed_under_24_requests_loses_none_and_changes_no_image(
     assert server.log_text().count(removed) > removed_before  # what the dead one left
 
 
-def test_ten_ar_engine_restarts_leave_the_endpoints_of_one(server: ServerProcess) -> None:
-    """Each restart of the AR engine starts in an emptied directory of its own (``runtime_dir.py``): after
-    SIGKILLs of the engine core up to its tenth restart, each found by the next request (retried, answered
-    200), the engine's IPC endpoints (and temp files) are as many as after its first start or restart (the
-    module's AR kill under 24 requests, run before, is one of the ten), none of them a predecessor's."""
-    assert server.proc is not None
-    temp = server.env["TMPDIR"]
-    (runtime,) = [n for n in os.listdir(temp) if n.startswith(f"vllm-omni-{server.proc.pid}-")]
-    engine_dir = os.path.join(temp, runtime, "ar0-0")
-    first = sorted(os.listdir(engine_dir))
-    assert len([n for n in first if re.fullmatch(r"[0-9a-f-]{36}", n)]) >= 5, first  # vLLM's ZMQ endpoints
-    counts, previous = [], first
-    small = {"model": MODEL, "prompt": "a fox", "size": "64x64", "seed": 0, "num_inference_steps": 1}
-    kills = 10 - replica(server, "0")["restarts"]
-    assert kills >= 9, kills  # at most one restart before: the endpoints of the first one are compared
-    for _ in range(kills):
-        before = replica(server, "0")
-        os.kill(before["pid"], signal.SIGKILL)
-        response = http_client.post(server.base_url + GENERATIONS, json=small, timeout=300)
-        assert response.status_code == 200, response.text  # run again on the restarted engine
-        now_replica = replica(server, "0")
-        assert now_replica["restarts"] == before["restarts"] + 1 and now_replica["state"] == "ready"
-        now = sorted(os.listdir(engine_dir))
-        counts.append(len(now))
-        assert set(now) & set(previous) == {SEGMENTS_FILE}, "the previous engine's endpoints are still there"
-        previous = now
-    assert counts == [len(first)] * kills, (len(first), counts)
-    assert replica(server, "0")["restarts"] == 10
-
-
 def test_a_request_that_kills_its_stage_every_time_is_quarantined_after_its_budget(
     server: ServerProcess,
 ) -> None:
@@ -679,29 +649,51 @@ def test_busy_port_exits_2(server: ServerProcess, tiny_glm_image: Path) -> None:
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(server: ServerProcess) -> None:
-    base = server.base_url
-    pids = [pid for stage in stage_pids(server).values() for pid in stage] + [server.proc.pid]
-    outcome: dict[str, httpx.Response] = {}
+    """SIGTERM at the main process (as ``kill`` or systemd send it) with a request in each stage: one held
+    in the DiT from its first step, then one whose 256x256 image makes the AR stage's longest run (in
+    the AR stage, or queued behind the held DiT batch). Both are answered 200 (drained, not dropped),
+    the server exits 0, and nothing of the deployment is left: no process, no segment it mapped
+    (``psm_*`` and semaphores included), not its runtime directory. This server is the shared-memory
+    deployment's A of ``test_stops.py`` (the other stops are there): its AR engine was killed under load
+    before (``test_a_stage_killed_under_24_requests_...``)."""
+    assert server.proc is not None
+    base, temp = server.base_url, server.env["TMPDIR"]
+    (runtime,) = [n for n in os.listdir(temp) if n.startswith(f"vllm-omni-{server.proc.pid}-")]
+    watch = LeakWatch(root=server.proc.pid, only_new=False).start()
+    watch.poll()  # the processes and segments of the deployment now
+    bodies = {
+        "dit": {"prompt": "the last painting", "size": "64x64", "num_inference_steps": 20},
+        "ar": {"prompt": "a big painting", "size": "256x256", "num_inference_steps": 2},
+    }
+    statuses: dict[str, int | str] = {}
 
-    def in_flight() -> None:
-        outcome["response"] = http_client.post(
-            base + "/v1/images/generations",
-            json={"prompt": "the last painting", "size": "64x64", "num_inference_steps": 20},
-            timeout=300,
-        )
+    def send(name: str) -> None:
+        try:
+            statuses[name] = http_client.post(base + GENERATIONS, json=bodies[name], timeout=300).status_code
+        except httpx.HTTPError as exc:
+            statuses[name] = type(exc).__name__
 
-    thread = threading.Thread(target=in_flight)
-    with server.hold("dit.step") as hold:
-        thread.start()
-        hold.wait(alive=server.alive)
-        server.proc.send_signal(signal.SIGTERM)  # while the DiT holds the request; released on leaving
-    thread.join(120)
-    assert outcome["response"].status_code == 200  # finished, not dropped
-    assert server.proc.wait(120) == 0
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "a stage process outlived the server"
-    assert our_segments(set(pids)) == []
+    def inflight() -> int:
+        stages = http_client.get(base + "/health", timeout=30).json()["stages"]
+        return sum(replica["inflight"] for stage in stages.values() for replica in stage["replicas"])
+
+    threads = {name: threading.Thread(target=send, args=(name,)) for name in bodies}
+    try:
+        with server.hold("dit.step") as hold:
+            threads["dit"].start()
+            hold.wait(alive=server.alive)
+            threads["ar"].start()
+            wait_for(lambda: inflight() >= len(bodies), 300, "both requests inside the stages")
+            watch.poll()
+            server.proc.send_signal(signal.SIGTERM)  # while the DiT holds one; released on leaving
+        for thread in threads.values():
+            thread.join(300)
+        assert statuses == {"dit": 200, "ar": 200}  # finished, not dropped
+        assert server.proc.wait(120) == 0, server.log_text()[-3000:]
+        left = watch.leftovers(grace=30)
+        assert not left, left.describe()
+    finally:
+        watch.stop()
+    assert runtime not in os.listdir(temp)
     with pytest.raises(httpx.ConnectError):
         http_client.get(base + "/health", timeout=5)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_testkit.harness.forks import VllmForks
+from vllm_omni_testkit.harness.forks import VllmForks, run_to_end
 from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
 pytestmark = pytest.mark.processes
@@ -33,13 +33,7 @@ _forks: VllmForks | None = None
 def vllm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     if env is None and _forks is not None:
         return _forks.run(*args)
-    return subprocess.run(
-        [bin_script("vllm"), *args],
-        capture_output=True,
-        text=True,
-        env=env or cpu_test_env(drop=("VLLM_PLUGINS",)),
-        timeout=300,
-    )
+    return run_to_end([bin_script("vllm"), *args], env or cpu_test_env(drop=("VLLM_PLUGINS",)), timeout=300)
 
 
 def test_help_shows_vllm_flags_and_the_omni_group(tiny_text_model: Path) -> None:

@@ -38,10 +38,10 @@ def test_python_command_lines_under_the_fork_servers_environment_fork() -> None:
     # the test seam's variables, those read only when used, Dynamo's may differ
     read_when_used = {"VLLM_OMNI_HOLD_DIR": "/tmp/h", "RAY_ADDRESS": "127.0.0.1:1", "PYTEST_CURRENT_TEST": "t (call)",
                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHINDUCTOR_CACHE_DIR": "/tmp/c",
-                      "DYN_NAMESPACE": "n", "DYN_SYSTEM_PORT": "20001"}  # fmt: skip
+                      "DYN_NAMESPACE": "n", "DYN_SYSTEM_PORT": "20001", "VLLM_PLUGINS": "",
+                      "VLLM_USE_V2_MODEL_RUNNER": "0"}  # fmt: skip
     assert forks.can_fork(SERVE, {**env, **read_when_used})
     # anything imported could read these: a fresh process
-    assert not forks.can_fork(SERVE, {**env, "VLLM_PLUGINS": ""})
     assert not forks.can_fork(SERVE, {**env, "PYTHONPATH": "/site"})
     assert not forks.can_fork(SERVE, {**env, "OMP_NUM_THREADS": "2"})
     assert not forks.can_fork(SERVE, {**env, "TMPDIR": "/tmp/own"})

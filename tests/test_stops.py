@@ -224,12 +224,14 @@ def test_every_stop_leaves_nothing_and_spares_the_server_beside(
 ) -> None:
     """Servers of one deployment in one temp directory, each stopped another way: B by a SIGKILL of its
     main process alone (over shared memory: the network deployment's processes do the same), C by a SIGKILL
-    of its whole group (a container runtime's hard stop), then D starts and sweeps what B and C left but
-    not A's, which still serves beside; A's AR engine is SIGKILLed under load and restarted (no request
-    lost), then A gets SIGTERM at its main process (as ``kill`` or systemd send it: drained, not
-    dropped), D a Ctrl-C (SIGINT to the group), and E SIGTERM to the group then SIGKILL to the group once
-    its main process is gone (as container runtimes stop a container: nothing may rely on a process
-    outliving the main one)."""
+    of its whole group (a container runtime's hard stop), then E starts and sweeps what B and C left but
+    not D's, which still serves beside; over the network connectors A's AR engine is SIGKILLed under load
+    and restarted (no request lost), then A gets SIGTERM at its main process (as ``kill`` or systemd
+    send it: drained, not dropped); D gets a Ctrl-C (SIGINT to the group), and E SIGTERM to the group
+    then SIGKILL to the group once its main process is gone (as container runtimes stop a container:
+    nothing may rely on a process outliving the main one). The shared-memory deployment's A is
+    ``test_api_server.py``'s server (the deploy file as it is): its AR engine killed under load, then
+    SIGTERM at its main process with a request in each stage, leaving nothing."""
     deploy = deploy_for(deployment, tmp_path)
     env = user_like_env()
     started: list[Served] = []
@@ -241,21 +243,20 @@ def test_every_stop_leaves_nothing_and_spares_the_server_beside(
 
     try:
         main_alone = DEPLOYMENTS[deployment] is None
-        a, c, *b = start("a", "c", *(["b"] if main_alone else []))
+        c, d, other = start("c", "d", "b" if main_alone else "a")
+        a, b = (None, other) if main_alone else (other, None)
         swept: list[str] = []
-        if b:
-            b_runtime = b[0].runtime_dir()
-            assert any(n.startswith(f"{b_runtime}/ar0-0/") for n in b[0].temp_left()), (
-                "the engine's endpoints"
-            )
-            os.kill(b[0].pid, signal.SIGKILL)
-            assert b[0].wait_main() == -signal.SIGKILL
-            processes, b_segments = b[0].left()
+        if b is not None:
+            b_runtime = b.runtime_dir()
+            assert any(n.startswith(f"{b_runtime}/ar0-0/") for n in b.temp_left()), "the engine's endpoints"
+            os.kill(b.pid, signal.SIGKILL)
+            assert b.wait_main() == -signal.SIGKILL
+            processes, b_segments = b.left()
             assert processes == {}  # the stage processes noticed their parent's death and exited
             # what the main process itself owned stays for the next start's sweep: its pool, its runtime dir
-            assert all(name.startswith(f"vllm_omni_{b[0].pid}_") for name in b_segments), b_segments
+            assert all(name.startswith(f"vllm_omni_{b.pid}_") for name in b_segments), b_segments
             swept += b_segments
-            assert b_runtime in top_level(a.temp_left())
+            assert b_runtime in top_level(d.temp_left())
 
         c_runtime = c.runtime_dir()
         c_semaphores = semaphores_of([c.pid, *descendants(c.pid)])
@@ -267,31 +268,33 @@ def test_every_stop_leaves_nothing_and_spares_the_server_beside(
         # nobody lived to unlink the group's segments (its pools, vLLM's message queues) or its runtime
         # directory, which lists the segments its engine mapped: the next start's sweeps remove them
         assert c_segments and all(name.startswith(("vllm_omni_", "psm_")) for name in c_segments), c_segments
-        assert c_runtime in top_level(a.temp_left())
+        assert c_runtime in top_level(d.temp_left())
 
-        d, e = start("d", "e")
+        (e,) = start("e")
         assert present(swept + c_segments + c_semaphores) == []  # semaphores too: nobody maps them
-        assert top_level(a.temp_left()) == sorted([a.runtime_dir(), d.runtime_dir(), e.runtime_dir()])
+        alive = [server for server in (a, d, e) if server is not None]
+        assert top_level(d.temp_left()) == sorted(server.runtime_dir() for server in alive)
 
-        before = a.ar_replica()
-        ar_hold = a.server.hold("ar.step")
-        ar_hold.release()  # armed by send_in_flight, after the DiT-long requests have passed the AR stage
-        hold = a.send_in_flight(hold_ar=ar_hold)
-        os.kill(before["pid"], signal.SIGKILL)  # the AR engine core, holding the AR-long requests
-        ar_hold.release()  # its restarted replica holds nothing
-        hold.release()
-        assert a.answered() == [200] * len(IN_FLIGHT)  # retried on the restarted engine
-        after = a.ar_replica()
-        assert (after["restarts"], after["state"]) == (before["restarts"] + 1, "ready"), after
+        if a is not None:
+            before = a.ar_replica()
+            ar_hold = a.server.hold("ar.step")
+            ar_hold.release()  # armed by send_in_flight, after the DiT-long requests have passed the AR stage
+            hold = a.send_in_flight(hold_ar=ar_hold)
+            os.kill(before["pid"], signal.SIGKILL)  # the AR engine core, holding the AR-long requests
+            ar_hold.release()  # its restarted replica holds nothing
+            hold.release()
+            assert a.answered() == [200] * len(IN_FLIGHT)  # retried on the restarted engine
+            after = a.ar_replica()
+            assert (after["restarts"], after["state"]) == (before["restarts"] + 1, "ready"), after
 
-        a_runtime = a.runtime_dir()
-        hold = a.send_in_flight()
-        os.kill(a.pid, signal.SIGTERM)
-        hold.release()  # the DiT-long requests finish while the server drains
-        assert a.wait_main() == 0, a.server.log_text()[-3000:]
-        assert a.answered() == [200] * len(IN_FLIGHT)  # drained, not dropped
-        assert a.left() == ({}, [])
-        assert a_runtime not in top_level(a.temp_left())
+            a_runtime = a.runtime_dir()
+            hold = a.send_in_flight()
+            os.kill(a.pid, signal.SIGTERM)
+            hold.release()  # the DiT-long requests finish while the server drains
+            assert a.wait_main() == 0, a.server.log_text()[-3000:]
+            assert a.answered() == [200] * len(IN_FLIGHT)  # drained, not dropped
+            assert a.left() == ({}, [])
+            assert a_runtime not in top_level(d.temp_left())
 
         hold = d.send_in_flight()
         os.killpg(d.pid, signal.SIGINT)

@@ -78,6 +78,7 @@ READ_WHEN_USED = frozenset({
     # vllm.envs reads it when an engine is made (LLMEngine, the CPU platform's config check); vLLM caches
     # its variables only once an engine core has started (enable_envs_cache), checked in _check_preloaded
     "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_USE_V2_MODEL_RUNNER",  # likewise: vllm.envs reads it where a VllmConfig is made
     "RAY_ADDRESS",  # ray.init
     # pytest sets it to each test phase's name, so it differs from the fork server's in every test but the
     # first: only test utilities read it, when called (Ray's is_in_test, not called at import, asks whether
@@ -87,6 +88,11 @@ READ_WHEN_USED = frozenset({
     # model); what torch keeps of it from its import, whether a compiler bisection is under way (files in it),
     # is False in every test's
     "TORCHINDUCTOR_CACHE_DIR",
+    # vllm.plugins reads it when plugins load: the general ones where a command line starts (vLLM's CLI,
+    # an engine), the platform ones where the platform is resolved; the fork server loads no general
+    # plugin and no platform plugin is installed, so what it resolved is what any value gives (both
+    # checked in _check_preloaded)
+    "VLLM_PLUGINS",
 })  # fmt: skip
 """Variables that may differ between a fork and the fork server: nothing imported reads them at import."""
 SET_BY_IMPORTS = (
@@ -268,14 +274,22 @@ def _print_uncaught(error: BaseException) -> None:
 
 def _check_preloaded() -> None:
     """What ``READ_WHEN_USED`` assumes of the fork server, checked once it imported ``PRELOADED``: vLLM
-    still reads its variables when used (its cache is enabled only where an engine core starts), and
-    nothing of Dynamo is imported (its variables are read where a runtime starts)."""
+    still reads its variables when used (its cache is enabled only where an engine core starts), nothing
+    of Dynamo is imported (its variables are read where a runtime starts), and no vLLM plugin is loaded
+    nor any platform plugin installed (``VLLM_PLUGINS`` picks among them where they load)."""
     envs = sys.modules.get("vllm.envs")
     if envs is not None and hasattr(envs.__getattr__, "cache_clear"):
         raise RuntimeError("vllm.envs caches its variables in the fork server: forks would not read theirs")
     dynamo = sorted(name for name in sys.modules if name.split(".")[0] == "dynamo")
     if dynamo:
         raise RuntimeError(f"the fork server imported Dynamo ({dynamo[0]}): forks would not read DYN_*")
+    from importlib.metadata import entry_points
+
+    plugins = sys.modules.get("vllm.plugins")
+    loaded = plugins is not None and getattr(plugins, "plugins_loaded", False)
+    if loaded or entry_points(group="vllm.platform_plugins"):
+        raise RuntimeError("the fork server loaded vLLM plugins, or a platform plugin is installed: forks "
+                           "would not read VLLM_PLUGINS")  # fmt: skip
 
 
 def _serve(main_path: str | None) -> None:
