@@ -64,7 +64,7 @@ from vllm_omni_plugin.stage.serialization import StageMessageCodec
 from vllm_omni_testkit.harness.forks import run_to_end
 from vllm_omni_testkit.harness.images import pixels
 from vllm_omni_testkit.harness.leaks import LeakWatch
-from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.harness.server import ServerProcess, cpu_test_env, omni_server
 
 if TYPE_CHECKING:
     import httpx
@@ -401,11 +401,7 @@ def serve_model(
 ) -> Iterator[ServerProcess]:
     """``vllm serve MODEL --omni --deploy-config DEPLOY`` on a free port of this host, ready; stopped on the
     way out (module fixtures ``yield from`` it)."""
-    port = free_port()
-    argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
-            "--port", str(port), "--host", "127.0.0.1", *extra]  # fmt: skip
-    with ServerProcess(argv, port=port, env=cpu_test_env(env), log_path=directory / "server.log") as server:
-        server.wait_ready(timeout=300)
+    with omni_server(model, deploy, directory / "server.log", *extra, env=env) as server:
         yield server
 
 

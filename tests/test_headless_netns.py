@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vllm_omni_plugin.connectors.mooncake import mooncake_missing
 from vllm_omni_plugin.processes import SHM_DIR, unlink_segment, unmapped
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.netns import NamespaceHTTP, NamespacePair
+from vllm_omni_testkit.harness.network_deploy import network_connectors
 from vllm_omni_testkit.harness.served_glm import GENERATION
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
@@ -40,20 +40,9 @@ pytestmark = pytest.mark.server
 
 HEAD_PORT = 29611
 HTTP_PORT = 8000
-CONNECTOR_EXTRA = {
-    "NixlConnector": "{transfer_timeout_s: 30}",
-    "MooncakeTransferEngineConnector": "{protocol: tcp, transfer_timeout_s: 30}",
-}
 DEPLOY = """
 base_config: tiny_glm_image_cpu.yaml
-connectors:
-  ar_to_dit:
-    name: NixlConnector
-    extra: {nixl}
-  dit_to_router:
-    name: {back_cls}
-    extra: {back_extra}
-head:
+{connectors}head:
   port: {HEAD_PORT}
   heartbeat_interval_s: 0.5
   heartbeat_timeout_s: 3
@@ -83,14 +72,8 @@ def namespaces() -> Iterator[NamespacePair]:
 @pytest.fixture(scope="module")
 def deploy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The two-host deployment: NIXL to the DiT, Mooncake back (NIXL where Mooncake is missing)."""
-    back = "NixlConnector" if mooncake_missing() else "MooncakeTransferEngineConnector"
     path = tmp_path_factory.mktemp("headless") / "glm_image_two_hosts.yaml"
-    path.write_text(
-        DEPLOY.format(
-            nixl=CONNECTOR_EXTRA["NixlConnector"], back_cls=back, back_extra=CONNECTOR_EXTRA[back],
-            HEAD_PORT=HEAD_PORT,
-        )
-    )  # fmt: skip
+    path.write_text(DEPLOY.format(connectors=network_connectors(), HEAD_PORT=HEAD_PORT))
     return path
 
 

@@ -32,7 +32,7 @@ from PIL import Image
 
 from helpers import png_header
 from vllm_omni_testkit.harness import http_client
-from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.harness.server import ServerProcess, omni_server
 
 pytestmark = pytest.mark.server
 
@@ -1171,11 +1171,8 @@ items, which must not start the server again)."""
 def run_barrage(kind: Kind, model: Path, directory: Path) -> Barrage:
     deploy = directory / "deploy.yaml"
     deploy.write_text(kind.deploy)
-    port, begun = free_port(), time.perf_counter()
-    argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
-            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
-    with ServerProcess(argv, port=port, env=cpu_test_env(), log_path=directory / "server.log") as server:
-        server.wait_ready(timeout=300)
+    begun = time.perf_counter()
+    with omni_server(model, deploy, directory / "server.log") as server:
         before = death_counts(server)
         start = time.perf_counter()
         outcomes = asyncio.run(barrage(server, BODIES[kind.name]))

@@ -26,10 +26,10 @@ from typing import Any
 import httpx
 import pytest
 
-from vllm_omni_plugin.connectors.mooncake import mooncake_missing
 from vllm_omni_plugin.processes import SHM_DIR, descendants, semaphores_of
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.network_deploy import network_connectors
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
@@ -43,22 +43,11 @@ pytestmark = pytest.mark.server
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy" / "tiny_glm_image_cpu.yaml"
-CONNECTOR_EXTRA = {
-    "NixlConnector": "{transfer_timeout_s: 30}",
-    "MooncakeTransferEngineConnector": "{protocol: tcp, transfer_timeout_s: 30}",
-}
-"""The network connectors with their settings."""
-DEPLOYMENTS = {
-    "shared_memory": None,
-    "nixl_then_mooncake": ("NixlConnector", "MooncakeTransferEngineConnector"),
-}
-"""The connectors of each deployment under test, AR -> DiT and DiT -> API server (shared memory: the
-deploy file as it is, its default)."""
-CONNECTOR_DEPLOY = """base_config: tiny_glm_image_cpu.yaml
-connectors:
-  ar_to_dit: {{name: {ar_cls}, extra: {ar_extra}}}
-  dit_to_router: {{name: {dit_cls}, extra: {dit_extra}}}
-stages:
+DEPLOYMENTS = ("shared_memory", "nixl_then_mooncake")
+"""Shared memory on both edges (the deploy file as it is, its default), and the network connectors
+(``vllm_omni_testkit.harness.network_deploy``)."""
+NETWORK_DEPLOY = """base_config: tiny_glm_image_cpu.yaml
+{connectors}stages:
   - stage_id: 0
     output_connectors: {{to_stage_1: ar_to_dit}}
   - stage_id: 1
@@ -200,25 +189,14 @@ def present(segments: list[str]) -> list[str]:
 
 
 def deploy_for(deployment: str, directory: Path) -> Path:
-    connectors = DEPLOYMENTS[deployment]
-    if connectors is None:
+    if deployment == "shared_memory":
         return DEPLOY
-    ar_cls, dit_cls = connectors
-    if dit_cls == "MooncakeTransferEngineConnector" and mooncake_missing():
-        dit_cls = "NixlConnector"
     path = directory / f"tiny_glm_image_{deployment}.yaml"
-    path.write_text(
-        CONNECTOR_DEPLOY.format(
-            ar_cls=ar_cls,
-            ar_extra=CONNECTOR_EXTRA[ar_cls],
-            dit_cls=dit_cls,
-            dit_extra=CONNECTOR_EXTRA[dit_cls],
-        )
-    )
+    path.write_text(NETWORK_DEPLOY.format(connectors=network_connectors()))
     return path
 
 
-@pytest.mark.parametrize("deployment", list(DEPLOYMENTS))
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
 def test_every_stop_leaves_nothing_and_spares_the_server_beside(
     deployment: str, tiny_glm_image: Path, tmp_path: Path
 ) -> None:
@@ -242,7 +220,7 @@ def test_every_stop_leaves_nothing_and_spares_the_server_beside(
         return [server.ready() for server in servers]  # started side by side, then waited for
 
     try:
-        main_alone = DEPLOYMENTS[deployment] is None
+        main_alone = deployment == "shared_memory"
         c, d, other = start("c", "d", "b" if main_alone else "a")
         a, b = (None, other) if main_alone else (other, None)
         swept: list[str] = []

@@ -17,7 +17,7 @@ import numpy as np
 
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.images import chat_image, data_uri, pixels, png
-from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
+from vllm_omni_testkit.harness.server import omni_server
 
 GENERATION = {"prompt": "a red fox in the snow", "size": "64x64", "seed": 11, "num_inference_steps": 4}
 """The text-to-image request every such module sends (JSON body of ``/v1/images/generations``)."""
@@ -63,11 +63,7 @@ def serve_reference(model: Path, deploy: Path, log_dir: Path) -> dict[str, np.nd
     """One local ``vllm serve --omni`` run of ``deploy``: the generation (``"generation"``), the two-image
     edit (``"edit"``), the greedy chat requests (``"greedy_generation"``, ``"greedy_edit"``) and the model
     runner its AR stage ran on (``"runner"``, e.g. ``V1``)."""
-    port = free_port()
-    argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
-            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
-    with ServerProcess(argv, port=port, log_path=log_dir / "vllm_serve.log", env=cpu_test_env()) as server:
-        server.wait_ready(timeout=600)
+    with omni_server(model, deploy, log_dir / "vllm_serve.log", timeout=600) as server:
         made = http_client.post(server.base_url + "/v1/images/generations", json=GENERATION, timeout=300)
         assert made.status_code == 200, made.text
         files = [("image", (f"{i}.png", png(image), "image/png")) for i, image in enumerate(EDIT_SOURCES)]

@@ -6,6 +6,7 @@ graceful path users take), then SIGKILL to the whole group, so no engine process
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +305,22 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def omni_server(
+    model: Path,
+    deploy: Path,
+    log_path: Path,
+    *extra: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300.0,
+) -> Iterator[ServerProcess]:
+    """``vllm serve MODEL --omni --deploy-config DEPLOY [EXTRA]`` on a free port of this host, in the CPU
+    test environment (plus ``env``), ready; stopped on the way out."""
+    port = free_port()
+    argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
+            "--port", str(port), "--host", "127.0.0.1", *extra]  # fmt: skip
+    with ServerProcess(argv, port=port, env=cpu_test_env(env), log_path=log_path) as server:
+        server.wait_ready(timeout=timeout)
+        yield server
