@@ -3,9 +3,9 @@ through the stock ``vllm`` console script), driven with the official ``openai`` 
 client cannot send it): the endpoints' answers and refusals; streamed answers (the AR stage's progress
 before the previews, chat's image as a content part); faults: a client that goes away in either stage
 has its request aborted in every stage with no image made, a stage process killed under load loses no
-request and changes no image, a request that kills its stage every time is quarantined after its
-budget, a CI-sized soak; the command line; SIGTERM with a request in each stage, leaving nothing (the
-shared-memory deployment's SIGTERM of ``test_stops.py``).
+request and changes no image, ten AR engine restarts leave the endpoints of one, a request that kills
+its stage every time is quarantined after its budget, a CI-sized soak; the command line; SIGTERM with a
+request in each stage, leaving nothing (the shared-memory deployment's SIGTERM of ``test_stops.py``).
 
 One server for all of them (each start of one costs CPU time across its processes). Tests run in file
 order: those that count from a fresh server (its first DiT death, retry and restart; its first
@@ -31,6 +31,7 @@ import pytest
 from PIL import Image
 
 from helpers import assert_streamed, pixels, wait_for
+from vllm_omni_plugin.runtime_dir import SEGMENTS_FILE
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.forks import run_to_end
 from vllm_omni_testkit.harness.leaks import LeakWatch
@@ -493,6 +494,36 @@ def test_a_stage_killed_under_24_requests_loses_none_and_changes_no_image(
     assert server.log_text().count(removed) > removed_before  # what the dead one left
 
 
+def test_ten_ar_engine_restarts_leave_the_endpoints_of_one(server: ServerProcess) -> None:
+    """Each restart of the AR engine starts in an emptied directory of its own (``runtime_dir.py``): after
+    SIGKILLs of the engine core up to its tenth restart, each found by the next request (retried, answered
+    200), the engine's IPC endpoints (and temp files) are as many as after its first start or restart (the
+    module's AR kill under 24 requests, run before, is one of the ten), none of them a predecessor's."""
+    assert server.proc is not None
+    temp = server.env["TMPDIR"]
+    (runtime,) = [n for n in os.listdir(temp) if n.startswith(f"vllm-omni-{server.proc.pid}-")]
+    engine_dir = os.path.join(temp, runtime, "ar0-0")
+    first = sorted(os.listdir(engine_dir))
+    assert len([n for n in first if re.fullmatch(r"[0-9a-f-]{36}", n)]) >= 5, first  # vLLM's ZMQ endpoints
+    counts, previous = [], first
+    small = {"model": MODEL, "prompt": "a fox", "size": "64x64", "seed": 0, "num_inference_steps": 1}
+    kills = 10 - replica(server, "0")["restarts"]
+    assert kills >= 9, kills  # at most one restart before: the endpoints of the first one are compared
+    for _ in range(kills):
+        before = replica(server, "0")
+        os.kill(before["pid"], signal.SIGKILL)
+        response = http_client.post(server.base_url + GENERATIONS, json=small, timeout=300)
+        assert response.status_code == 200, response.text  # run again on the restarted engine
+        now_replica = replica(server, "0")
+        assert now_replica["restarts"] == before["restarts"] + 1 and now_replica["state"] == "ready"
+        now = sorted(os.listdir(engine_dir))
+        counts.append(len(now))
+        assert set(now) & set(previous) == {SEGMENTS_FILE}, "the previous engine's endpoints are still there"
+        previous = now
+    assert counts == [len(first)] * kills, (len(first), counts)
+    assert replica(server, "0")["restarts"] == 10
+
+
 def test_a_request_that_kills_its_stage_every_time_is_quarantined_after_its_budget(
     server: ServerProcess,
 ) -> None:
@@ -655,7 +686,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server: ServerProcess) ->
     the server exits 0, and nothing of the deployment is left: no process, no segment it mapped
     (``psm_*`` and semaphores included), not its runtime directory. This server is the shared-memory
     deployment's A of ``test_stops.py`` (the other stops are there): its AR engine was killed under load
-    before (``test_a_stage_killed_under_24_requests_...``)."""
+    (``test_a_stage_killed_under_24_requests_...``) and restarted ten times before."""
     assert server.proc is not None
     base, temp = server.base_url, server.env["TMPDIR"]
     (runtime,) = [n for n in os.listdir(temp) if n.startswith(f"vllm-omni-{server.proc.pid}-")]

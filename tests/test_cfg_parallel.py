@@ -226,7 +226,9 @@ def test_a_start_up_that_fails_leaves_no_peer(tiny_sd3: Path, tiny_bagel: Path) 
 
     from vllm_omni_plugin.diffusion.blocks import CompileSpec
 
-    before = set(_peers(os.getpid()))  # the module's engines' peers
+    # the peers there before (the module's engines', and an earlier test's that may still be leaving):
+    # a failed start adds none
+    before = set(_peers(os.getpid()))
     with pytest.raises(ValueError, match="cannot compile its denoiser's blocks"):
         DiffusionEngine(
             tiny_bagel,
@@ -234,7 +236,7 @@ def test_a_start_up_that_fails_leaves_no_peer(tiny_sd3: Path, tiny_bagel: Path) 
                 runner_cls=BAGEL_RUNNER, cfg_parallel_size=2, compile=CompileSpec(blocks=True)
             ),
         )
-    assert set(_peers(os.getpid())) == before
+    assert set(_peers(os.getpid())) <= before
     with pytest.raises(ValueError):
         DiffusionEngine(
             tiny_sd3,
@@ -242,7 +244,7 @@ def test_a_start_up_that_fails_leaves_no_peer(tiny_sd3: Path, tiny_bagel: Path) 
                 cfg_parallel_size=2, compile=CompileSpec(blocks=True, warmup_sizes=[(65, 64)])
             ),
         )
-    assert set(_peers(os.getpid())) == before
+    assert set(_peers(os.getpid())) <= before
 
 
 def test_a_peer_that_cannot_load_stops_start_up_in_one_line(tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """A restarted AR replica gets the KV cache its first start measured, not what profiling a busy device
-would give it now (a DiT sharing the GPU has grown meanwhile), and the IPC endpoints of one engine however
-often it restarts.
+would give it now (a DiT sharing the GPU has grown meanwhile).
+
 On CPU, vLLM takes the KV size from ``VLLM_CPU_KVCACHE_SPACE`` (the first start here), else from the
 memory it finds free (``gpu_memory_utilization`` of the machine minus what the process holds). The
-restarts run without the variable, as a GPU restart runs on a device that changed: an engine that sized
+restart runs without the variable, as a GPU restart runs on a device that changed: an engine that sized
 its cache again would get another block count (or fail to start), one that reuses the measured size gets
 the same.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from vllm_omni_plugin.runtime_dir import SEGMENTS_FILE
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageLLMCoreRequest
 from vllm_omni_plugin.stage.errors import StageDeadError
@@ -55,15 +53,9 @@ async def wait_ready(client: StageLLMCoreClient, timeout: float = 300) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_ten_restarts_keep_the_kv_cache_the_first_start_measured_and_the_endpoints_of_one(
+def test_a_restarted_engine_core_comes_back_with_the_kv_cache_its_first_start_measured(
     tiny_text_model: Path,
 ) -> None:
-    """SIGKILLs of the engine core up to its tenth restart, each noticed by the request in flight: every
-    restart gets the KV cache the first start measured, and starts in an emptied directory of its own
-    (``runtime_dir.py``): the engine's IPC endpoints (and temp files) are as many as after its first
-    start, none of them a predecessor's. A served deployment's AR replica is this client; a restart
-    found by the next HTTP request, retried on the restarted engine, is ``test_api_server.py``'s."""
-
     async def main() -> None:
         client = StageLLMCoreClient(0, 0, engine_args(tiny_text_model), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
         try:
@@ -77,32 +69,22 @@ def test_ten_restarts_keep_the_kv_cache_the_first_start_measured_and_the_endpoin
             assert measured["kv_cache_memory_bytes"] == blocks * block_bytes
             assert GIB - block_bytes < measured["kv_cache_memory_bytes"] <= GIB
             assert (await client.generate(request("before"))).token_ids
-            assert client.endpoints is not None
-            first = sorted(os.listdir(client.endpoints))
-            assert len([n for n in first if re.fullmatch(r"[0-9a-f-]{36}", n)]) >= 5, first  # vLLM's ZMQ ones
+
             client.env.pop("VLLM_CPU_KVCACHE_SPACE")  # the device is not what it was at the first start
-            counts, previous = [], first
-            for restart in range(1, 11):
-                killed = client.pid
-                assert killed is not None
-                os.kill(killed, signal.SIGKILL)
-                with pytest.raises(StageDeadError):
-                    await client.generate(request(f"in flight {restart}"))
-                await wait_ready(client)
-                assert client.restarts == restart and client.pid != killed
-                assert client.kv_cache_blocks == blocks
-                assert client.launch_args()["kv_cache_memory_bytes"] == measured["kv_cache_memory_bytes"]
-                restarted = client.engine.vllm_config.cache_config
-                assert restarted.kv_cache_memory_bytes == measured["kv_cache_memory_bytes"]
-                assert restarted.num_gpu_blocks == blocks
-                assert (await client.generate(request(f"after {restart}"))).token_ids
-                now = sorted(os.listdir(client.endpoints))
-                counts.append(len(now))
-                assert set(now) & set(previous) == {SEGMENTS_FILE}, (
-                    "the previous engine's endpoints are there"
-                )
-                previous = now
-            assert counts == [len(first)] * 10, (len(first), counts)
+            killed = client.pid
+            assert killed is not None
+            os.kill(killed, signal.SIGKILL)
+            with pytest.raises(StageDeadError):
+                await client.generate(request("in flight"))
+            await wait_ready(client)
+
+            assert client.restarts == 1 and client.pid != killed
+            assert client.kv_cache_blocks == blocks
+            assert client.launch_args()["kv_cache_memory_bytes"] == measured["kv_cache_memory_bytes"]
+            restarted = client.engine.vllm_config.cache_config
+            assert restarted.kv_cache_memory_bytes == measured["kv_cache_memory_bytes"]
+            assert restarted.num_gpu_blocks == blocks
+            assert (await client.generate(request("after"))).token_ids
         finally:
             await client.shutdown()
 
