@@ -161,17 +161,12 @@ def tiny_glm_image() -> Path:
 
 @pytest.fixture(scope="session")
 def glm_image_served(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
-    """What ``vllm serve --omni`` makes of the tiny GLM-Image with its CPU deploy file
-    (``vllm_omni_testkit.harness.served_glm``), made once per run: the parallel workers of a run share
-    their base temp directory's parent."""
-    from vllm_omni_testkit.harness.served_glm import made_once, serve_reference
+    """What ``vllm serve --omni`` makes of the tiny GLM-Image with its CPU deploy file, made once per run
+    (``vllm_omni_testkit.harness.served_reference``; ``test_api_server.py``'s server makes it when it
+    runs first)."""
+    from vllm_omni_testkit.harness.served_reference import GLM_IMAGE
 
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "glm_image_served"
-    deploy = REPO_ROOT / "deploy" / "tiny_glm_image_cpu.yaml"
-    return made_once(
-        shared, lambda: serve_reference(tiny_glm_image, deploy, tmp_path_factory.mktemp("served"))
-    )
+    return GLM_IMAGE.served(tiny_glm_image, REPO_ROOT, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -179,6 +174,15 @@ def tiny_bagel() -> Path:
     from vllm_omni_plugin.tiny_models import build
 
     return build("bagel", tiny_model_cache() / "bagel")
+
+
+@pytest.fixture(scope="session")
+def bagel_served(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    """What ``vllm serve --omni`` makes of the tiny BAGEL with its CPU deploy file, made once per run
+    (``test_bagel_server.py``'s server makes it when it runs first)."""
+    from vllm_omni_testkit.harness.served_reference import BAGEL
+
+    return BAGEL.served(tiny_bagel, REPO_ROOT, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ from vllm_omni_plugin.runtime_dir import SEGMENTS_FILE
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.forks import run_to_end
 from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.served_reference import GLM_IMAGE
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
@@ -72,6 +73,7 @@ def server(tiny_glm_image: Path, tmp_path_factory: pytest.TempPathFactory):
     proc.start()
     try:
         proc.wait_ready(timeout=300)
+        GLM_IMAGE.of(proc, tmp_path_factory)  # the run's GLM-Image reference, unless a module made it
         yield proc
     finally:
         proc.stop()

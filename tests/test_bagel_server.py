@@ -27,6 +27,7 @@ from PIL import Image
 from helpers import our_segments_left
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.leaks import LeakWatch
+from vllm_omni_testkit.harness.served_reference import BAGEL
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,
@@ -58,6 +59,7 @@ def server(tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory):
         assert proc.proc is not None
         watch = LeakWatch(root=proc.proc.pid).start()
         proc.wait_ready(timeout=300)
+        BAGEL.of(proc, tmp_path_factory)  # the run's BAGEL reference (test_v2_runner_on_cpu.py's V1 side)
         yield proc
     assert our_segments_left(watch) == []
 

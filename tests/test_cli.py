@@ -4,35 +4,19 @@ from __future__ import annotations
 
 import socket
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from vllm_omni_testkit.harness.forks import VllmForks, run_to_end
+from vllm_omni_testkit.harness.forks import run_to_end
 from vllm_omni_testkit.harness.server import bin_script, cpu_test_env
 
 pytestmark = pytest.mark.processes
 
 
-@pytest.fixture(scope="module", autouse=True)
-def forks(vllm_cli: VllmForks) -> Iterator[VllmForks]:
-    """Command lines in the suite's usual environment run as forks (the session's ``vllm_cli``); a
-    changed environment gets a fresh ``vllm``."""
-    global _forks
-    _forks = vllm_cli
-    try:
-        yield vllm_cli
-    finally:
-        _forks = None
-
-
-_forks: VllmForks | None = None
-
-
 def vllm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    if env is None and _forks is not None:
-        return _forks.run(*args)
+    """``vllm *args`` to its end: a fork of the session's fork server in the suite's usual environment,
+    a fresh ``vllm`` in a changed one."""
     return run_to_end([bin_script("vllm"), *args], env or cpu_test_env(drop=("VLLM_PLUGINS",)), timeout=300)
 
 

@@ -42,7 +42,7 @@ from vllm_omni_plugin.processes import SHM_DIR, descendants
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.dynamo import DynamoSite, dynamo_missing
 from vllm_omni_testkit.harness.images import pixels, png
-from vllm_omni_testkit.harness.served_glm import EDIT_SOURCES, GENERATION
+from vllm_omni_testkit.harness.served_reference import EDIT_SOURCES, GENERATION
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     wait_for_metric,

@@ -26,7 +26,7 @@ from vllm_omni_plugin.processes import SHM_DIR, unlink_segment, unmapped
 from vllm_omni_testkit.harness.leaks import LeakWatch
 from vllm_omni_testkit.harness.netns import NamespaceHTTP, NamespacePair
 from vllm_omni_testkit.harness.network_deploy import network_connectors
-from vllm_omni_testkit.harness.served_glm import GENERATION
+from vllm_omni_testkit.harness.served_reference import GENERATION
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,

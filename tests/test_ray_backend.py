@@ -33,7 +33,7 @@ from PIL import Image
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.forks import run_to_end
-from vllm_omni_testkit.harness.served_glm import GENERATION
+from vllm_omni_testkit.harness.served_reference import GENERATION
 from vllm_omni_testkit.harness.server import (
     ServerProcess,
     bin_script,

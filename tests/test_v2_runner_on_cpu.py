@@ -21,24 +21,24 @@ interpreter); the V1 side is stock, as in the rest of the suite. What is compare
   (``glm_image_served``, which says the runner it ran on). On V2 alone, a sampled edit gives the same
   image for the same seed.
 - **BAGEL served** (``deploy/tiny_bagel_cpu.yaml``, greedy thinker): text to image, an edit and think mode
-  (image and plan text) within 1/255 (measured: equal).
+  (image and plan text) within 1/255 (measured: equal). The V1 side is the run's BAGEL reference
+  (``bagel_served``: ``test_bagel_server.py``'s server makes it when it runs first).
 - That V2 ran: the engine's runner is V2's ``GPUModelRunner`` subclass, and V2's workers launched vLLM's
   sampling and block-table kernels through the interpreter.
 
 Start-ups dominate, so they overlap: the two engine scripts and GLM-Image's V2 server start together,
-BAGEL's two as soon as either are done (at most four start-ups at once, about 8 GiB at the peak). Sampling
+BAGEL's as soon as either are done (at most three start-ups at once). Sampling
 over GLM-Image's 16512 ids in the interpreter makes its V2 text to image the longest request (261 decode
 steps, tens of milliseconds each). The tests time nothing.
 """
 
 from __future__ import annotations
 
-import base64
 import gc
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +48,16 @@ import numpy as np
 import pytest
 
 from vllm_omni_testkit.harness import http_client, v2_on_cpu
-from vllm_omni_testkit.harness.images import DATA_URI_PREFIX, chat_image, pixels, png
+from vllm_omni_testkit.harness.images import data_uri
 from vllm_omni_testkit.harness.leaks import LeakWatch
-from vllm_omni_testkit.harness.served_glm import GREEDY_EDIT, GREEDY_GENERATION, chat_pixels
+from vllm_omni_testkit.harness.served_reference import (
+    GREEDY_EDIT,
+    GREEDY_GENERATION,
+    bagel_edit,
+    bagel_text_to_image,
+    bagel_think,
+    chat_pixels,
+)
 from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
 
@@ -70,11 +77,12 @@ pytestmark = [pytest.mark.server, pytest.mark.skipif(SKIP is not None, reason=SK
 
 REPO = Path(__file__).resolve().parent.parent
 RUNNERS = ("v1", "v2")
-SERVED_RUNNERS = {"glm": ("v2",), "bagel": RUNNERS}
-"""The runners each model is served on here (GLM-Image's V1 images: ``glm_image_served``)."""
 SIZE = 64
 MAX_PIXEL_DIFF = 1
 """In 1/255: the same arithmetic on both sides, rounding aside (measured: no difference)."""
+CHAT = "/v1/chat/completions"
+SOURCE = np.random.default_rng(5).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+"""The sampled edit's source image."""
 TEXT_PROMPTS = ([1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16])
 TEXT_TOKENS = 8
 V2_RUNNER_BASE = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
@@ -170,11 +178,11 @@ def _engine_main(text_model: str, bagel_model: str, out: str) -> None:
 
 @dataclass
 class Launched:
-    """What the module started, and starts: the engine scripts, then one server per model per runner."""
+    """What the module started, and starts: the engine scripts, then each model's V2 server."""
 
     root: Path
     models: dict[str, Path]
-    servers: dict[tuple[str, str], ServerProcess] = field(default_factory=dict)
+    servers: dict[str, ServerProcess] = field(default_factory=dict)
     engines: dict[str, Future[tuple[Any, dict[str, Any]]]] = field(default_factory=dict)
     watches: list[LeakWatch] = field(default_factory=list)
     kernels: dict[str, Path] = field(default_factory=dict)
@@ -188,47 +196,37 @@ class Launched:
         return v2_on_cpu.environment(self.root / "site", kernels=self.kernels[name])
 
     def serve(self, model: str) -> None:
-        """Start ``model``'s servers (once): both runners' for BAGEL, V2's for GLM-Image (its V1 images are
-        ``glm_image_served``'s)."""
-        if (model, "v2") in self.servers:
+        """Start ``model``'s V2 server (once)."""
+        if model in self.servers:
             return
         deploy = REPO / "deploy" / f"tiny_{'bagel' if model == 'bagel' else 'glm_image'}_cpu.yaml"
-        for runner in SERVED_RUNNERS[model]:
-            port = free_port()
-            server = ServerProcess(
-                [
-                    bin_script("vllm"), "serve", str(self.models[model]), "--omni", "--deploy-config", str(deploy),
-                    "--port", str(port), "--host", "127.0.0.1", "--served-model-name", model,
-                ],
-                port=port,
-                log_path=self.root / f"{model}_{runner}.log",
-                env=cpu_test_env(self.env(runner, model)),
-            )  # fmt: skip
-            self.servers[model, runner] = server.start()
-            assert server.proc is not None
-            self.watches.append(LeakWatch(root=server.proc.pid).start())
+        port = free_port()
+        server = ServerProcess(
+            [
+                bin_script("vllm"), "serve", str(self.models[model]), "--omni", "--deploy-config", str(deploy),
+                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", model,
+            ],
+            port=port,
+            log_path=self.root / f"{model}_v2.log",
+            env=cpu_test_env(self.env("v2", model)),
+        )  # fmt: skip
+        self.servers[model] = server.start()
+        assert server.proc is not None
+        self.watches.append(LeakWatch(root=server.proc.pid).start())
 
-    def clients(self, model: str) -> dict[str, Any]:
-        """OpenAI clients of ``model``'s servers, once both are ready."""
-        import openai
-
+    def base_url(self, model: str) -> str:
+        """``model``'s V2 server, once ready."""
         self.serve(model)
-        out = {}
-        for runner in SERVED_RUNNERS[model]:
-            server = self.servers[model, runner]
-            server.wait_ready(timeout=600)
-            out[runner] = openai.OpenAI(
-                base_url=server.base_url + "/v1", api_key="unused", timeout=600, max_retries=0
-            )
-        return out
+        self.servers[model].wait_ready(timeout=600)
+        return self.servers[model].base_url
 
 
 @pytest.fixture(scope="module")
 def launched(
     tiny_text_model: Path, tiny_glm_image: Path, tiny_bagel: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Launched]:
-    """Both engine scripts and GLM-Image's servers, started together (BAGEL's once the scripts are done or
-    GLM-Image's servers ready, so that at most four start-ups run at once); at the end every server stopped,
+    """Both engine scripts and GLM-Image's V2 server, started together (BAGEL's once the scripts are done or
+    GLM-Image's server is ready, so that at most three start-ups run at once); at the end every server stopped,
     leaving no process and nothing in /dev/shm."""
     from helpers import run_output_script
 
@@ -261,25 +259,18 @@ def engines(launched: Launched) -> dict[str, tuple[Any, dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def glm(launched: Launched, glm_image_served: dict[str, np.ndarray]) -> dict[str, Any]:
-    """V2's client (``"v2"``) and chat URL (``"v2_chat"``), and the V1 images of the greedy requests
-    (``"v1"``)."""
+    """V2's server (``"v2"``, its base URL) and the V1 images of the greedy requests (``"v1"``)."""
     assert str(glm_image_served["runner"]) == "V1", glm_image_served["runner"]
-    clients = launched.clients("glm")
+    base_url = launched.base_url("glm")
     launched.serve("bagel")  # its start-up overlaps GLM-Image's requests
-    chat = launched.servers["glm", "v2"].base_url + "/v1/chat/completions"
-    return {**clients, "v2_chat": chat, "v1": glm_image_served}
+    return {"v2": base_url, "v1": glm_image_served}
 
 
 @pytest.fixture(scope="module")
-def bagel(launched: Launched) -> dict[str, Any]:
-    return launched.clients("bagel")
-
-
-def on_both(clients: dict[str, Any], request: Callable[[Any], Any]) -> dict[str, Any]:
-    """``request(client)`` on both runners' servers at once."""
-    with ThreadPoolExecutor(len(clients)) as pool:
-        futures = {runner: pool.submit(request, client) for runner, client in clients.items()}
-        return {runner: future.result() for runner, future in futures.items()}
+def bagel(launched: Launched, bagel_served: dict[str, np.ndarray]) -> dict[str, Any]:
+    """V2's server (``"v2"``, its base URL) and the V1 answers (``"v1"``)."""
+    assert str(bagel_served["runner"]) == "V1", bagel_served["runner"]
+    return {"v2": launched.base_url("bagel"), "v1": bagel_served}
 
 
 def assert_same_image(images: dict[str, np.ndarray]) -> None:
@@ -288,10 +279,6 @@ def assert_same_image(images: dict[str, np.ndarray]) -> None:
     assert v1.std() > 10, "V1's image is flat: nothing to compare"
     diff = int(np.abs(v1.astype(np.int16) - v2.astype(np.int16)).max())
     assert diff <= MAX_PIXEL_DIFF, f"V2's image differs from V1's by up to {diff}/255"
-
-
-def source(height: int, width: int, seed: int) -> bytes:
-    return png(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 # --- offline engines ----------------------------------------------------------------------------------------
@@ -354,15 +341,13 @@ def test_bagel_thinker_contexts_equal_bit_for_bit(engines: dict[str, tuple[Any, 
 
 
 def test_glm_image_text_to_image_equal(glm: dict[str, Any], launched: Launched) -> None:
-    v2 = chat_pixels(
-        http_client.post(glm["v2_chat"], json={"model": "glm", **GREEDY_GENERATION}, timeout=600)
-    )
+    v2 = chat_pixels(http_client.post(glm["v2"] + CHAT, json=GREEDY_GENERATION, timeout=600))
     assert_same_image({"v1": glm["v1"]["greedy_generation"], "v2": v2})
     assert_interpreted(launched, "glm")
 
 
 def test_glm_image_edit_equal(glm: dict[str, Any]) -> None:
-    v2 = chat_pixels(http_client.post(glm["v2_chat"], json={"model": "glm", **GREEDY_EDIT}, timeout=600))
+    v2 = chat_pixels(http_client.post(glm["v2"] + CHAT, json=GREEDY_EDIT, timeout=600))
     assert_same_image({"v1": glm["v1"]["greedy_edit"], "v2": v2})
 
 
@@ -370,17 +355,15 @@ def test_glm_image_sampled_edit_on_v2_follows_its_seed(glm: dict[str, Any]) -> N
     """Sampled AR tokens (temperature 1, V2 alone: the runners draw differently): the same seed, the same
     image. The DiT takes codebook ids only, which the AR request's logit bias keeps to on V2 too (V2's
     sampler refuses GLM-Image's 16384 allowed ids)."""
-    uri = DATA_URI_PREFIX + base64.b64encode(source(SIZE, SIZE, 5)).decode()
+    body = {
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "make it red"}, {"type": "image_url", "image_url": {"url": data_uri(SOURCE)}},
+        ]}],
+        "modalities": ["image"], "height": SIZE, "width": SIZE, "seed": 5, "num_inference_steps": 4, "temperature": 1.0,
+    }  # fmt: skip
 
     def edit() -> np.ndarray:
-        response = glm["v2"].chat.completions.create(
-            model="glm", temperature=1.0,
-            messages=[{"role": "user", "content": [
-                {"type": "text", "text": "make it red"}, {"type": "image_url", "image_url": {"url": uri}},
-            ]}],
-            extra_body={"modalities": ["image"], "height": SIZE, "width": SIZE, "seed": 5, "num_inference_steps": 4},
-        )  # fmt: skip
-        return chat_image(response.choices[0].message.content)
+        return chat_pixels(http_client.post(glm["v2"] + CHAT, json=body, timeout=600))
 
     first = edit()
     assert first.std() > 10 and np.array_equal(edit(), first)
@@ -390,41 +373,18 @@ def test_glm_image_sampled_edit_on_v2_follows_its_seed(glm: dict[str, Any]) -> N
 
 
 def test_bagel_text_to_image_equal(bagel: dict[str, Any], launched: Launched) -> None:
-    def t2i(client: Any) -> np.ndarray:
-        response = client.chat.completions.create(
-            model="bagel", messages=[{"role": "user", "content": "a red fox in the snow"}],
-            extra_body={"modalities": ["image"], "height": SIZE, "width": SIZE, "seed": 11, "num_inference_steps": 4},
-        )  # fmt: skip
-        return chat_image(response.choices[0].message.content)
-
-    assert_same_image(on_both(bagel, t2i))
+    assert_same_image({"v1": bagel["v1"]["text_to_image"], "v2": bagel_text_to_image(bagel["v2"])})
     assert_interpreted(launched, "bagel")
 
 
 def test_bagel_edit_equal(bagel: dict[str, Any]) -> None:
-    def edit(client: Any) -> np.ndarray:
-        result = client.images.edit(
-            model="bagel", image=("source.png", source(48, SIZE, 9), "image/png"), prompt="make it blue",
-            extra_body={"seed": 7, "num_inference_steps": 4},
-        )  # fmt: skip
-        return pixels(result.data[0].b64_json)
-
-    assert_same_image(on_both(bagel, edit))
+    assert_same_image({"v1": bagel["v1"]["edit"], "v2": bagel_edit(bagel["v2"])})
 
 
 def test_bagel_think_equal(bagel: dict[str, Any]) -> None:
-    def think(client: Any) -> tuple[np.ndarray, str]:
-        response = client.chat.completions.create(
-            model="bagel", messages=[{"role": "user", "content": "a red fox"}],
-            extra_body={"modalities": ["image"], "height": SIZE, "width": SIZE, "seed": 3, "num_inference_steps": 4,
-                        "think": True, "max_think_tokens": 8},
-        )  # fmt: skip
-        content = response.choices[0].message.content
-        return chat_image(content), content[1]["text"]
-
-    answers = on_both(bagel, think)
-    assert_same_image({runner: image for runner, (image, _) in answers.items()})
-    assert answers["v1"][1] and answers["v2"][1] == answers["v1"][1]
+    image, plan = bagel_think(bagel["v2"])
+    assert_same_image({"v1": bagel["v1"]["think"], "v2": image})
+    assert plan and plan == str(bagel["v1"]["think_text"])
 
 
 def assert_interpreted(launched: Launched, name: str) -> None:
