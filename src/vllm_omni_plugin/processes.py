@@ -44,6 +44,12 @@ _OWNER = re.compile(r"^vllm_omni_(\d+)_")
 PARENT_POLL_S = 0.5
 
 
+def segment_owner(name: str) -> int | None:
+    """The owner pid one of our segments is named after (None: not one of ours)."""
+    match = _OWNER.match(name)
+    return None if match is None else int(match.group(1))
+
+
 # --- reading /proc ---------------------------------------------------------------------------------------
 
 
@@ -87,13 +93,22 @@ def _pids() -> list[int]:
         return []
 
 
-def descendants(root: int) -> list[int]:
-    """Every live descendant of ``root`` (children, their children, ...), in no particular order."""
+def children_of_every_process() -> dict[int, list[int]]:
+    """Parent pid -> its children's pids, for every process on the host, as ``/proc`` lists them now."""
     children: dict[int, list[int]] = {}
     for pid in _pids():
         stat = _stat(pid)
         if stat is not None:
             children.setdefault(stat[0], []).append(pid)
+    return children
+
+
+def descendants(root: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """Every live descendant of ``root`` (children, their children, ...), in no particular order;
+    ``children``: a :func:`children_of_every_process` taken a moment ago (several trees looked at
+    together), else one taken now."""
+    if children is None:
+        children = children_of_every_process()
     found: list[int] = []
     todo = [root]
     while todo:
@@ -302,7 +317,7 @@ class ProcessTree:
             present = set(os.listdir(shm_dir))
         except OSError:
             return []
-        ours = {name for name in present if (m := _OWNER.match(name)) is not None and int(m.group(1)) in dead}
+        ours = {name for name in present if segment_owner(name) in dead}
         foreign: set[str] = set()
         if not running:  # while a member runs it may still use them
             foreign = {name for name in self.segments & present if tracker_name(name) is not None}

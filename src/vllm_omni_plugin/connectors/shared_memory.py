@@ -74,10 +74,11 @@ from vllm_omni_plugin.connectors.base import (
     dtype_name,
 )
 from vllm_omni_plugin.log import get_logger
+from vllm_omni_plugin.processes import OUR_SEGMENT_PREFIX, segment_owner
 
 logger = get_logger(__name__)
 
-SEGMENT_PREFIX = "vllm_omni_"
+SEGMENT_PREFIX = OUR_SEGMENT_PREFIX
 DEFAULT_SHM_DIR = "/dev/shm"
 DEFAULT_LEASE_TIMEOUT_S = 300.0
 DEFAULT_POOL_BYTES = 256 << 20
@@ -86,7 +87,6 @@ _SEGMENT_NAME = re.compile(r"^vllm_omni_(\d+)_[0-9a-f]{16}$")
 """One-off segment names; a handle is external input, so its key must match before we touch a file."""
 _POOL_KEY = re.compile(r"^(vllm_omni_(\d+)_pool_[0-9a-f]{16})@(\d{1,18})$")
 """Keys of pooled values: the segment's file name, ``@``, the generation of the value in it."""
-_OWNER_PID = re.compile(r"^vllm_omni_(\d+)_")
 _MAX_IO = 1 << 30
 """Bytes per read/write call: Linux moves at most ~2 GiB per call."""
 _MIN_CLASS = 64 << 10
@@ -128,11 +128,8 @@ def sweep_orphaned_segments(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -
     except FileNotFoundError:
         return removed
     for entry in entries:
-        match = _OWNER_PID.match(entry.name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid():
+        pid = segment_owner(entry.name)
+        if pid is None or pid == os.getpid():
             continue
         if pid not in verdicts:
             verdicts[pid] = _pid_alive(pid)

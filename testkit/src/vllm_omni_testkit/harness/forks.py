@@ -75,6 +75,7 @@ PRELOADED = (
 READ_WHEN_USED = frozenset({
     "VLLM_OMNI_HOLD_DIR", "VLLM_OMNI_TEST_HOOKS", "VLLM_OMNI_FAULT_SEED",  # the test seam's
     "VLLM_LOG_STATS_INTERVAL",  # vllm.envs reads it when the engine logs its stats
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",  # read where the API server adds its routes and serving classes
     # vllm.envs reads it when an engine is made (LLMEngine, the CPU platform's config check); vLLM caches
     # its variables only once an engine core has started (enable_envs_cache), checked in _check_preloaded
     "VLLM_ENABLE_V1_MULTIPROCESSING",

@@ -19,12 +19,18 @@ _client: httpx.Client | None = None
 _lock = threading.Lock()
 
 
+def new_client() -> httpx.Client:
+    """A client as ``httpx.get`` makes one for each request (httpx's default timeout, no connection kept
+    alive), to be shared by many."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def client() -> httpx.Client:
-    """The process's shared client, made at first use (httpx's default timeout, as ``httpx.get`` has)."""
+    """The process's shared client, made at first use."""
     global _client
     with _lock:
         if _client is None or _client.is_closed:
-            _client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+            _client = new_client()
         return _client
 
 

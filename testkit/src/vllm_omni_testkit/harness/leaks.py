@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 from vllm_omni_plugin.log import best_effort
 from vllm_omni_plugin.processes import (
-    OUR_SEGMENT_PREFIX,
     SHM_DIR,
     ProcessId,
+    children_of_every_process,
     cmdline,
     descendants,
     mapped_segments,
+    segment_owner,
     unlink_segment,
 )
 
@@ -41,7 +42,48 @@ FOREIGN_POLLS = 4
 worker's): a process maps what it creates at once, so only a segment mapped for less than a poll
 interval can escape, as it could before."""
 
+SHARED_LOOK_S = 0.25
+"""How long one look at ``/proc`` serves every watch of this process (a test often runs several, each
+polling; reading every process's stat and a large process's memory map is most of what a watch costs)."""
+
 _SPARED: set[ProcessId] = set()
+
+
+class _SharedLook:
+    """The process table and the memory maps read by one watch's poll, reused by the others' polls within
+    :data:`SHARED_LOOK_S`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._taken = float("-inf")
+        self._children: dict[int, list[int]] = {}
+        self._maps: dict[ProcessId, set[str]] = {}
+
+    def _fresh(self, now: float) -> None:
+        if now - self._taken > SHARED_LOOK_S:
+            self._children = children_of_every_process()
+            self._maps = {}
+            self._taken = now
+
+    def children(self, *, fresh: bool = False) -> dict[int, list[int]]:
+        with self._lock:
+            if fresh:
+                self._taken = float("-inf")
+            self._fresh(time.monotonic())
+            return self._children
+
+    def mapped(self, process: ProcessId) -> set[str]:
+        with self._lock:
+            self._fresh(time.monotonic())
+            known = self._maps.get(process)
+        if known is None:
+            known = mapped_segments(process.pid)
+            with self._lock:
+                self._maps[process] = known
+        return known
+
+
+_LOOK = _SharedLook()
 
 
 def spare_from_watches(pid: int) -> None:
@@ -126,12 +168,13 @@ class LeakWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             with best_effort("polling the run's processes and segments (the watch goes on)"):
-                self.poll()
+                self.poll(shared=True)
 
-    def poll(self) -> None:
-        """Record the live descendants and the segments every recorded process maps now."""
+    def poll(self, *, shared: bool = False) -> None:
+        """Record the live descendants and the segments every recorded process maps now (``shared``: or
+        as another watch's poll read ``/proc`` a moment ago: the background thread's polls)."""
         with self._lock:
-            for pid in descendants(self.root):
+            for pid in descendants(self.root, _LOOK.children(fresh=not shared)):
                 known = self.processes.get(pid)
                 if known is None or not known.alive():
                     pid_id = ProcessId.of(pid)
@@ -148,11 +191,22 @@ class LeakWatch:
                 for name in listed - self.before - self.segments.keys()
                 if self._unmapped.get(name, 0) < FOREIGN_POLLS
             }
+            # ours name their owner, no memory map needs reading: the run's once the owner is one of its
+            # processes (it may be seen at a later poll), another's after FOREIGN_POLLS polls
+            watched = {self.root, *self.processes}
+            for name in [n for n in unknown if segment_owner(n) is not None]:
+                unknown.discard(name)
+                if segment_owner(name) in watched:
+                    self.segments.setdefault(name, segment_owner(name))
+                else:
+                    self._unmapped[name] = self._unmapped.get(name, 0) + 1
             if not unknown:
                 return
-            for pid in (self.root, *[p.pid for p in self.processes.values() if p.alive()]):
-                for name in mapped_segments(pid) & unknown:
-                    self.segments.setdefault(name, pid)
+            for process in (self.root_id, *[p for p in self.processes.values() if p.alive()]):
+                if process is None:
+                    continue
+                for name in _LOOK.mapped(process) & unknown:
+                    self.segments.setdefault(name, process.pid)
             for name in unknown - self.segments.keys():
                 self._unmapped[name] = self._unmapped.get(name, 0) + 1
 
@@ -181,7 +235,7 @@ class LeakWatch:
         for name in self._listing():
             if name in self.before:
                 continue
-            owner = _owner_pid(name)
+            owner = segment_owner(name)
             if name in mapped or (owner is not None and owner in pids):
                 left.append(name)
         return sorted(left)
@@ -218,13 +272,6 @@ class LeakWatch:
                 os.kill(pid, signal.SIGKILL)
         for name in left.segments:
             unlink_segment(name, self.shm_dir)
-
-
-def _owner_pid(name: str) -> int | None:
-    if not name.startswith(OUR_SEGMENT_PREFIX):
-        return None
-    head = name[len(OUR_SEGMENT_PREFIX) :].split("_", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 def _parent(pid: int) -> int | None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from vllm_omni_testkit.harness import http_client
+
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = "/run/netns"
 
@@ -91,14 +93,16 @@ def _enter(namespace: str) -> None:
 
 
 class NamespaceHTTP:
-    """``get``/``post`` like httpx, run on threads inside ``namespace``."""
+    """``get``/``post`` like httpx, run on threads inside ``namespace`` (a socket belongs to the network
+    namespace of the thread that opens it), through one client (``http_client``'s reasons)."""
 
     def __init__(self, namespace: str, threads: int = 4) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"http-{namespace}",
                                         initializer=_enter, initargs=(namespace,))  # fmt: skip
+        self._client = http_client.new_client()
 
     def request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        return self._pool.submit(httpx.request, method, url, **kwargs).result()
+        return self._pool.submit(self._client.request, method, url, **kwargs).result()
 
     def get(self, url: str, **kwargs: Any) -> httpx.Response:
         return self.request("GET", url, **kwargs)
@@ -108,3 +112,4 @@ class NamespaceHTTP:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._client.close()
