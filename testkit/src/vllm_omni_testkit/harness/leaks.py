@@ -194,10 +194,13 @@ class LeakWatch:
             # ours name their owner, no memory map needs reading: the run's once the owner is one of its
             # processes (it may be seen at a later poll), another's after FOREIGN_POLLS polls
             watched = {self.root, *self.processes}
-            for name in [n for n in unknown if segment_owner(n) is not None]:
+            for name in list(unknown):
+                owner = segment_owner(name)
+                if owner is None:
+                    continue
                 unknown.discard(name)
-                if segment_owner(name) in watched:
-                    self.segments.setdefault(name, segment_owner(name))
+                if owner in watched:
+                    self.segments.setdefault(name, owner)
                 else:
                     self._unmapped[name] = self._unmapped.get(name, 0) + 1
             if not unknown:
