@@ -1,0 +1,162 @@
+"""One denoising loop for a diffusion stage: schedule -> execute -> update, one step at a time, over every
+admitted request's rows (issue 40; on this branch, not yet the engine's).
+
+The loop owns each admitted request's denoising state (its family's latents, scheduler copy, generator
+draws and conditioning) and runs the stage as vLLM's engine core runs tokens:
+
+- **schedule**: the waiting requests that fit the step's row budget after those ahead of them are admitted
+  (their prompts encoded together, in one encoder call); the running requests are taken in priority order
+  (lower value first, ties by arrival: vLLM's ``--scheduling-policy priority`` convention) while their rows
+  fit the budget; a running request left out is preempted for this step: its state stays as it is and it
+  resumes where it stopped, with the image it would have got;
+- **execute**: one forward per group of rows that can share one (equal shape key: same image size), each
+  request's guidance and scheduler step on its own rows;
+- **update**: finished requests leave, decoded together.
+
+A request's image does not depend on the rows beside it, up to the float noise of a batched kernel (at most
+1/255): each keeps its own generator draws, scheduler and guidance.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class StepFamily(Protocol):
+    """What the loop needs of a pipeline family, built from the pipeline's own components."""
+
+    def encode(self, requests: list[Any]) -> list[Any]:
+        """Each request's conditioning, from one encoder call for all of them."""
+
+    def prepare(self, request: Any, conditioning: Any) -> Any:
+        """The request's denoising state (initial latents from its generator, its scheduler's timesteps)."""
+
+    def steps(self, state: Any) -> int:
+        """How many denoising steps the state takes."""
+
+    def rows(self, request: Any) -> int:
+        """Rows the request adds to a forward (2 with classifier-free guidance)."""
+
+    def shape(self, state: Any) -> Hashable:
+        """States with equal keys can share a forward."""
+
+    def denoise(self, states: list[Any]) -> None:
+        """One forward over these states' rows, then each state's guidance and scheduler step."""
+
+    def decode(self, states: list[Any]) -> list[Any]:
+        """The finished states' images, from one decoder call."""
+
+
+@dataclass(eq=False)
+class Denoising:
+    """One request in the loop."""
+
+    request_id: str
+    request: Any
+    priority: int
+    arrival: int
+    state: Any = None
+    done_steps: int = 0
+    total_steps: int = 0
+    preemptions: int = 0
+
+    def order(self) -> tuple[int, int]:
+        return self.priority, self.arrival
+
+
+@dataclass
+class Finished:
+    request_id: str
+    image: Any
+    preemptions: int
+
+
+@dataclass
+class LoopCounters:
+    steps: int = 0
+    forwards: int = 0
+    preemptions: int = 0
+    encoder_calls: int = 0
+    decoder_calls: int = 0
+
+
+@dataclass
+class StepLoop:
+    """The loop over one family's requests; ``max_rows``: the rows one step's forwards may hold in all."""
+
+    family: StepFamily
+    max_rows: int
+    waiting: list[Denoising] = field(default_factory=list)
+    running: list[Denoising] = field(default_factory=list)
+    counters: LoopCounters = field(default_factory=LoopCounters)
+    _arrivals: itertools.count = field(default_factory=itertools.count)
+
+    def add(self, request_id: str, request: Any, priority: int = 0) -> None:
+        self.waiting.append(Denoising(request_id, request, priority, next(self._arrivals)))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request wherever it is; its rows leave the next step."""
+        for queue in (self.waiting, self.running):
+            for item in queue:
+                if item.request_id == request_id:
+                    queue.remove(item)
+                    return True
+        return False
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _schedule(self) -> list[Denoising]:
+        """Admit what fits after what is ahead of it, then pick this step's requests."""
+        candidates = sorted(self.running + self.waiting, key=Denoising.order)
+        chosen: list[Denoising] = []
+        rows = 0
+        new: list[Denoising] = []
+        for item in candidates:
+            need = self.family.rows(item.request)
+            if rows + need > self.max_rows:
+                continue
+            rows += need
+            chosen.append(item)
+            if item.state is None:
+                new.append(item)
+        if new:
+            conditionings = self.family.encode([item.request for item in new])
+            self.counters.encoder_calls += 1
+            for item, conditioning in zip(new, conditionings, strict=True):
+                item.state = self.family.prepare(item.request, conditioning)
+                item.total_steps = self.family.steps(item.state)
+                self.waiting.remove(item)
+                self.running.append(item)
+        for item in self.running:
+            if item not in chosen:
+                item.preemptions += 1
+                self.counters.preemptions += 1
+        return chosen
+
+    def step(self) -> list[Finished]:
+        """One iteration: schedule, one forward per shape group, then decode what finished."""
+        chosen = self._schedule()
+        groups: dict[Hashable, list[Denoising]] = {}
+        for item in chosen:
+            groups.setdefault(self.family.shape(item.state), []).append(item)
+        for group in groups.values():
+            self.family.denoise([item.state for item in group])
+            self.counters.forwards += 1
+            for item in group:
+                item.done_steps += 1
+        self.counters.steps += 1
+        done = [item for item in self.running if item.done_steps >= item.total_steps]
+        if not done:
+            return []
+        for item in done:
+            self.running.remove(item)
+        images = self.family.decode([item.state for item in done])
+        self.counters.decoder_calls += 1
+        return [
+            Finished(item.request_id, image, item.preemptions)
+            for item, image in zip(done, images, strict=True)
+        ]
