@@ -83,9 +83,10 @@ class SD3Steps:
     def denoise(self, states: list[SD3State]) -> None:
         hidden = torch.cat([s.latents.expand(s.embeds.shape[0], -1, -1, -1) for s in states])
         timestep = torch.cat([s.timesteps[s.index].expand(s.embeds.shape[0]) for s in states])
+        embeds, pooled = torch.cat([s.embeds for s in states]), torch.cat([s.pooled for s in states])
         out = self.pipe.transformer(
-            hidden_states=hidden, timestep=timestep, encoder_hidden_states=torch.cat([s.embeds for s in states]),
-            pooled_projections=torch.cat([s.pooled for s in states]), return_dict=False,
+            hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds, pooled_projections=pooled,
+            return_dict=False,
         )[0]  # fmt: skip
         row = 0
         for s in states:
