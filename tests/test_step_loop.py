@@ -101,3 +101,36 @@ def test_a_higher_priority_request_preempts_and_the_preempted_one_resumes_unchan
     for f, _ in finished:  # each ran alone in every step it ran: both exact
         r = high if f.request_id == "r7" else low
         assert diff(f.image, alone(pipe, r)) == 0, f.request_id
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_flux: Path) -> Any:
+    from diffusers import FluxPipeline
+
+    pipeline = FluxPipeline.from_pretrained(str(tiny_flux), torch_dtype=torch.float32)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def flux_alone(flux: Any, r: DiffusionRequest) -> np.ndarray:
+    with torch.no_grad():
+        image = flux(
+            prompt=r.prompt, height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
+            guidance_scale=r.guidance_scale, generator=torch.Generator("cpu").manual_seed(r.seed), output_type="np",
+        ).images[0]  # fmt: skip
+    return (image * 255).round().astype(np.uint8)
+
+
+def test_flux_alone_exact_and_mixed_guidance_and_sizes_in_one_loop(flux: Any) -> None:
+    from vllm_omni_plugin.families.diffusers.steps import FluxSteps
+
+    requests = [request(10, guidance=3.5), request(11, steps=3, guidance=5.0), request(12, size=96)]
+    loop = StepLoop(FluxSteps(flux), max_rows=8)
+    loop.add(requests[0].request_id, requests[0])
+    assert diff(run(loop)["r10"].image, flux_alone(flux, requests[0])) == 0
+    for r in requests:
+        loop.add(r.request_id, r)
+    done = run(loop)
+    for r in requests:
+        assert done[r.request_id].image.std() > 5
+        assert diff(done[r.request_id].image, flux_alone(flux, r)) <= 1, r.request_id

@@ -116,3 +116,110 @@ class SD3Steps:
             for k, image in zip(members, decoded, strict=True):
                 images[k] = (image * 255).round().astype(np.uint8)
         return [images[k] for k in range(len(states))]
+
+
+@dataclass(eq=False)
+class FluxState:
+    latents: torch.Tensor
+    """Packed: (1, tokens, channels)."""
+    image_ids: torch.Tensor
+    text_ids: torch.Tensor
+    scheduler: Any
+    timesteps: torch.Tensor
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    guidance: float
+    height: int
+    width: int
+    index: int = 0
+
+
+class FluxSteps:
+    """``FluxPipeline``'s text to image (guidance distilled, no true CFG), one step at a time."""
+
+    def __init__(self, pipe: Any, max_sequence_length: int = 512) -> None:
+        self.pipe = pipe
+        self.max_sequence_length = max_sequence_length
+
+    def rows(self, request: DiffusionRequest) -> int:
+        return 1
+
+    def encode(
+        self, requests: list[DiffusionRequest]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=[r.prompt for r in requests], prompt_2=None, device=self.pipe.device,
+            num_images_per_prompt=1, max_sequence_length=self.max_sequence_length,
+        )  # fmt: skip
+        return [(embeds[k : k + 1], pooled[k : k + 1], text_ids) for k in range(len(requests))]
+
+    def prepare(self, request: DiffusionRequest, conditioning: tuple[torch.Tensor, ...]) -> FluxState:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        pipe = self.pipe
+        height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
+        width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
+        embeds, pooled, text_ids = conditioning
+        generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
+        latents, image_ids = pipe.prepare_latents(
+            1, pipe.transformer.config.in_channels // 4, height, width, embeds.dtype, pipe.device, generator
+        )
+        steps = request.num_inference_steps or 28
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
+            sigmas = None
+        config = pipe.scheduler.config
+        mu = calculate_shift(
+            latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+        )  # fmt: skip
+        scheduler = copy.deepcopy(pipe.scheduler)
+        timesteps, _ = retrieve_timesteps(scheduler, steps, pipe.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        guidance = 3.5 if request.guidance_scale is None else request.guidance_scale
+        return FluxState(
+            latents, image_ids, text_ids, scheduler, timesteps, embeds, pooled, guidance, height, width
+        )
+
+    def steps(self, state: FluxState) -> int:
+        return len(state.timesteps)
+
+    def shape(self, state: FluxState) -> Hashable:
+        return tuple(state.latents.shape), tuple(state.text_ids.shape)
+
+    def denoise(self, states: list[FluxState]) -> None:
+        hidden = torch.cat([s.latents for s in states])
+        timestep = torch.cat([s.timesteps[s.index].expand(1).to(s.latents.dtype) for s in states])
+        guidance = None
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = torch.tensor([s.guidance for s in states], dtype=torch.float32)
+        out = self.pipe.transformer(
+            hidden_states=hidden, timestep=timestep / 1000, guidance=guidance,
+            pooled_projections=torch.cat([s.pooled for s in states]),
+            encoder_hidden_states=torch.cat([s.embeds for s in states]),
+            txt_ids=states[0].text_ids, img_ids=states[0].image_ids, return_dict=False,
+        )[0]  # fmt: skip
+        for k, s in enumerate(states):
+            s.latents = s.scheduler.step(out[k : k + 1], s.timesteps[s.index], s.latents, return_dict=False)[
+                0
+            ]
+            s.index += 1
+
+    def decode(self, states: list[FluxState]) -> list[np.ndarray]:
+        """One decoder call per image size."""
+        pipe, vae = self.pipe, self.pipe.vae
+        images: dict[int, np.ndarray] = {}
+        groups: dict[Hashable, list[int]] = {}
+        for k, s in enumerate(states):
+            groups.setdefault((s.height, s.width), []).append(k)
+        for (height, width), members in groups.items():
+            latents = pipe._unpack_latents(
+                torch.cat([states[k].latents for k in members]), height, width, pipe.vae_scale_factor
+            )
+            latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+            decoded = pipe.image_processor.postprocess(
+                vae.decode(latents, return_dict=False)[0], output_type="np"
+            )
+            for k, image in zip(members, decoded, strict=True):
+                images[k] = (image * 255).round().astype(np.uint8)
+        return [images[k] for k in range(len(states))]
