@@ -103,7 +103,7 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     """Diffusion stages: the most latent tokens a denoising step carries, summed over the requests in it
     (each request: its image's tokens times its guidance branches); a request larger than this runs
     alone. Default by device: 1024 on CPU, 16384 on a GPU."""
-    batching: Literal["request", "step"] | None = None
+    batching: Literal["request", "step", "loop"] | None = None
     """Diffusion stages: ``request`` (default) batches whole requests; ``step`` lets requests join and
     leave the running batch at each denoising step (the requests in flight keep to ``max_step_tokens``
     and ``max_batch_size``)."""

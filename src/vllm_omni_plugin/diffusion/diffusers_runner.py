@@ -416,6 +416,14 @@ class DiffusersPipelineRunner(DiffusionRunner):
 
     step_batching = True
 
+    def step_family(self) -> Any:
+        from vllm_omni_plugin.families.diffusers.steps import FluxSteps, SD3Steps
+
+        family = {"StableDiffusion3Pipeline": SD3Steps, "FluxPipeline": FluxSteps}.get(
+            type(self.pipe).__name__
+        )
+        return None if family is None else family(self.pipe)
+
     def run(
         self, batch: list[DiffusionRequest], generators: list[Any], should_stop: StopCheck | None = None
     ) -> BatchOutput:

@@ -178,6 +178,19 @@ class DiffusionEngine:
         if batching == "step" and (not runner.step_batching or batch_invariant):
             why = "batch_invariant runs requests alone" if batch_invariant else f"{runner.label} cannot"
             raise ValueError(f"batching: step is not available: {why}; use batching: request")
+        self.step_family: Any = None
+        """``batching: loop``: the pipeline as the step loop's pieces (``diffusion/step_loop.py``)."""
+        if batching == "loop":
+            features = [name for name, on in (
+                ("batch_invariant", batch_invariant), ("compile", compiles),
+                ("step cache", self.cache is not None),
+                ("cfg_parallel_size", config.cfg_parallel_size > 1),
+                ("sequence_parallel_size", config.sequence_parallel_size > 1),
+            ) if on]  # fmt: skip
+            self.step_family = runner.step_family()
+            if self.step_family is None or features:
+                why = ", ".join(features) if features else f"{runner.label} has no step-loop pieces yet"
+                raise ValueError(f"batching: loop is not available: {why}; use batching: request")
         self.decode_batcher: StepBatcher | None = None
         """``batching: step``: the groups' VAE decodes, joined where several wait (runners with a
         :meth:`DiffusionRunner.decode_calls`)."""

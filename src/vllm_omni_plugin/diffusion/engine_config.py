@@ -15,7 +15,7 @@ from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
-BATCHING_MODES = ("request", "step")
+BATCHING_MODES = ("request", "step", "loop")
 """``request``: a batch of whole requests runs all its steps and decodes before the next forms;
 ``step``: requests join and leave the running batch at step boundaries (:mod:`.step_batching`)."""
 BATCH_WAIT_MS = 100.0
@@ -43,7 +43,7 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     progress_interval_s: float = PROGRESS_INTERVAL_S
     gpu_memory_utilization: float | None = None
     """The share of the device's memory (the machine's on CPU) the stage keeps to; None: no budget."""
-    batching: Literal["request", "step"] = "request"
+    batching: Literal["request", "step", "loop"] = "request"
     batch_wait_ms: float = BATCH_WAIT_MS
     """``batching: step``: how long a new request waits for others to start with it as one group."""
     max_loras: int = MAX_LORAS

@@ -105,6 +105,12 @@ class DiffusionRunner(abc.ABC):
     on_step: StepCallback | None = None
     """Set by the engine: called after each denoising step of :meth:`run`."""
     step_batching: ClassVar[bool] = False
+
+    def step_family(self) -> Any:
+        """The pieces ``batching: loop`` runs this pipeline as (``diffusion/step_loop.py``); None: it
+        cannot (issue 40, in progress)."""
+        return None
+
     """It implements :meth:`run_rows` and :meth:`denoiser`: its requests can share forwards step by step
     (``batching: step``)."""
     previews: ClassVar[bool] = False

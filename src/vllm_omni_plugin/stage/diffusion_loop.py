@@ -342,6 +342,9 @@ class DiffusionBatchLoop:
             if self.engine.step_batcher is not None:
                 self._serve_groups()
                 return
+            if self.engine.step_family is not None:
+                self._serve_loop()
+                return
             while not self.inbox.stopping:
                 batch = self.inbox.take(self.max_batch)
                 self.engine.count_started(self.inbox.started_waits())
@@ -410,6 +413,65 @@ class DiffusionBatchLoop:
                 )
                 groups[key] = (thread, len(group))
                 thread.start()
+
+    def _serve_loop(self) -> None:
+        """``batching: loop``: one step loop over every admitted request's rows (``diffusion/step_loop.py``):
+        what is queued joins at the next step while fewer than ``max_batch`` requests run; finished
+        requests are reported after the step that finished them. Stopping admits nothing new and lets the
+        admitted requests finish (interrupted: drops them)."""
+        import torch
+
+        from vllm_omni_plugin.diffusion.step_loop import StepLoop
+
+        inbox, engine = self.inbox, self.engine
+        loop = StepLoop(engine.step_family, max_rows=2 * self.max_batch)
+        transfer: dict[str, float] = {}
+        started: dict[str, float] = {}
+        while not inbox.stopping or not loop.idle():
+            free = self.max_batch - len(loop.running) - len(loop.waiting)
+            taken = []
+            if loop.idle() or (inbox.queued and free > 0 and not inbox.stopping):  # never waits beside a step
+                taken = inbox.take_rows(free)
+            engine.count_started(inbox.started_waits())
+            requests, failed = [], []
+            for message in taken:
+                request, seconds, bad = self._request_of(message)
+                if bad is None:
+                    requests.append(request)
+                    transfer[message.request_id] = seconds
+                else:
+                    failed.append(bad)
+            admitted, refused = engine.admit(requests) if requests else ([], [])
+            failed += [self._output_of(r, transfer.pop(r.request_id, 0.0)) for r in refused]
+            if failed:
+                inbox.done([o.request_id for o in failed])
+                self.report.outputs(failed)
+            for request in (r for group in admitted for r in group):
+                loop.add(request.request_id, request, priority=getattr(request, "priority", 0))
+                started[request.request_id] = time.perf_counter()
+            for item in [*loop.waiting, *loop.running]:
+                if inbox.is_aborted(item.request_id) or inbox.interrupted:
+                    loop.abort(item.request_id)
+                    inbox.done([item.request_id])
+                    transfer.pop(item.request_id, None)
+                    if not inbox.interrupted:
+                        self.report.dropped([item.request_id], "batch")
+            if loop.idle():
+                continue
+            with torch.inference_mode():
+                finished = loop.step()
+            self._hold_at_step()
+            outputs = []
+            for done in finished:
+                seconds = time.perf_counter() - started.pop(done.request_id)
+                result = DiffusionResult(
+                    request_id=done.request_id, image=done.image, timings={"denoise": seconds}
+                )
+                outputs.append(self._output_of(result, transfer.pop(done.request_id, 0.0)))
+            if outputs:
+                inbox.done([o.request_id for o in outputs])
+                self.report.progress(engine.counters(), force=True)
+                self.report.outputs(outputs)
 
     def _run_group(self, key: str, group: list[Any]) -> None:
         results: list[Any] = []
