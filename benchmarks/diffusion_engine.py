@@ -408,6 +408,7 @@ def main() -> int:
     for budget in args.max_step_tokens or [None]:
         name = "step" if budget is None else f"step tokens={budget}"
         variants[name] = step_fields if budget is None else {**step_fields, "max_step_tokens": budget}
+    variants["loop"] = {"batching": "loop", "max_batch_size": max(levels)}  # issue 40, on its branch
     modes = list(variants)
     closed: dict[str, Closed] = {}
     opened: dict[str, list[float]] = {}
