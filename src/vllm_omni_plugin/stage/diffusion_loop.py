@@ -430,8 +430,14 @@ class DiffusionBatchLoop:
         while not inbox.stopping or not loop.idle():
             free = self.max_batch - len(loop.running) - len(loop.waiting)
             taken = []
-            if loop.idle() or (inbox.queued and free > 0 and not inbox.stopping):  # never waits beside a step
+            if loop.idle():
                 taken = inbox.take_rows(free)
+            elif inbox.queued and free > 0 and not inbox.stopping:  # never waits beside a step
+                # arrivals join in waves, so that their prompts encode together: once as many wait as
+                # half the free rows, or the first of them waited batch_wait_ms
+                waited = time.monotonic() - inbox.arrived.get(inbox.queued[0].request_id, 0.0)
+                if len(inbox.queued) >= max(1, free // 2) or waited >= engine.batch_wait_ms / 1000:
+                    taken = inbox.take_rows(free)
             engine.count_started(inbox.started_waits())
             requests, failed = [], []
             for message in taken:
