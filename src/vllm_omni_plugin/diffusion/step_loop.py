@@ -20,6 +20,7 @@ A request's image does not depend on the rows beside it, up to the float noise o
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -62,6 +63,8 @@ class Denoising:
     done_steps: int = 0
     total_steps: int = 0
     preemptions: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    """This request's phases: its wave's encoding, the forwards it was in, its decoder call."""
 
     def order(self) -> tuple[int, int]:
         return self.priority, self.arrival
@@ -72,6 +75,7 @@ class Finished:
     request_id: str
     image: Any
     preemptions: int
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +85,11 @@ class LoopCounters:
     preemptions: int = 0
     encoder_calls: int = 0
     decoder_calls: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Time spent per phase: ``encode`` (with each admitted request's preparation), ``steps``, ``decode``."""
+
+    def add_time(self, phase: str, since: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - since
 
 
 @dataclass
@@ -124,6 +133,7 @@ class StepLoop:
             if item.state is None:
                 new.append(item)
         if new:
+            began = time.perf_counter()
             conditionings = self.family.encode([item.request for item in new])
             self.counters.encoder_calls += 1
             for item, conditioning in zip(new, conditionings, strict=True):
@@ -131,6 +141,9 @@ class StepLoop:
                 item.total_steps = self.family.steps(item.state)
                 self.waiting.remove(item)
                 self.running.append(item)
+            self.counters.add_time("encode", began)
+            for item in new:
+                item.seconds["encode"] = time.perf_counter() - began
         for item in self.running:
             if item not in chosen:
                 item.preemptions += 1
@@ -140,23 +153,31 @@ class StepLoop:
     def step(self) -> list[Finished]:
         """One iteration: schedule, one forward per shape group, then decode what finished."""
         chosen = self._schedule()
+        began = time.perf_counter()
         groups: dict[Hashable, list[Denoising]] = {}
         for item in chosen:
             groups.setdefault(self.family.shape(item.state), []).append(item)
         for group in groups.values():
+            forward = time.perf_counter()
             self.family.denoise([item.state for item in group])
             self.counters.forwards += 1
             for item in group:
                 item.done_steps += 1
+                item.seconds["steps"] = item.seconds.get("steps", 0.0) + time.perf_counter() - forward
         self.counters.steps += 1
+        self.counters.add_time("steps", began)
         done = [item for item in self.running if item.done_steps >= item.total_steps]
         if not done:
             return []
         for item in done:
             self.running.remove(item)
+        began = time.perf_counter()
         images = self.family.decode([item.state for item in done])
         self.counters.decoder_calls += 1
+        self.counters.add_time("decode", began)
+        for item in done:
+            item.seconds["decode"] = time.perf_counter() - began
         return [
-            Finished(item.request_id, image, item.preemptions)
+            Finished(item.request_id, image, item.preemptions, item.seconds)
             for item, image in zip(done, images, strict=True)
         ]

@@ -469,10 +469,15 @@ class DiffusionBatchLoop:
             self._hold_at_step()
             outputs = []
             for done in finished:
-                seconds = time.perf_counter() - started.pop(done.request_id)
-                result = DiffusionResult(
-                    request_id=done.request_id, image=done.image, timings={"denoise": seconds}
-                )
+                total = time.perf_counter() - started.pop(done.request_id)
+                phases = done.seconds
+                timings = {
+                    "encode": phases.get("encode", 0.0),
+                    "denoise": phases.get("encode", 0.0) + phases.get("steps", 0.0),
+                    "decode": phases.get("decode", 0.0),
+                    "total": total,
+                }
+                result = DiffusionResult(request_id=done.request_id, image=done.image, timings=timings)
                 outputs.append(self._output_of(result, transfer.pop(done.request_id, 0.0)))
             if outputs:
                 inbox.done([o.request_id for o in outputs])
