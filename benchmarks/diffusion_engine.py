@@ -49,6 +49,8 @@ ROUNDS = 3
 CEILING_BATCH = 16
 PREVIOUS = "previous"
 """The baseline's name in the tables: whole-request batching as it shipped, 8 requests a batch."""
+LOOP = "loop"
+"""``batching: loop`` with ``scheduling_policy: priority`` (``diffusion/step_loop.py``)."""
 
 
 def prompt(i: int) -> str:
@@ -96,18 +98,13 @@ class Client:
         self.http = httpx.AsyncClient(base_url=base_url, timeout=600)
         self.model = model
 
-    async def one(self, i: int) -> float:
+    async def one(self, i: int, priority: int | None = None) -> float:
         start = time.perf_counter()
-        response = await self.http.post(
-            "/v1/images/generations",
-            json={
-                "model": self.model,
-                "prompt": prompt(i),
-                "size": f"{SIZE}x{SIZE}",
-                "seed": i,
-                "num_inference_steps": STEPS,
-            },
-        )
+        body = {"model": self.model, "prompt": prompt(i), "size": f"{SIZE}x{SIZE}", "seed": i,
+                "num_inference_steps": STEPS}  # fmt: skip
+        if priority is not None:
+            body["priority"] = priority
+        response = await self.http.post("/v1/images/generations", json=body)
         if response.status_code != 200 or b'"b64_json"' not in response.content:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
         return time.perf_counter() - start
@@ -136,6 +133,33 @@ class Client:
             return await self.one(i)
 
         return list(await asyncio.gather(*(at(i, t) for i, t in enumerate(arrivals))))
+
+    async def priority_run(
+        self, seconds: float, load: int, priorities: bool
+    ) -> tuple[list[float], list[float]]:
+        """One request at a time on the idle server, then one every second for ``seconds`` while ``load``
+        clients keep it saturated: the latencies alone and under the load. With ``priorities`` the load
+        sends priority 1 and the timed requests 0 (lower first); without, neither sends one (FCFS)."""
+        high, low = (0, 1) if priorities else (None, None)
+        alone = [await self.one(100_000 + k, high) for k in range(5)]
+        stop = time.perf_counter() + seconds + 2.0
+        counter = iter(range(200_000, 10**9))
+
+        async def saturate() -> None:
+            while time.perf_counter() < stop:
+                await self.one(next(counter), low)
+
+        async def timed() -> list[float]:
+            await asyncio.sleep(2.0)  # the load first
+            out = []
+            for k in range(int(seconds)):
+                began = time.perf_counter()
+                out.append(await self.one(300_000 + k, high))
+                await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - began)))
+            return out
+
+        *_, loaded = await asyncio.gather(*(saturate() for _ in range(load)), timed())
+        return alone, loaded
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -196,10 +220,16 @@ def breakdown(latencies: list[float], delta: dict[str, float]) -> dict[str, floa
 
 
 async def measure(
-    base_url: str, model: str, images: int, levels: list[int], arrivals_for: Callable[[Closed], list[float]]
-) -> tuple[Closed, list[float], list[float]]:
-    """The closed-loop runs, then the open-loop one (its arrivals chosen from the closed-loop rates):
-    (closed, arrivals, open-loop latencies)."""
+    base_url: str,
+    model: str,
+    images: int,
+    levels: list[int],
+    arrivals_for: Callable[[Closed], list[float]],
+    priority: tuple[float, bool],
+) -> tuple[Closed, list[float], list[float], tuple[list[float], list[float]]]:
+    """The closed-loop runs, then the open-loop one (its arrivals chosen from the closed-loop rates),
+    then the priority run (``priority``: its seconds, whether the server takes priorities): (closed,
+    arrivals, open-loop latencies, (latencies alone, under the load))."""
     client = Client(base_url, model)
     try:
         await asyncio.gather(*(client.one(i) for i in range(max(levels))))  # warm-up
@@ -211,9 +241,11 @@ async def measure(
             closed[c] = (rate, latencies, {k: after[k] - before[k] for k in COUNTERS})
         arrivals = arrivals_for(closed)
         opened = await client.open_loop(arrivals)
+        seconds, priorities = priority
+        prioritized = await client.priority_run(seconds, max(levels), priorities)
     finally:
         await client.close()
-    return closed, arrivals, opened
+    return closed, arrivals, opened, prioritized
 
 
 def deploy_text(fields: dict[str, Any]) -> str:
@@ -230,7 +262,7 @@ def serve_and_measure(
     levels: list[int],
     arrivals_for: Callable[[Closed], list[float]],
     tmp: str,
-) -> tuple[Closed, list[float], list[float]]:
+) -> tuple[Closed, list[float], list[float], tuple[list[float], list[float]]]:
     from vllm_omni_testkit.harness.server import ServerProcess, bin_script, cpu_test_env, free_port
 
     slug = name.replace(" ", "_").replace("=", "")
@@ -243,7 +275,8 @@ def serve_and_measure(
     log = ROOT / "out" / f"bench_diffusion_engine_{slug}.log"
     with ServerProcess(argv, port=port, log_path=log, env=env) as server:
         server.wait_ready(timeout=600)
-        return asyncio.run(measure(server.base_url, model, args.images, levels, arrivals_for))
+        priority = (args.priority_seconds, fields.get("scheduling_policy") == "priority")
+        return asyncio.run(measure(server.base_url, model, args.images, levels, arrivals_for, priority))
 
 
 BAGEL_RUNNER = "vllm_omni_plugin.families.bagel.runner.BagelGenerationRunner"
@@ -382,6 +415,9 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the DiT's intra-op threads")
     parser.add_argument("--poisson-seconds", type=float, default=20.0, help="length of the open-loop run")
+    parser.add_argument(
+        "--priority-seconds", type=float, default=15.0, help="timed requests (one a second) under the load"
+    )
     parser.add_argument("--batch-wait-ms", type=float, default=None, help="step batching's batch_wait_ms")
     parser.add_argument(
         "--step-max-batch-size",
@@ -408,10 +444,11 @@ def main() -> int:
     for budget in args.max_step_tokens or [None]:
         name = "step" if budget is None else f"step tokens={budget}"
         variants[name] = step_fields if budget is None else {**step_fields, "max_step_tokens": budget}
-    variants["loop"] = {"batching": "loop", "max_batch_size": max(levels)}  # issue 40, on its branch
+    variants[LOOP] = {"batching": "loop", "max_batch_size": max(levels), "scheduling_policy": "priority"}
     modes = list(variants)
     closed: dict[str, Closed] = {}
     opened: dict[str, list[float]] = {}
+    prioritized: dict[str, tuple[list[float], list[float]]] = {}
 
     def at_80_percent(rates: Closed) -> list[float]:
         return poisson_arrivals(0.8 * max(rate for rate, _, _ in rates.values()), args.poisson_seconds)
@@ -423,7 +460,7 @@ def main() -> int:
             return arrivals
 
         for name, fields in variants.items():
-            closed[name], chosen, opened[name] = serve_and_measure(
+            closed[name], chosen, opened[name], prioritized[name] = serve_and_measure(
                 model, name, fields, args, levels, same_arrivals if arrivals else at_80_percent, tmp
             )
             arrivals = arrivals or chosen
@@ -462,6 +499,18 @@ def main() -> int:
     for mode in modes:
         p50, p99 = (1000 * percentile(opened[mode], q) for q in (0.5, 0.99))
         print(f"{mode:<26} p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
+    print(
+        f"priority run: one request a second for {args.priority_seconds:.0f} s under {max(levels)} saturating "
+        f"clients (the {LOOP} server: those at priority 1, the timed ones at 0; the others FCFS)"
+    )
+    for mode in modes:
+        alone, loaded = prioritized[mode]
+        ratio = statistics.median(loaded) / statistics.median(alone)
+        print(
+            f"{mode:<26} alone p50 {1000 * statistics.median(alone):>6.0f} ms   under load p50 "
+            f"{1000 * statistics.median(loaded):>6.0f} ms  p99 {1000 * percentile(loaded, 0.99):>6.0f} ms"
+            f"   {ratio:.2f}x alone"
+        )
     if args.bagel_images:
         import torch
 
@@ -490,6 +539,14 @@ def main() -> int:
     print(
         f"targets ({first}): >= 1.15x previous at c={c16}: {ratio:.2f}x; "
         f"Poisson p99 <= 0.6x previous: {p99:.2f}x"
+    )
+    every = "  ".join(f"c={c} {closed[LOOP][c][0] / closed[PREVIOUS][c][0]:.2f}x" for c in levels)
+    p99 = percentile(opened[LOOP], 0.99) / percentile(opened[PREVIOUS], 0.99)
+    alone, loaded = prioritized[LOOP]
+    print(
+        f"targets ({LOOP}): >= 1.0x previous at every concurrency: {every}; >= 1.3x at c={c16}; "
+        f"Poisson p99 <= 0.5x previous: {p99:.2f}x; priority under load <= 1.5x alone: "
+        f"{statistics.median(loaded) / statistics.median(alone):.2f}x"
     )
     return 0
 

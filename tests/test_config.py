@@ -129,6 +129,7 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
             max_batch_size: 16
             batching: step
             batch_wait_ms: 2.5
+            scheduling_policy: priority
             process: false
             num_inference_steps: 20
             guidance_scale: 3.5
@@ -144,6 +145,7 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
         "batching": "step",
         "dtype": "bfloat16",
         "max_batch_size": 16,
+        "scheduling_policy": "priority",
         "seed": 7,
     }
     assert stage.request_defaults == {
@@ -159,6 +161,7 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
     [
         ("batching: rows", "deploy.yaml:4: stages[0].batching: Invalid enum value 'rows'"),
         ("batch_wait_ms: -1", "deploy.yaml:4: stages[0].batch_wait_ms: expected float >= 0.0, got -1"),
+        ("scheduling_policy: lifo", "deploy.yaml:4: stages[0].scheduling_policy: Invalid enum value 'lifo'"),
     ],
 )
 def test_a_bad_batching_setting_is_one_config_error(tmp_path: Path, stage: str, message: str) -> None:

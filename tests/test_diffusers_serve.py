@@ -164,6 +164,21 @@ def test_a_request_without_size_gets_the_pipelines_own_default(served: Served) -
     assert int(np.abs(image.astype(np.int16) - direct.astype(np.int16)).max()) <= 1
 
 
+def test_a_priority_without_priority_scheduling_is_400_naming_the_field(served: Served) -> None:
+    """vLLM's ``priority`` field: 0 is served; another value needs ``scheduling_policy: priority`` (the
+    served step loop tests it there: ``test_step_loop_serve.py``)."""
+    if served.family != "sd3":
+        pytest.skip("checked on the tiny SD3")
+    ask = {"model": served.name, "prompt": "a red fox", "size": "64x64"}
+    served.client.images.generate(**ask, extra_body={**served.sampling, "seed": 3, "priority": 0})
+    answer = http_client.post(
+        served.server.base_url + "/v1/images/generations", json={**ask, "priority": 3}, timeout=60
+    )
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == "priority", error
+    assert "set scheduling_policy: priority on its diffusion stage" in error["message"]
+
+
 def test_a_size_the_pipeline_cannot_make_is_400_before_any_stage_runs(served: Served) -> None:
     """SD3's position embedding covers at most 1024x1024 for the tiny model (2048 is the server's own
     bound): 400 naming the model's limit, not the pipeline's ValueError as a 500."""

@@ -1,81 +1,167 @@
-"""``batching: loop`` served (issue 40, on this branch): the tiny SD3 behind ``vllm serve --omni``; a
-short request sent while a long one runs comes back long before it, with the image it gets alone, and
-concurrent requests each get diffusers' image."""
+"""``batching: loop`` served: the tiny SD3 behind ``vllm serve --omni`` with one step loop over every
+admitted request and ``scheduling_policy: priority``. The tests step the loop with the ``dit.step`` hold
+point (it holds after each step, naming the requests that step ran), so what they see does not depend on
+the machine's speed:
+
+- a short request sent while a long one runs joins it, finishes while the long one still runs, and gets
+  the image it gets alone (diffusers' own call);
+- a request of better priority preempts a running one between steps; the preempted one resumes and both
+  get their images alone; ``/metrics`` counts the preemptions;
+- requests the loop runs as whole requests (previews) get diffusers' image too, and concurrent requests
+  each get theirs.
+"""
 
 from __future__ import annotations
 
-import time
+import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from helpers import serve_model
+from helpers import assert_streamed, pixels
 from vllm_omni_testkit.harness import http_client
-from vllm_omni_testkit.harness.images import pixels
-from vllm_omni_testkit.harness.server import ServerProcess
+from vllm_omni_testkit.harness.server import ServerProcess, bin_script, free_port
+from vllm_omni_testkit.holds import Hold
+from vllm_omni_testkit.reference.diffusers import reference_image
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
-DEPLOY = """
+DEPLOY = """\
 pipeline: diffusion
 stages:
   - stage_id: 0
-    max_batch_size: 8
+    max_batch_size: 2
     batching: loop
+    batch_wait_ms: 0
+    scheduling_policy: priority
 """
+GUIDANCE = 4.0
 
 
 @pytest.fixture(scope="module")
 def server(tiny_sd3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    directory = tmp_path_factory.mktemp("loop")
-    (directory / "deploy.yaml").write_text(DEPLOY)
-    yield from serve_model(tiny_sd3, directory / "deploy.yaml", directory)
+    tmp = tmp_path_factory.mktemp("loop_serve")
+    (tmp / "deploy.yaml").write_text(DEPLOY)
+    port = free_port()
+    argv = [bin_script("vllm"), "serve", str(tiny_sd3), "--omni", "--deploy-config", str(tmp / "deploy.yaml"),
+            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+    with ServerProcess(argv, port=port, log_path=tmp / "server.log") as served:
+        served.wait_ready(timeout=300)
+        yield served
 
 
-def generate(server: ServerProcess, prompt: str, seed: int, steps: int) -> tuple[np.ndarray, float]:
-    body = {"prompt": prompt, "size": "64x64", "seed": seed, "num_inference_steps": steps}
-    start = time.perf_counter()
-    answer = http_client.post(server.base_url + "/v1/images/generations", json=body, timeout=600)
+def body(prompt: str, seed: int, steps: int, priority: int = 0) -> dict[str, Any]:
+    return {"prompt": prompt, "size": "64x64", "seed": seed, "num_inference_steps": steps,
+            "guidance_scale": GUIDANCE, "priority": priority}  # fmt: skip
+
+
+def generate(server: ServerProcess, request: dict[str, Any]) -> np.ndarray:
+    answer = http_client.post(server.base_url + "/v1/images/generations", json=request, timeout=600)
     assert answer.status_code == 200, answer.text
-    return pixels(answer.json()["data"][0]["b64_json"]), time.perf_counter() - start
+    return pixels(answer.json()["data"][0]["b64_json"])
 
 
-def alone(tiny_sd3: Path, prompt: str, seed: int, steps: int) -> np.ndarray:
-    from diffusers import StableDiffusion3Pipeline
+def alone(tiny_sd3: Path, request: dict[str, Any]) -> np.ndarray:
+    return reference_image(
+        tiny_sd3, prompt=request["prompt"], seed=request["seed"], height=64, width=64,
+        steps=request["num_inference_steps"], guidance=GUIDANCE,
+    )  # fmt: skip
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        image = pipe(
-            prompt=prompt, height=64, width=64, num_inference_steps=steps,
-            generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
-        ).images[0]  # fmt: skip
-    return (image * 255).round().astype(np.uint8)
+
+def assert_alone(tiny_sd3: Path, image: np.ndarray, request: dict[str, Any]) -> None:
+    assert image.std() > 5
+    diff = np.abs(image.astype(int) - alone(tiny_sd3, request).astype(int)).max()
+    assert diff <= 1, (request["prompt"], diff)
+
+
+def ran(held: str) -> list[str]:
+    return held.split()
+
+
+def step_until(hold: Hold, server: ServerProcess, held: str, done: Any, limit: int = 200) -> list[list[str]]:
+    """Step the loop until ``done(ids the step ran)``: the steps seen, the last one included."""
+    seen = [ran(held)]
+    while not done(seen[-1]):
+        assert len(seen) < limit, seen[-5:]
+        seen.append(ran(hold.next(alive=server.alive)))
+    return seen
 
 
 def test_a_short_request_beside_a_long_one_finishes_first_with_its_own_image(
     server: ServerProcess, tiny_sd3: Path
 ) -> None:
-    with ThreadPoolExecutor(2) as pool:
-        long = pool.submit(generate, server, "a long one", 1, 300)
-        time.sleep(1.0)  # the long one is running (this test only reports the times it saw)
-        short_image, short_s = generate(server, "a short one", 2, 4)
-        done_when_short_was = long.done()
-        long_image, long_s = long.result()
-    print(f"short {short_s:.2f} s, long {long_s:.2f} s")
-    assert not done_when_short_was
-    assert np.abs(short_image.astype(int) - alone(tiny_sd3, "a short one", 2, 4).astype(int)).max() <= 1
-    assert long_image.std() > 5
+    long, short = body("a long one", 1, 40), body("a short one", 2, 4)
+    with ThreadPoolExecutor(2) as pool, server.hold("dit.step") as hold:  # released before the pool waits
+        long_answer = pool.submit(generate, server, long)
+        first = ran(hold.wait(alive=server.alive))
+        assert len(first) == 1
+        short_answer = pool.submit(generate, server, short)
+        together = step_until(hold, server, " ".join(first), lambda ids: len(ids) == 2)
+        long_id = first[0]
+        short_id = next(i for i in together[-1] if i != long_id)
+        after = step_until(hold, server, hold.next(alive=server.alive), lambda ids: short_id not in ids)
+        assert after[-1] == [long_id]  # the short one is done: the long one runs on
+        short_image = short_answer.result(timeout=300)
+        assert not long_answer.done()
+        assert len(after) == 4  # its three steps after the one that admitted it, then the long one alone
+    assert_alone(tiny_sd3, short_image, short)
+    assert_alone(tiny_sd3, long_answer.result(timeout=300), long)
 
 
-def test_concurrent_requests_each_get_diffusers_image(server: ServerProcess, tiny_sd3: Path) -> None:
-    jobs: list[Any] = [(f"thing {i}", 10 + i, 3 + i % 3) for i in range(6)]
-    with ThreadPoolExecutor(6) as pool:
-        images = list(pool.map(lambda job: generate(server, *job)[0], jobs))
-    for (prompt, seed, steps), image in zip(jobs, images, strict=True):
-        assert np.abs(image.astype(int) - alone(tiny_sd3, prompt, seed, steps).astype(int)).max() <= 1, prompt
+def preemptions(server: ServerProcess) -> float:
+    text = http_client.get(server.base_url + "/metrics", timeout=30).text
+    found = re.findall(r"^omni_diffusion_preemptions_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def test_a_better_priority_preempts_between_steps_and_the_preempted_one_resumes_unchanged(
+    server: ServerProcess, tiny_sd3: Path
+) -> None:
+    low_a, low_b = body("low a", 3, 12, priority=5), body("low b", 4, 12, priority=5)
+    high = body("high", 5, 4, priority=-1)
+    before = preemptions(server)
+    answers: dict[str, Future[np.ndarray]] = {}
+    with ThreadPoolExecutor(3) as pool, server.hold("dit.step") as hold:
+        answers["low a"] = pool.submit(generate, server, low_a)
+        held = hold.wait(alive=server.alive)
+        answers["low b"] = pool.submit(generate, server, low_b)
+        both = step_until(hold, server, held, lambda ids: len(ids) == 2)[-1]  # the step budget is full
+        answers["high"] = pool.submit(generate, server, high)
+        seen = step_until(hold, server, hold.next(alive=server.alive), lambda ids: set(ids) - set(both))
+        high_id = next(iter(set(seen[-1]) - set(both)))
+        (kept,) = set(seen[-1]) & set(both)
+        (parked,) = set(both) - {kept}
+        during = step_until(hold, server, " ".join(seen[-1]), lambda ids: high_id not in ids)
+        assert all(parked not in ids for ids in during[:-1]) and len(during) - 1 == 4
+        assert answers["high"].result(timeout=300) is not None
+        assert not answers["low a"].done() and not answers["low b"].done()
+        assert parked in during[-1]  # resumed at the step after the better one left
+    for name, request in (("low a", low_a), ("low b", low_b), ("high", high)):
+        assert_alone(tiny_sd3, answers[name].result(timeout=300), request)
+    assert preemptions(server) - before >= 4
+
+
+def test_requests_it_runs_whole_and_concurrent_ones_each_get_diffusers_image(
+    server: ServerProcess, tiny_sd3: Path
+) -> None:
+    """A streamed request with previews runs as a whole request between the loop's steps: its completed
+    image is the one the loop makes of it unstreamed."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    plain_request = body("a lighthouse at dusk", 7, 4)
+    ask = {"prompt": plain_request["prompt"], "size": "64x64"}
+    extra = {k: plain_request[k] for k in ("seed", "num_inference_steps", "guidance_scale", "priority")}
+    plain = pixels(client.images.generate(**ask, extra_body=extra).data[0].b64_json)
+    assert_alone(tiny_sd3, plain, plain_request)
+    events = list(client.images.generate(**ask, stream=True, partial_images=2, extra_body=extra))
+    assert assert_streamed(events, "image_generation", 2, plain) == []
+    jobs = [body(f"thing {i}", 10 + i, 3 + i % 3) for i in range(5)]
+    with ThreadPoolExecutor(5) as pool:
+        images = list(pool.map(lambda job: generate(server, job), jobs))
+    for job, image in zip(jobs, images, strict=True):
+        assert_alone(tiny_sd3, image, job)

@@ -106,7 +106,13 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     batching: Literal["request", "step", "loop"] | None = None
     """Diffusion stages: ``request`` (default) batches whole requests; ``step`` lets requests join and
     leave the running batch at each denoising step (the requests in flight keep to ``max_step_tokens``
-    and ``max_batch_size``)."""
+    and ``max_batch_size``); ``loop`` runs one step loop over every admitted request (at most
+    ``max_batch_size``; SD3 and FLUX text to image, other requests as whole ones between its steps)."""
+    scheduling_policy: Literal["fcfs", "priority"] | None = None
+    """Diffusion stages: ``priority`` lets requests carry a ``priority`` (lower first, ties by arrival, as
+    vLLM's ``--scheduling-policy priority``): it orders the stage's queue and, with ``batching: loop``,
+    each step, where a better request preempts worse ones between steps. Default ``fcfs``: a request
+    with a priority other than 0 is refused (400)."""
     batch_wait_ms: NonNegativeFloat | None = None
     """Diffusion stages with ``batching: step``: while requests run, how long a new request waits for
     others to start with it (default 100)."""
@@ -236,6 +242,7 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "max_batch_size",
         "max_step_tokens",
         "batching",
+        "scheduling_policy",
         "batch_wait_ms",
         "max_loras",
         "num_threads",

@@ -28,6 +28,13 @@ logger = get_logger(__name__)
 GENERIC_RUNNER = "vllm_omni_plugin.diffusion.diffusers_runner:DiffusersPipelineRunner"
 """The runner of every diffusers class no other runner is registered for."""
 
+STEP_FAMILIES: Mapping[str, str] = {
+    "StableDiffusion3Pipeline": "vllm_omni_plugin.families.diffusers.steps:SD3Steps",
+    "FluxPipeline": "vllm_omni_plugin.families.diffusers.steps:FluxSteps",
+}
+"""Pipeline classes the step loop runs (``batching: loop``) -> their pieces (``diffusion/step_loop.py``),
+by dotted path."""
+
 CALL_ARGUMENTS = ("prompt", "height", "width", "num_inference_steps", "generator", "output_type")
 """What a pipeline's ``__call__`` must take for a runner to drive it."""
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from vllm_omni_plugin.diffusion.blocks import CompileSpec, repeated_blocks
 from vllm_omni_plugin.diffusion.diffusers_registry import (
     CALL_ARGUMENTS,
+    STEP_FAMILIES,
     call_parameters,
     checked_pipeline_class,
     pipeline_class_name,
@@ -40,6 +41,7 @@ from vllm_omni_plugin.diffusion.runner import (
 )
 from vllm_omni_plugin.diffusion.step_batching import DecodeCalls, GroupVae, SameValue
 from vllm_omni_plugin.diffusion.step_cache import CachedDenoiser, CallCache
+from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
 if TYPE_CHECKING:
@@ -417,12 +419,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
     step_batching = True
 
     def step_family(self) -> Any:
-        from vllm_omni_plugin.families.diffusers.steps import FluxSteps, SD3Steps
-
-        family = {"StableDiffusion3Pipeline": SD3Steps, "FluxPipeline": FluxSteps}.get(
-            type(self.pipe).__name__
-        )
-        return None if family is None else family(self.pipe)
+        path = STEP_FAMILIES.get(type(self.pipe).__name__)
+        return None if path is None else import_object(path)(self.pipe)
 
     def run(
         self, batch: list[DiffusionRequest], generators: list[Any], should_stop: StopCheck | None = None

@@ -517,6 +517,29 @@ class DiffusionEngine:
 
         return step_done
 
+    def count_loop_step(self, requests: int, seconds: float, preempted: int) -> None:
+        """``batching: loop`` ran a step of ``requests`` in ``seconds``, leaving ``preempted`` out."""
+        with self._count_lock:
+            counters = self._counters
+            counters.denoise_steps += requests
+            counters.steps += 1
+            counters.step_requests += requests
+            counters.step_seconds += seconds
+            counters.preemptions += preempted
+        if self.on_progress is not None:
+            self.on_progress()
+
+    def count_loop_finished(self, timings: list[dict[str, float]]) -> None:
+        """``batching: loop`` finished these requests (each counts as a call: its wave's prompt
+        encoding, its decoder call, its time from admission to its image)."""
+        with self._count_lock:
+            counters = self._counters
+            for timing in timings:
+                counters.decodes += 1
+                counters.encode_seconds += timing["encode"]
+                counters.decode_seconds += timing["decode"]
+                counters.call_seconds += timing["total"]
+
     def _boundary_done(self, requests: int, seconds: float) -> None:
         """The step batcher ran a step boundary: ``requests`` in its forwards, which took ``seconds``."""
         with self._count_lock:

@@ -17,7 +17,8 @@ from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
 BATCHING_MODES = ("request", "step", "loop")
 """``request``: a batch of whole requests runs all its steps and decodes before the next forms;
-``step``: requests join and leave the running batch at step boundaries (:mod:`.step_batching`)."""
+``step``: requests join and leave the running batch at step boundaries (:mod:`.step_batching`);
+``loop``: one step loop over every admitted request (:mod:`.step_loop`)."""
 BATCH_WAIT_MS = 100.0
 """The default ``batch_wait_ms``: long enough that requests arriving together start as one group (shorter
 waits made groups of one under load), short enough to cost a request little."""
@@ -44,6 +45,9 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     gpu_memory_utilization: float | None = None
     """The share of the device's memory (the machine's on CPU) the stage keeps to; None: no budget."""
     batching: Literal["request", "step", "loop"] = "request"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """``priority``: requests carry a priority (lower first, ties by arrival; vLLM's
+    ``--scheduling-policy priority``) that orders the queue and, with ``batching: loop``, each step."""
     batch_wait_ms: float = BATCH_WAIT_MS
     """``batching: step``: how long a new request waits for others to start with it as one group."""
     max_loras: int = MAX_LORAS

@@ -33,6 +33,9 @@ class RunnerRequest(msgspec.Struct, kw_only=True, tag_field="kind"):
     cache: StepCacheSpec | None = None
     """Step caching settings of this request, over the stage's (``diffusion/step_cache.py``); the engine
     resolves them (every field set) before the runner sees the request."""
+    priority: int = 0
+    """Lower first (vLLM's convention), with ``scheduling_policy: priority``: its place in the stage's
+    queue and, with ``batching: loop``, in each step (a better one preempts it between steps)."""
 
 
 class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):
@@ -78,7 +81,8 @@ class DiffusionCounters(msgspec.Struct, kw_only=True):
     queue_wait_seconds: float = 0.0
     """Time requests waited in the queue, summed (per request: ``queue_wait_seconds / started``)."""
     decodes: int = 0
-    """Pipeline calls (a batch, or a group) that decoded their images."""
+    """Pipeline calls (a batch, or a group) that decoded their images; with ``batching: loop``, requests
+    finished."""
     decode_seconds: float = 0.0
     encode_seconds: float = 0.0
     """Prompt encoding in those calls (with step batching, waiting for another group's encoding too)."""
@@ -89,6 +93,9 @@ class DiffusionCounters(msgspec.Struct, kw_only=True):
     counts B times its blocks)."""
     cached_blocks: int = 0
     """Block evaluations its requests took from their step caches instead."""
+    preemptions: int = 0
+    """Steps a request admitted to the step loop (``batching: loop``) was left out of, for requests of
+    better priority, counted per request."""
 
     @classmethod
     def total(cls, counters: Iterable[DiffusionCounters]) -> DiffusionCounters:

@@ -1,5 +1,5 @@
-"""One denoising loop for a diffusion stage: schedule -> execute -> update, one step at a time, over every
-admitted request's rows (issue 40; on this branch, not yet the engine's).
+"""One denoising loop for a diffusion stage (``batching: loop``): schedule -> execute -> update, one step at
+a time, over every admitted request's rows.
 
 The loop owns each admitted request's denoising state (its family's latents, scheduler copy, generator
 draws and conditioning) and runs the stage as vLLM's engine core runs tokens:
@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
 class StepFamily(Protocol):
     """What the loop needs of a pipeline family, built from the pipeline's own components."""
+
+    def runs(self, request: Any) -> bool:
+        """Whether the loop can run the request (the stage runs the others as whole requests)."""
 
     def encode(self, requests: list[Any]) -> list[Any]:
         """Each request's conditioning, from one encoder call for all of them."""
@@ -49,6 +53,45 @@ class StepFamily(Protocol):
 
     def decode(self, states: list[Any]) -> list[Any]:
         """The finished states' images, from one decoder call."""
+
+
+class ConditioningCache:
+    """Encoded texts by text, the most recently used kept within ``max_bytes``: the negative prompt most
+    guided requests share, and prompts asked again, are encoded once. Entries are the encoder's own
+    output for the text, so a request's embeddings are what the pipeline computes for it."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, texts: Sequence[str], encode: Callable[[list[str]], list[Any]]) -> list[Any]:
+        """Each text's conditioning; those not cached come from one ``encode`` call (each text once)."""
+        missing = list(dict.fromkeys(t for t in texts if t not in self.entries))
+        self.misses += len(missing)
+        self.hits += len(texts) - len(missing)
+        fresh = dict(zip(missing, encode(missing), strict=True)) if missing else {}
+        out = []
+        for text in texts:
+            if text in fresh:
+                out.append(fresh[text])
+            else:
+                self.entries.move_to_end(text)
+                out.append(self.entries[text][0])
+        for text, value in fresh.items():
+            self._keep(text, value)
+        return out
+
+    def _keep(self, text: str, value: Any) -> None:
+        size = sum(t.numel() * t.element_size() for t in value if hasattr(t, "numel"))
+        if size > self.max_bytes:
+            return
+        self.entries[text] = (value, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
 
 
 @dataclass(eq=False)
@@ -73,6 +116,7 @@ class Denoising:
 @dataclass
 class Finished:
     request_id: str
+    request: Any
     image: Any
     preemptions: int
     seconds: dict[str, float] = field(default_factory=dict)
@@ -101,6 +145,8 @@ class StepLoop:
     waiting: list[Denoising] = field(default_factory=list)
     running: list[Denoising] = field(default_factory=list)
     counters: LoopCounters = field(default_factory=LoopCounters)
+    ran: list[str] = field(default_factory=list)
+    """The requests the last step ran."""
     _arrivals: itertools.count = field(default_factory=itertools.count)
 
     def add(self, request_id: str, request: Any, priority: int = 0) -> None:
@@ -153,6 +199,7 @@ class StepLoop:
     def step(self) -> list[Finished]:
         """One iteration: schedule, one forward per shape group, then decode what finished."""
         chosen = self._schedule()
+        self.ran = [item.request_id for item in chosen]
         began = time.perf_counter()
         groups: dict[Hashable, list[Denoising]] = {}
         for item in chosen:
@@ -178,6 +225,6 @@ class StepLoop:
         for item in done:
             item.seconds["decode"] = time.perf_counter() - began
         return [
-            Finished(item.request_id, image, item.preemptions, item.seconds)
+            Finished(item.request_id, item.request, image, item.preemptions, item.seconds)
             for item, image in zip(done, images, strict=True)
         ]

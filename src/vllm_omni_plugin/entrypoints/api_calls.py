@@ -144,6 +144,7 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
                 modality="text",
                 sampling_params=req.sampling_params(),
                 generation_params=dict(settings),
+                priority=req.priority,
             )
             for seed in seeds(req.seed, req.n)
         ]
@@ -273,6 +274,7 @@ def image_requests(
             partial_images=getattr(req, "partial_images", 0) if req.stream else 0,
             lora=lora,
             cache=req.cache,
+            priority=req.priority,
         )
         for seed in seeds(req.seed, req.n)
     ]

@@ -116,6 +116,10 @@ class ImageParams(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=100.0)
     negative_prompt: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+    """Lower first (vLLM's field): a deployment whose diffusion stage has ``scheduling_policy: priority``
+    runs better requests first, preempting worse ones between steps (``batching: loop``); others refuse
+    any but 0."""
     lora: str | LoraRef | None = None
     """A LoRA adapter the server serves, by name (scale 1), or with its scale; a form sends the object as
     JSON text."""

@@ -42,6 +42,12 @@ DIFFUSION_TIMING = (
         "Denoiser block evaluations step caching skipped, per request (cached over computed plus cached: "
         "the share saved)",
     ),
+    (
+        "omni_diffusion_preemptions",
+        "preemptions",
+        "Steps admitted requests were left out of for requests of better priority (batching: loop), per "
+        "request",
+    ),
 )
 """The diffusion stages' step, queue and decode counters: (Prometheus name, ``DiffusionCounters`` field,
 help). Means are ratios: requests per step ``step_requests / steps``, step time ``step_seconds / steps``,

@@ -37,6 +37,11 @@ POLL_S = 0.2
 """How long an idle loop waits for a request before it looks at its stop flags again."""
 
 
+def queued_priority(request: StageDiffusionCoreRequest) -> int:
+    """A queued request's priority (lower first; vLLM's convention)."""
+    return getattr(request.diffusion, "priority", 0)
+
+
 def batch_prefix(alone: Sequence[bool], limit: int) -> int:
     """How many of the queued requests (in order; ``alone``: each one's flag) start together: one that
     runs alone starts by itself, the others up to ``limit`` and not past one that runs alone. The stage
@@ -144,8 +149,13 @@ class DiffusionInbox:
             self.lock.notify()
 
     def add(self, request: StageDiffusionCoreRequest) -> None:
+        """Queued behind those of its priority or better (all of priority 0 but with
+        ``scheduling_policy: priority``: in arrival order)."""
         with self.lock:
-            self.queued.append(request)
+            at, priority = len(self.queued), queued_priority(request)
+            while at > 0 and queued_priority(self.queued[at - 1]) > priority:
+                at -= 1
+            self.queued.insert(at, request)
             self.arrived[request.request_id] = time.monotonic()
             self.lock.notify()
 
@@ -299,6 +309,8 @@ class DiffusionBatchLoop:
         engine.on_preview = self._preview
         self._thread: threading.Thread | None = None
         """The thread that serves (reports go out from it alone)."""
+        self._step_ran: list[str] | None = None
+        """``batching: loop``: the requests its last step ran."""
 
     def _step_done(self) -> None:
         if threading.current_thread() is self._thread:
@@ -322,9 +334,11 @@ class DiffusionBatchLoop:
         hold_point("dit.preview", request_id, give_up=lambda: inbox.stopping)
 
     def _hold_at_step(self, step: int = 0) -> None:
-        """Tests hold the running batch (or group) here, after a denoising step (off unless armed)."""
+        """Tests hold the running batch (or group) here, after a denoising step (off unless armed); with
+        ``batching: loop`` what is held is what the step ran (a preempted request is not)."""
         inbox = self.inbox
-        hold_point("dit.step", " ".join(sorted(inbox.running)), give_up=lambda: inbox.stopping)
+        held = self._step_ran if self._step_ran is not None else sorted(inbox.running)
+        hold_point("dit.step", " ".join(held), give_up=lambda: inbox.stopping)
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort requests: those still queued are dropped with their payloads (their ids returned, for
@@ -415,29 +429,26 @@ class DiffusionBatchLoop:
                 thread.start()
 
     def _serve_loop(self) -> None:
-        """``batching: loop``: one step loop over every admitted request's rows (``diffusion/step_loop.py``):
-        what is queued joins at the next step while fewer than ``max_batch`` requests run; finished
-        requests are reported after the step that finished them. Stopping admits nothing new and lets the
-        admitted requests finish (interrupted: drops them)."""
+        """``batching: loop``: one step loop over every admitted request's rows (``diffusion/step_loop.py``).
+        Arrivals join at the next step while fewer than ``max_batch`` requests are admitted, in waves
+        (once as many wait as half the free places, or the first has waited ``batch_wait_ms``) so that
+        their prompts encode together; a request of better priority than one admitted joins beyond that
+        (up to ``max_batch`` parked), and the step's row budget (two per request in ``max_batch``) leaves
+        the worse out until it is done. Requests the family cannot run step-wise (source images, LoRA,
+        previews, latents, step caching) run as whole requests between steps. Finished requests are
+        reported after the step that finished them. Stopping admits nothing new and lets the admitted
+        requests finish (interrupted: drops them)."""
         import torch
 
         from vllm_omni_plugin.diffusion.step_loop import StepLoop
 
         inbox, engine = self.inbox, self.engine
-        loop = StepLoop(engine.step_family, max_rows=2 * self.max_batch)
+        family = engine.step_family
+        loop = StepLoop(family, max_rows=2 * self.max_batch)
         transfer: dict[str, float] = {}
         started: dict[str, float] = {}
         while not inbox.stopping or not loop.idle():
-            free = self.max_batch - len(loop.running) - len(loop.waiting)
-            taken = []
-            if loop.idle():
-                taken = inbox.take_rows(free)
-            elif inbox.queued and free > 0 and not inbox.stopping:  # never waits beside a step
-                # arrivals join in waves, so that their prompts encode together: once as many wait as
-                # half the free rows, or the first of them waited batch_wait_ms
-                waited = time.monotonic() - inbox.arrived.get(inbox.queued[0].request_id, 0.0)
-                if len(inbox.queued) >= max(1, free // 2) or waited >= engine.batch_wait_ms / 1000:
-                    taken = inbox.take_rows(free)
+            taken = self._loop_arrivals(loop)
             engine.count_started(inbox.started_waits())
             requests, failed = [], []
             for message in taken:
@@ -452,37 +463,83 @@ class DiffusionBatchLoop:
             if failed:
                 inbox.done([o.request_id for o in failed])
                 self.report.outputs(failed)
-            for request in (r for group in admitted for r in group):
-                loop.add(request.request_id, request, priority=getattr(request, "priority", 0))
-                started[request.request_id] = time.perf_counter()
+            admitted_requests = [r for group in admitted for r in group]
+            fault_point(r.seed for r in admitted_requests)
+            for request in admitted_requests:
+                if family.runs(request):
+                    loop.add(request.request_id, request, priority=request.priority)
+                    started[request.request_id] = time.perf_counter()
+                else:
+                    self._run_whole(request, transfer.pop(request.request_id, 0.0))
             for item in [*loop.waiting, *loop.running]:
                 if inbox.is_aborted(item.request_id) or inbox.interrupted:
                     loop.abort(item.request_id)
                     inbox.done([item.request_id])
                     transfer.pop(item.request_id, None)
+                    started.pop(item.request_id, None)
                     if not inbox.interrupted:
                         self.report.dropped([item.request_id], "batch")
             if loop.idle():
                 continue
+            preempted, began = loop.counters.preemptions, time.perf_counter()
             with torch.inference_mode():
                 finished = loop.step()
-            self._hold_at_step()
-            outputs = []
+            left_out = loop.counters.preemptions - preempted
+            self._step_ran = loop.ran
+            engine.count_loop_step(len(loop.ran), time.perf_counter() - began, left_out)  # holds at dit.step
+            outputs, timings = [], []
             for done in finished:
-                total = time.perf_counter() - started.pop(done.request_id)
                 phases = done.seconds
-                timings = {
+                timing = {
                     "encode": phases.get("encode", 0.0),
                     "denoise": phases.get("encode", 0.0) + phases.get("steps", 0.0),
                     "decode": phases.get("decode", 0.0),
-                    "total": total,
+                    "total": time.perf_counter() - started.pop(done.request_id),
                 }
-                result = DiffusionResult(request_id=done.request_id, image=done.image, timings=timings)
+                timings.append(timing)
+                result = DiffusionResult(
+                    request_id=done.request_id, image=done.image, seed=done.request.seed, timings=timing
+                )
                 outputs.append(self._output_of(result, transfer.pop(done.request_id, 0.0)))
             if outputs:
+                engine.count_loop_finished(timings)
                 inbox.done([o.request_id for o in outputs])
                 self.report.progress(engine.counters(), force=True)
                 self.report.outputs(outputs)
+
+    def _loop_arrivals(self, loop: Any) -> list[StageDiffusionCoreRequest]:
+        """The queued requests that join the step loop now (never waiting while it has work)."""
+        inbox = self.inbox
+        admitted = len(loop.running) + len(loop.waiting)
+        free = self.max_batch - admitted
+        if loop.idle():
+            return inbox.take_rows(free)
+        if not inbox.queued or inbox.stopping:
+            return []
+        if free > 0:
+            waited = time.monotonic() - inbox.arrived.get(inbox.queued[0].request_id, 0.0)
+            if len(inbox.queued) >= max(1, free // 2) or waited >= self.engine.batch_wait_ms / 1000:
+                return inbox.take_rows(free)
+            return []
+        worst = max(item.priority for item in [*loop.running, *loop.waiting])
+        if admitted < 2 * self.max_batch and queued_priority(inbox.queued[0]) < worst:
+            return inbox.take_rows(1)  # it preempts: the worse wait, parked, until it is done
+        return []
+
+    def _run_whole(self, request: Any, transfer: float) -> None:
+        """A request the step loop cannot run, run as a whole request between its steps."""
+        results = self.engine.generate([request], self.inbox.is_aborted)
+        outputs = [
+            self._output_of(r, transfer)
+            for r in results
+            if not (r.aborted or self.inbox.is_aborted(r.request_id))
+        ]
+        aborted = self.inbox.done([request.request_id]) | {r.request_id for r in results if r.aborted}
+        self.report.progress(self.engine.counters(), force=True)
+        if outputs:
+            self.report.outputs(outputs)
+        if aborted and not self.inbox.interrupted:
+            self.report.dropped(sorted(aborted), "batch")
 
     def _run_group(self, key: str, group: list[Any]) -> None:
         results: list[Any] = []

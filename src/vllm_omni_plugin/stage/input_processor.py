@@ -69,6 +69,8 @@ class OmniRequest:
     """A LoRA adapter its diffusion stage's denoiser runs with (runners with ``lora``)."""
     cache: StepCacheSpec | None = None
     """Step caching settings over its diffusion stage's (runners with ``step_cache``)."""
+    priority: int = 0
+    """Lower first, where the diffusion stage's ``scheduling_policy`` is ``priority``."""
     on_event: EventSink | None = field(default=None, repr=False, compare=False)
     """Where its stages' events go while it runs (AR progress, previews: ``stage/request_events.py``);
     None: nobody streams it."""
@@ -103,6 +105,7 @@ class OmniCoreRequest:
     partial_images: int = 0
     lora: LoraSpec | None = None
     cache: StepCacheSpec | None = None
+    priority: int = 0
     on_event: EventSink | None = field(default=None, repr=False, compare=False)
 
     def runner_request(self, cls: type[R], **family: Any) -> R:
@@ -187,6 +190,9 @@ class InputProcessor:
         """How messages name what is served (the model's diffusers class, or the pipeline)."""
         self.lora_refusal = _lora_refusal(dit.diffusion_args if dit is not None else None, self.model_label)
         """Why requests cannot name a LoRA adapter (None: the image's diffusion runner applies them)."""
+        policy = dit.diffusion_args.get("scheduling_policy") if dit is not None else None
+        self.priority_scheduling = policy == "priority"
+        """Requests may carry a priority other than 0."""
         self.edits_keep_source_size = pipeline.edits_keep_source_size
         self.settings_type = pipeline.settings_type
         sampling = dit.default_sampling_params if dit is not None else {}
@@ -230,8 +236,18 @@ class InputProcessor:
             partial_images=request.partial_images,
             lora=request.lora,
             cache=request.cache,
+            priority=self._priority(request),
             on_event=request.on_event,
         )
+
+    def _priority(self, request: OmniRequest) -> int:
+        if request.priority != 0 and not self.priority_scheduling:
+            raise InputError(
+                f"priority {request.priority} needs priority scheduling, which this deployment does not "
+                "use: send priority 0, or set scheduling_policy: priority on its diffusion stage",
+                "priority",
+            )
+        return request.priority
 
     def _settings(self, request: OmniRequest) -> RequestSettings | None:
         """The family's settings: the request's over the deploy config's over the family's own."""

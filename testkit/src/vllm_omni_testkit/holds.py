@@ -17,6 +17,7 @@ request the retry and quarantine rules are tested with.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -63,6 +64,8 @@ def hold_point(point: str, holding: str = "", give_up: Callable[[], bool] | None
             logger.warning("test hold point %s: stopping, no longer held", point)
             return
         time.sleep(POLL_S)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(base + ".release")  # the holder has gone on: the test may arm the point again
     logger.warning("test hold point %s: released", point)
 
 
@@ -125,6 +128,22 @@ class Hold:
                 raise AssertionError(f"no work reached hold point {self.point} in {timeout:.0f} s")
             time.sleep(POLL_S)
         return self._path(".reached").read_text(encoding="utf-8")
+
+    def next(self, timeout: float = 600.0, alive: Callable[[], bool] | None = None) -> str:
+        """Let the held work go on to the point's next visit (one step further, for ``dit.step``) and
+        hold it there again: what it then holds. The point is armed again before the release, so no
+        visit passes unheld."""
+        self._path(".reached").unlink()
+        self._path(".armed").touch()
+        self._path(".release").touch()
+        deadline = time.monotonic() + timeout
+        while self._path(".release").exists():  # the holder takes the release file away as it goes on
+            if alive is not None and not alive():
+                raise AssertionError(f"the deployment died while work was held at {self.point}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the work held at {self.point} did not go on in {timeout:.0f} s")
+            time.sleep(POLL_S)
+        return self.wait(timeout, alive)
 
     def release(self) -> None:
         self._path(".armed").unlink(missing_ok=True)

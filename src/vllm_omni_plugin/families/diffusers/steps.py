@@ -1,5 +1,9 @@
-"""Stable Diffusion 3 as the pieces the step loop takes (``diffusion/step_loop.py``), from the pipeline's own
-components: exact against the pipeline's ``__call__`` for a request alone (issue 40; on this branch)."""
+"""Stable Diffusion 3 and FLUX as the pieces the step loop takes (``diffusion/step_loop.py``), from the
+pipelines' own components: exact against the pipeline's ``__call__`` for a request alone.
+
+Prompts are encoded through a :class:`~vllm_omni_plugin.diffusion.step_loop.ConditioningCache`: the
+negative prompt most requests share (``""``) and repeated prompts are encoded once, with the same
+encoder calls the pipeline makes, so their embeddings are the pipeline's."""
 
 from __future__ import annotations
 
@@ -11,12 +15,22 @@ import numpy as np
 import torch
 
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.step_loop import ConditioningCache
 
 
 def fresh_scheduler(pipe: Any) -> Any:
     """A scheduler of the pipeline's kind and configuration with no state yet: each request steps its own
     (made from the configuration: a deepcopy of the pipeline's costs about 2 ms)."""
     return type(pipe.scheduler).from_config(pipe.scheduler.config)
+
+
+def plain_text_to_image(request: DiffusionRequest) -> bool:
+    """A request the step loop runs: text to image, no source images, adapter, previews, latents or step
+    caching (the stage runs those as whole requests)."""
+    return not (
+        request.images or request.lora is not None or request.partial_images or request.return_latents
+        or (request.cache is not None and request.cache.active)
+    )  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -37,6 +51,11 @@ class SD3Steps:
     def __init__(self, pipe: Any, max_sequence_length: int = 256) -> None:
         self.pipe = pipe
         self.max_sequence_length = max_sequence_length
+        self.device = pipe._execution_device  # a property that walks every module: read once
+        self.texts = ConditioningCache()
+
+    def runs(self, request: DiffusionRequest) -> bool:
+        return plain_text_to_image(request)
 
     def _guided(self, request: DiffusionRequest) -> bool:
         return self._guidance(request) > 1.0
@@ -48,21 +67,26 @@ class SD3Steps:
         return 2 if self._guided(request) else 1
 
     def encode(self, requests: list[DiffusionRequest]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        pe, npe, ppe, nppe = self.pipe.encode_prompt(
-            prompt=[r.prompt for r in requests], prompt_2=None, prompt_3=None,
-            negative_prompt=[r.negative_prompt or "" for r in requests],
-            do_classifier_free_guidance=any(self._guided(r) for r in requests), device=self.pipe.device,
-            num_images_per_prompt=1, max_sequence_length=self.max_sequence_length,
-        )  # fmt: skip
-        out = []
-        for k, r in enumerate(requests):
+        """Prompts in one encoder call, the negative prompts not cached yet in a second (as the pipeline
+        encodes them: apart from the prompts)."""
+        prompts = self.texts.get([r.prompt for r in requests], self._encode)
+        guided = [r for r in requests if self._guided(r)]
+        negatives = self.texts.get([r.negative_prompt or "" for r in guided], self._encode)
+        out, negative = [], iter(negatives)
+        for r, (embeds, pooled) in zip(requests, prompts, strict=True):
             if self._guided(r):
-                out.append(
-                    (torch.cat([npe[k : k + 1], pe[k : k + 1]]), torch.cat([nppe[k : k + 1], ppe[k : k + 1]]))
-                )
+                uncond, uncond_pooled = next(negative)
+                out.append((torch.cat([uncond, embeds]), torch.cat([uncond_pooled, pooled])))
             else:
-                out.append((pe[k : k + 1], ppe[k : k + 1]))
+                out.append((embeds, pooled))
         return out
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=texts, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False,
+            device=self.device, num_images_per_prompt=1, max_sequence_length=self.max_sequence_length,
+        )  # fmt: skip
+        return [(embeds[k : k + 1], pooled[k : k + 1]) for k in range(len(texts))]
 
     def prepare(self, request: DiffusionRequest, conditioning: tuple[torch.Tensor, torch.Tensor]) -> SD3State:
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import retrieve_timesteps
@@ -73,10 +97,10 @@ class SD3Steps:
         generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
         embeds, pooled = conditioning
         latents = pipe.prepare_latents(
-            1, pipe.transformer.config.in_channels, height, width, embeds.dtype, pipe.device, generator, None
+            1, pipe.transformer.config.in_channels, height, width, embeds.dtype, self.device, generator, None
         )
         scheduler = fresh_scheduler(pipe)
-        timesteps, _ = retrieve_timesteps(scheduler, request.num_inference_steps or 28, pipe.device)
+        timesteps, _ = retrieve_timesteps(scheduler, request.num_inference_steps or 28, self.device)
         return SD3State(latents, scheduler, timesteps, embeds, pooled, self._guidance(request))
 
     def steps(self, state: SD3State) -> int:
@@ -145,6 +169,11 @@ class FluxSteps:
     def __init__(self, pipe: Any, max_sequence_length: int = 512) -> None:
         self.pipe = pipe
         self.max_sequence_length = max_sequence_length
+        self.device = pipe._execution_device
+        self.texts = ConditioningCache()
+
+    def runs(self, request: DiffusionRequest) -> bool:
+        return plain_text_to_image(request)
 
     def rows(self, request: DiffusionRequest) -> int:
         return 1
@@ -152,11 +181,14 @@ class FluxSteps:
     def encode(
         self, requests: list[DiffusionRequest]
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return self.texts.get([r.prompt for r in requests], self._encode)
+
+    def _encode(self, texts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         embeds, pooled, text_ids = self.pipe.encode_prompt(
-            prompt=[r.prompt for r in requests], prompt_2=None, device=self.pipe.device,
-            num_images_per_prompt=1, max_sequence_length=self.max_sequence_length,
+            prompt=texts, prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
         )  # fmt: skip
-        return [(embeds[k : k + 1], pooled[k : k + 1], text_ids) for k in range(len(requests))]
+        return [(embeds[k : k + 1], pooled[k : k + 1], text_ids) for k in range(len(texts))]
 
     def prepare(self, request: DiffusionRequest, conditioning: tuple[torch.Tensor, ...]) -> FluxState:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
@@ -167,7 +199,7 @@ class FluxSteps:
         embeds, pooled, text_ids = conditioning
         generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
         latents, image_ids = pipe.prepare_latents(
-            1, pipe.transformer.config.in_channels // 4, height, width, embeds.dtype, pipe.device, generator
+            1, pipe.transformer.config.in_channels // 4, height, width, embeds.dtype, self.device, generator
         )
         steps = request.num_inference_steps or 28
         sigmas = np.linspace(1.0, 1 / steps, steps)
@@ -179,7 +211,7 @@ class FluxSteps:
             config.get("base_shift", 0.5), config.get("max_shift", 1.15),
         )  # fmt: skip
         scheduler = fresh_scheduler(pipe)
-        timesteps, _ = retrieve_timesteps(scheduler, steps, pipe.device, sigmas=sigmas, mu=mu)
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         guidance = 3.5 if request.guidance_scale is None else request.guidance_scale
         return FluxState(
