@@ -1,13 +1,15 @@
 """The diffusion stage's batching, side by side in one run: the previous behaviour (whole-request batching,
-``batching: request``, with the ``max_batch_size: 8`` the shipped deploy file pinned) against step-level
-batching (``batching: step``: the token budget ``max_step_tokens`` instead of a count, decodes joined
-across groups), with diffusers' own single call of 16 prompts as the ceiling. Tiny SD3, 64x64, 4 steps
-(guidance on), the DiT given the machine's cores (its ``OMP_NUM_THREADS``), served over HTTP
-(``vllm serve --omni``, a thin httpx client).
+``batching: request``, with the ``max_batch_size: 8`` the shipped deploy file pinned), whole-request
+batching within the token budget ``max_step_tokens``, step batching (``batching: step``: groups whose
+forwards are shared) and the step loop (``batching: loop``, the default for SD3 and FLUX, here with
+``scheduling_policy: priority``), with diffusers' own single call of 16 prompts as the ceiling. Tiny SD3,
+64x64, 4 steps (guidance on), the DiT given the machine's cores (its ``OMP_NUM_THREADS``), served over
+HTTP (``vllm serve --omni``, a thin httpx client).
 
     python benchmarks/diffusion_engine.py [--model DIR] [--images 64] [--concurrency 1 8 16 32]
                                           [--previous-max-batch-size 8] [--max-step-tokens N [N ...]]
                                           [--batch-wait-ms MS] [--threads N] [--poisson-seconds 20]
+                                          [--priority-seconds 15]
 
 ``--max-step-tokens`` with several values serves step batching once per budget (how the default was
 chosen); the targets are read from the first.
@@ -17,12 +19,16 @@ of the timed rounds) and the p50/p99 latency of every request of those rounds. O
 arrivals at 80% of the peak images/s the previous stage reached, the same arrival times for all; p50/p99
 latency. A breakdown per variant and concurrency (the stage's ``/metrics`` over the rounds) says where a
 request's time goes: queue wait, prompt encoding, steps, decode, and the rest (HTTP, API server, PNG).
+Priority run: one request a second while as many clients as the highest concurrency keep the server
+saturated; the step loop's server gets the load at priority 1 and the timed requests at 0, the others
+serve both first come, first served; the timed requests' latency against theirs on the idle server.
 Then BAGEL's DiT stage alone (the stage's own batch loop, in this process, fed
 text-to-image requests with random 12-token contexts as the thinker would send them) with a FLUX-size
 autoencoder (128 channels, x1/x2/x4/x4, two blocks per level; the tiny BAGEL otherwise), 64x64, 8
-steps, 8 clients, whole-request against step batching. Targets: step batching >= 1.15x the previous
-images/s at concurrency 16 (SD3) and whole-request's at 8 (BAGEL); p99 under the Poisson load <= 0.6x the
-previous.
+steps, 8 clients, whole-request against step batching (BAGEL has no step-loop pieces yet).
+Targets: the step loop >= 1.0x the previous images/s at every concurrency and >= 1.3x at 16, a Poisson
+p99 <= 0.5x the previous, priority latency under the load <= 1.5x alone; step batching >= 1.15x the
+previous at 16 (SD3) and whole-request's at 8 (BAGEL).
 """
 
 from __future__ import annotations
@@ -439,7 +445,7 @@ def main() -> int:
         step_fields["max_batch_size"] = args.step_max_batch_size
     variants: dict[str, dict[str, Any]] = {
         PREVIOUS: {"batching": "request", "max_batch_size": args.previous_max_batch_size},
-        "request": {"batching": "request"},  # the default now: batches bounded by max_step_tokens
+        "request": {"batching": "request"},  # whole requests, batches bounded by max_step_tokens
     }
     for budget in args.max_step_tokens or [None]:
         name = "step" if budget is None else f"step tokens={budget}"
@@ -500,8 +506,8 @@ def main() -> int:
         p50, p99 = (1000 * percentile(opened[mode], q) for q in (0.5, 0.99))
         print(f"{mode:<26} p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
     print(
-        f"priority run: one request a second for {args.priority_seconds:.0f} s under {max(levels)} saturating "
-        f"clients (the {LOOP} server: those at priority 1, the timed ones at 0; the others FCFS)"
+        f"priority run: one request a second for {args.priority_seconds:.0f} s under {max(levels)} "
+        f"saturating clients (the {LOOP} server: those at priority 1, the timed ones at 0; the others FCFS)"
     )
     for mode in modes:
         alone, loaded = prioritized[mode]

@@ -120,6 +120,7 @@ def test_print_resolved_config(glm_dir: Path) -> None:
     assert ar["engine_args"]["async_scheduling"] is False
     assert ar["engine_args"]["max_num_seqs"] == 3  # vLLM flag on the command line
     assert dit["request_defaults"]["num_inference_steps"] == 7  # --stage-overrides
+    assert dit["diffusion_args"]["scheduling_policy"] == "fcfs"  # the default, shown
 
 
 def test_legacy_file_through_stage_configs_path(glm_dir: Path) -> None:

@@ -111,6 +111,7 @@ def test_a_diffusers_model_resolves_to_one_diffusion_stage_without_a_config(tmp_
     assert stage.diffusion_args == {
         "max_batch_size": MAX_BATCH_SIZE,  # unpinned: max_step_tokens bounds batches
         "model": model,
+        "scheduling_policy": "fcfs",
         "worker_cls": platform.diffusion_worker_cls,
     }  # steps, guidance and size: the pipeline's own
     assert [(e.from_stage, e.to) for e in resolved.edges] == [(0, "router")]

@@ -103,6 +103,28 @@ def test_a_higher_priority_request_preempts_and_the_preempted_one_resumes_unchan
         assert diff(f.image, alone(pipe, r)) == 0, f.request_id
 
 
+def test_a_step_keeps_to_its_budgets_and_a_request_over_them_runs_alone(pipe: Any) -> None:
+    """A token budget (the stage's ``max_step_tokens``) that holds one 64x64 guided request: the second
+    waits for the first to finish; one larger than the budget still runs, alone."""
+
+    def tokens(r: DiffusionRequest) -> int:
+        return (r.height // 16) * (r.width // 16) * 2
+
+    loop = StepLoop(SD3Steps(pipe), max_rows=16, budgets=[(50, tokens)])
+    first, second, large = request(20, steps=2), request(21, steps=2), request(22, steps=2, size=96)
+    for r in (first, second, large):
+        loop.add(r.request_id, r)
+    order = []
+    with torch.no_grad():
+        while not loop.idle():
+            ran = loop.ran
+            order += [(f.request_id, f.image) for f in loop.step()]
+            assert len(loop.ran) == 1, (ran, loop.ran)
+    assert [name for name, _ in order] == ["r20", "r21", "r22"]
+    for (_, image), r in zip(order, (first, second, large), strict=True):
+        assert diff(image, alone(pipe, r)) == 0, r.request_id  # each ran alone: exact
+
+
 @pytest.fixture(scope="module")
 def flux(tiny_flux: Path) -> Any:
     from diffusers import FluxPipeline

@@ -82,6 +82,7 @@ def diffusion_args(
     for name in DIFFUSION_ENGINE_FIELDS:
         if getattr(stage, name) is not None:
             args[name] = getattr(stage, name)
+    args.setdefault("scheduling_policy", "fcfs")  # shown by --print-resolved-config whether set or not
     if stage.cache is not None and stage.cache.active:
         args["cache"] = msgspec.to_builtins(stage.cache.resolved())
     if stage.compile is not None and stage.compile.active:

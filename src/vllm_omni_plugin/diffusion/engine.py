@@ -180,17 +180,23 @@ class DiffusionEngine:
             raise ValueError(f"batching: step is not available: {why}; use batching: request")
         self.step_family: Any = None
         """``batching: loop``: the pipeline as the step loop's pieces (``diffusion/step_loop.py``)."""
-        if batching == "loop":
+        if batching in (None, "loop"):
             features = [name for name, on in (
                 ("batch_invariant", batch_invariant), ("compile", compiles),
                 ("step cache", self.cache is not None),
                 ("cfg_parallel_size", config.cfg_parallel_size > 1),
                 ("sequence_parallel_size", config.sequence_parallel_size > 1),
             ) if on]  # fmt: skip
-            self.step_family = runner.step_family()
-            if self.step_family is None or features:
+            family = runner.step_family()
+            if batching == "loop" and (family is None or features):
                 why = ", ".join(features) if features else f"{runner.label} has no step-loop pieces yet"
                 raise ValueError(f"batching: loop is not available: {why}; use batching: request")
+            # unset: the step loop where the pipeline has its pieces and nothing configured needs whole calls
+            batching = "loop" if family is not None and not features else "request"
+            self.step_family = family if batching == "loop" else None
+        self.batching: str = batching
+        """What the stage runs: ``request``, ``step`` or ``loop`` (``batching`` unset: ``loop`` where it
+        can, else ``request``)."""
         self.decode_batcher: StepBatcher | None = None
         """``batching: step``: the groups' VAE decodes, joined where several wait (runners with a
         :meth:`DiffusionRunner.decode_calls`)."""
@@ -234,7 +240,7 @@ class DiffusionEngine:
         if compiles:
             assert self.compile is not None
             self._compile(self.compile)
-        if config.batching == "step":
+        if self.batching == "step":
             self.step_batcher = StepBatcher(
                 runner.parallel_denoiser or runner.denoiser(),
                 max_rows=2 * self.max_batch_size,

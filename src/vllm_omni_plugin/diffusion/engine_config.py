@@ -44,7 +44,9 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     progress_interval_s: float = PROGRESS_INTERVAL_S
     gpu_memory_utilization: float | None = None
     """The share of the device's memory (the machine's on CPU) the stage keeps to; None: no budget."""
-    batching: Literal["request", "step", "loop"] = "request"
+    batching: Literal["request", "step", "loop"] | None = None
+    """None: ``loop`` where the pipeline has step-loop pieces and no stage feature needs whole calls, else
+    ``request``."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """``priority``: requests carry a priority (lower first, ties by arrival; vLLM's
     ``--scheduling-policy priority``) that orders the queue and, with ``batching: loop``, each step."""
@@ -59,7 +61,7 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.batching not in BATCHING_MODES:
+        if self.batching is not None and self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")

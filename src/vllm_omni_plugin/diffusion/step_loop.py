@@ -4,11 +4,12 @@ a time, over every admitted request's rows.
 The loop owns each admitted request's denoising state (its family's latents, scheduler copy, generator
 draws and conditioning) and runs the stage as vLLM's engine core runs tokens:
 
-- **schedule**: the waiting requests that fit the step's row budget after those ahead of them are admitted
-  (their prompts encoded together, in one encoder call); the running requests are taken in priority order
-  (lower value first, ties by arrival: vLLM's ``--scheduling-policy priority`` convention) while their rows
-  fit the budget; a running request left out is preempted for this step: its state stays as it is and it
-  resumes where it stopped, with the image it would have got;
+- **schedule**: the requests of the best priority present (lower value first: vLLM's
+  ``--scheduling-policy priority`` convention) are taken in arrival order while they fit the step's budgets,
+  the waiting ones among them admitted (their prompts encoded together, in one encoder call); a running
+  request left out (of a worse priority, or past the budgets) is preempted for this step: its state stays
+  as it is and it resumes where it stopped, with the image it would have got. A better request thus runs
+  as if alone while it runs;
 - **execute**: one forward per group of rows that can share one (equal shape key: same image size), each
   request's guidance and scheduler step on its own rows;
 - **update**: finished requests leave, decoded together.
@@ -136,12 +137,19 @@ class LoopCounters:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - since
 
 
+Budget = tuple[int, Callable[[Any], int]]
+"""A limit on one step and what a request needs of it (the stage's ``max_step_tokens`` and a request's
+latent tokens; its memory budget and a request's activations)."""
+
+
 @dataclass
 class StepLoop:
-    """The loop over one family's requests; ``max_rows``: the rows one step's forwards may hold in all."""
+    """The loop over one family's requests; ``max_rows``: the rows one step's forwards may hold in all;
+    ``budgets``: other limits each step keeps to. A request that fits no step beside others runs alone."""
 
     family: StepFamily
     max_rows: int
+    budgets: list[Budget] = field(default_factory=list)
     waiting: list[Denoising] = field(default_factory=list)
     running: list[Denoising] = field(default_factory=list)
     counters: LoopCounters = field(default_factory=LoopCounters)
@@ -167,14 +175,17 @@ class StepLoop:
     def _schedule(self) -> list[Denoising]:
         """Admit what fits after what is ahead of it, then pick this step's requests."""
         candidates = sorted(self.running + self.waiting, key=Denoising.order)
+        if candidates:  # the best priority present runs as if alone: the worse wait, parked, meanwhile
+            candidates = [c for c in candidates if c.priority == candidates[0].priority]
+        limits = [(self.max_rows, self.family.rows), *self.budgets]
+        used = [0] * len(limits)
         chosen: list[Denoising] = []
-        rows = 0
         new: list[Denoising] = []
         for item in candidates:
-            need = self.family.rows(item.request)
-            if rows + need > self.max_rows:
+            needs = [need(item.request) for _, need in limits]
+            if chosen and any(u + n > limit for (limit, _), u, n in zip(limits, used, needs, strict=True)):
                 continue
-            rows += need
+            used = [u + n for u, n in zip(used, needs, strict=True)]
             chosen.append(item)
             if item.state is None:
                 new.append(item)

@@ -223,7 +223,10 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         requests still waited in its queue. Those are told so (``ran=False``): they cannot have caused
         the death, and their runs again cost them no retry."""
         waiting = self._pending.order()
-        limit = int(self.config.diffusion_args.get("max_batch_size", 1))
+        args = self.config.diffusion_args
+        limit = int(args.get("max_batch_size", 1))
+        if args.get("batching") in (None, "loop") and args.get("scheduling_policy") == "priority":
+            limit *= 2  # better requests join a full step loop (parked ones stay in it)
         running = batch_prefix([i in self._alone for i in waiting], limit)
         message = f"{death} (this request still waited in its queue)"
         return {

@@ -444,7 +444,12 @@ class DiffusionBatchLoop:
 
         inbox, engine = self.inbox, self.engine
         family = engine.step_family
-        loop = StepLoop(family, max_rows=2 * self.max_batch)
+        tokens: dict[str, int] = {}
+        budgets = [(engine.max_step_tokens, lambda r: tokens[r.request_id])]
+        memory: dict[str, int] = {}
+        if engine.memory is not None:
+            budgets.append((engine.memory.activation_bytes, lambda r: memory[r.request_id]))
+        loop = StepLoop(family, max_rows=2 * self.max_batch, budgets=budgets)
         transfer: dict[str, float] = {}
         started: dict[str, float] = {}
         while not inbox.stopping or not loop.idle():
@@ -465,15 +470,23 @@ class DiffusionBatchLoop:
                 self.report.outputs(failed)
             admitted_requests = [r for group in admitted for r in group]
             fault_point(r.seed for r in admitted_requests)
+            whole = []
             for request in admitted_requests:
                 if family.runs(request):
+                    tokens[request.request_id] = engine.step_tokens([request])
+                    if engine.memory is not None:
+                        memory[request.request_id] = engine.activation_bytes([request])
                     loop.add(request.request_id, request, priority=request.priority)
                     started[request.request_id] = time.perf_counter()
                 else:
-                    self._run_whole(request, transfer.pop(request.request_id, 0.0))
+                    whole.append(request)
+            if whole:
+                self._run_whole(whole, {r.request_id: transfer.pop(r.request_id, 0.0) for r in whole})
             for item in [*loop.waiting, *loop.running]:
                 if inbox.is_aborted(item.request_id) or inbox.interrupted:
                     loop.abort(item.request_id)
+                    tokens.pop(item.request_id, None)
+                    memory.pop(item.request_id, None)
                     inbox.done([item.request_id])
                     transfer.pop(item.request_id, None)
                     started.pop(item.request_id, None)
@@ -489,6 +502,8 @@ class DiffusionBatchLoop:
             engine.count_loop_step(len(loop.ran), time.perf_counter() - began, left_out)  # holds at dit.step
             outputs, timings = [], []
             for done in finished:
+                tokens.pop(done.request_id, None)
+                memory.pop(done.request_id, None)
                 phases = done.seconds
                 timing = {
                     "encode": phases.get("encode", 0.0),
@@ -526,19 +541,25 @@ class DiffusionBatchLoop:
             return inbox.take_rows(1)  # it preempts: the worse wait, parked, until it is done
         return []
 
-    def _run_whole(self, request: Any, transfer: float) -> None:
-        """A request the step loop cannot run, run as a whole request between its steps."""
-        results = self.engine.generate([request], self.inbox.is_aborted)
-        outputs = [
-            self._output_of(r, transfer)
-            for r in results
-            if not (r.aborted or self.inbox.is_aborted(r.request_id))
-        ]
-        aborted = self.inbox.done([request.request_id]) | {r.request_id for r in results if r.aborted}
+    def _run_whole(self, requests: list[Any], transfer: dict[str, float]) -> None:
+        """Requests the step loop cannot run, run as whole requests (batched as the engine batches them)
+        between its steps."""
+        self._step_ran = None  # their steps hold at dit.step as a batch's do
+        inbox = self.inbox
+        results = self.engine.generate(requests, inbox.is_aborted)
+        aborted = {r.request_id for r in results if r.aborted or inbox.is_aborted(r.request_id)}
+        outputs = [self._output_of(r, transfer[r.request_id]) for r in results if r.request_id not in aborted]
+        self._report_previews()  # every preview is in: a call returns after its previews
+        aborted |= inbox.done([r.request_id for r in requests])
         self.report.progress(self.engine.counters(), force=True)
+        for output in outputs:
+            if output.request_id in aborted and output.image_handle is not None and self.output_connector:
+                # aborted after its image was put: nobody will read it
+                self.output_connector.cleanup(msgspec.convert(output.image_handle, ConnectorHandle))
+        outputs = [o for o in outputs if o.request_id not in aborted]
         if outputs:
             self.report.outputs(outputs)
-        if aborted and not self.inbox.interrupted:
+        if aborted and not inbox.interrupted:
             self.report.dropped(sorted(aborted), "batch")
 
     def _run_group(self, key: str, group: list[Any]) -> None:
