@@ -384,22 +384,7 @@ class DiffusionBatchLoop:
         while not inbox.stopping or groups or budget.waiting:
             running = sum(size for _, size in groups.values()) + budget.waiting_rows
             taken = inbox.take_rows(self.max_batch - running, engine.batch_wait_ms / 1000)
-            engine.count_started(inbox.started_waits())
-            requests, failed = [], []
-            for message in taken:
-                request, seconds, bad = self._request_of(message)
-                if bad is None:
-                    requests.append(request)
-                    transfer[message.request_id] = seconds
-                else:
-                    failed.append(bad)
-            admitted, refused = engine.admit(requests) if requests else ([], [])
-            fault_point(r.seed for group in admitted for r in group)
-            failed += [self._output_of(r, transfer.pop(r.request_id, 0.0)) for r in refused]
-            if failed:
-                inbox.done([o.request_id for o in failed])
-                self.report.outputs(failed)
-            budget.admit(admitted)
+            budget.admit(self._admit(taken, transfer))
             self._report_previews()
             finished = inbox.pop_finished()
             counters = engine.counters()
@@ -453,25 +438,9 @@ class DiffusionBatchLoop:
         transfer: dict[str, float] = {}
         started: dict[str, float] = {}
         while not inbox.stopping or not loop.idle():
-            taken = self._loop_arrivals(loop)
-            engine.count_started(inbox.started_waits())
-            requests, failed = [], []
-            for message in taken:
-                request, seconds, bad = self._request_of(message)
-                if bad is None:
-                    requests.append(request)
-                    transfer[message.request_id] = seconds
-                else:
-                    failed.append(bad)
-            admitted, refused = engine.admit(requests) if requests else ([], [])
-            failed += [self._output_of(r, transfer.pop(r.request_id, 0.0)) for r in refused]
-            if failed:
-                inbox.done([o.request_id for o in failed])
-                self.report.outputs(failed)
-            admitted_requests = [r for group in admitted for r in group]
-            fault_point(r.seed for r in admitted_requests)
+            admitted = self._admit(self._loop_arrivals(loop), transfer)
             whole = []
-            for request in admitted_requests:
+            for request in (r for group in admitted for r in group):
                 if family.runs(request):
                     tokens[request.request_id] = engine.step_tokens([request])
                     if engine.memory is not None:
@@ -521,6 +490,27 @@ class DiffusionBatchLoop:
                 inbox.done([o.request_id for o in outputs])
                 self.report.progress(engine.counters(), force=True)
                 self.report.outputs(outputs)
+
+    def _admit(self, taken: list[StageDiffusionCoreRequest], transfer: dict[str, float]) -> list[list[Any]]:
+        """The engine's groups of the taken requests (their payloads read; ``transfer``: each one's read
+        seconds); those it cannot run are reported failed at once."""
+        engine = self.engine
+        engine.count_started(self.inbox.started_waits())
+        requests, failed = [], []
+        for message in taken:
+            request, seconds, bad = self._request_of(message)
+            if bad is None:
+                requests.append(request)
+                transfer[message.request_id] = seconds
+            else:
+                failed.append(bad)
+        admitted, refused = engine.admit(requests) if requests else ([], [])
+        fault_point(r.seed for group in admitted for r in group)
+        failed += [self._output_of(r, transfer.pop(r.request_id, 0.0)) for r in refused]
+        if failed:
+            self.inbox.done([o.request_id for o in failed])
+            self.report.outputs(failed)
+        return admitted
 
     def _loop_arrivals(self, loop: Any) -> list[StageDiffusionCoreRequest]:
         """The queued requests that join the step loop now (never waiting while it has work)."""
