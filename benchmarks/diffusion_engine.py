@@ -1,10 +1,10 @@
 """The diffusion stage's batching, side by side in one run: the previous behaviour (whole-request batching,
 ``batching: request``, with the ``max_batch_size: 8`` the shipped deploy file pinned), whole-request
 batching within the token budget ``max_step_tokens``, step batching (``batching: step``: groups whose
-forwards are shared) and the step loop (``batching: loop``, the default for SD3 and FLUX, here with
-``scheduling_policy: priority``), with diffusers' own single call of 16 prompts as the ceiling. Tiny SD3,
-64x64, 4 steps (guidance on), the DiT given the machine's cores (its ``OMP_NUM_THREADS``), served over
-HTTP (``vllm serve --omni``, a thin httpx client).
+forwards are shared) and the step loop (``batching: loop``, the default for SD3, FLUX and Qwen-Image,
+here with ``scheduling_policy: priority``), with diffusers' own single call of 16 prompts as the ceiling.
+Tiny SD3, 64x64, 4 steps (guidance on), the DiT given the machine's cores (its ``OMP_NUM_THREADS``),
+served over HTTP (``vllm serve --omni``, a thin httpx client).
 
     python benchmarks/diffusion_engine.py [--model DIR] [--images 64] [--concurrency 1 8 16 32]
                                           [--previous-max-batch-size 8] [--max-step-tokens N [N ...]]

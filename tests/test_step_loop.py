@@ -156,3 +156,40 @@ def test_flux_alone_exact_and_mixed_guidance_and_sizes_in_one_loop(flux: Any) ->
     for r in requests:
         assert done[r.request_id].image.std() > 5
         assert diff(done[r.request_id].image, flux_alone(flux, r)) <= 1, r.request_id
+
+
+def test_qwen_image_alone_exact_and_mixed_guidance_steps_and_prompt_lengths_in_one_loop(
+    tiny_qwen_image: Path,
+) -> None:
+    """True CFG as the pipeline runs it (prompts' rows in one forward, negative prompts' in a second):
+    alone bit for bit; beside others, with padded prompts of other lengths, within 1/255."""
+    from diffusers import QwenImagePipeline
+
+    from vllm_omni_plugin.families.diffusers.steps import QwenImageSteps
+
+    qwen = QwenImagePipeline.from_pretrained(str(tiny_qwen_image), torch_dtype=torch.float32)
+    qwen.set_progress_bar_config(disable=True)
+
+    def qwen_alone(r: DiffusionRequest) -> np.ndarray:
+        cfg = {"negative_prompt": " "} if r.guidance_scale > 1 else {}
+        with torch.no_grad():
+            image = qwen(
+                prompt=r.prompt, height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
+                true_cfg_scale=r.guidance_scale, generator=torch.Generator("cpu").manual_seed(r.seed),
+                output_type="np", **cfg,
+            ).images[0]  # fmt: skip
+        return (image * 255).round().astype(np.uint8)
+
+    first = request(30, guidance=3.0)
+    loop = StepLoop(QwenImageSteps(qwen), max_rows=16)
+    loop.add(first.request_id, first)
+    assert diff(run(loop)["r30"].image, qwen_alone(first)) == 0
+    longer = DiffusionRequest(request_id="r33", prompt="a much longer prompt about a red fox in the snow at dusk",
+                              seed=133, height=64, width=64, num_inference_steps=4, guidance_scale=3.0)  # fmt: skip
+    mixed = [request(31, steps=5, guidance=3.0), request(32, steps=3, guidance=1.0), longer]
+    for r in mixed:
+        loop.add(r.request_id, r)
+    done = run(loop)
+    for r in mixed:
+        assert done[r.request_id].image.std() > 5
+        assert diff(done[r.request_id].image, qwen_alone(r)) <= 1, r.request_id

@@ -31,6 +31,7 @@ GENERIC_RUNNER = "vllm_omni_plugin.diffusion.diffusers_runner:DiffusersPipelineR
 STEP_FAMILIES: Mapping[str, str] = {
     "StableDiffusion3Pipeline": "vllm_omni_plugin.families.diffusers.steps:SD3Steps",
     "FluxPipeline": "vllm_omni_plugin.families.diffusers.steps:FluxSteps",
+    "QwenImagePipeline": "vllm_omni_plugin.families.diffusers.steps:QwenImageSteps",
 }
 """Pipeline classes the step loop runs (``batching: loop``) -> their pieces (``diffusion/step_loop.py``),
 by dotted path."""

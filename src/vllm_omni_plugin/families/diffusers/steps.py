@@ -1,5 +1,5 @@
-"""Stable Diffusion 3 and FLUX as the pieces the step loop takes (``diffusion/step_loop.py``), from the
-pipelines' own components: exact against the pipeline's ``__call__`` for a request alone.
+"""Stable Diffusion 3, FLUX and Qwen-Image as the pieces the step loop takes (``diffusion/step_loop.py``),
+from the pipelines' own components: exact against the pipeline's ``__call__`` for a request alone.
 
 Prompts are encoded through a :class:`~vllm_omni_plugin.diffusion.step_loop.ConditioningCache`: the
 negative prompt most requests share (``""``) and repeated prompts are encoded once, with the same
@@ -7,9 +7,9 @@ encoder calls the pipeline makes, so their embeddings are the pipeline's."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -33,6 +33,37 @@ def plain_text_to_image(request: DiffusionRequest) -> bool:
     )  # fmt: skip
 
 
+def decoded_by_group(
+    states: list[Any], key: Callable[[Any], Hashable], pixels: Callable[[Any, list[Any]], Any]
+) -> list[np.ndarray]:
+    """Each state's image (uint8 HxWx3), from one decoder call (``pixels``: floats in [0, 1]) per group of
+    states with equal ``key`` (their image size)."""
+    groups: dict[Hashable, list[int]] = {}
+    for k, state in enumerate(states):
+        groups.setdefault(key(state), []).append(k)
+    images: dict[int, np.ndarray] = {}
+    for group_key, members in groups.items():
+        for k, image in zip(members, pixels(group_key, [states[k] for k in members]), strict=True):
+            images[k] = (image * 255).round().astype(np.uint8)
+    return [images[k] for k in range(len(states))]
+
+
+class PipelineSteps:
+    """What every family's pieces share: the pipeline, its encoder length, its execution device (a
+    property that walks every module: read once), the encoded texts, and which requests run step-wise."""
+
+    default_max_sequence_length: ClassVar[int] = 256
+
+    def __init__(self, pipe: Any, max_sequence_length: int | None = None) -> None:
+        self.pipe = pipe
+        self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
+        self.device = pipe._execution_device
+        self.texts = ConditioningCache()
+
+    def runs(self, request: DiffusionRequest) -> bool:
+        return plain_text_to_image(request)
+
+
 @dataclass(eq=False)
 class SD3State:
     latents: torch.Tensor
@@ -45,17 +76,8 @@ class SD3State:
     index: int = 0
 
 
-class SD3Steps:
+class SD3Steps(PipelineSteps):
     """``StableDiffusion3Pipeline``'s text to image, one step at a time."""
-
-    def __init__(self, pipe: Any, max_sequence_length: int = 256) -> None:
-        self.pipe = pipe
-        self.max_sequence_length = max_sequence_length
-        self.device = pipe._execution_device  # a property that walks every module: read once
-        self.texts = ConditioningCache()
-
-    def runs(self, request: DiffusionRequest) -> bool:
-        return plain_text_to_image(request)
 
     def _guided(self, request: DiffusionRequest) -> bool:
         return self._guidance(request) > 1.0
@@ -130,21 +152,17 @@ class SD3Steps:
             s.index += 1
 
     def decode(self, states: list[SD3State]) -> list[np.ndarray]:
-        """One decoder call per image size."""
         vae = self.pipe.vae
-        images: dict[int, np.ndarray] = {}
-        groups: dict[Hashable, list[int]] = {}
-        for k, s in enumerate(states):
-            groups.setdefault(self.shape(s), []).append(k)
-        for members in groups.values():
-            latents = torch.cat([states[k].latents for k in members])
-            latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-            decoded = self.pipe.image_processor.postprocess(
+
+        def pixels(_: Hashable, group: list[SD3State]) -> Any:
+            latents = (
+                torch.cat([s.latents for s in group]) / vae.config.scaling_factor + vae.config.shift_factor
+            )
+            return self.pipe.image_processor.postprocess(
                 vae.decode(latents, return_dict=False)[0], output_type="np"
             )
-            for k, image in zip(members, decoded, strict=True):
-                images[k] = (image * 255).round().astype(np.uint8)
-        return [images[k] for k in range(len(states))]
+
+        return decoded_by_group(states, self.shape, pixels)
 
 
 @dataclass(eq=False)
@@ -163,17 +181,10 @@ class FluxState:
     index: int = 0
 
 
-class FluxSteps:
+class FluxSteps(PipelineSteps):
     """``FluxPipeline``'s text to image (guidance distilled, no true CFG), one step at a time."""
 
-    def __init__(self, pipe: Any, max_sequence_length: int = 512) -> None:
-        self.pipe = pipe
-        self.max_sequence_length = max_sequence_length
-        self.device = pipe._execution_device
-        self.texts = ConditioningCache()
-
-    def runs(self, request: DiffusionRequest) -> bool:
-        return plain_text_to_image(request)
+    default_max_sequence_length = 512
 
     def rows(self, request: DiffusionRequest) -> int:
         return 1
@@ -243,20 +254,154 @@ class FluxSteps:
             s.index += 1
 
     def decode(self, states: list[FluxState]) -> list[np.ndarray]:
-        """One decoder call per image size."""
         pipe, vae = self.pipe, self.pipe.vae
-        images: dict[int, np.ndarray] = {}
-        groups: dict[Hashable, list[int]] = {}
-        for k, s in enumerate(states):
-            groups.setdefault((s.height, s.width), []).append(k)
-        for (height, width), members in groups.items():
+
+        def pixels(size: Any, group: list[FluxState]) -> Any:
+            height, width = size
             latents = pipe._unpack_latents(
-                torch.cat([states[k].latents for k in members]), height, width, pipe.vae_scale_factor
+                torch.cat([s.latents for s in group]), height, width, pipe.vae_scale_factor
             )
             latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-            decoded = pipe.image_processor.postprocess(
+            return pipe.image_processor.postprocess(
                 vae.decode(latents, return_dict=False)[0], output_type="np"
             )
-            for k, image in zip(members, decoded, strict=True):
-                images[k] = (image * 255).round().astype(np.uint8)
-        return [images[k] for k in range(len(states))]
+
+        return decoded_by_group(states, lambda s: (s.height, s.width), pixels)
+
+
+@dataclass(eq=False)
+class QwenImageState:
+    latents: torch.Tensor
+    """Packed: (1, tokens, channels)."""
+    scheduler: Any
+    timesteps: torch.Tensor
+    embeds: torch.Tensor
+    """The prompt's embeddings, its own length (1, L, D)."""
+    negative: torch.Tensor | None
+    """The negative prompt's, with true CFG (``guidance > 1``); None without."""
+    guidance: float
+    height: int
+    width: int
+    index: int = 0
+
+
+def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(1, L_i, D) rows as one (N, max L, D) batch and its mask (None where every row is as long)."""
+    longest = max(r.shape[1] for r in rows)
+    if all(r.shape[1] == longest for r in rows):
+        return torch.cat(rows), None
+    batch = rows[0].new_zeros(len(rows), longest, rows[0].shape[2])
+    mask = torch.zeros(len(rows), longest, dtype=torch.long, device=rows[0].device)
+    for k, r in enumerate(rows):
+        batch[k, : r.shape[1]] = r[0]
+        mask[k, : r.shape[1]] = 1
+    return batch, mask
+
+
+class QwenImageSteps(PipelineSteps):
+    """``QwenImagePipeline``'s text to image, one step at a time: true CFG as the pipeline runs it (the
+    prompts' rows in one forward, the negative prompts' in a second, then the norm-kept combination), a
+    guided request's negative prompt ``" "`` where it gives none (the served runner's rule)."""
+
+    negative_default = " "
+    default_max_sequence_length = 512
+
+    def _guidance(self, request: DiffusionRequest) -> float:
+        return 4.0 if request.guidance_scale is None else request.guidance_scale
+
+    def rows(self, request: DiffusionRequest) -> int:
+        return 2 if self._guidance(request) > 1.0 else 1
+
+    def encode(self, requests: list[DiffusionRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        prompts = self.texts.get([r.prompt for r in requests], self._encode)
+        guided = [r for r in requests if self._guidance(r) > 1.0]
+        texts = [r.negative_prompt or self.negative_default for r in guided]
+        negatives = iter(self.texts.get(texts, self._encode))
+        return [
+            (p, next(negatives) if self._guidance(r) > 1.0 else None)
+            for r, p in zip(requests, prompts, strict=True)
+        ]
+
+    def _encode(self, texts: list[str]) -> list[torch.Tensor]:
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=texts, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )  # fmt: skip
+        lengths = [embeds.shape[1]] * len(texts) if mask is None else [int(m.sum()) for m in mask]
+        return [embeds[k : k + 1, : lengths[k]] for k in range(len(texts))]
+
+    def prepare(self, request: DiffusionRequest, conditioning: tuple[Any, Any]) -> QwenImageState:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+        pipe = self.pipe
+        height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
+        width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
+        embeds, negative = conditioning
+        generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
+        latents = pipe.prepare_latents(
+            1, pipe.transformer.config.in_channels // 4, height, width, embeds.dtype, self.device, generator,
+            None,
+        )  # fmt: skip
+        steps = request.num_inference_steps or 50
+        config = pipe.scheduler.config
+        mu = calculate_shift(
+            latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+        )  # fmt: skip
+        scheduler = fresh_scheduler(pipe)
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        guidance = self._guidance(request)
+        return QwenImageState(latents, scheduler, timesteps, embeds, negative, guidance, height, width)
+
+    def steps(self, state: QwenImageState) -> int:
+        return len(state.timesteps)
+
+    def shape(self, state: QwenImageState) -> Hashable:
+        return tuple(state.latents.shape), state.height, state.width
+
+    def _forward(self, states: list[QwenImageState], rows: list[torch.Tensor]) -> torch.Tensor:
+        pipe = self.pipe
+        embeds, mask = padded(rows)
+        first = states[0]
+        shape = (1, first.height // pipe.vae_scale_factor // 2, first.width // pipe.vae_scale_factor // 2)
+        timestep = torch.cat([s.timesteps[s.index].expand(1).to(s.latents.dtype) for s in states])
+        return pipe.transformer(
+            hidden_states=torch.cat([s.latents for s in states]), timestep=timestep / 1000, guidance=None,
+            encoder_hidden_states_mask=mask, encoder_hidden_states=embeds, img_shapes=[[shape]] * len(states),
+            attention_kwargs={}, return_dict=False,
+        )[0]  # fmt: skip
+
+    def denoise(self, states: list[QwenImageState]) -> None:
+        cond = self._forward(states, [s.embeds for s in states])
+        guided = [k for k, s in enumerate(states) if s.negative is not None]
+        uncond = None
+        if guided:
+            uncond = self._forward([states[k] for k in guided], [states[k].negative for k in guided])
+        for k, s in enumerate(states):
+            noise = cond[k : k + 1]
+            if s.negative is not None:
+                assert uncond is not None
+                negative = uncond[guided.index(k) : guided.index(k) + 1]
+                combined = negative + s.guidance * (noise - negative)
+                kept = torch.norm(noise, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
+                noise = combined * kept
+            s.latents = s.scheduler.step(noise, s.timesteps[s.index], s.latents, return_dict=False)[0]
+            s.index += 1
+
+    def decode(self, states: list[QwenImageState]) -> list[np.ndarray]:
+        pipe, vae = self.pipe, self.pipe.vae
+
+        def pixels(size: Any, group: list[QwenImageState]) -> Any:
+            height, width = size
+            latents = pipe._unpack_latents(
+                torch.cat([s.latents for s in group]), height, width, pipe.vae_scale_factor
+            )
+            latents = latents.to(vae.dtype)
+            mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+            std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
+            decoded = vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
+            return pipe.image_processor.postprocess(decoded, output_type="np")
+
+        return decoded_by_group(states, lambda s: (s.height, s.width), pixels)
