@@ -193,3 +193,140 @@ def test_qwen_image_alone_exact_and_mixed_guidance_steps_and_prompt_lengths_in_o
     for r in mixed:
         assert done[r.request_id].image.std() > 5
         assert diff(done[r.request_id].image, qwen_alone(r)) <= 1, r.request_id
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+def test_adapters_mixed_in_one_step_each_give_the_image_diffusers_gives_with_it_loaded(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, family: str
+) -> None:
+    """The served runner's step-loop pieces, LoRA as their row layer: a request with adapter A runs two
+    steps alone, then one with B and one with none join; each image is diffusers' own with that adapter
+    loaded (PEFT) at that scale, within 1/255."""
+    from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+    from vllm_omni_plugin.diffusion.lora import LoraSpec
+    from vllm_omni_plugin.tiny_models.lora import build_lora
+    from vllm_omni_testkit.reference.diffusers import reference_image
+
+    model = request.getfixturevalue(f"tiny_{family}")
+    runner = load_pipeline_runner(str(model), dtype=torch.float32, device="cpu")
+    pieces = runner.step_family()
+    specs = [
+        LoraSpec(name=name, path=str(build_lora(model, tmp_path_factory.mktemp(f"lora_{name}"), seed=seed)),
+                 scale=scale)
+        for name, seed, scale in (("a", 1, 0.8), ("b", 2, 1.0))
+    ]  # fmt: skip
+    guidance = 3.5 if family == "flux" else 2.0
+    asks = [
+        DiffusionRequest(request_id=f"l{k}", prompt=f"a lantern {k}", seed=k, height=64, width=64,
+                         num_inference_steps=4, guidance_scale=guidance, lora=spec)
+        for k, spec in enumerate([*specs, None])
+    ]  # fmt: skip
+    assert all(pieces.runs(r) for r in asks)
+    loop = StepLoop(pieces, max_rows=16)
+    loop.add(asks[0].request_id, asks[0])
+    run(loop, until=2)
+    for r in asks[1:]:
+        loop.add(r.request_id, r)
+    done = run(loop)
+    plain = None
+    for r in asks:
+        lora = None if r.lora is None else (r.lora.name, r.lora.path, r.lora.scale)
+        expected = reference_image(model, prompt=r.prompt, seed=r.seed, height=64, width=64, steps=4,
+                                   guidance=guidance, lora=lora)  # fmt: skip
+        assert diff(done[r.request_id].image, expected) <= 1, r.request_id
+        if r.lora is not None and plain is None:
+            plain = reference_image(model, prompt=r.prompt, seed=r.seed, height=64, width=64, steps=4,
+                                    guidance=guidance)  # fmt: skip
+            assert np.abs(plain.astype(int) - expected.astype(int)).mean() > 1  # the adapter acts
+    assert not pieces.layers[0].chosen  # finished requests leave the layer
+
+
+@pytest.mark.parametrize("family", ["sd3", "qwen_image"])
+def test_previews_in_the_loop_are_the_whole_calls_previews_and_come_before_the_image(
+    request: pytest.FixtureRequest, family: str
+) -> None:
+    """Previews as the loop's layer: a request asking for two previews runs beside one asking none and
+    one joining mid-way; its previews are those the whole-request call makes for it alone (within
+    1/255), each made before its final image is decoded, and the others get none."""
+    from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+
+    model = request.getfixturevalue(f"tiny_{family}")
+    runner = load_pipeline_runner(str(model), dtype=torch.float32, device="cpu")
+    got: list[tuple[str, int, np.ndarray]] = []
+    runner.on_preview = lambda request_id, index, image: got.append((request_id, index, image))
+    pieces = runner.step_family()
+    asks = [
+        DiffusionRequest(request_id=f"p{k}", prompt=f"a kettle {k}", seed=k, height=64, width=64,
+                         num_inference_steps=6, guidance_scale=2.0, partial_images=2 if k == 0 else 0)
+        for k in range(3)
+    ]  # fmt: skip
+    assert all(pieces.runs(r) for r in asks)
+    loop = StepLoop(pieces, max_rows=16)
+    for r in asks[:2]:
+        loop.add(r.request_id, r)
+    run(loop, until=2)
+    loop.add(asks[2].request_id, asks[2])
+    finished: list[str] = []
+    with torch.no_grad():
+        while not loop.idle():
+            for f in loop.step():
+                finished.append(f.request_id)
+                assert f.request_id != "p0" or len(got) == 2  # its previews are out before its image
+    assert sorted(finished) == ["p0", "p1", "p2"]
+    assert [(name, index) for name, index, _ in got] == [("p0", 0), ("p0", 1)]
+    in_loop = [image for _, _, image in got]
+    got.clear()
+    runner.run([asks[0]], [torch.Generator().manual_seed(0)])
+    assert [(name, index) for name, index, _ in got] == [("p0", 0), ("p0", 1)]
+    for mine, whole in zip(in_loop, (image for _, _, image in got), strict=True):
+        assert mine.shape == (64, 64, 3) and diff(mine, whole) <= 1
+    assert not pieces.layers[1].wanted
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_alone(
+    request: pytest.FixtureRequest, family: str
+) -> None:
+    """Step caching as the loop's layer: a fixed-policy request alone skips exactly the forwards its plan
+    skips and gives the whole call's cached image; beside an uncached request and a threshold-policy one
+    joining mid-way, each gets the image its whole call gives alone (within 1/255)."""
+    import msgspec
+
+    from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+    from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
+
+    model = request.getfixturevalue(f"tiny_{family}")
+    runner = load_pipeline_runner(str(model), dtype=torch.float32, device="cpu")
+    counts = [0, 0]
+    runner.on_cache_counts = lambda computed, cached: counts.__setitem__(1, counts[1] + cached)
+    pieces = runner.step_family()
+    forwards = [0]
+    runner.pipe.transformer.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    guidance = 3.5 if family == "flux" else 2.0
+    calls = 2 if family == "qwen_image" else 1  # true CFG: a second forward for the negative prompts
+
+    def ask(k: int, policy: str | None) -> DiffusionRequest:
+        spec = None if policy is None else StepCacheSpec(policy=policy).resolved()  # as the engine resolves
+        return DiffusionRequest(request_id=f"c{k}", prompt=f"a bridge {k}", seed=k, height=64, width=64,
+                                num_inference_steps=8, guidance_scale=guidance, cache=spec)  # fmt: skip
+
+    def whole(r: DiffusionRequest) -> np.ndarray:
+        return runner.run([r], [torch.Generator().manual_seed(r.seed)]).images[0]
+
+    fixed, uncached, threshold = ask(0, "fixed"), ask(1, None), ask(2, "threshold")
+    plan = fixed_plan(fixed.cache, 8)
+    loop = StepLoop(pieces, max_rows=16)
+    loop.add(fixed.request_id, fixed)
+    alone = run(loop)["c0"].image
+    assert forwards[0] == calls * sum(plan) and counts[1] == calls * (8 - sum(plan)) * runner.cache_blocks
+    assert diff(alone, whole(fixed)) == 0
+    assert diff(alone, whole(msgspec.structs.replace(fixed, cache=None))) > 1  # caching acts
+
+    for r in (fixed, uncached):
+        loop.add(r.request_id, r)
+    run(loop, until=loop.counters.steps + 3)
+    loop.add(threshold.request_id, threshold)
+    done = run(loop)
+    for r in (fixed, uncached, threshold):
+        assert diff(done[r.request_id].image, whole(r)) <= 1, r.request_id
+    assert not pieces.layers[2].caches and not pieces.layers[2].slots

@@ -23,11 +23,11 @@ from vllm_omni_plugin.diffusion.diffusers_registry import (
     checked_pipeline_class,
     pipeline_class_name,
 )
-from vllm_omni_plugin.diffusion.lora import AdapterRows, LoadedAdapters
+from vllm_omni_plugin.diffusion.lora import AdapterLayer, AdapterRows, LoadedAdapters
 from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.preview_decoder import PreviewDecoder
-from vllm_omni_plugin.diffusion.previews import CallPreviews
+from vllm_omni_plugin.diffusion.previews import CallPreviews, PreviewLayer
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
     BatchOutput,
@@ -40,7 +40,7 @@ from vllm_omni_plugin.diffusion.runner import (
     preview_steps,
 )
 from vllm_omni_plugin.diffusion.step_batching import DecodeCalls, GroupVae, SameValue
-from vllm_omni_plugin.diffusion.step_cache import CachedDenoiser, CallCache
+from vllm_omni_plugin.diffusion.step_cache import CachedDenoiser, CallCache, StepCacheLayer
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
 
@@ -419,8 +419,17 @@ class DiffusersPipelineRunner(DiffusionRunner):
     step_batching = True
 
     def step_family(self) -> Any:
+        """The pipeline's step-loop pieces, with this runner's adapters, previews and step caching as their
+        layers."""
         path = STEP_FAMILIES.get(type(self.pipe).__name__)
-        return None if path is None else import_object(path)(self.pipe)
+        if path is None:
+            return None
+        family = import_object(path)(self.pipe, layers=[AdapterLayer(self.adapters)])
+        family.layers += [
+            PreviewLayer(family.decode, family.steps, lambda: self.on_preview),
+            StepCacheLayer(family.steps, self.step_joins(), self.cache_blocks, lambda: self.on_cache_counts),
+        ]
+        return family
 
     def run(
         self, batch: list[DiffusionRequest], generators: list[Any], should_stop: StopCheck | None = None

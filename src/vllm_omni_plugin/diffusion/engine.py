@@ -183,7 +183,6 @@ class DiffusionEngine:
         if batching in (None, "loop"):
             features = [name for name, on in (
                 ("batch_invariant", batch_invariant), ("compile", compiles),
-                ("step cache", self.cache is not None),
                 ("cfg_parallel_size", config.cfg_parallel_size > 1),
                 ("sequence_parallel_size", config.sequence_parallel_size > 1),
             ) if on]  # fmt: skip

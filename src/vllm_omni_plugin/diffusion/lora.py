@@ -13,7 +13,8 @@ request names an adapter with that layer, exactly PEFT's LoRA forward (``lora_B(
 so a request's image is the one diffusers gives with the adapter loaded and set to that scale. Calls
 whose rows are more than the batch (classifier-free guidance batched as [unconditional, conditional])
 apply the mapping to each part. Which rows a hook sees is per thread, so a call on another thread (the
-step batcher's) is untouched.
+step batcher's) is untouched. In the step loop the same hooks apply per forward, as its row layer
+(:class:`AdapterLayer`): each row's request is known there, whatever shares the step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from vllm_omni_plugin.diffusion.step_loop import Forward, LoopLayer
 
 ADAPTER_FILES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
 DENOISER_PREFIXES = ("transformer.", "unet.", "base_model.model.", "diffusion_model.")
@@ -216,6 +219,34 @@ class LoadedAdapters:
     def names(self) -> list[str]:
         with self._lock:
             return [name for name, _ in self._loaded]
+
+
+class AdapterLayer(LoopLayer):
+    """Per-request adapters as a layer of the step loop's forwards (``diffusion/step_loop.py``): each
+    admitted request's adapter is taken from the loaded ones once, and every forward applies it to that
+    request's rows, whichever requests share the forward."""
+
+    field = "lora"
+
+    def __init__(self, adapters: LoadedAdapters) -> None:
+        self.adapters = adapters
+        self.chosen: dict[Any, tuple[LoraWeights, float]] = {}
+        """The adapter and scale of each admitted state that names one (kept while it runs, even if
+        the least recently used adapter leaves the loaded ones meanwhile)."""
+
+    def admit(self, request: Any, state: Any) -> None:
+        if request.lora is not None:
+            self.chosen[state] = (self.adapters.get(request.lora), request.lora.scale)
+
+    def leave(self, state: Any) -> None:
+        self.chosen.pop(state, None)
+
+    def wrap(self, call: Forward) -> Forward:
+        def with_adapters(owners: list[Any], inputs: dict[str, Any]) -> Any:
+            with AdapterRows(self.adapters.denoiser, [self.chosen.get(owner) for owner in owners]).applied():
+                return call(owners, inputs)
+
+        return with_adapters
 
 
 _rows = threading.local()

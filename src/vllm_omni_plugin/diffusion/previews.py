@@ -8,15 +8,25 @@ kernels queue behind the step's on the same stream, and only the Python side ove
 its previews before it returns, so every preview reaches the request's listener before its final image,
 and a preview that fails fails the call as an inline one did. The worker decodes one preview at a time:
 beside a step there is at most one preview decode's memory.
+
+In the step loop the same thread decodes them, from :class:`PreviewLayer`, the previews' layer of a
+family's pieces.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
+
+from vllm_omni_plugin.diffusion.runner import PreviewCallback, preview_steps
+from vllm_omni_plugin.diffusion.step_loop import LoopLayer
+
+logger = logging.getLogger(__name__)
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -74,3 +84,55 @@ class CallPreviews:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         self.wait(raise_errors=kind is None)
+
+
+class PreviewLayer(LoopLayer):
+    """Previews in the step loop: after the steps a request asked previews for (spread as
+    :func:`preview_steps` spreads them), the clean image its scheduler step estimates (flow matching, as
+    every step family's scheduler: ``sample - sigma * output``) is decoded by the family's own decoder on
+    the preview thread while the next steps run. The loop decodes finished requests only once their
+    previews are out, so each preview reaches its listener before the final image."""
+
+    field = "partial_images"
+
+    def __init__(
+        self,
+        decode: Callable[[list[Any]], list[Any]],
+        steps: Callable[[Any], int],
+        sink: Callable[[], PreviewCallback | None],
+    ) -> None:
+        self.decode = decode
+        """The family's decoder of states (an estimate decodes as a copy of its state)."""
+        self.steps = steps
+        self.sink = sink
+        """Where previews go, read when a request is admitted (None: nobody listens, none is made)."""
+        self.wanted: dict[Any, tuple[str, dict[int, int], PreviewCallback]] = {}
+        """Each admitted state that asked: its request, preview index by step, and its listener."""
+        self.pending = CallPreviews()
+
+    def admit(self, request: Any, state: Any) -> None:
+        sink = self.sink()
+        if request.partial_images and sink is not None:
+            at = preview_steps(request.partial_images, self.steps(state))
+            self.wanted[state] = (request.request_id, {step: k for k, step in enumerate(at)}, sink)
+
+    def leave(self, state: Any) -> None:
+        self.wanted.pop(state, None)
+
+    def stepped(self, state: Any, sample: Any, output: Any) -> None:
+        asked = self.wanted.get(state)
+        index = None if asked is None else asked[1].get(state.index)
+        if asked is None or index is None:
+            return
+        sigma = state.scheduler.sigmas[state.index]
+        clean = (sample.float() - sigma * output.float()).to(sample.dtype)
+        estimate = dataclasses.replace(state, latents=clean)  # a copy: the running state steps on
+        self.pending.decode(lambda: self.decode([estimate]), [(asked[0], index)], asked[2])
+
+    def settle(self) -> None:
+        """Wait for the previews asked so far; one that failed is logged (its request's image still
+        comes)."""
+        try:
+            self.pending.wait()
+        except Exception:
+            logger.exception("a preview failed to decode")

@@ -46,6 +46,7 @@ from vllm_omni_plugin.diffusion.step_batching import (
     rows_of,
     take_rows,
 )
+from vllm_omni_plugin.diffusion.step_loop import Forward, LoopLayer
 
 CachePolicy = Literal["none", "fixed", "threshold"]
 
@@ -345,6 +346,95 @@ class CachedDenoiser:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class StepCacheLayer(LoopLayer):
+    """Step caching in the step loop: at its first forward of a step each caching request decides, as in a
+    whole call, whether it computes; the forward runs the rows of the requests that compute (all of
+    them where none is left out) and gives the others the estimates of their outputs, per forward of the
+    step (slot) and by timestep, exactly as :class:`CachedDenoiser` does for a call's rows. Requests
+    without caching beside them always compute."""
+
+    field = "cache"
+
+    def __init__(
+        self,
+        steps: Callable[[Any], int],
+        joins: Mapping[str, ArgumentJoin],
+        blocks: int,
+        on_counts: Callable[[], Callable[[int, int], None] | None],
+    ) -> None:
+        self.steps = steps
+        self.joins = joins
+        self.blocks = max(1, blocks)
+        self.on_counts = on_counts
+        """Where the block evaluations computed and taken from caches go (read per forward)."""
+        self.caches: dict[Any, _RequestCache] = {}
+        self.slots: dict[Any, tuple[int, int, bool]] = {}
+        """Per caching state: the step it decided at, its next forward slot in that step, the decision."""
+
+    def serves(self, request: Any) -> bool:
+        return request.cache is not None and request.cache.active
+
+    def admit(self, request: Any, state: Any) -> None:
+        if self.serves(request):
+            self.caches[state] = _RequestCache(request.cache, self.steps(state))
+
+    def leave(self, state: Any) -> None:
+        self.caches.pop(state, None)
+        self.slots.pop(state, None)
+
+    def wrap(self, call: Forward) -> Forward:
+        def cached(owners: list[Any], inputs: dict[str, Any]) -> Any:
+            if not any(owner in self.caches for owner in owners):
+                return call(owners, inputs)
+            return self._forward(call, owners, inputs)
+
+        return cached
+
+    def _forward(self, call: Forward, owners: list[Any], inputs: dict[str, Any]) -> Any:
+        hidden = inputs.get("hidden_states")
+        rows_of_owner: dict[Any, list[int]] = {}
+        for row, owner in enumerate(owners):
+            rows_of_owner.setdefault(owner, []).append(row)
+        computes: dict[Any, bool] = {}
+        slot_of: dict[Any, int] = {}
+        for owner, rows in rows_of_owner.items():
+            cache = self.caches.get(owner)
+            if cache is None:
+                computes[owner] = True
+                continue
+            step, slot, decided = self.slots.get(owner, (-1, 0, True))
+            if step != owner.index:  # its first forward of this step
+                decided = cache.decide(owner.index, hidden[rows[0]] if is_tensor(hidden) else None)
+                step, slot = owner.index, 0
+            self.slots[owner] = (step, slot + 1, decided)
+            slot_of[owner] = slot
+            # one without an output of this slot yet computes it whatever its decision
+            computes[owner] = decided or not cache.outputs.get(slot)
+        keep = [row for row, owner in enumerate(owners) if computes[owner]]
+        out = None
+        if len(keep) == len(owners):
+            out = call(owners, inputs)
+        elif keep:
+            part = call([owners[row] for row in keep], take_rows(inputs, keep, len(owners), self.joins))
+            out = part.new_empty((len(owners), *part.shape[1:]))
+            out[keep] = part
+        for owner, slot in slot_of.items():
+            cache, rows = self.caches[owner], rows_of_owner[owner]
+            coordinate = float(owner.timesteps[owner.index])
+            if computes[owner]:
+                cache.store(slot, coordinate, out[rows])
+                continue
+            estimate = cache.estimate(slot, coordinate)
+            if out is None:
+                out = estimate.new_empty((len(owners), *estimate.shape[1:]))
+            out[rows] = estimate
+        counted = self.on_counts()
+        if counted is not None:
+            computed = sum(computes.values())
+            counted(computed * self.blocks, (len(computes) - computed) * self.blocks)
+        return out
 
 
 def _coordinate(timestep: Any, step: int) -> float:

@@ -14,6 +14,12 @@ draws and conditioning) and runs the stage as vLLM's engine core runs tokens:
   request's guidance and scheduler step on its own rows;
 - **update**: finished requests leave, decoded together.
 
+Features that act on the requests asking for them attach as :class:`LoopLayer` s of the family (its
+``layers``): LoRA adapters per request and previews are two. The loop tells each layer which requests are
+admitted and which left, and lets it settle before finished requests decode; the family's forwards run
+through each layer's ``wrap`` (which knows the state each row belongs to) and each scheduler step is shown
+to its ``stepped``. A family's states keep their step as ``index`` and their schedule as ``timesteps``.
+
 A request's image does not depend on the rows beside it, up to the float noise of a batched kernel (at most
 1/255): each keeps its own generator draws, scheduler and guidance.
 """
@@ -25,11 +31,49 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
+
+Forward = Callable[[list[Any], dict[str, Any]], Any]
+"""One denoiser forward: the state each row belongs to, and the denoiser's inputs (one row each)."""
+
+
+class LoopLayer:
+    """A feature acting on the requests that ask for it, as one layer of a family's pieces: the loop tells
+    it which requests are admitted and which left and has it settle before finished requests decode; the
+    family runs each forward through it and shows it each request's scheduler step. Each hook does
+    nothing unless the feature needs it."""
+
+    field: ClassVar[str] = ""
+    """The request field whose ask this layer serves (``lora``, ``partial_images``)."""
+
+    def serves(self, request: Any) -> bool:
+        """Whether the request asks something of this layer."""
+        return bool(self.field) and bool(getattr(request, self.field, None))
+
+    def admit(self, request: Any, state: Any) -> None:
+        """The request joins the loop with this state: remember what it asks."""
+
+    def leave(self, state: Any) -> None:
+        """The state's request finished or was aborted."""
+
+    def wrap(self, call: Forward) -> Forward:
+        """The forward with this layer around it (a family composes its layers' wraps once per forward,
+        the last layer outermost)."""
+        return call
+
+    def stepped(self, state: Any, sample: Any, output: Any) -> None:
+        """The state's scheduler stepped from ``sample`` with the (guided) model ``output``; the state's
+        ``index`` is still the step that ran."""
+
+    def settle(self) -> None:
+        """Before finished requests decode: what the layer does beside the steps is done."""
 
 
 class StepFamily(Protocol):
     """What the loop needs of a pipeline family, built from the pipeline's own components."""
+
+    layers: list[LoopLayer]
+    """Features acting on the requests that ask for them (:class:`LoopLayer`)."""
 
     def runs(self, request: Any) -> bool:
         """Whether the loop can run the request (the stage runs the others as whole requests)."""
@@ -65,13 +109,10 @@ class ConditioningCache:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()
         self.bytes = 0
-        self.hits = self.misses = 0
 
     def get(self, texts: Sequence[str], encode: Callable[[list[str]], list[Any]]) -> list[Any]:
         """Each text's conditioning; those not cached come from one ``encode`` call (each text once)."""
         missing = list(dict.fromkeys(t for t in texts if t not in self.entries))
-        self.misses += len(missing)
-        self.hits += len(texts) - len(missing)
         fresh = dict(zip(missing, encode(missing), strict=True)) if missing else {}
         out = []
         for text in texts:
@@ -126,15 +167,8 @@ class Finished:
 @dataclass
 class LoopCounters:
     steps: int = 0
-    forwards: int = 0
     preemptions: int = 0
     encoder_calls: int = 0
-    decoder_calls: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Time spent per phase: ``encode`` (with each admitted request's preparation), ``steps``, ``decode``."""
-
-    def add_time(self, phase: str, since: float) -> None:
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - since
 
 
 Budget = tuple[int, Callable[[Any], int]]
@@ -166,8 +200,14 @@ class StepLoop:
             for item in queue:
                 if item.request_id == request_id:
                     queue.remove(item)
+                    self._left(item)
                     return True
         return False
+
+    def _left(self, item: Denoising) -> None:
+        if item.state is not None:
+            for layer in self.family.layers:
+                layer.leave(item.state)
 
     def idle(self) -> bool:
         return not self.waiting and not self.running
@@ -195,10 +235,11 @@ class StepLoop:
             self.counters.encoder_calls += 1
             for item, conditioning in zip(new, conditionings, strict=True):
                 item.state = self.family.prepare(item.request, conditioning)
+                for layer in self.family.layers:
+                    layer.admit(item.request, item.state)
                 item.total_steps = self.family.steps(item.state)
                 self.waiting.remove(item)
                 self.running.append(item)
-            self.counters.add_time("encode", began)
             for item in new:
                 item.seconds["encode"] = time.perf_counter() - began
         for item in self.running:
@@ -211,28 +252,26 @@ class StepLoop:
         """One iteration: schedule, one forward per shape group, then decode what finished."""
         chosen = self._schedule()
         self.ran = [item.request_id for item in chosen]
-        began = time.perf_counter()
         groups: dict[Hashable, list[Denoising]] = {}
         for item in chosen:
             groups.setdefault(self.family.shape(item.state), []).append(item)
         for group in groups.values():
             forward = time.perf_counter()
             self.family.denoise([item.state for item in group])
-            self.counters.forwards += 1
             for item in group:
                 item.done_steps += 1
                 item.seconds["steps"] = item.seconds.get("steps", 0.0) + time.perf_counter() - forward
         self.counters.steps += 1
-        self.counters.add_time("steps", began)
         done = [item for item in self.running if item.done_steps >= item.total_steps]
         if not done:
             return []
         for item in done:
             self.running.remove(item)
+            self._left(item)
+        for layer in self.family.layers:
+            layer.settle()
         began = time.perf_counter()
         images = self.family.decode([item.state for item in done])
-        self.counters.decoder_calls += 1
-        self.counters.add_time("decode", began)
         for item in done:
             item.seconds["decode"] = time.perf_counter() - began
         return [

@@ -419,7 +419,7 @@ class DiffusionBatchLoop:
         (once as many wait as half the free places, or the first has waited ``batch_wait_ms``) so that
         their prompts encode together; a request of better priority than one admitted joins beyond that
         (up to ``max_batch`` parked), and the step's row budget (two per request in ``max_batch``) leaves
-        the worse out until it is done. Requests the family cannot run step-wise (source images, LoRA,
+        the worse out until it is done. Requests the family cannot run step-wise (source images,
         previews, latents, step caching) run as whole requests between steps. Finished requests are
         reported after the step that finished them. Stopping admits nothing new and lets the admitted
         requests finish (interrupted: drops them)."""

@@ -7,7 +7,7 @@ encoder calls the pipeline makes, so their embeddings are the pipeline's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.step_loop import ConditioningCache
+from vllm_omni_plugin.diffusion.step_loop import ConditioningCache, Forward, LoopLayer
 
 
 def fresh_scheduler(pipe: Any) -> Any:
@@ -24,13 +24,22 @@ def fresh_scheduler(pipe: Any) -> Any:
     return type(pipe.scheduler).from_config(pipe.scheduler.config)
 
 
-def plain_text_to_image(request: DiffusionRequest) -> bool:
-    """A request the step loop runs: text to image, no source images, adapter, previews, latents or step
-    caching (the stage runs those as whole requests)."""
-    return not (
-        request.images or request.lora is not None or request.partial_images or request.return_latents
-        or (request.cache is not None and request.cache.active)
-    )  # fmt: skip
+WHOLE_REQUEST_ASKS: dict[str, Callable[[DiffusionRequest], bool]] = {
+    "images": lambda r: bool(r.images),
+    "lora": lambda r: r.lora is not None,
+    "partial_images": lambda r: bool(r.partial_images),
+    "return_latents": lambda r: r.return_latents,
+    "cache": lambda r: r.cache is not None and r.cache.active,
+}
+"""What a request may ask that the step loop runs only where one of the family's layers serves it (by the
+layer's ``field``; the stage runs the others as whole requests)."""
+
+
+def plain_text_to_image(request: DiffusionRequest, layers: Sequence[LoopLayer] = ()) -> bool:
+    """A request the step loop runs: text to image, each of its other asks (source images, an adapter,
+    previews, latents, step caching) served by one of ``layers``."""
+    served = {layer.field for layer in layers}
+    return not any(asks(request) for name, asks in WHOLE_REQUEST_ASKS.items() if name not in served)
 
 
 def decoded_by_group(
@@ -54,14 +63,38 @@ class PipelineSteps:
 
     default_max_sequence_length: ClassVar[int] = 256
 
-    def __init__(self, pipe: Any, max_sequence_length: int | None = None) -> None:
+    def __init__(
+        self, pipe: Any, max_sequence_length: int | None = None, layers: list[LoopLayer] | None = None
+    ) -> None:
         self.pipe = pipe
         self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
         self.device = pipe._execution_device
         self.texts = ConditioningCache()
+        self.layers: list[LoopLayer] = list(layers or [])
 
     def runs(self, request: DiffusionRequest) -> bool:
-        return plain_text_to_image(request)
+        return plain_text_to_image(request, self.layers)
+
+    def advance(self, state: Any, output: torch.Tensor) -> None:
+        """The state's scheduler step with its (guided) model output, shown to every layer (previews)."""
+        sample = state.latents
+        state.latents = state.scheduler.step(output, state.timesteps[state.index], sample, return_dict=False)[
+            0
+        ]
+        for layer in self.layers:
+            layer.stepped(state, sample, output)
+        state.index += 1
+
+    def forward(self, owners: list[Any], **inputs: Any) -> torch.Tensor:
+        """The denoiser's output for one forward (``owners``: the state each row belongs to), through every
+        layer: the one seam where a feature acting on rows attaches."""
+        call: Forward = self._denoiser
+        for layer in self.layers:
+            call = layer.wrap(call)
+        return call(owners, inputs)
+
+    def _denoiser(self, owners: list[Any], inputs: dict[str, Any]) -> torch.Tensor:
+        return self.pipe.transformer(**inputs, return_dict=False)[0]
 
 
 @dataclass(eq=False)
@@ -135,10 +168,11 @@ class SD3Steps(PipelineSteps):
         hidden = torch.cat([s.latents.expand(s.embeds.shape[0], -1, -1, -1) for s in states])
         timestep = torch.cat([s.timesteps[s.index].expand(s.embeds.shape[0]) for s in states])
         embeds, pooled = torch.cat([s.embeds for s in states]), torch.cat([s.pooled for s in states])
-        out = self.pipe.transformer(
-            hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds, pooled_projections=pooled,
-            return_dict=False,
-        )[0]  # fmt: skip
+        owners = [s for s in states for _ in range(s.embeds.shape[0])]
+        out = self.forward(
+            owners, hidden_states=hidden, timestep=timestep, encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+        )  # fmt: skip
         row = 0
         for s in states:
             n = s.embeds.shape[0]
@@ -148,8 +182,7 @@ class SD3Steps(PipelineSteps):
             else:
                 noise = out[row : row + 1]
             row += n
-            s.latents = s.scheduler.step(noise, s.timesteps[s.index], s.latents, return_dict=False)[0]
-            s.index += 1
+            self.advance(s, noise)
 
     def decode(self, states: list[SD3State]) -> list[np.ndarray]:
         vae = self.pipe.vae
@@ -241,17 +274,14 @@ class FluxSteps(PipelineSteps):
         guidance = None
         if self.pipe.transformer.config.guidance_embeds:
             guidance = torch.tensor([s.guidance for s in states], dtype=torch.float32)
-        out = self.pipe.transformer(
-            hidden_states=hidden, timestep=timestep / 1000, guidance=guidance,
+        out = self.forward(
+            states, hidden_states=hidden, timestep=timestep / 1000, guidance=guidance,
             pooled_projections=torch.cat([s.pooled for s in states]),
             encoder_hidden_states=torch.cat([s.embeds for s in states]),
-            txt_ids=states[0].text_ids, img_ids=states[0].image_ids, return_dict=False,
-        )[0]  # fmt: skip
+            txt_ids=states[0].text_ids, img_ids=states[0].image_ids,
+        )  # fmt: skip
         for k, s in enumerate(states):
-            s.latents = s.scheduler.step(out[k : k + 1], s.timesteps[s.index], s.latents, return_dict=False)[
-                0
-            ]
-            s.index += 1
+            self.advance(s, out[k : k + 1])
 
     def decode(self, states: list[FluxState]) -> list[np.ndarray]:
         pipe, vae = self.pipe, self.pipe.vae
@@ -367,11 +397,11 @@ class QwenImageSteps(PipelineSteps):
         first = states[0]
         shape = (1, first.height // pipe.vae_scale_factor // 2, first.width // pipe.vae_scale_factor // 2)
         timestep = torch.cat([s.timesteps[s.index].expand(1).to(s.latents.dtype) for s in states])
-        return pipe.transformer(
-            hidden_states=torch.cat([s.latents for s in states]), timestep=timestep / 1000, guidance=None,
-            encoder_hidden_states_mask=mask, encoder_hidden_states=embeds, img_shapes=[[shape]] * len(states),
-            attention_kwargs={}, return_dict=False,
-        )[0]  # fmt: skip
+        return self.forward(
+            states, hidden_states=torch.cat([s.latents for s in states]), timestep=timestep / 1000,
+            guidance=None, encoder_hidden_states_mask=mask, encoder_hidden_states=embeds,
+            img_shapes=[[shape]] * len(states), attention_kwargs={},
+        )  # fmt: skip
 
     def denoise(self, states: list[QwenImageState]) -> None:
         cond = self._forward(states, [s.embeds for s in states])
@@ -387,8 +417,7 @@ class QwenImageSteps(PipelineSteps):
                 combined = negative + s.guidance * (noise - negative)
                 kept = torch.norm(noise, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
                 noise = combined * kept
-            s.latents = s.scheduler.step(noise, s.timesteps[s.index], s.latents, return_dict=False)[0]
-            s.index += 1
+            self.advance(s, noise)
 
     def decode(self, states: list[QwenImageState]) -> list[np.ndarray]:
         pipe, vae = self.pipe, self.pipe.vae
