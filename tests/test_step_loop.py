@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -54,6 +55,24 @@ def run(loop: StepLoop, until: int | None = None) -> dict[str, Any]:
 
 def diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def family_request(family: str, request_id: str, seed: int, **fields: Any) -> DiffusionRequest:
+    """A 64x64 request of ``family`` (GLM-Image's with random prior tokens: its DiT takes any)."""
+    common = {"request_id": request_id, "prompt": f"a lantern {seed}", "seed": seed, "height": 64, "width": 64,
+              **fields}  # fmt: skip
+    if family != "glm_image":
+        return DiffusionRequest(**common)
+    from test_step_batching import token_ids
+    from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
+
+    return GlmImageRequest(**common, prior_token_ids=token_ids(16, seed))
+
+
+def whole_call(runner: Any, r: DiffusionRequest) -> np.ndarray:
+    """The request's image from the runner's whole pipeline call, alone."""
+    runner.validate(r)
+    return runner.run([r], [torch.Generator().manual_seed(r.seed)]).images[0]
 
 
 def test_a_request_alone_is_the_pipelines_image_bit_for_bit(pipe: Any) -> None:
@@ -195,13 +214,14 @@ def test_qwen_image_alone_exact_and_mixed_guidance_steps_and_prompt_lengths_in_o
         assert diff(done[r.request_id].image, qwen_alone(r)) <= 1, r.request_id
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "glm_image"])
 def test_adapters_mixed_in_one_step_each_give_the_image_diffusers_gives_with_it_loaded(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, family: str
 ) -> None:
     """The served runner's step-loop pieces, LoRA as their row layer: a request with adapter A runs two
     steps alone, then one with B and one with none join; each image is diffusers' own with that adapter
-    loaded (PEFT) at that scale, within 1/255."""
+    loaded (PEFT) at that scale, within 1/255 (GLM-Image, which diffusers loads no LoRA into: its whole
+    call's, itself checked against the adapter merged into the weights in ``test_lora.py``)."""
     from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
     from vllm_omni_plugin.diffusion.lora import LoraSpec
     from vllm_omni_plugin.tiny_models.lora import build_lora
@@ -217,10 +237,9 @@ def test_adapters_mixed_in_one_step_each_give_the_image_diffusers_gives_with_it_
     ]  # fmt: skip
     guidance = 3.5 if family == "flux" else 2.0
     asks = [
-        DiffusionRequest(request_id=f"l{k}", prompt=f"a lantern {k}", seed=k, height=64, width=64,
-                         num_inference_steps=4, guidance_scale=guidance, lora=spec)
+        family_request(family, f"l{k}", k, num_inference_steps=4, guidance_scale=guidance, lora=spec)
         for k, spec in enumerate([*specs, None])
-    ]  # fmt: skip
+    ]
     assert all(pieces.runs(r) for r in asks)
     loop = StepLoop(pieces, max_rows=16)
     loop.add(asks[0].request_id, asks[0])
@@ -229,19 +248,23 @@ def test_adapters_mixed_in_one_step_each_give_the_image_diffusers_gives_with_it_
         loop.add(r.request_id, r)
     done = run(loop)
     plain = None
-    for r in asks:
+
+    def expected(r: DiffusionRequest) -> np.ndarray:
+        if family == "glm_image":
+            return whole_call(runner, r)
         lora = None if r.lora is None else (r.lora.name, r.lora.path, r.lora.scale)
-        expected = reference_image(model, prompt=r.prompt, seed=r.seed, height=64, width=64, steps=4,
-                                   guidance=guidance, lora=lora)  # fmt: skip
-        assert diff(done[r.request_id].image, expected) <= 1, r.request_id
+        return reference_image(model, prompt=r.prompt, seed=r.seed, height=64, width=64, steps=4,
+                               guidance=guidance, lora=lora)  # fmt: skip
+
+    for r in asks:
+        assert diff(done[r.request_id].image, expected(r)) <= 1, r.request_id
         if r.lora is not None and plain is None:
-            plain = reference_image(model, prompt=r.prompt, seed=r.seed, height=64, width=64, steps=4,
-                                    guidance=guidance)  # fmt: skip
-            assert np.abs(plain.astype(int) - expected.astype(int)).mean() > 1  # the adapter acts
+            plain = expected(msgspec.structs.replace(r, lora=None))
+            assert np.abs(plain.astype(int) - expected(r).astype(int)).mean() > 1  # the adapter acts
     assert not pieces.layers[0].chosen  # finished requests leave the layer
 
 
-@pytest.mark.parametrize("family", ["sd3", "qwen_image"])
+@pytest.mark.parametrize("family", ["sd3", "qwen_image", "glm_image"])
 def test_previews_in_the_loop_are_the_whole_calls_previews_and_come_before_the_image(
     request: pytest.FixtureRequest, family: str
 ) -> None:
@@ -256,8 +279,8 @@ def test_previews_in_the_loop_are_the_whole_calls_previews_and_come_before_the_i
     runner.on_preview = lambda request_id, index, image: got.append((request_id, index, image))
     pieces = runner.step_family()
     asks = [
-        DiffusionRequest(request_id=f"p{k}", prompt=f"a kettle {k}", seed=k, height=64, width=64,
-                         num_inference_steps=6, guidance_scale=2.0, partial_images=2 if k == 0 else 0)
+        family_request(family, f"p{k}", k, num_inference_steps=6, guidance_scale=2.0,
+                       partial_images=2 if k == 0 else 0)
         for k in range(3)
     ]  # fmt: skip
     assert all(pieces.runs(r) for r in asks)
@@ -283,15 +306,13 @@ def test_previews_in_the_loop_are_the_whole_calls_previews_and_come_before_the_i
     assert not pieces.layers[1].wanted
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "glm_image"])
 def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_alone(
     request: pytest.FixtureRequest, family: str
 ) -> None:
     """Step caching as the loop's layer: a fixed-policy request alone skips exactly the forwards its plan
     skips and gives the whole call's cached image; beside an uncached request and a threshold-policy one
     joining mid-way, each gets the image its whole call gives alone (within 1/255)."""
-    import msgspec
-
     from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
     from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
 
@@ -303,15 +324,14 @@ def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_al
     forwards = [0]
     runner.pipe.transformer.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     guidance = 3.5 if family == "flux" else 2.0
-    calls = 2 if family == "qwen_image" else 1  # true CFG: a second forward for the negative prompts
+    calls = 2 if family in ("qwen_image", "glm_image") else 1  # guidance as a second forward
 
     def ask(k: int, policy: str | None) -> DiffusionRequest:
         spec = None if policy is None else StepCacheSpec(policy=policy).resolved()  # as the engine resolves
-        return DiffusionRequest(request_id=f"c{k}", prompt=f"a bridge {k}", seed=k, height=64, width=64,
-                                num_inference_steps=8, guidance_scale=guidance, cache=spec)  # fmt: skip
+        return family_request(family, f"c{k}", k, num_inference_steps=8, guidance_scale=guidance, cache=spec)
 
     def whole(r: DiffusionRequest) -> np.ndarray:
-        return runner.run([r], [torch.Generator().manual_seed(r.seed)]).images[0]
+        return whole_call(runner, r)
 
     fixed, uncached, threshold = ask(0, "fixed"), ask(1, None), ask(2, "threshold")
     plan = fixed_plan(fixed.cache, 8)
@@ -330,3 +350,106 @@ def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_al
     for r in (fixed, uncached, threshold):
         assert diff(done[r.request_id].image, whole(r)) <= 1, r.request_id
     assert not pieces.layers[2].caches and not pieces.layers[2].slots
+
+
+def test_glm_image_alone_exact_and_mixed_guidance_and_glyph_lengths_in_one_loop(tiny_glm_image: Path) -> None:
+    """GLM-Image's DiT from prior tokens: alone, its whole call's image bit for bit; requests with other
+    guidance (none: one forward), other glyph lengths (a forward of their own) and joining mid-way each
+    get the image they get alone (within 1/255)."""
+    from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+
+    runner = load_pipeline_runner(str(tiny_glm_image), dtype=torch.float32, device="cpu")
+    pieces = runner.step_family()
+    first = family_request("glm_image", "g0", 0, num_inference_steps=5, guidance_scale=1.5)
+    loop = StepLoop(pieces, max_rows=16)
+    loop.add(first.request_id, first)
+    alone = run(loop)["g0"].image
+    assert alone.std() > 5 and diff(alone, whole_call(runner, first)) == 0
+    others = [
+        family_request("glm_image", "g1", 1, num_inference_steps=4, guidance_scale=1.0),
+        family_request("glm_image", "g2", 2, num_inference_steps=3, guidance_scale=3.0,
+                       prompt='a sign that says "OPEN ALL NIGHT"'),
+    ]  # fmt: skip
+    loop.add(first.request_id, first)
+    run(loop, until=loop.counters.steps + 2)
+    for r in others:
+        loop.add(r.request_id, r)
+    done = run(loop)
+    assert (
+        pieces.shape(loop_state := pieces.prepare(others[1], pieces.encode([others[1]])[0]))
+        != pieces.shape(pieces.prepare(first, pieces.encode([first])[0]))
+        and loop_state.embeds.shape[1] > 1
+    )  # the quoted text is a glyph length of its own
+    for r in (first, *others):
+        assert diff(done[r.request_id].image, whole_call(runner, r)) <= 1, r.request_id
+
+
+def test_glm_image_edits_in_the_loop_each_give_their_whole_calls_image(tiny_glm_image: Path) -> None:
+    """GLM-Image edits step-wise: alone, the whole call's image bit for bit; two edits sharing steps (their
+    source-image K/V joined per row), one of them step-cached (so its rows cannot be taken apart: every
+    row runs, it takes its estimates), beside a text-to-image request joining mid-way, each within 1/255
+    of its whole call alone."""
+    from test_step_batching import glm_edit
+    from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+    from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
+
+    runner = load_pipeline_runner(str(tiny_glm_image), dtype=torch.float32, device="cpu")
+    pieces = runner.step_family()
+    first = glm_edit("e0", 10, steps=5)
+    assert pieces.runs(first)
+    loop = StepLoop(pieces, max_rows=16)
+    loop.add(first.request_id, first)
+    alone = run(loop)["e0"].image
+    assert diff(alone, whole_call(runner, first)) == 0
+    text = family_request("glm_image", "t0", 0, num_inference_steps=4, guidance_scale=1.5)
+    assert diff(alone, whole_call(runner, msgspec.structs.replace(first, images=None, prior_token_image_ids=None,
+                                                                  source_image_grid_thw=None))) > 1  # fmt: skip
+    cached = msgspec.structs.replace(
+        glm_edit("e1", 11, steps=8), cache=StepCacheSpec(policy="fixed").resolved()
+    )
+    for r in (first, cached):
+        loop.add(r.request_id, r)
+    run(loop, until=loop.counters.steps + 2)
+    loop.add(text.request_id, text)
+    done = run(loop)
+    for r in (first, cached, text):
+        assert diff(done[r.request_id].image, whole_call(runner, r)) <= 1, r.request_id
+
+
+def test_bagel_alone_exact_and_mixed_contexts_guidance_and_previews_in_one_loop(tiny_bagel: Path) -> None:
+    """BAGEL's generation stage step-wise: alone, its whole call's image bit for bit; a text-to-image
+    request, an edit (three distinct contexts, image guidance) and one with a longer prompt and no
+    guidance joining mid-way share each step (their context rows joined, padded to the longest), each
+    within 1/255 of its whole call alone; a request's previews are the whole call's (x - t * v)."""
+    from test_bagel_dit import edit, t2i
+    from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
+
+    runner = BagelGenerationRunner.load(str(tiny_bagel), dtype=torch.float32, device="cpu")
+    got: list[tuple[str, int, np.ndarray]] = []
+    runner.on_preview = lambda request_id, index, image: got.append((request_id, index, image))
+    pieces = runner.step_family()
+
+    def whole(r: Any) -> np.ndarray:
+        return runner.run([r], [torch.Generator("cpu").manual_seed(r.seed)]).images[0]
+
+    first = t2i("b0", 0)
+    loop = StepLoop(pieces, max_rows=16)
+    loop.add(first.request_id, first)
+    alone = run(loop)["b0"].image
+    assert alone.std() > 5 and diff(alone, whole(first)) == 0
+    previewed = msgspec.structs.replace(edit("b1", 1), partial_images=2)
+    late = t2i("b2", 2, prompt_len=30, cfg_text_scale=1.0)
+    assert all(pieces.runs(r) for r in (first, previewed, late))
+    for r in (first, previewed):
+        loop.add(r.request_id, r)
+    run(loop, until=loop.counters.steps + 3)
+    loop.add(late.request_id, late)
+    done = run(loop)
+    in_loop = [(name, index, image) for name, index, image in got]
+    assert [(name, index) for name, index, _ in in_loop] == [("b1", 0), ("b1", 1)]
+    got.clear()
+    for r in (first, previewed, late):
+        assert diff(done[r.request_id].image, whole(r)) <= 1, r.request_id
+    assert [(name, index) for name, index, _ in got] == [("b1", 0), ("b1", 1)]
+    for (_, _, mine), (_, _, theirs) in zip(in_loop, got, strict=True):
+        assert diff(mine, theirs) <= 1

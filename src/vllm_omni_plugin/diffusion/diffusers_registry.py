@@ -32,6 +32,7 @@ STEP_FAMILIES: Mapping[str, str] = {
     "StableDiffusion3Pipeline": "vllm_omni_plugin.families.diffusers.steps:SD3Steps",
     "FluxPipeline": "vllm_omni_plugin.families.diffusers.steps:FluxSteps",
     "QwenImagePipeline": "vllm_omni_plugin.families.diffusers.steps:QwenImageSteps",
+    "GlmImagePipeline": "vllm_omni_plugin.families.glm_image.steps:GlmImageSteps",
 }
 """Pipeline classes the step loop runs (``batching: loop``) -> their pieces (``diffusion/step_loop.py``),
 by dotted path."""

@@ -426,8 +426,14 @@ class DiffusersPipelineRunner(DiffusionRunner):
             return None
         family = import_object(path)(self.pipe, layers=[AdapterLayer(self.adapters)])
         family.layers += [
-            PreviewLayer(family.decode, family.steps, lambda: self.on_preview),
-            StepCacheLayer(family.steps, self.step_joins(), self.cache_blocks, lambda: self.on_cache_counts),
+            PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.on_preview),
+            StepCacheLayer(
+                family.steps,
+                self.step_joins(),
+                self.cache_blocks,
+                lambda: self.on_cache_counts,
+                passes=self.cache_passes,
+            ),  # fmt: skip
         ]
         return family
 

@@ -182,7 +182,7 @@ class DiffusionEngine:
         """``batching: loop``: the pipeline as the step loop's pieces (``diffusion/step_loop.py``)."""
         if batching in (None, "loop"):
             features = [name for name, on in (
-                ("batch_invariant", batch_invariant), ("compile", compiles),
+                ("batch_invariant", batch_invariant),
                 ("cfg_parallel_size", config.cfg_parallel_size > 1),
                 ("sequence_parallel_size", config.sequence_parallel_size > 1),
             ) if on]  # fmt: skip

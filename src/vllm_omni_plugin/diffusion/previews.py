@@ -88,10 +88,10 @@ class CallPreviews:
 
 class PreviewLayer(LoopLayer):
     """Previews in the step loop: after the steps a request asked previews for (spread as
-    :func:`preview_steps` spreads them), the clean image its scheduler step estimates (flow matching, as
-    every step family's scheduler: ``sample - sigma * output``) is decoded by the family's own decoder on
-    the preview thread while the next steps run. The loop decodes finished requests only once their
-    previews are out, so each preview reaches its listener before the final image."""
+    :func:`preview_steps` spreads them), the clean image its step estimates (the family's ``estimate``:
+    flow matching's ``sample - sigma * output``, BAGEL's ``x - t * v``) is decoded by the family's own
+    decoder on the preview thread while the next steps run. The loop decodes finished requests only once
+    their previews are out, so each preview reaches its listener before the final image."""
 
     field = "partial_images"
 
@@ -99,9 +99,11 @@ class PreviewLayer(LoopLayer):
         self,
         decode: Callable[[list[Any]], list[Any]],
         steps: Callable[[Any], int],
+        estimate: Callable[[Any, Any, Any], Any],
         sink: Callable[[], PreviewCallback | None],
     ) -> None:
         self.decode = decode
+        self.estimate = estimate
         """The family's decoder of states (an estimate decodes as a copy of its state)."""
         self.steps = steps
         self.sink = sink
@@ -124,8 +126,7 @@ class PreviewLayer(LoopLayer):
         index = None if asked is None else asked[1].get(state.index)
         if asked is None or index is None:
             return
-        sigma = state.scheduler.sigmas[state.index]
-        clean = (sample.float() - sigma * output.float()).to(sample.dtype)
+        clean = self.estimate(state, sample, output)
         estimate = dataclasses.replace(state, latents=clean)  # a copy: the running state steps on
         self.pending.decode(lambda: self.decode([estimate]), [(asked[0], index)], asked[2])
 

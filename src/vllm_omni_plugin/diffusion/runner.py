@@ -105,14 +105,14 @@ class DiffusionRunner(abc.ABC):
     on_step: StepCallback | None = None
     """Set by the engine: called after each denoising step of :meth:`run`."""
     step_batching: ClassVar[bool] = False
-
-    def step_family(self) -> Any:
-        """The pieces ``batching: loop`` runs this pipeline as (``diffusion/step_loop.py``); None: it
-        cannot (issue 40, in progress)."""
-        return None
-
     """It implements :meth:`run_rows` and :meth:`denoiser`: its requests can share forwards step by step
     (``batching: step``)."""
+
+    def step_family(self) -> Any:
+        """The pieces ``batching: loop`` runs this pipeline as (``diffusion/step_loop.py``); None: it has
+        none (the stage batches whole requests)."""
+        return None
+
     previews: ClassVar[bool] = False
     """It reports the previews its requests ask for (``partial_images``) through :attr:`on_preview`."""
     lora: ClassVar[bool] = False

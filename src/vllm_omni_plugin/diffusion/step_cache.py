@@ -38,7 +38,9 @@ import msgspec
 from msgspec import Meta
 
 from vllm_omni_plugin.diffusion.step_batching import (
+    UNUSED,
     ArgumentJoin,
+    SameValue,
     by_name,
     expand_rows,
     is_tensor,
@@ -350,10 +352,13 @@ class CachedDenoiser:
 
 class StepCacheLayer(LoopLayer):
     """Step caching in the step loop: at its first forward of a step each caching request decides, as in a
-    whole call, whether it computes; the forward runs the rows of the requests that compute (all of
-    them where none is left out) and gives the others the estimates of their outputs, per forward of the
-    step (slot) and by timestep, exactly as :class:`CachedDenoiser` does for a call's rows. Requests
-    without caching beside them always compute."""
+    whole call, whether it computes (on its state's ``latents``); the forward runs the rows of the
+    requests that compute (all of them where none is left out) and gives the others the estimates of
+    their outputs, per forward of the step (slot) and by the forward's ``timestep`` input (else the
+    state's own), exactly as :class:`CachedDenoiser` does for a call's rows. Requests without caching
+    beside them always compute. Forwards ``passes`` names (GLM-Image's write of its source images) run as
+    they are; a forward that reads an argument joined per row (an edit's source-image K/V) runs every row,
+    the cached requests still taking their estimates."""
 
     field = "cache"
 
@@ -363,9 +368,11 @@ class StepCacheLayer(LoopLayer):
         joins: Mapping[str, ArgumentJoin],
         blocks: int,
         on_counts: Callable[[], Callable[[int, int], None] | None],
+        passes: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
         self.steps = steps
         self.joins = joins
+        self.passes = passes
         self.blocks = max(1, blocks)
         self.on_counts = on_counts
         """Where the block evaluations computed and taken from caches go (read per forward)."""
@@ -386,35 +393,40 @@ class StepCacheLayer(LoopLayer):
 
     def wrap(self, call: Forward) -> Forward:
         def cached(owners: list[Any], inputs: dict[str, Any]) -> Any:
-            if not any(owner in self.caches for owner in owners):
+            passes = self.passes is not None and self.passes(inputs)
+            if passes or not any(owner in self.caches for owner in owners):
                 return call(owners, inputs)
             return self._forward(call, owners, inputs)
 
         return cached
 
     def _forward(self, call: Forward, owners: list[Any], inputs: dict[str, Any]) -> Any:
-        hidden = inputs.get("hidden_states")
+        timestep = inputs.get("timestep")
         rows_of_owner: dict[Any, list[int]] = {}
         for row, owner in enumerate(owners):
             rows_of_owner.setdefault(owner, []).append(row)
         computes: dict[Any, bool] = {}
         slot_of: dict[Any, int] = {}
-        for owner, rows in rows_of_owner.items():
+        for owner in rows_of_owner:
             cache = self.caches.get(owner)
             if cache is None:
                 computes[owner] = True
                 continue
             step, slot, decided = self.slots.get(owner, (-1, 0, True))
             if step != owner.index:  # its first forward of this step
-                decided = cache.decide(owner.index, hidden[rows[0]] if is_tensor(hidden) else None)
+                decided = cache.decide(owner.index, owner.latents[0])
                 step, slot = owner.index, 0
             self.slots[owner] = (step, slot + 1, decided)
             slot_of[owner] = slot
             # one without an output of this slot yet computes it whatever its decision
             computes[owner] = decided or not cache.outputs.get(slot)
         keep = [row for row, owner in enumerate(owners) if computes[owner]]
+        separable = all(
+            isinstance(join, SameValue) or inputs.get(name) is None or join.key(inputs[name]) == UNUSED
+            for name, join in self.joins.items()
+        )
         out = None
-        if len(keep) == len(owners):
+        if len(keep) == len(owners) or (keep and not separable):
             out = call(owners, inputs)
         elif keep:
             part = call([owners[row] for row in keep], take_rows(inputs, keep, len(owners), self.joins))
@@ -422,7 +434,8 @@ class StepCacheLayer(LoopLayer):
             out[keep] = part
         for owner, slot in slot_of.items():
             cache, rows = self.caches[owner], rows_of_owner[owner]
-            coordinate = float(owner.timesteps[owner.index])
+            at = timestep[rows[0]] if is_tensor(timestep) else float(owner.timesteps[owner.index])
+            coordinate = _coordinate(at, owner.index)
             if computes[owner]:
                 cache.store(slot, coordinate, out[rows])
                 continue

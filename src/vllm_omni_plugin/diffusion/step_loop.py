@@ -69,6 +69,13 @@ class LoopLayer:
         """Before finished requests decode: what the layer does beside the steps is done."""
 
 
+def through_layers(layers: Sequence[LoopLayer], call: Forward) -> Forward:
+    """``call`` wrapped by every layer, the last outermost: a family's one seam for its forwards."""
+    for layer in layers:
+        call = layer.wrap(call)
+    return call
+
+
 class StepFamily(Protocol):
     """What the loop needs of a pipeline family, built from the pipeline's own components."""
 
@@ -98,6 +105,9 @@ class StepFamily(Protocol):
 
     def decode(self, states: list[Any]) -> list[Any]:
         """The finished states' images, from one decoder call."""
+
+    def estimate(self, state: Any, sample: Any, output: Any) -> Any:
+        """The clean latents a step from ``sample`` with ``output`` estimates (what a preview shows)."""
 
 
 class ConditioningCache:

@@ -464,7 +464,7 @@ class DiffusionBatchLoop:
             if loop.idle():
                 continue
             preempted, began = loop.counters.preemptions, time.perf_counter()
-            with torch.inference_mode():
+            with torch.no_grad():  # as a pipeline's call: compiled blocks' graphs guard on the grad mode
                 finished = loop.step()
             left_out = loop.counters.preemptions - preempted
             self._step_ran = loop.ran
@@ -539,18 +539,7 @@ class DiffusionBatchLoop:
         results = self.engine.generate(requests, inbox.is_aborted)
         aborted = {r.request_id for r in results if r.aborted or inbox.is_aborted(r.request_id)}
         outputs = [self._output_of(r, transfer[r.request_id]) for r in results if r.request_id not in aborted]
-        self._report_previews()  # every preview is in: a call returns after its previews
-        aborted |= inbox.done([r.request_id for r in requests])
-        self.report.progress(self.engine.counters(), force=True)
-        for output in outputs:
-            if output.request_id in aborted and output.image_handle is not None and self.output_connector:
-                # aborted after its image was put: nobody will read it
-                self.output_connector.cleanup(msgspec.convert(output.image_handle, ConnectorHandle))
-        outputs = [o for o in outputs if o.request_id not in aborted]
-        if outputs:
-            self.report.outputs(outputs)
-        if aborted and not inbox.interrupted:
-            self.report.dropped(sorted(aborted), "batch")
+        self._report_call(outputs, aborted, lambda: inbox.done([r.request_id for r in requests]))
 
     def _run_group(self, key: str, group: list[Any]) -> None:
         results: list[Any] = []
@@ -563,10 +552,17 @@ class DiffusionBatchLoop:
             self.inbox.group_done(key, results)
 
     def run_batch(self, batch: list[StageDiffusionCoreRequest]) -> None:
-        inbox = self.inbox
         outputs, aborted = self._run(batch)
-        self._report_previews()  # every preview of the batch is in: a call returns after its previews
-        aborted |= inbox.finish()
+        self._report_call(outputs, aborted, self.inbox.finish)
+
+    def _report_call(
+        self, outputs: list[StageDiffusionCoreOutput], aborted: set[str], finish: Callable[[], set[str]]
+    ) -> None:
+        """Report one engine call's outputs once its previews are out (``finish``: its requests no longer
+        run; returns those aborted while they ran): the aborted are dropped (an image already put for one
+        freed), the rest reported."""
+        self._report_previews()  # every preview of the call is in: a call returns after its previews
+        aborted = aborted | finish()
         self.report.progress(self.engine.counters(), force=True)
         connector = self.output_connector
         for output in outputs:
@@ -576,7 +572,7 @@ class DiffusionBatchLoop:
         outputs = [o for o in outputs if o.request_id not in aborted]
         if outputs:
             self.report.outputs(outputs)
-        if aborted and not inbox.interrupted:
+        if aborted and not self.inbox.interrupted:
             self.report.dropped(sorted(aborted), "batch")
 
     def _run(self, batch: list[StageDiffusionCoreRequest]) -> tuple[list[StageDiffusionCoreOutput], set[str]]:

@@ -367,6 +367,17 @@ class BagelGenerationRunner(DiffusionRunner):
             latents = self._denoise(batch, generators, should_stop, velocity, self.on_step, None, previews)
             return self._decoded(latents, batch, start)
 
+    def step_family(self) -> Any:
+        """Its step-loop pieces (``families/bagel/steps.py``), with previews as their layer."""
+        from vllm_omni_plugin.diffusion.previews import PreviewLayer
+        from vllm_omni_plugin.families.bagel.steps import BagelSteps
+
+        family = BagelSteps(self)
+        family.layers.append(
+            PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.on_preview)
+        )
+        return family
+
     step_batching = True
     previews = True
     step_cache = True

@@ -7,94 +7,15 @@ encoder calls the pipeline makes, so their embeddings are the pipeline's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.step_loop import ConditioningCache, Forward, LoopLayer
-
-
-def fresh_scheduler(pipe: Any) -> Any:
-    """A scheduler of the pipeline's kind and configuration with no state yet: each request steps its own
-    (made from the configuration: a deepcopy of the pipeline's costs about 2 ms)."""
-    return type(pipe.scheduler).from_config(pipe.scheduler.config)
-
-
-WHOLE_REQUEST_ASKS: dict[str, Callable[[DiffusionRequest], bool]] = {
-    "images": lambda r: bool(r.images),
-    "lora": lambda r: r.lora is not None,
-    "partial_images": lambda r: bool(r.partial_images),
-    "return_latents": lambda r: r.return_latents,
-    "cache": lambda r: r.cache is not None and r.cache.active,
-}
-"""What a request may ask that the step loop runs only where one of the family's layers serves it (by the
-layer's ``field``; the stage runs the others as whole requests)."""
-
-
-def plain_text_to_image(request: DiffusionRequest, layers: Sequence[LoopLayer] = ()) -> bool:
-    """A request the step loop runs: text to image, each of its other asks (source images, an adapter,
-    previews, latents, step caching) served by one of ``layers``."""
-    served = {layer.field for layer in layers}
-    return not any(asks(request) for name, asks in WHOLE_REQUEST_ASKS.items() if name not in served)
-
-
-def decoded_by_group(
-    states: list[Any], key: Callable[[Any], Hashable], pixels: Callable[[Any, list[Any]], Any]
-) -> list[np.ndarray]:
-    """Each state's image (uint8 HxWx3), from one decoder call (``pixels``: floats in [0, 1]) per group of
-    states with equal ``key`` (their image size)."""
-    groups: dict[Hashable, list[int]] = {}
-    for k, state in enumerate(states):
-        groups.setdefault(key(state), []).append(k)
-    images: dict[int, np.ndarray] = {}
-    for group_key, members in groups.items():
-        for k, image in zip(members, pixels(group_key, [states[k] for k in members]), strict=True):
-            images[k] = (image * 255).round().astype(np.uint8)
-    return [images[k] for k in range(len(states))]
-
-
-class PipelineSteps:
-    """What every family's pieces share: the pipeline, its encoder length, its execution device (a
-    property that walks every module: read once), the encoded texts, and which requests run step-wise."""
-
-    default_max_sequence_length: ClassVar[int] = 256
-
-    def __init__(
-        self, pipe: Any, max_sequence_length: int | None = None, layers: list[LoopLayer] | None = None
-    ) -> None:
-        self.pipe = pipe
-        self.max_sequence_length = max_sequence_length or self.default_max_sequence_length
-        self.device = pipe._execution_device
-        self.texts = ConditioningCache()
-        self.layers: list[LoopLayer] = list(layers or [])
-
-    def runs(self, request: DiffusionRequest) -> bool:
-        return plain_text_to_image(request, self.layers)
-
-    def advance(self, state: Any, output: torch.Tensor) -> None:
-        """The state's scheduler step with its (guided) model output, shown to every layer (previews)."""
-        sample = state.latents
-        state.latents = state.scheduler.step(output, state.timesteps[state.index], sample, return_dict=False)[
-            0
-        ]
-        for layer in self.layers:
-            layer.stepped(state, sample, output)
-        state.index += 1
-
-    def forward(self, owners: list[Any], **inputs: Any) -> torch.Tensor:
-        """The denoiser's output for one forward (``owners``: the state each row belongs to), through every
-        layer: the one seam where a feature acting on rows attaches."""
-        call: Forward = self._denoiser
-        for layer in self.layers:
-            call = layer.wrap(call)
-        return call(owners, inputs)
-
-    def _denoiser(self, owners: list[Any], inputs: dict[str, Any]) -> torch.Tensor:
-        return self.pipe.transformer(**inputs, return_dict=False)[0]
+from vllm_omni_plugin.diffusion.pipeline_steps import PipelineSteps, decoded_by_group, fresh_scheduler
 
 
 @dataclass(eq=False)
