@@ -59,6 +59,10 @@ LOOP = "loop"
 """``batching: loop`` with ``scheduling_policy: priority`` (``diffusion/step_loop.py``)."""
 
 
+BREAKDOWN = ("latency", "queue", "encode", "steps", "decode", "rest", "per call")
+"""Where a request's time goes (:func:`breakdown`)."""
+
+
 def prompt(i: int) -> str:
     return f"a red fox number {i} in the snow"
 
@@ -402,6 +406,33 @@ def dit_closed_loop(
     return statistics.median(rates), latencies, delta
 
 
+def bagel_dit_stage(args: argparse.Namespace) -> None:
+    """BAGEL's DiT stage alone, in process: whole-request batching, step batching and the step loop."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        bagel = bagel_with_flux_vae(Path(tmp) / "bagel-flux-vae")
+        dit = {
+            mode: dit_closed_loop(bagel, mode, 8, args.bagel_images, 64, 8)
+            for mode in ("request", "step", "loop")
+        }
+    print("BAGEL DiT stage, FLUX-size autoencoder, 64x64, 8 steps, 8 clients (closed loop, in process)")
+    for mode in dit:
+        rate, latencies, _ = dit[mode]
+        p50, p99 = (1000 * percentile(latencies, q) for q in (0.5, 0.99))
+        print(f"{mode:<22} {rate:>9.2f} images/s   p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
+    print(f"{'where its time goes':<22}" + "".join(f"{p:>9}" for p in BREAKDOWN))
+    for mode in dit:
+        _, latencies, delta = dit[mode]
+        row = breakdown(latencies, delta)
+        print(f"{mode:<22}" + "".join(f"{row[p]:>9.1f}" for p in BREAKDOWN))
+    print(
+        f"targets: BAGEL step >= 1.15x request at c=8: {dit['step'][0] / dit['request'][0]:.2f}x; "
+        f"BAGEL loop (its default) >= 1.0x request: {dit['loop'][0] / dit['request'][0]:.2f}x"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -432,7 +463,11 @@ def main() -> int:
         help="step batching's max_batch_size (default: unpinned)",
     )
     parser.add_argument("--bagel-images", type=int, default=16, help="BAGEL images per timed round (0: skip)")
+    parser.add_argument("--bagel-only", action="store_true", help="only BAGEL's DiT stage (no served SD3)")
     args = parser.parse_args()
+    if args.bagel_only:
+        bagel_dit_stage(args)
+        return 0
     from vllm_omni_plugin.tiny_models import build
 
     model = args.model or str(build("sd3", ROOT / ".cache" / "tiny_models" / "sd3"))
@@ -491,13 +526,12 @@ def main() -> int:
             )
     peak = max(rate for rate, _, _ in closed[PREVIOUS].values())
     print("where a request's time goes (ms, means; per call: requests in one pipeline call)")
-    parts = ("latency", "queue", "encode", "steps", "decode", "rest", "per call")
-    print(f"{'closed loop':<26}" + "".join(f"{p:>9}" for p in parts))
+    print(f"{'closed loop':<26}" + "".join(f"{p:>9}" for p in BREAKDOWN))
     for c in levels:
         for mode in modes:
             _, latencies, delta = closed[mode][c]
             row = breakdown(latencies, delta)
-            print(f"{mode + f', c={c}':<26}" + "".join(f"{row[p]:>9.1f}" for p in parts))
+            print(f"{mode + f', c={c}':<26}" + "".join(f"{row[p]:>9.1f}" for p in BREAKDOWN))
     print(
         f"open loop: {len(arrivals)} Poisson arrivals at {0.8 * peak:.1f}/s "
         f"(80% of the request peak {peak:.1f})"
@@ -518,29 +552,7 @@ def main() -> int:
             f"   {ratio:.2f}x alone"
         )
     if args.bagel_images:
-        import torch
-
-        torch.set_num_threads(args.threads)
-        with tempfile.TemporaryDirectory() as tmp:
-            bagel = bagel_with_flux_vae(Path(tmp) / "bagel-flux-vae")
-            dit = {
-                mode: dit_closed_loop(bagel, mode, 8, args.bagel_images, 64, 8)
-                for mode in ("request", "step", "loop")
-            }
-        print("BAGEL DiT stage, FLUX-size autoencoder, 64x64, 8 steps, 8 clients (closed loop, in process)")
-        for mode in dit:
-            rate, latencies, _ = dit[mode]
-            p50, p99 = (1000 * percentile(latencies, q) for q in (0.5, 0.99))
-            print(f"{mode:<22} {rate:>9.2f} images/s   p50 {p50:>7.0f} ms   p99 {p99:>7.0f} ms")
-        print(f"{'where its time goes':<22}" + "".join(f"{p:>9}" for p in parts))
-        for mode in dit:
-            _, latencies, delta = dit[mode]
-            row = breakdown(latencies, delta)
-            print(f"{mode:<22}" + "".join(f"{row[p]:>9.1f}" for p in parts))
-        print(
-            f"targets: BAGEL step >= 1.15x request at c=8: {dit['step'][0] / dit['request'][0]:.2f}x; "
-            f"BAGEL loop (its default) >= 1.0x request: {dit['loop'][0] / dit['request'][0]:.2f}x"
-        )
+        bagel_dit_stage(args)
     c16 = 16 if 16 in levels else levels[-1]
     first = modes[2]
     ratio = closed[first][c16][0] / closed[PREVIOUS][c16][0]

@@ -453,3 +453,46 @@ def test_bagel_alone_exact_and_mixed_contexts_guidance_and_previews_in_one_loop(
     assert [(name, index) for name, index, _ in got] == [("b1", 0), ("b1", 1)]
     for (_, _, mine), (_, _, theirs) in zip(in_loop, got, strict=True):
         assert diff(mine, theirs) <= 1
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "glm_image", "bagel"])
+def test_each_family_preempted_resumes_unchanged_and_an_aborted_one_leaves(
+    request: pytest.FixtureRequest, family: str
+) -> None:
+    """Preemption and abort for every family's pieces: a worse request runs two steps, a better one and
+    another worse one join; the better runs alone to its end (the other worse one aborted while parked),
+    then the first resumes where it stopped; both give their whole call's image bit for bit (each ran
+    alone at every step)."""
+    model = request.getfixturevalue(f"tiny_{family}")
+    if family == "bagel":
+        from test_bagel_dit import t2i
+        from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
+
+        runner: Any = BagelGenerationRunner.load(str(model), dtype=torch.float32, device="cpu")
+        low, high, gone = t2i("w0", 0), t2i("w1", 1), t2i("w2", 2)
+    else:
+        from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+
+        runner = load_pipeline_runner(str(model), dtype=torch.float32, device="cpu")
+        guidance = 3.5 if family == "flux" else 2.0
+        low, high, gone = (
+            family_request(family, f"w{k}", k, num_inference_steps=5, guidance_scale=guidance)
+            for k in range(3)
+        )
+    loop = StepLoop(runner.step_family(), max_rows=3)  # one request's rows per step
+    loop.add(low.request_id, low, priority=1)
+    run(loop, until=2)
+    loop.add(high.request_id, high, priority=0)
+    loop.add(gone.request_id, gone, priority=1)
+    finished: dict[str, Any] = {}
+    ran: list[list[str]] = []
+    with torch.no_grad():
+        while not loop.idle():
+            finished |= {f.request_id: f for f in loop.step()}
+            ran.append(loop.ran)
+            if len(ran) == 1:
+                assert loop.abort("w2")  # parked, never run
+    assert list(finished) == ["w1", "w0"] and finished["w0"].preemptions >= 1
+    assert all(step == ["w1"] for step in ran[: ran.index(["w0"])]) and ["w2"] not in ran
+    for r in (low, high):
+        assert diff(finished[r.request_id].image, whole_call(runner, r)) == 0, r.request_id
