@@ -353,18 +353,22 @@ def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_al
 
 
 def test_glm_image_alone_exact_and_mixed_guidance_and_glyph_lengths_in_one_loop(tiny_glm_image: Path) -> None:
-    """GLM-Image's DiT from prior tokens: alone, its whole call's image bit for bit; requests with other
-    guidance (none: one forward), other glyph lengths (a forward of their own) and joining mid-way each
-    get the image they get alone (within 1/255)."""
+    """GLM-Image's DiT from prior tokens: alone, its whole call's image (and final latents, asked for) bit
+    for bit; requests with other guidance (none: one forward), other glyph lengths (a forward of their
+    own) and joining mid-way each get the image they get alone (within 1/255)."""
     from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 
     runner = load_pipeline_runner(str(tiny_glm_image), dtype=torch.float32, device="cpu")
     pieces = runner.step_family()
-    first = family_request("glm_image", "g0", 0, num_inference_steps=5, guidance_scale=1.5)
+    first = family_request(
+        "glm_image", "g0", 0, num_inference_steps=5, guidance_scale=1.5, return_latents=True
+    )
     loop = StepLoop(pieces, max_rows=16)
     loop.add(first.request_id, first)
-    alone = run(loop)["g0"].image
-    assert alone.std() > 5 and diff(alone, whole_call(runner, first)) == 0
+    finished = run(loop)["g0"]
+    whole = runner.run([first], [torch.Generator().manual_seed(0)])
+    assert finished.image.std() > 5 and diff(finished.image, whole.images[0]) == 0
+    assert whole.latents is not None and torch.equal(finished.latents, whole.latents[0])  # as asked
     others = [
         family_request("glm_image", "g1", 1, num_inference_steps=4, guidance_scale=1.0),
         family_request("glm_image", "g2", 2, num_inference_steps=3, guidance_scale=3.0,

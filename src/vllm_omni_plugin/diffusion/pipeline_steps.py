@@ -25,7 +25,6 @@ WHOLE_REQUEST_ASKS: dict[str, Callable[[DiffusionRequest], bool]] = {
     "images": lambda r: r.image_to_image,
     "lora": lambda r: r.lora is not None,
     "partial_images": lambda r: bool(r.partial_images),
-    "return_latents": lambda r: r.return_latents,
     "cache": lambda r: r.cache is not None and r.cache.active,
 }
 """What a request may ask that the step loop runs only where one of the family's layers serves it (by the
@@ -36,7 +35,8 @@ def plain_text_to_image(
     request: DiffusionRequest, layers: Sequence[LoopLayer] = (), own: Sequence[str] = ()
 ) -> bool:
     """A request the step loop runs: text to image, each of its other asks (source images, an adapter,
-    previews, latents, step caching) served by one of ``layers`` or by the family itself (``own``)."""
+    previews, step caching) served by one of ``layers`` or by the family itself (``own``); final latents
+    the loop returns itself."""
     served = {layer.field for layer in layers} | set(own)
     return not any(asks(request) for name, asks in WHOLE_REQUEST_ASKS.items() if name not in served)
 

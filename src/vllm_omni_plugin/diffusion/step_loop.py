@@ -18,7 +18,8 @@ Features that act on the requests asking for them attach as :class:`LoopLayer` s
 ``layers``): LoRA adapters per request and previews are two. The loop tells each layer which requests are
 admitted and which left, and lets it settle before finished requests decode; the family's forwards run
 through each layer's ``wrap`` (which knows the state each row belongs to) and each scheduler step is shown
-to its ``stepped``. A family's states keep their step as ``index`` and their schedule as ``timesteps``.
+to its ``stepped``. A family's states keep their step as ``index``, their schedule as ``timesteps`` and
+their latents (one row) as ``latents``.
 
 A request's image does not depend on the rows beside it, up to the float noise of a batched kernel (at most
 1/255): each keeps its own generator draws, scheduler and guidance.
@@ -172,6 +173,8 @@ class Finished:
     image: Any
     preemptions: int
     seconds: dict[str, float] = field(default_factory=dict)
+    latents: Any = None
+    """Its final latents before decoding (one row, on the CPU), where it asked (``return_latents``)."""
 
 
 @dataclass
@@ -285,6 +288,13 @@ class StepLoop:
         for item in done:
             item.seconds["decode"] = time.perf_counter() - began
         return [
-            Finished(item.request_id, item.request, image, item.preemptions, item.seconds)
+            Finished(item.request_id, item.request, image, item.preemptions, item.seconds, latents_of(item))
             for item, image in zip(done, images, strict=True)
         ]
+
+
+def latents_of(item: Denoising) -> Any:
+    """A finished request's latents (a family's states keep them as ``latents``, one row), where it asked."""
+    if not getattr(item.request, "return_latents", False):
+        return None
+    return item.state.latents[0].detach().to("cpu").clone()

@@ -419,10 +419,10 @@ class DiffusionBatchLoop:
         (once as many wait as half the free places, or the first has waited ``batch_wait_ms``) so that
         their prompts encode together; a request of better priority than one admitted joins beyond that
         (up to ``max_batch`` parked), and the step's row budget (two per request in ``max_batch``) leaves
-        the worse out until it is done. Requests the family cannot run step-wise (source images,
-        previews, latents, step caching) run as whole requests between steps. Finished requests are
-        reported after the step that finished them. Stopping admits nothing new and lets the admitted
-        requests finish (interrupted: drops them)."""
+        the worse out until it is done. Requests the family cannot run step-wise (the diffusers
+        families' source images, BAGEL's step caching) run as whole requests between steps. Finished
+        requests are reported after the step that finished them. Stopping admits nothing new and lets
+        the admitted requests finish (interrupted: drops them)."""
         import torch
 
         from vllm_omni_plugin.diffusion.step_loop import StepLoop
@@ -482,8 +482,9 @@ class DiffusionBatchLoop:
                 }
                 timings.append(timing)
                 result = DiffusionResult(
-                    request_id=done.request_id, image=done.image, seed=done.request.seed, timings=timing
-                )
+                    request_id=done.request_id, image=done.image, seed=done.request.seed, timings=timing,
+                    latents=done.latents,
+                )  # fmt: skip
                 outputs.append(self._output_of(result, transfer.pop(done.request_id, 0.0)))
             if outputs:
                 engine.count_loop_finished(timings)
