@@ -89,6 +89,26 @@ class PipelineSteps:
         sigma = state.scheduler.sigmas[state.index]
         return (sample.float() - sigma * output.float()).to(sample.dtype)
 
+    def guided_by_second_forward(
+        self,
+        states: list[Any],
+        forward: Callable[[list[Any], bool], torch.Tensor],
+        combine: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        """One step where guidance is a second forward (Qwen-Image's true CFG, GLM-Image's): ``forward``
+        over every state's prompt rows (``False``), then over the guided states' negative rows (``True``:
+        states with a ``negative``); each guided state's ``combine(state, cond, uncond)``, then its
+        scheduler step."""
+        cond = forward(states, False)
+        guided = [k for k, s in enumerate(states) if s.negative is not None]
+        uncond = forward([states[k] for k in guided], True) if guided else cond
+        row_of = {k: row for row, k in enumerate(guided)}
+        for k, s in enumerate(states):
+            noise = cond[k : k + 1]
+            if k in row_of:
+                noise = combine(s, noise, uncond[row_of[k] : row_of[k] + 1])
+            self.advance(s, noise)
+
     def forward(self, owners: list[Any], **inputs: Any) -> torch.Tensor:
         """The denoiser's output for one forward (``owners``: the state each row belongs to), through every
         layer: the one seam where a feature acting on rows attaches."""

@@ -325,20 +325,16 @@ class QwenImageSteps(PipelineSteps):
         )  # fmt: skip
 
     def denoise(self, states: list[QwenImageState]) -> None:
-        cond = self._forward(states, [s.embeds for s in states])
-        guided = [k for k, s in enumerate(states) if s.negative is not None]
-        uncond = None
-        if guided:
-            uncond = self._forward([states[k] for k in guided], [states[k].negative for k in guided])
-        for k, s in enumerate(states):
-            noise = cond[k : k + 1]
-            if s.negative is not None:
-                assert uncond is not None
-                negative = uncond[guided.index(k) : guided.index(k) + 1]
-                combined = negative + s.guidance * (noise - negative)
-                kept = torch.norm(noise, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
-                noise = combined * kept
-            self.advance(s, noise)
+        def forward(chosen: list[QwenImageState], negative: bool) -> torch.Tensor:
+            return self._forward(chosen, [s.negative if negative else s.embeds for s in chosen])
+
+        def combine(s: QwenImageState, noise: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+            combined = negative + s.guidance * (noise - negative)
+            return combined * (
+                torch.norm(noise, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
+            )
+
+        self.guided_by_second_forward(states, forward, combine)
 
     def decode(self, states: list[QwenImageState]) -> list[np.ndarray]:
         pipe, vae = self.pipe, self.pipe.vae

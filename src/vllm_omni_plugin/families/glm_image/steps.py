@@ -193,19 +193,13 @@ class GlmImageSteps(PipelineSteps):
         for s in states:
             if s.sources is not None:
                 self._write_sources(s)
-        cond = self._forward(states, [s.embeds for s in states], drop=False)
-        guided = [k for k, s in enumerate(states) if s.negative is not None]
-        uncond = None
-        if guided:
-            chosen = [states[k] for k in guided]
-            uncond = self._forward(chosen, [s.negative for s in chosen if s.negative is not None], drop=True)
-        for k, s in enumerate(states):
-            noise = cond[k : k + 1]
-            if s.negative is not None:
-                assert uncond is not None
-                negative = uncond[guided.index(k) : guided.index(k) + 1]
-                noise = negative + s.guidance * (noise - negative)
-            self.advance(s, noise)
+        self.guided_by_second_forward(
+            states,
+            lambda chosen, drop: self._forward(
+                chosen, [s.negative if drop else s.embeds for s in chosen], drop
+            ),
+            lambda s, noise, negative: negative + s.guidance * (noise - negative),
+        )
 
     def decode(self, states: list[GlmImageState]) -> list[np.ndarray]:
         pipe, vae = self.pipe, self.pipe.vae
