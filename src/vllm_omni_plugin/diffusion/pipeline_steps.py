@@ -5,55 +5,27 @@ family's layers), the scheduler step the layers see, and grouped decoding. A fam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from vllm_omni_plugin.diffusion.diffusers_runner import decode_latents
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.step_loop import ConditioningCache, LoopLayer, through_layers
+from vllm_omni_plugin.diffusion.step_loop import (
+    ConditioningCache,
+    LoopLayer,
+    decoded_by_group,
+    runs_in_loop,
+    through_layers,
+)
 
 
 def fresh_scheduler(pipe: Any) -> Any:
     """A scheduler of the pipeline's kind and configuration with no state yet: each request steps its own
     (made from the configuration: a deepcopy of the pipeline's costs about 2 ms)."""
     return type(pipe.scheduler).from_config(pipe.scheduler.config)
-
-
-WHOLE_REQUEST_ASKS: dict[str, Callable[[DiffusionRequest], bool]] = {
-    "images": lambda r: r.image_to_image,
-    "lora": lambda r: r.lora is not None,
-    "partial_images": lambda r: bool(r.partial_images),
-    "cache": lambda r: r.cache is not None and r.cache.active,
-}
-"""What a request may ask that the step loop runs only where one of the family's layers serves it (by the
-layer's ``field``; the stage runs the others as whole requests)."""
-
-
-def plain_text_to_image(
-    request: DiffusionRequest, layers: Sequence[LoopLayer] = (), own: Sequence[str] = ()
-) -> bool:
-    """A request the step loop runs: text to image, each of its other asks (source images, an adapter,
-    previews, step caching) served by one of ``layers`` or by the family itself (``own``); final latents
-    the loop returns itself."""
-    served = {layer.field for layer in layers} | set(own)
-    return not any(asks(request) for name, asks in WHOLE_REQUEST_ASKS.items() if name not in served)
-
-
-def decoded_by_group(
-    states: list[Any], key: Callable[[Any], Hashable], pixels: Callable[[Any, list[Any]], Any]
-) -> list[np.ndarray]:
-    """Each state's image (uint8 HxWx3), from one decoder call (``pixels``: floats in [0, 1]) per group of
-    states with equal ``key`` (their image size)."""
-    groups: dict[Hashable, list[int]] = {}
-    for k, state in enumerate(states):
-        groups.setdefault(key(state), []).append(k)
-    images: dict[int, np.ndarray] = {}
-    for group_key, members in groups.items():
-        for k, image in zip(members, pixels(group_key, [states[k] for k in members]), strict=True):
-            images[k] = (image * 255).round().astype(np.uint8)
-    return [images[k] for k in range(len(states))]
 
 
 class PipelineSteps:
@@ -72,7 +44,7 @@ class PipelineSteps:
         self.layers: list[LoopLayer] = list(layers or [])
 
     def runs(self, request: DiffusionRequest) -> bool:
-        return plain_text_to_image(request, self.layers)
+        return runs_in_loop(request, self.layers)
 
     def advance(self, state: Any, output: torch.Tensor) -> None:
         """The state's scheduler step with its (guided) model output, shown to every layer (previews)."""
@@ -83,6 +55,15 @@ class PipelineSteps:
         for layer in self.layers:
             layer.stepped(state, sample, output)
         state.index += 1
+
+    def decode(self, states: list[Any]) -> list[np.ndarray]:
+        """The states' images (their ``height`` and ``width``), one decoder call per size, as the pipeline
+        decodes its latents (:func:`decode_latents`)."""
+
+        def decode(size: Any, group: list[Any]) -> list[np.ndarray]:
+            return decode_latents(self.pipe, torch.cat([s.latents for s in group]), *size)
+
+        return decoded_by_group(states, lambda s: (s.height, s.width), decode)
 
     def estimate(self, state: Any, sample: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """Flow matching's clean latents as a whole call's previews take them: ``sample - sigma * output``."""

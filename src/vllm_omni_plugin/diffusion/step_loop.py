@@ -70,11 +70,44 @@ class LoopLayer:
         """Before finished requests decode: what the layer does beside the steps is done."""
 
 
+LOOP_ASKS: dict[str, Callable[[Any], bool]] = {
+    "images": lambda r: bool(getattr(r, "image_to_image", False)),
+    "lora": lambda r: getattr(r, "lora", None) is not None,
+    "partial_images": lambda r: bool(getattr(r, "partial_images", 0)),
+    "cache": lambda r: getattr(r, "cache", None) is not None and r.cache.active,
+}
+"""What a request may ask that the step loop runs only where one of the family's layers (by its
+``field``) or the family itself serves it; the stage runs the others as whole requests."""
+
+
+def runs_in_loop(request: Any, layers: Sequence[LoopLayer], own: Sequence[str] = ()) -> bool:
+    """Whether the loop runs the request: each of its asks (source images, an adapter, previews, step
+    caching) served by one of ``layers`` or by the family itself (``own``). Final latents the loop
+    returns itself."""
+    served = {layer.field for layer in layers} | set(own)
+    return not any(asks(request) for name, asks in LOOP_ASKS.items() if name not in served)
+
+
 def through_layers(layers: Sequence[LoopLayer], call: Forward) -> Forward:
     """``call`` wrapped by every layer, the last outermost: a family's one seam for its forwards."""
     for layer in layers:
         call = layer.wrap(call)
     return call
+
+
+def decoded_by_group(
+    states: list[Any], key: Callable[[Any], Hashable], decode: Callable[[Hashable, list[Any]], list[Any]]
+) -> list[Any]:
+    """Each state's image, from one ``decode(key, states)`` call per group of states with equal ``key``
+    (their image size), in the states' order."""
+    groups: dict[Hashable, list[int]] = {}
+    for k, state in enumerate(states):
+        groups.setdefault(key(state), []).append(k)
+    images: dict[int, Any] = {}
+    for group_key, members in groups.items():
+        for k, image in zip(members, decode(group_key, [states[k] for k in members]), strict=True):
+            images[k] = image
+    return [images[k] for k in range(len(states))]
 
 
 class StepFamily(Protocol):

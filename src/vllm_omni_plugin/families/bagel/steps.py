@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni_plugin.diffusion.step_loop import LoopLayer, through_layers
+from vllm_omni_plugin.diffusion.step_loop import LoopLayer, decoded_by_group, runs_in_loop, through_layers
 from vllm_omni_plugin.families.bagel.runner import AttentionRowsJoin, _Guidance, _RowPlan, flow_schedule
 from vllm_omni_plugin.families.bagel.transformer import AttentionRows, ContextBank
 
@@ -54,12 +54,7 @@ class BagelSteps:
         """One join per shape group: it keeps its joined rows while the group's requests stay."""
 
     def runs(self, request: BagelGenerationRequest) -> bool:
-        served = {layer.field for layer in self.layers}
-        asks = {
-            "cache": request.cache is not None and request.cache.active,
-            "partial_images": request.partial_images,
-        }
-        return not any(asked and name not in served for name, asked in asks.items())
+        return runs_in_loop(request, self.layers)
 
     def rows(self, request: BagelGenerationRequest) -> int:
         s = request.sampling
@@ -126,12 +121,7 @@ class BagelSteps:
         return sample - output * float(state.timesteps[state.index])
 
     def decode(self, states: list[BagelState]) -> list[Any]:
-        groups: dict[Hashable, list[int]] = {}
-        for k, state in enumerate(states):
-            groups.setdefault(self.shape(state), []).append(k)
-        images: dict[int, Any] = {}
-        for (height, width), members in groups.items():
-            latents = torch.cat([states[k].latents for k in members])
-            for k, image in zip(members, self.runner._decode(latents, height, width), strict=True):
-                images[k] = image
-        return [images[k] for k in range(len(states))]
+        def decode(size: Any, group: list[BagelState]) -> list[Any]:
+            return self.runner._decode(torch.cat([s.latents for s in group]), *size)
+
+        return decoded_by_group(states, self.shape, decode)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.pipeline_steps import PipelineSteps, decoded_by_group, fresh_scheduler
+from vllm_omni_plugin.diffusion.pipeline_steps import PipelineSteps, fresh_scheduler
 
 
 @dataclass(eq=False)
@@ -27,6 +27,8 @@ class SD3State:
     """The rows' prompt embeddings: [negative, positive] with guidance, [positive] without."""
     pooled: torch.Tensor
     guidance: float
+    height: int
+    width: int
     index: int = 0
 
 
@@ -77,7 +79,7 @@ class SD3Steps(PipelineSteps):
         )
         scheduler = fresh_scheduler(pipe)
         timesteps, _ = retrieve_timesteps(scheduler, request.num_inference_steps or 28, self.device)
-        return SD3State(latents, scheduler, timesteps, embeds, pooled, self._guidance(request))
+        return SD3State(latents, scheduler, timesteps, embeds, pooled, self._guidance(request), height, width)
 
     def steps(self, state: SD3State) -> int:
         return len(state.timesteps)
@@ -104,19 +106,6 @@ class SD3Steps(PipelineSteps):
                 noise = out[row : row + 1]
             row += n
             self.advance(s, noise)
-
-    def decode(self, states: list[SD3State]) -> list[np.ndarray]:
-        vae = self.pipe.vae
-
-        def pixels(_: Hashable, group: list[SD3State]) -> Any:
-            latents = (
-                torch.cat([s.latents for s in group]) / vae.config.scaling_factor + vae.config.shift_factor
-            )
-            return self.pipe.image_processor.postprocess(
-                vae.decode(latents, return_dict=False)[0], output_type="np"
-            )
-
-        return decoded_by_group(states, self.shape, pixels)
 
 
 @dataclass(eq=False)
@@ -203,21 +192,6 @@ class FluxSteps(PipelineSteps):
         )  # fmt: skip
         for k, s in enumerate(states):
             self.advance(s, out[k : k + 1])
-
-    def decode(self, states: list[FluxState]) -> list[np.ndarray]:
-        pipe, vae = self.pipe, self.pipe.vae
-
-        def pixels(size: Any, group: list[FluxState]) -> Any:
-            height, width = size
-            latents = pipe._unpack_latents(
-                torch.cat([s.latents for s in group]), height, width, pipe.vae_scale_factor
-            )
-            latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-            return pipe.image_processor.postprocess(
-                vae.decode(latents, return_dict=False)[0], output_type="np"
-            )
-
-        return decoded_by_group(states, lambda s: (s.height, s.width), pixels)
 
 
 @dataclass(eq=False)
@@ -335,19 +309,3 @@ class QwenImageSteps(PipelineSteps):
             )
 
         self.guided_by_second_forward(states, forward, combine)
-
-    def decode(self, states: list[QwenImageState]) -> list[np.ndarray]:
-        pipe, vae = self.pipe, self.pipe.vae
-
-        def pixels(size: Any, group: list[QwenImageState]) -> Any:
-            height, width = size
-            latents = pipe._unpack_latents(
-                torch.cat([s.latents for s in group]), height, width, pipe.vae_scale_factor
-            )
-            latents = latents.to(vae.dtype)
-            mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-            std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(latents)
-            decoded = vae.decode(latents / std + mean, return_dict=False)[0][:, :, 0]
-            return pipe.image_processor.postprocess(decoded, output_type="np")
-
-        return decoded_by_group(states, lambda s: (s.height, s.width), pixels)

@@ -24,10 +24,9 @@ import torch
 from vllm_omni_plugin.diffusion.diffusers_runner import as_pil
 from vllm_omni_plugin.diffusion.pipeline_steps import (
     PipelineSteps,
-    decoded_by_group,
     fresh_scheduler,
-    plain_text_to_image,
 )
+from vllm_omni_plugin.diffusion.step_loop import runs_in_loop
 from vllm_omni_plugin.families.glm_image.runner import SourceImageCacheJoin
 
 
@@ -45,6 +44,8 @@ class GlmImageState:
     target_size: torch.Tensor
     crop: torch.Tensor
     guidance: float
+    height: int
+    width: int
     index: int = 0
     sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     """An edit's source images not yet written: each one's normalized latent, prior ids and size."""
@@ -65,7 +66,7 @@ class GlmImageSteps(PipelineSteps):
         return self.default_guidance if request.guidance_scale is None else request.guidance_scale
 
     def runs(self, request: Any) -> bool:
-        return plain_text_to_image(request, self.layers, own=("images",))
+        return runs_in_loop(request, self.layers, own=("images",))
 
     def rows(self, request: Any) -> int:
         return 2 if self._guidance(request) > 1.0 else 1
@@ -112,8 +113,9 @@ class GlmImageSteps(PipelineSteps):
         target_size = torch.tensor([[height, width]], dtype=embeds.dtype, device=self.device)
         crop = torch.zeros((1, 2), dtype=embeds.dtype, device=self.device)
         state = GlmImageState(
-            latents, scheduler, schedule, embeds, negative, prior, target_size, crop, self._guidance(request)
-        )
+            latents, scheduler, schedule, embeds, negative, prior, target_size, crop, self._guidance(request),
+            height, width,
+        )  # fmt: skip
         if request.image_to_image:
             state.sources, state.grids = self._sources(request, embeds.dtype, generator)
         return state
@@ -200,16 +202,3 @@ class GlmImageSteps(PipelineSteps):
             ),
             lambda s, noise, negative: negative + s.guidance * (noise - negative),
         )
-
-    def decode(self, states: list[GlmImageState]) -> list[np.ndarray]:
-        pipe, vae = self.pipe, self.pipe.vae
-
-        def pixels(_: Hashable, group: list[GlmImageState]) -> Any:
-            latents = torch.cat([s.latents for s in group]).to(vae.dtype)
-            shape = (1, vae.config.latent_channels, 1, 1)
-            mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-            std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-            decoded = vae.decode(latents * std + mean, return_dict=False)[0]
-            return pipe.image_processor.postprocess(decoded, output_type="np")
-
-        return decoded_by_group(states, lambda s: tuple(s.latents.shape), pixels)
