@@ -222,6 +222,9 @@ def test_killed_worker_fails_its_request_with_503_and_a_restarted_worker_rejoins
     wait_denoising(hosts.metric, steps, slow["num_inference_steps"])
     os.killpg(hosts.worker.proc.pid, signal.SIGKILL)  # the worker and its DiT process, like a lost host
     thread.join(120)
+    assert "response" in outcome, (
+        "no answer 120 s after the worker died; the head's log:\n" + (hosts.head.log_text()[-6000:])
+    )
     response = outcome["response"]
     assert response.status_code == 503, response.text
     message = response.json()["error"]["message"]

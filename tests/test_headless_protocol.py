@@ -178,6 +178,42 @@ def test_silent_worker_fails_its_requests_and_a_new_one_rejoins(deployment) -> N
     asyncio.run(main())
 
 
+def test_a_silent_worker_is_given_up_even_where_every_tick_of_the_head_comes_late(deployment) -> None:
+    """The head's loop held up longer than the heartbeat timeout at every tick (a busy host, a thread
+    holding the GIL): a late tick is not the worker's fault, but a worker silent for that many ticks is
+    given up all the same, so its request gets its 503 instead of waiting for ever."""
+
+    async def main() -> None:
+        registry, client, context = await start(deployment)
+        stalls = 0
+
+        async def stall_every_tick() -> None:
+            nonlocal stalls
+            while True:
+                time.sleep(0.8)  # blocks the loop past heartbeat_timeout_s (0.6)
+                stalls += 1
+                await asyncio.sleep(0.05)
+
+        staller: asyncio.Task | None = None
+        try:
+            worker = HeadlessPeer(context, registry.address)
+            await worker.send(worker.register(deployment))
+            assert isinstance(await worker.receive(), WorkerAccepted)
+            pending = asyncio.ensure_future(client.generate(request("lost")))
+            assert isinstance(await worker.receive(), RemoteRequest)
+            staller = asyncio.ensure_future(stall_every_tick())
+            with pytest.raises(StageDeadError, match="sent nothing for"):
+                await asyncio.wait_for(pending, 60)
+            assert stalls >= client.silence.ticks_needed - 1
+        finally:
+            if staller is not None:
+                staller.cancel()
+            await registry.shutdown()
+            context.destroy(linger=0)
+
+    asyncio.run(main())
+
+
 def test_busy_head_port_is_a_clear_start_error(deployment) -> None:
     from vllm_omni_plugin.stage.errors import StageStartError
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any
 
 import msgspec
@@ -47,6 +46,7 @@ from vllm_omni_plugin.stage.placement.headless.protocol import (
     HeadMessage,
     HeadShutdown,
     Heartbeat,
+    PeerSilence,
     RemoteRequest,
     WorkerAccepted,
     WorkerLeaving,
@@ -79,7 +79,8 @@ class RemoteStageClient(StageCoreClientBase):
         self.output_connector = output_connector
         self.identity: bytes | None = None
         self.worker: WorkerRegister | None = None
-        self.last_seen = 0.0
+        self.silence: PeerSilence | None = None
+        """How long the registered worker has been silent."""
         self.joins = 0
         self._send: Any = None
         self._pending = PendingReplies(self)
@@ -106,9 +107,17 @@ class RemoteStageClient(StageCoreClientBase):
     async def start(self) -> None:
         """Nothing to start here: the worker comes to us (requests wait for it meanwhile)."""
 
-    def attach(self, identity: bytes, worker: WorkerRegister, send: Any) -> None:
+    def attach(
+        self,
+        identity: bytes,
+        worker: WorkerRegister,
+        send: Any,
+        *,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+    ) -> None:
         self.identity, self.worker, self._send = identity, worker, send
-        self.last_seen = time.monotonic()
+        self.silence = PeerSilence(heartbeat_interval_s, heartbeat_timeout_s)
         self.joins += 1
         self.restarts = self.joins - 1
         self.count_steps_anew()
@@ -223,13 +232,15 @@ class HeadlessStageRegistry:
                 if not isinstance(message, WorkerLeaving):
                     await self.send(identity, WorkerRejected(reason="not registered with this head"))
                 continue
-            client.last_seen = time.monotonic()
-            if isinstance(message, RemoteOutput):
-                client.deliver(message)
-            elif isinstance(message, WorkerProgress):
-                client.count_steps(message.counters)
-            elif isinstance(message, WorkerLeaving):
-                client.detach(f"left ({message.reason})")
+            if client.silence is not None:
+                client.silence.heard()
+            with best_effort(f"handling a {type(message).__name__} from {client.label}", logger, warn=True):
+                if isinstance(message, RemoteOutput):
+                    client.deliver(message)
+                elif isinstance(message, WorkerProgress):
+                    client.count_steps(message.counters)
+                elif isinstance(message, WorkerLeaving):
+                    client.detach(f"left ({message.reason})")
 
     async def _register(self, identity: bytes, worker: WorkerRegister) -> None:
         client = self.clients.get(worker.stage_id)
@@ -252,7 +263,13 @@ class HeadlessStageRegistry:
             return
         assert client is not None
         if client.identity != identity:  # not a repeated registration of the attached worker
-            client.attach(identity, worker, self.send)
+            client.attach(
+                identity,
+                worker,
+                self.send,
+                heartbeat_interval_s=self.head.heartbeat_interval_s,
+                heartbeat_timeout_s=self.head.heartbeat_timeout_s,
+            )
         await self.send(
             identity,
             WorkerAccepted(
@@ -265,16 +282,12 @@ class HeadlessStageRegistry:
         return next((c for c in self.clients.values() if c.identity == identity), None)
 
     async def _heartbeat(self) -> None:
-        tick = time.monotonic()
         while True:
             await asyncio.sleep(self.head.heartbeat_interval_s)
-            now, last_tick, tick = time.monotonic(), tick, time.monotonic()
             for client in self.clients.values():
-                if client.identity is None:
+                if client.identity is None or client.silence is None:
                     continue
-                if now - last_tick > self.head.heartbeat_timeout_s:
-                    client.last_seen = now  # this loop was stalled, not the worker: start over
-                elif now - client.last_seen > self.head.heartbeat_timeout_s:
+                if client.silence.tick():
                     client.detach(f"sent nothing for {self.head.heartbeat_timeout_s:.0f} s")
                     continue
                 with best_effort("sending a heartbeat to a headless worker", logger):

@@ -4,6 +4,9 @@ head's address). Replies to requests are the remote placements' shared ``wire.Re
 
 from __future__ import annotations
 
+import math
+import time
+
 import msgspec
 
 from vllm_omni_plugin.diffusion.params import DiffusionCounters
@@ -53,6 +56,31 @@ class RemoteRequest(msgspec.Struct, kw_only=True, tag="remote_request"):
 
 HeadMessage = WorkerAccepted | WorkerRejected | Heartbeat | HeadShutdown | RemoteRequest | StageAbort
 WorkerMessage = WorkerRegister | Heartbeat | WorkerLeaving | RemoteOutput | WorkerProgress
+
+
+class PeerSilence:
+    """When a head or a worker gives the other up: after ``timeout_s`` without a message from it *and*
+    as many heartbeat ticks of this side's own loop as fit in that time. A tick that comes late because
+    this side's event loop was held up (a busy host, a long call holding the GIL) counts as one tick, and
+    what the peer sent meanwhile is read before the next one, so a stall here never gives up a live peer;
+    however slow the ticks, a silent peer is given up after the ticks are counted. (A plain wall-clock
+    check that excused every late tick could excuse a dead peer for ever on a loop that stalls at every
+    tick.)"""
+
+    def __init__(self, interval_s: float, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.ticks_needed = max(2, math.ceil(timeout_s / interval_s))
+        self.last_heard = time.monotonic()
+        self.silent_ticks = 0
+
+    def heard(self) -> None:
+        self.last_heard = time.monotonic()
+        self.silent_ticks = 0
+
+    def tick(self) -> bool:
+        """A heartbeat tick of this side; True when the peer is to be given up."""
+        self.silent_ticks += 1
+        return self.silent_ticks >= self.ticks_needed and time.monotonic() - self.last_heard > self.timeout_s
 
 
 def parse_head_address(text: str) -> tuple[str, int]:

@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import socket
-import time
 import uuid
 from typing import Any
 
@@ -151,17 +150,12 @@ class HeadlessStageWorker:
         return None
 
     async def _serve(self, pool: StageReplicaPool, accepted: protocol.WorkerAccepted) -> None:
-        last_heard = time.monotonic()
+        silence = protocol.PeerSilence(accepted.heartbeat_interval_s, accepted.heartbeat_timeout_s)
 
         async def heartbeat() -> None:
-            nonlocal last_heard
-            tick = time.monotonic()
             while True:
                 await asyncio.sleep(accepted.heartbeat_interval_s)
-                now, last_tick, tick = time.monotonic(), tick, time.monotonic()
-                if now - last_tick > accepted.heartbeat_timeout_s:
-                    last_heard = now  # this loop was stalled, not the head: start over
-                elif now - last_heard > accepted.heartbeat_timeout_s:
+                if silence.tick():
                     self._stop(
                         1,
                         f"the head at {self.head_url} sent nothing for {accepted.heartbeat_timeout_s:.0f} s",
@@ -184,7 +178,7 @@ class HeadlessStageWorker:
         try:
             while True:
                 message = self._codec_in.decode(await self._dealer.recv())
-                last_heard = time.monotonic()
+                silence.heard()
                 if isinstance(message, protocol.RemoteRequest):
                     request = message.request
                     self._tasks[request.request_id] = asyncio.create_task(self._generate(pool, request))
