@@ -68,6 +68,8 @@ def ask(
 
 
 def reference(engine: DiffusionEngine, request: DiffusionRequest) -> np.ndarray:
+    """diffusers' own pipeline for the request (its image-to-image or inpainting pipeline where it has
+    source images the model's own pipeline does not take, or a mask)."""
     return reference_image(
         engine.model,
         prompt=request.prompt,
@@ -78,6 +80,8 @@ def reference(engine: DiffusionEngine, request: DiffusionRequest) -> np.ndarray:
         guidance=float(request.guidance_scale or 0.0),
         negative_prompt=request.negative_prompt,
         images=request.images,
+        mask=request.mask,
+        strength=request.strength,
     )
 
 
@@ -133,21 +137,15 @@ def test_runner_defaults_come_from_the_pipeline(
     )
 
 
-@pytest.mark.parametrize(
-    ("family", "takes", "needs"),
-    [
-        ("sd3", False, False),
-        ("flux", False, False),
-        ("qwen_image", False, False),
-        ("qwen_image_edit", True, True),
-    ],
-)
-def test_model_facts_without_loading(
-    family: str, takes: bool, needs: bool, request: pytest.FixtureRequest
-) -> None:
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "qwen_image_edit"])
+def test_model_facts_without_loading(family: str, request: pytest.FixtureRequest) -> None:
+    """Every family takes source images (the text-to-image ones through diffusers' image-to-image pipeline
+    of the family) and the text-to-image ones masks (their inpainting pipeline); only the edit model needs
+    an image."""
     model = str(request.getfixturevalue(f"tiny_{family}"))
     facts = registry.inspect_model(model)
-    assert (facts.takes_images, facts.needs_images) == (takes, needs)
+    edit = family == "qwen_image_edit"
+    assert (facts.takes_images, facts.needs_images, facts.takes_mask) == (True, edit, not edit)
     assert facts.pipeline_class == json.loads(Path(model, "model_index.json").read_text())["_class_name"]
 
 
@@ -268,19 +266,50 @@ def test_qwen_image_edit_plus_takes_a_list_of_images(tiny_qwen_image_edit: Path,
     request = ask("p0", "put them side by side", seed=3, guidance=1.0, steps=2, images=images)
     [result] = ok(engine.generate([request]))
     assert_within_one_level(result.image, reference(engine, request))
+    # diffusers has no inpainting pipeline of this family: a mask is refused, naming what it can do
+    assert not registry.inspect_model(str(model)).takes_mask
+    mask = np.full((64, 64), 255, np.uint8)
+    [refused] = engine.generate([ask("p1", "x", seed=3, guidance=1.0, steps=2, images=images[:1], mask=mask)])
+    assert (
+        "cannot repaint a masked area" in (refused.error or "") and "edits of source images" in refused.error
+    )
 
 
 # --- what cannot be driven ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["sd3", "qwen_image"])
-def test_text_to_image_pipelines_refuse_source_images(
+@pytest.mark.parametrize("family", T2I_FAMILIES)
+def test_masked_edits_and_variations_run_on_the_familys_own_inpainting_and_image_to_image_pipelines(
     engine_of: Callable[[str], DiffusionEngine], family: str
 ) -> None:
-    [result] = engine_of(family).generate(
-        [ask("i", "a cat", seed=1, guidance=1.0, images=[source_image(64)])]
-    )
-    assert "runs text-to-image only" in (result.error or "")
+    """A text-to-image model repaints a mask's area with diffusers' inpainting pipeline of its family and
+    redraws a source image (a variation, an edit) with its image-to-image one, both built from the loaded
+    components: each image equals that diffusers pipeline's own, two masked requests batched as alone; a
+    mask of another size, or with two images, fails alone."""
+    engine = engine_of(family)
+    source = source_image(SIZE, seed=4)
+    mask = np.zeros((SIZE, SIZE), np.uint8)
+    mask[16:48, 8:40] = 255
+    masked = [
+        ask("m1", "a red door", seed=6, guidance=3.0, images=[source], mask=mask, strength=0.8),
+        ask("m2", "a blue window", seed=7, guidance=3.0, images=[source], mask=mask, strength=0.8),
+    ]
+    variation = ask("v", "", seed=8, guidance=3.0, images=[source])
+    bad = [
+        ask("b1", "x", seed=1, guidance=3.0, images=[source], mask=mask[:32]),
+        ask("b2", "x", seed=1, guidance=3.0, images=[source, source], mask=mask),
+    ]
+    results = engine.generate([*masked, variation, *bad])
+    ok(results[:3])
+    for request, result in zip([*masked, variation], results, strict=False):
+        assert_within_one_level(result.image, reference(engine, request))
+        assert_a_real_image(result.image)
+    assert "they must match" in (results[3].error or "")
+    assert "exactly one source image" in (results[4].error or "")
+    assert {type(c).__name__ for c in engine.runner._companions.values()} == {
+        registry.companion_class(type(engine.runner.pipe), "mask").__name__,
+        registry.companion_class(type(engine.runner.pipe), "images").__name__,
+    }
 
 
 def test_a_pipeline_without_the_usual_call_is_refused_by_name(tmp_path: Path) -> None:

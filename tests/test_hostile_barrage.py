@@ -1,5 +1,5 @@
 """The CI-sized barrage of hostile request bodies against real ``vllm serve --omni`` servers of three model
-kinds: the tiny SD3 (text-to-image), the tiny Qwen-Image-Edit (edits only) and the tiny BAGEL (text-to-image,
+kinds: the tiny SD3 (text-to-image, and edits on its image-to-image pipeline), the tiny Qwen-Image-Edit (edits only) and the tiny BAGEL (text-to-image,
 edits, chat in text). Each kind gets about a thousand bodies generated from the tables below (wrong
 types, boundary and out-of-range values, unknown and other pipelines' fields, bodies that are no JSON
 object, broken multipart forms, hostile images and chat messages, streamed requests), most refused in
@@ -103,8 +103,8 @@ class Kind:
 
 KINDS: dict[str, Kind] = {
     "sd3": Kind(
-        "sd3", "tiny_sd3", DIFFUSION_DEPLOY, generations=True, edits=False, chat_text=False,
-        takes_images=False, needs_images=False, max_images=1, max_side=1024, token_limit=False, settings=False,
+        "sd3", "tiny_sd3", DIFFUSION_DEPLOY, generations=True, edits=True, chat_text=False,
+        takes_images=True, needs_images=False, max_images=1, max_side=1024, token_limit=False, settings=False,
     ),
     "qwen_image_edit": Kind(
         "qwen_image_edit", "tiny_qwen_image_edit", DIFFUSION_DEPLOY, generations=False, edits=True,

@@ -291,7 +291,7 @@ MULTIPART_CASES: list[tuple[str, bytes, dict[str, str], int, str | None, str]] =
     ("two prompts", multipart(image_part(), PROMPT, ("prompt", "make it red", None)), {}, 400, "prompt",
      "prompt is repeated"),
     ("unknown file field", multipart(image_part(), image_part(name="photo"), PROMPT), {}, 400, "photo",
-     "photo: file uploads other than image are not supported"),
+     "photo: file uploads other than image and mask are not supported"),
 ]  # fmt: skip
 
 

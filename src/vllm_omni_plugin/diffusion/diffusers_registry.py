@@ -64,6 +64,9 @@ class ModelFacts:
     """The most prompt tokens it encodes (None: its pipeline truncates longer prompts itself)."""
     prompt_tokenizer: str = "tokenizer"
     """The model folder's tokenizer that counts them."""
+    takes_mask: bool = False
+    """It repaints the masked area of a source image (inpainting: its own pipeline or diffusers'
+    inpainting pipeline of its family)."""
 
 
 def call_parameters(pipeline_cls: type) -> Mapping[str, inspect.Parameter]:
@@ -74,6 +77,31 @@ def call_parameters(pipeline_cls: type) -> Mapping[str, inspect.Parameter]:
     params = inspect.signature(call).parameters
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {name: p for name, p in params.items() if p.kind in kinds and name != "self"}
+
+
+TASKS = ("text", "images", "mask")
+"""What a request asks of a diffusers model: an image from text, from source images (image-to-image,
+an edit, a variation), or the masked area of a source image repainted (inpainting)."""
+
+
+def companion_class(pipeline_cls: type, task: str) -> type | None:
+    """diffusers' own pipeline of ``pipeline_cls``'s model family for ``task`` (``images``: its
+    image-to-image pipeline, ``mask``: its inpainting one), which a runner builds from the loaded
+    pipeline's components (``from_pipe``: no second copy of the weights); None where diffusers has none.
+    Read from diffusers' AutoPipeline tables, which pair each family's text-to-image, image-to-image and
+    inpainting classes."""
+    from diffusers.pipelines import auto_pipeline as auto
+
+    tables = {"images": auto.AUTO_IMAGE2IMAGE_PIPELINES_MAPPING, "mask": auto.AUTO_INPAINT_PIPELINES_MAPPING}
+    target = tables.get(task)
+    if target is None:
+        return None
+    every = (auto.AUTO_TEXT2IMAGE_PIPELINES_MAPPING, *tables.values())
+    family = next(
+        (name for table in every for name, cls in table.items() if cls.__name__ == pipeline_cls.__name__),
+        None,
+    )
+    return target.get(family) if family is not None else None
 
 
 def generic_runner() -> type[Any]:
@@ -171,10 +199,10 @@ def inspect_model(model: str) -> ModelFacts:
     name = pipeline_class_name(model)
     runner = runner_class(name)
     pipeline_cls = checked_pipeline_class(runner.pipeline_class or name, runner)
-    _negative, takes_images = runner.input_support(call_parameters(pipeline_cls))
     return ModelFacts(
         pipeline_class=name,
-        takes_images=takes_images,
+        takes_images=runner.task_pipeline(pipeline_cls, "images") is not None,
+        takes_mask=runner.task_pipeline(pipeline_cls, "mask") is not None,
         needs_images=runner.needs_images,
         max_images=runner.max_images,
         prompt_token_limit=runner.prompt_token_limit,

@@ -21,6 +21,7 @@ from vllm_omni_plugin.diffusion.diffusers_registry import (
     STEP_FAMILIES,
     call_parameters,
     checked_pipeline_class,
+    companion_class,
     pipeline_class_name,
 )
 from vllm_omni_plugin.diffusion.lora import AdapterLayer, AdapterRows, LoadedAdapters
@@ -154,6 +155,10 @@ class DiffusersPipelineRunner(DiffusionRunner):
     the pipeline's own (:meth:`model_defaults`). Subclasses set ``pipeline_class`` and, as
     needed, the class attributes below and :meth:`load_overrides`, :meth:`validate`, :meth:`call_key`,
     :meth:`call_kwargs`. ``run`` asks ``should_stop`` after every step.
+
+    A request with source images that the pipeline itself does not take (a variation or an edit of a
+    text-to-image model), or with a mask, runs on diffusers' image-to-image or inpainting pipeline of the
+    same family (:meth:`task_pipeline`), built once from the loaded pipeline's components.
     """
 
     request_type = DiffusionRequest
@@ -205,6 +210,9 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """Held while a VAE that keeps state (:func:`vae_keeps_state`) encodes or decodes for a group, or
         decodes a group's preview."""
         self._preview_decoder = PreviewDecoder(getattr(pipe, "vae", None))
+        self._companions: dict[type, Any] = {}
+        """diffusers' pipelines of the family for the tasks ``pipe`` does not do, by class (built once)."""
+        self._companions_lock = threading.Lock()
         self.device = device
         self.dtype = dtype
         self.pipeline_class = cls.pipeline_class or type(pipe).__name__
@@ -244,6 +252,47 @@ class DiffusersPipelineRunner(DiffusionRunner):
             "negative_prompt" in params if negative is None else negative,
             cls.image_argument in params if images is None else images,
         )
+
+    @classmethod
+    def task_pipeline(cls, pipeline_cls: type, task: str) -> type | None:
+        """The pipeline class that runs a request of ``task`` (``diffusers_registry.TASKS``) for a model of
+        ``pipeline_cls``: the class itself where its call does it, else diffusers' image-to-image or
+        inpainting pipeline of its family; None where neither can."""
+        params = call_parameters(pipeline_cls)
+        if task == "text":
+            return None if cls.needs_images else pipeline_cls
+        if task == "images" and cls.input_support(params)[1]:
+            return pipeline_cls
+        if task == "mask" and "mask_image" in params and cls.image_argument in params:
+            return pipeline_cls
+        return companion_class(pipeline_cls, task)
+
+    def _shared(self, pipe: Any) -> bool:
+        """``pipe`` is the runner's own pipeline or one of its companions (a call changes a copy)."""
+        return pipe is self.pipe or any(pipe is c for c in self._companions.values())
+
+    @staticmethod
+    def task_of(request: DiffusionRequest) -> str:
+        return "mask" if request.mask is not None else "images" if request.images else "text"
+
+    def pipeline_for(self, request: DiffusionRequest) -> Any:
+        """The loaded pipeline that runs ``request``: the runner's own, or the family's companion for its
+        task, built from the own one's components on first use."""
+        cls = self.task_pipeline(type(self.pipe), self.task_of(request))
+        if cls is None or cls is type(self.pipe):
+            return self.pipe
+        with self._companions_lock:
+            companion = self._companions.get(cls)
+            if companion is None:
+                companion = cls.from_pipe(self.pipe)
+                companion.set_progress_bar_config(disable=True)
+                encode = getattr(companion, "encode_prompt", None)
+                if encode is not None:  # timed like the own pipeline's (``/metrics``)
+                    companion.__dict__["encode_prompt"] = self._timed(encode)
+                task = self.task_of(request)
+                logger.info("%s runs %s requests with %s (same components)", self.label, task, cls.__name__)
+                self._companions[cls] = companion
+        return companion
 
     @classmethod
     def missing_call_arguments(cls, pipeline_cls: type) -> list[str]:
@@ -289,8 +338,30 @@ class DiffusersPipelineRunner(DiffusionRunner):
     def validate(self, request: DiffusionRequest) -> None:
         """Raise ``ValueError`` naming what is wrong; run before batching, so one bad request fails alone."""
         images = len(request.images or [])
-        if request.image_to_image and not self.supports_image_to_image:
+        task = self.task_of(request)
+        runs_it = self.task_pipeline(type(self.pipe), task)
+        if task == "images" and runs_it is None:
             raise ValueError(f"{self.pipeline_class} runs text-to-image only; this request has source images")
+        if task == "mask" and runs_it is None:
+            edits = self.task_pipeline(type(self.pipe), "images") is not None
+            can = "edits of source images" if edits else "text-to-image"
+            raise ValueError(
+                f"{self.pipeline_class} cannot repaint a masked area (diffusers has no inpainting pipeline "
+                f"of its family); it runs {can} without a mask"
+            )
+        if task == "mask":
+            if images != 1:
+                raise ValueError("a mask goes with exactly one source image")
+            height, width = image_size(request.images[0])
+            if tuple(request.mask.shape) != (height, width):
+                raise ValueError(
+                    f"the mask is {request.mask.shape[1]}x{request.mask.shape[0]} (uint8 HxW), its image "
+                    f"{width}x{height}: they must match"
+                )
+        takes_strength = runs_it is not None and "strength" in call_parameters(runs_it)
+        if request.strength is not None and not takes_strength:
+            what = runs_it.__name__ if runs_it is not None else self.pipeline_class
+            raise ValueError(f"{what} takes no strength; leave strength unset")
         if self.needs_images and not images:
             raise ValueError(f"{self.pipeline_class} edits an image: the request needs a source image")
         if self.max_images is not None and images > self.max_images:
@@ -326,6 +397,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
             request.num_inference_steps,
             float(request.guidance_scale or 0.0),
             request.image_to_image,
+            request.mask is not None,
+            request.strength,
         )
         return common + tuple(self.call_key(request))
 
@@ -340,8 +413,14 @@ class DiffusersPipelineRunner(DiffusionRunner):
         kwargs: dict[str, Any] = {}
         if self.supports_negative_prompt and batch[0].negative_prompt is not None:
             kwargs["negative_prompt"] = [r.negative_prompt or "" for r in batch]
-        if self.supports_image_to_image and batch[0].images:
+        if batch[0].images:  # validate let them through: the batch's pipeline takes them
             kwargs[self.image_argument] = [as_pil(r.images[0]) for r in batch if r.images]
+        if batch[0].mask is not None:
+            import PIL.Image
+
+            kwargs["mask_image"] = [PIL.Image.fromarray(r.mask) for r in batch]
+        if batch[0].strength is not None:
+            kwargs["strength"] = batch[0].strength
         return kwargs
 
     # --- memory ------------------------------------------------------------------------------------
@@ -442,12 +521,12 @@ class DiffusersPipelineRunner(DiffusionRunner):
     ) -> BatchOutput:
         """One pipeline call for the whole batch; images as uint8 HxWx3 arrays, in batch order. Raises
         :class:`BatchAborted` at the end of the first step after which ``should_stop()`` is true."""
-        pipe = self.pipe
+        pipe = own = self.pipeline_for(batch[0])
         if self._previewing(batch):  # its own scheduler: the previews wrap its step for this call
             import copy
 
-            pipe = copy.copy(self.pipe)
-            pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
+            pipe = copy.copy(own)
+            pipe.__dict__["scheduler"] = copy.deepcopy(own.scheduler)
         return self._call(pipe, batch, generators, should_stop, self.on_step, None)
 
     def denoiser(self) -> Any:
@@ -466,15 +545,19 @@ class DiffusersPipelineRunner(DiffusionRunner):
         scheduler, whose denoiser is ``batcher``'s proxy."""
         import copy
 
-        pipe = copy.copy(self.pipe)
+        own = self.pipeline_for(batch[0])
+        pipe = copy.copy(own)
         # A group with LoRA adapters runs its denoiser itself, beside the other groups' shared forwards:
         # its rows' adapters apply on its own thread.
         if not any(r.lora is not None for r in batch):
             # Set in __dict__: the pipeline's __setattr__ would re-register the component in its config.
             pipe.__dict__[denoiser_attribute(self.pipe)] = batcher.proxy(group, len(batch))
-        pipe.__dict__["scheduler"] = copy.deepcopy(self.pipe.scheduler)
-        if self._encode is not None:  # its wait for the lock counts as encoding
-            pipe.__dict__["encode_prompt"] = self._timed(self._one_at_a_time(self._encode))
+        pipe.__dict__["scheduler"] = copy.deepcopy(own.scheduler)
+        encode = self._encode if own is self.pipe else getattr(type(own), "encode_prompt", None)
+        if encode is not None and own is not self.pipe:
+            encode = encode.__get__(own)  # the class's, not the timed one pipeline_for set
+        if encode is not None:  # its wait for the lock counts as encoding
+            pipe.__dict__["encode_prompt"] = self._timed(self._one_at_a_time(encode))
         vae, decodes = getattr(self.pipe, "vae", None), self.decode_batcher
         if vae is not None and decodes is not None:  # decodes joined with other groups'
             pipe.__dict__["vae"] = GroupVae(vae, decodes, group, self._state_lock(vae))
@@ -534,6 +617,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         import numpy as np
 
         first = batch[0]
+        arguments = call_parameters(type(pipe))
         latents_box: list[Any] = []
         step_done: list[float] = []
         kwargs: dict[str, Any] = {
@@ -545,7 +629,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         }
         if first.num_inference_steps is not None:  # unset: the pipeline's own
             kwargs["num_inference_steps"] = first.num_inference_steps
-        if first.guidance_scale is not None and self.guidance_argument in self.call_arguments:
+        if first.guidance_scale is not None and self.guidance_argument in arguments:
             kwargs[self.guidance_argument] = first.guidance_scale
 
         previews = CallPreviews()
@@ -570,7 +654,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 raise BatchAborted(f"stopped after step {step + 1}")
             return {}
 
-        if "callback_on_step_end" in self.call_arguments:
+        if "callback_on_step_end" in arguments:
             kwargs["callback_on_step_end"] = on_step_end
             kwargs["callback_on_step_end_tensor_inputs"] = ["latents"]
         if self._previewing(batch):
@@ -672,7 +756,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
 
         from vllm_omni_plugin.diffusion.cfg_parallel import PairedBranches, RowParallelDenoiser
 
-        if pipe is self.pipe:
+        if self._shared(pipe):
             pipe = copy.copy(pipe)
         denoiser, pairs = self.parallel_denoiser, None
         guided = (batch[0].guidance_scale or self.default_guidance_scale or 0.0) > 1.0
@@ -689,7 +773,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             return pipe, None
         import copy
 
-        if pipe is self.pipe:
+        if self._shared(pipe):
             pipe = copy.copy(pipe)
         name = denoiser_attribute(self.pipe)
         module = denoiser_of(self.pipe)

@@ -54,6 +54,12 @@ class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):
     """For pipelines that take one; GLM-Image has none (its unconditional pass uses an empty glyph text)."""
     images: list[Any] | None = None
     """Image-to-image: the source images (PIL images or uint8 HxWx3 arrays)."""
+    mask: Any | None = None
+    """Inpainting: where the one source image is repainted, a uint8 HxW array of its size (255: repaint,
+    0: keep), as diffusers' ``mask_image``."""
+    strength: float | None = None
+    """How far an image-to-image or inpainting request departs from its source (the pipeline's
+    ``strength``: 1.0 ignores it); None: the pipeline's own default."""
     return_latents: bool = False
     """Also return the final (denoised, still normalized) latents."""
     lora: LoraSpec | None = None

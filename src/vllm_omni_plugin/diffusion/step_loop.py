@@ -72,6 +72,7 @@ class LoopLayer:
 
 LOOP_ASKS: dict[str, Callable[[Any], bool]] = {
     "images": lambda r: bool(getattr(r, "image_to_image", False)),
+    "mask": lambda r: getattr(r, "mask", None) is not None,
     "lora": lambda r: getattr(r, "lora", None) is not None,
     "partial_images": lambda r: bool(getattr(r, "partial_images", 0)),
     "cache": lambda r: getattr(r, "cache", None) is not None and r.cache.active,

@@ -88,11 +88,16 @@ async def edit_call(
     req: ImageEditRequest,
     read_images: Callable[[], Awaitable[list[Any]]],
     image_param: str = "image",
+    read_mask: Callable[[tuple[int, int]], Awaitable[Any]] | None = None,
+    endpoint: str = "images/edits",
 ) -> ApiCall:
-    """``POST /v1/images/edits``: ``read_images`` decodes the source images (uint8 HxWx3, at most the
-    limits' ``max_input_images``: the front end bounds them as it reads), after the request's own fields
-    are checked."""
-    server.check_image_input(1, "images/edits", image_param)
+    """``POST /v1/images/edits`` (and ``/v1/images/variations``, an edit without a prompt):
+    ``read_images`` decodes the source images (uint8 HxWx3, at most the limits' ``max_input_images``: the
+    front end bounds them as it reads), after the request's own fields are checked; ``read_mask`` decodes
+    the mask of the first image (its (height, width) given), where one was sent."""
+    server.check_image_input(1, endpoint, image_param)
+    if read_mask is not None:
+        server.check_mask_input(endpoint)
     server.check_model(req.model)
     lora = server.check_lora(req.lora, req.model)
     server.check_prompts(req.prompt, req.negative_prompt)
@@ -100,10 +105,19 @@ async def edit_call(
     response_format = server.check_response_format(req.response_format)
     size = parse_size(req.size)
     images = await read_images()
+    mask = None
+    if read_mask is not None:
+        if len(images) != 1:
+            raise OmniAPIError(
+                f"a mask marks one image: send one image with it, not {len(images)}", param="mask"
+            )
+        mask = await read_mask(images[0].shape[:2])
     server.check_steps(req.num_inference_steps)
     parsed = image_requests(req, req.prompt, size, settings, images, lora=lora)
-    requests = await server.prepare(parsed, {"size": "size", "source": image_param})
-    return images_call("images/edits", req, requests, response_format)
+    for request in parsed:
+        request.mask, request.strength = mask, req.strength
+    requests = await server.prepare(parsed, {"size": "size", "source": image_param, "mask": "mask"})
+    return images_call(endpoint, req, requests, response_format)
 
 
 def images_call(

@@ -21,10 +21,10 @@ PIL_FORMATS: dict[str, str] = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 
 
 def decode_image(
-    data: bytes, limits: ImageLimits, param: str = "image", name: str | None = None
+    data: bytes, limits: ImageLimits, param: str = "image", name: str | None = None, *, mode: str = "RGB"
 ) -> np.ndarray:
-    """Uploaded bytes -> uint8 HxWx3 RGB; too many bytes or pixels -> 413, empty or not an image -> 400.
-    ``name`` (the upload's file name) says which image in the messages."""
+    """Uploaded bytes -> uint8 HxWx3 RGB (HxWx4 with ``mode="RGBA"``); too many bytes or pixels -> 413,
+    empty or not an image -> 400. ``name`` (the upload's file name) says which image in the messages."""
     from PIL import Image, UnidentifiedImageError
 
     subject = repr(name) if name else "the image"
@@ -56,7 +56,13 @@ def decode_image(
                     param=param,
                 )
             image.load()
-            return np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
+            if mode == "RGBA" and not _has_alpha(image):
+                raise OmniAPIError(
+                    f"{param}: {subject} has no alpha channel: a mask marks the area to repaint with fully "
+                    "transparent pixels (a PNG with transparency)",
+                    param=param,
+                )
+            return np.asarray(image.convert(mode), dtype=np.uint8).copy()
     except OmniAPIError:
         raise
     except Image.DecompressionBombError as exc:
@@ -73,6 +79,33 @@ def decode_image(
         raise OmniAPIError(
             f"{param}: cannot decode {subject} as a PNG, JPEG or WebP image", param=param
         ) from None
+
+
+def _has_alpha(image: Any) -> bool:
+    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+
+
+def decode_mask(
+    data: bytes, limits: ImageLimits, size: tuple[int, int], param: str = "mask", name: str | None = None
+) -> np.ndarray:
+    """An uploaded mask, as OpenAI's edits read it (a PNG whose fully transparent pixels mark where the
+    image is repainted, of the image's ``size``, (height, width)) -> uint8 HxW, 255 where repainted, 0
+    where kept: diffusers' ``mask_image``. No alpha channel, another size or nothing transparent -> 400."""
+    rgba = decode_image(data, limits, param, name, mode="RGBA")
+    if rgba.shape[:2] != tuple(size):
+        raise OmniAPIError(
+            f"{param}: the mask is {rgba.shape[1]}x{rgba.shape[0]}, the image {size[1]}x{size[0]}: a mask "
+            "has the size of the image it marks",
+            param=param,
+        )
+    repaint = rgba[..., 3] == 0
+    if not repaint.any():
+        raise OmniAPIError(
+            f"{param}: the mask has no fully transparent pixel, so nothing would be repainted (transparent "
+            "pixels, alpha 0, mark the area to edit)",
+            param=param,
+        )
+    return np.where(repaint, 255, 0).astype(np.uint8)
 
 
 def max_image_pixels(limits: ImageLimits) -> int:

@@ -186,7 +186,20 @@ class ImageGenerationRequest(ImageParams):
 
 
 class ImageEditRequest(ImageGenerationRequest):
-    """``POST /v1/images/edits`` (multipart form; the images come as files)."""
+    """``POST /v1/images/edits`` (multipart form; the images come as files, and an optional ``mask``)."""
+
+    strength: float | None = Field(default=None, gt=0.0, le=1.0)
+    """How far the image departs from its source, where the model's pipeline for it takes a strength
+    (image-to-image and inpainting: 1.0 ignores the source); unset: the pipeline's own (0.6 for SD3,
+    FLUX and Qwen-Image)."""
+
+
+class ImageVariationRequest(ImageEditRequest):
+    """``POST /v1/images/variations`` (multipart form: one ``image`` file): the source image redrawn, as
+    an image-to-image of it with no prompt (``prompt`` is ours, to steer it) at the pipeline's own
+    strength unless the request gives one."""
+
+    prompt: str = ""
 
 
 class ImageObject(msgspec.Struct, omit_defaults=True):

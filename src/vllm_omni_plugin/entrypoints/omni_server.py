@@ -206,6 +206,17 @@ class OmniServer:
                 param=param,
             )
 
+    def check_mask_input(self, endpoint: str) -> None:
+        """A mask only where the model repaints masked areas (its inpainting pipeline)."""
+        facts, label = self.omni.inputs.facts, self.omni.inputs.model_label
+        if facts is not None and not getattr(facts, "takes_mask", False):
+            can = "edits without a mask" if facts.takes_images else "text-to-image only"
+            raise OmniAPIError(
+                f"{endpoint}: this model ({label}) cannot repaint a masked area (it runs {can}); send the "
+                "request without a mask",
+                param="mask",
+            )
+
     def check_response_format(self, response_format: str | None) -> str:
         if response_format == "url" and not self.settings.media_dir:
             raise OmniAPIError(

@@ -36,8 +36,13 @@ from vllm_omni_plugin.entrypoints.api_calls import (
 )
 from vllm_omni_plugin.entrypoints.chat_protocol import ChatCompletionRequest
 from vllm_omni_plugin.entrypoints.errors import OmniAPIError, decode_json, error_body, parse_request
-from vllm_omni_plugin.entrypoints.image_codec import MEDIA_TYPES, decode_image
-from vllm_omni_plugin.entrypoints.image_protocol import ImageEditRequest, ImageGenerationRequest, ImageLimits
+from vllm_omni_plugin.entrypoints.image_codec import MEDIA_TYPES, decode_image, decode_mask
+from vllm_omni_plugin.entrypoints.image_protocol import (
+    ImageEditRequest,
+    ImageGenerationRequest,
+    ImageLimits,
+    ImageVariationRequest,
+)
 from vllm_omni_plugin.entrypoints.lora_adapters import RUNTIME_UPDATES_ENV, runtime_updates_allowed
 from vllm_omni_plugin.entrypoints.models_protocol import (
     LoadLoraRequest,
@@ -100,29 +105,50 @@ async def create_images(raw: Request) -> Response:
 
 @router.post("/v1/images/edits")
 async def edit_images(raw: Request) -> Response:
+    return await _edit_or_variation(raw, "images/edits", ImageEditRequest)
+
+
+@router.post("/v1/images/variations")
+async def image_variations(raw: Request) -> Response:
+    return await _edit_or_variation(raw, "images/variations", ImageVariationRequest)
+
+
+async def _edit_or_variation(raw: Request, endpoint: str, request_type: type[ImageEditRequest]) -> Response:
+    """An edit (images, a prompt, an optional mask) or a variation (one image, no prompt): both read the
+    same multipart form and run as image-to-image (or inpainting) requests."""
     server = _server(raw)
     limits = server.limits
-    server.check_image_input(1, "images/edits", "image")  # before reading the body
+    server.check_image_input(1, endpoint, "image")  # before reading the body
     form = await _read_form(raw, limits)
     try:
-        files, fields = _edit_parts(form, limits)
-        req = parse_request(ImageEditRequest, fields)
+        files, mask, fields = _edit_parts(form, limits, endpoint)
+        req = parse_request(request_type, fields)
+
+        async def read(upload: UploadFile, param: str) -> bytes:
+            if upload.size is not None and upload.size > limits.max_upload_bytes:
+                raise OmniAPIError(
+                    f"{param}: {_file_label(upload)} is {upload.size} bytes; this server accepts at most "
+                    f"{limits.max_upload_bytes} bytes per image",
+                    status=413,
+                    param=param,
+                )
+            return await upload.read()
 
         async def read_images() -> list[Any]:
             images = []
             for upload in files:
-                if upload.size is not None and upload.size > limits.max_upload_bytes:
-                    raise OmniAPIError(
-                        f"image: {_file_label(upload)} is {upload.size} bytes; this server accepts at most "
-                        f"{limits.max_upload_bytes} bytes per image",
-                        status=413,
-                        param="image",
-                    )
-                blob = await upload.read()
+                blob = await read(upload, "image")
                 images.append(await asyncio.to_thread(decode_image, blob, limits, "image", upload.filename))
             return images
 
-        call = await edit_call(server, req, read_images)
+        async def read_mask(size: tuple[int, int]) -> Any:
+            assert mask is not None
+            blob = await read(mask, "mask")
+            return await asyncio.to_thread(decode_mask, blob, limits, size, "mask", mask.filename)
+
+        call = await edit_call(
+            server, req, read_images, read_mask=read_mask if mask is not None else None, endpoint=endpoint
+        )
     finally:
         await form.close()
     if call.stream:
@@ -404,30 +430,42 @@ async def _read_form(raw: Request, limits: ImageLimits) -> FormData:
     return form
 
 
-def _edit_parts(form: FormData, limits: ImageLimits) -> tuple[list[UploadFile], dict[str, Any]]:
-    """The edit's image files and its other fields, each sent once (a repeated field is refused, not
-    one of its values picked)."""
+def _edit_parts(
+    form: FormData, limits: ImageLimits, endpoint: str
+) -> tuple[list[UploadFile], UploadFile | None, dict[str, Any]]:
+    """The edit's image files, its mask file (edits only) and its other fields, each sent once (a
+    repeated field is refused, not one of its values picked)."""
     files: list[UploadFile] = []
+    mask: UploadFile | None = None
     fields: dict[str, Any] = {}
+    takes_mask = endpoint == "images/edits"
     for key, value in form.multi_items():
         if isinstance(value, UploadFile):
+            if key == "mask" and takes_mask:
+                if mask is not None:
+                    raise OmniAPIError("mask is repeated: send one mask file", param="mask")
+                mask = value
+                continue
             if key not in IMAGE_FIELDS:
-                raise OmniAPIError(f"{key}: file uploads other than image are not supported", param=key)
+                taken = "image and mask" if takes_mask else "image"
+                raise OmniAPIError(f"{key}: file uploads other than {taken} are not supported", param=key)
             files.append(value)
-        elif key in IMAGE_FIELDS:
-            raise OmniAPIError("image must be an uploaded file (a form part with a filename)", param="image")
+        elif key in IMAGE_FIELDS or (key == "mask" and takes_mask):
+            raise OmniAPIError(f"{key} must be an uploaded file (a form part with a filename)", param=key)
         elif key in fields:
             raise OmniAPIError(f"{key} is repeated: send it once", param=key)
         else:
             fields[key] = _form_value(key, value)
     if not files:
         raise OmniAPIError("upload at least one image (form field `image`)", param="image")
+    if not takes_mask and len(files) > 1:
+        raise OmniAPIError(f"{endpoint} takes one image, not {len(files)}", param="image")
     if len(files) > limits.max_input_images:
         raise OmniAPIError(
             f"too many files: this server takes at most {limits.max_input_images} images per request",
             param="image",
         )
-    return files, fields
+    return files, mask, fields
 
 
 def _file_label(upload: UploadFile) -> str:

@@ -53,6 +53,10 @@ class OmniRequest:
     negative_prompt: str | None = None
     images: list[Any] = field(default_factory=list)
     """Source images for image-to-image (PIL images or uint8 arrays)."""
+    mask: Any | None = None
+    """Where the one source image is repainted (uint8 HxW, 255: repaint), for inpainting models."""
+    strength: float | None = None
+    """How far an image-to-image or inpainting request departs from its source (None: the pipeline's)."""
     sampling_params: dict[str, Any] = field(default_factory=dict)
     """AR sampling overrides (e.g. ``{"temperature": 0}`` for greedy decoding)."""
     modality: str = "image"
@@ -106,6 +110,8 @@ class OmniCoreRequest:
     lora: LoraSpec | None = None
     cache: StepCacheSpec | None = None
     priority: int = 0
+    mask: Any | None = None
+    strength: float | None = None
     on_event: EventSink | None = field(default=None, repr=False, compare=False)
 
     def runner_request(self, cls: type[R], **family: Any) -> R:
@@ -237,8 +243,24 @@ class InputProcessor:
             lora=request.lora,
             cache=request.cache,
             priority=self._priority(request),
+            mask=self._mask(request),
+            strength=request.strength,
             on_event=request.on_event,
         )
+
+    def _mask(self, request: OmniRequest) -> Any | None:
+        """The request's mask, where its model repaints masked areas and it has the one image it marks."""
+        if request.mask is None:
+            return None
+        facts = self.facts
+        if facts is not None and not getattr(facts, "takes_mask", False):
+            raise InputError(
+                f"this model ({self.model_label}) cannot repaint a masked area; send the edit without a mask",
+                "mask",
+            )
+        if len(request.images) != 1:
+            raise InputError("a mask goes with exactly one source image", "mask")
+        return request.mask
 
     def _priority(self, request: OmniRequest) -> int:
         if request.priority != 0 and not self.priority_scheduling:

@@ -99,6 +99,13 @@ class QwenImageEditRunner(QwenImageRunner):
         return kwargs
 
     @classmethod
+    def task_pipeline(cls, pipeline_cls: type, task: str) -> type | None:
+        """No masks yet: diffusers' QwenImageEditInpaintPipeline sizes its output from the source image
+        (about a megapixel) where the edit pipeline takes the requested size, so the runner's resizing
+        would have to follow it there too."""
+        return None if task == "mask" else super().task_pipeline(pipeline_cls, task)
+
+    @classmethod
     def load_overrides(cls, model: str) -> dict[str, Any]:
         return _with_qwen2vl_processor(super().load_overrides(model), model)
 

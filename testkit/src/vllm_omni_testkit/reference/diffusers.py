@@ -8,7 +8,10 @@ documented request -> pipeline mapping:
 - ``guidance_scale`` is the pipeline's ``guidance_scale``, except Qwen-Image's families, where it is
   ``true_cfg_scale`` with ``negative_prompt=" "`` when the request gives none (guidance above 1 only);
 - a source image is the pipeline's ``image`` (Qwen-Image-Edit-2509 and later: the list of a request's
-  images).
+  images); where the model's own pipeline takes none, diffusers' image-to-image pipeline of the family
+  (``AutoPipelineForImage2Image.from_pipe``) makes it, and a request with a mask is diffusers'
+  inpainting pipeline's (``AutoPipelineForInpainting.from_pipe``: the mask its ``mask_image``, white where
+  repainted), with the request's ``strength`` where it gives one.
 
 The only thing taken from this project is the Qwen-Image-Edit processor loader, which transformers needs
 torchvision for (see ``vllm_omni_plugin.families.diffusers.qwen2vl_processor``).
@@ -57,10 +60,15 @@ def reference_image(
     negative_prompt: str | None = None,
     images: list[Any] | None = None,
     lora: tuple[str, str, float] | None = None,
+    mask: Any | None = None,
+    strength: float | None = None,
 ) -> Any:
     """One stock diffusers call for one request; the image as a uint8 HxWx3 array (``None`` sizes: the
     pipeline's own default). ``lora`` (name, path, scale): the adapter loaded with diffusers' own
     ``load_lora_weights`` (PEFT) and set to that scale, as a diffusers user runs one."""
+    import inspect
+
+    import diffusers
     import numpy as np
     import torch
     from PIL import Image
@@ -94,5 +102,12 @@ def reference_image(
             pipe.load_lora_weights(path, adapter_name=name_)
         pipe.enable_lora()
         pipe.set_adapters([name_], [scale])
+    if mask is not None:
+        kwargs["mask_image"] = Image.fromarray(np.asarray(mask, dtype=np.uint8))
+        pipe = diffusers.AutoPipelineForInpainting.from_pipe(pipe)
+    elif images and "image" not in inspect.signature(type(pipe).__call__).parameters:
+        pipe = diffusers.AutoPipelineForImage2Image.from_pipe(pipe)
+    if strength is not None:
+        kwargs["strength"] = strength
     out = pipe(**kwargs)
     return np.asarray(out.images[0].convert("RGB"))
