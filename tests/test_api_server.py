@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import os
 import re
 import signal
@@ -228,6 +229,25 @@ def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
         assert name in text, name
     generated = [line for line in text.splitlines() if line.startswith("omni_images_generated_total{")]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in generated) >= 1
+
+
+def test_vllm_bench_serve_omni_reads_both_stages_times(
+    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``vllm bench serve --omni`` on the two-stage GLM-Image: its saved result matches what ran (the
+    server counted exactly its images) and gives each stage's mean time from /metrics."""
+    from vllm_omni_plugin.bench.serve import main as bench_main
+
+    before = server.metric("omni_images_generated_total")
+    argv = ["--omni", "--base-url", server.base_url, "--num-prompts", "3", "--size", "64x64",
+            "--num-inference-steps", "4", "--save-result", "--result-dir", str(tmp_path)]  # fmt: skip
+    assert bench_main(argv) == 0
+    assert "Serving Benchmark Result (images)" in capsys.readouterr().out
+    (path,) = tmp_path.glob("*.json")
+    result = json.loads(path.read_text())
+    assert (result["completed"], result["failed"], result["total_images"]) == (3, 0, 3)
+    assert server.metric("omni_images_generated_total") - before == 3
+    assert result["server"]["mean_stage_0:ar_ms"] > 0 and result["server"]["mean_stage_1:dit_ms"] > 0
 
 
 def test_sixteen_concurrent_requests(server: ServerProcess) -> None:

@@ -310,6 +310,40 @@ def test_models_and_health(served: Served) -> None:
     assert body["stages"]["0"]["name"] == "diffusion" and body["stages"]["0"]["healthy"] is True
 
 
+def test_vllm_bench_serve_omni_measures_the_server_and_its_saved_result_matches_what_ran(
+    served: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``vllm bench serve --omni`` (in process: the stock script's hand-off is test_bench_serve.py's) on the
+    tiny SD3, plain and streamed: its saved JSON says what was sent, and the server's /metrics agree (the
+    denoising steps of exactly those requests ran; its queue and stage times are in the result)."""
+    if served.family != "sd3":
+        pytest.skip("checked on the tiny SD3")
+    from vllm_omni_plugin.bench.serve import main as bench_main
+
+    for workload in ("generations", "stream"):
+        steps = served.server.metric("omni_diffusion_denoise_steps_total")
+        out = tmp_path / workload
+        argv = ["--omni", "--base-url", served.server.base_url, "--workload", workload, "--num-prompts", "4",
+                "--max-concurrency", "2", "--size", "64x64,32x32", "--num-inference-steps", "2,3",
+                "--save-result", "--save-detailed", "--result-dir", str(out)]  # fmt: skip
+        assert bench_main(argv) == 0
+        assert "Serving Benchmark Result (images)" in capsys.readouterr().out
+        (path,) = out.glob("*.json")
+        result = json.loads(path.read_text())
+        assert (result["model_id"], result["completed"], result["failed"]) == (served.name, 4, 0)
+        ran = served.server.metric("omni_diffusion_denoise_steps_total") - steps
+        assert ran == sum(r["num_inference_steps"] for r in result["requests"])
+        server = result["server"]
+        assert server["diffusion_requests"] == 4 and server["mean_diffusion_queue_ms"] >= 0
+        assert server["mean_stage_0:diffusion_ms"] > 0
+        if workload == "stream":
+            assert all(
+                t is not None and 0 < t <= e
+                for t, e in zip(result["ttfps"], result["latencies"], strict=True)
+            )
+            assert result["p99_ttfp_ms"] > 0
+
+
 # --- streamed answers -----------------------------------------------------------------------------------
 # Last on each family's server: the request aborted below comes after every test that counts its steps,
 # images or /health's inflight requests.

@@ -318,7 +318,8 @@ def explicit_engine_args(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     if not argv or argv[0] != "serve":
         raise OmniCLIError(
-            f"--omni works with `vllm serve MODEL --omni ...` only (got `vllm {' '.join(argv)}`)"
+            "--omni works with `vllm serve MODEL --omni ...` and `vllm bench serve --omni ...` only (got "
+            f"`vllm {' '.join(argv)}`)"
         )
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -476,6 +477,10 @@ def run_headless(args: argparse.Namespace, resolved: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "serve"]:  # vLLM hands `vllm bench serve --omni` to us as well
+        from vllm_omni_plugin.bench.serve import main as bench_main
+
+        sys.exit(bench_main(argv[2:]))
     try:
         check_plugin_enabled()
         check_no_vllm_omni_distribution()
