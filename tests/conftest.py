@@ -200,6 +200,13 @@ def tiny_flux() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_fill() -> Path:
+    from vllm_omni_plugin.tiny_models import build
+
+    return build("flux-fill", tiny_model_cache() / "flux-fill")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_image() -> Path:
     from vllm_omni_plugin.tiny_models import build
 

@@ -312,6 +312,32 @@ def test_masked_edits_and_variations_run_on_the_familys_own_inpainting_and_image
     }
 
 
+def test_flux_fill_repaints_masks_with_its_own_pipeline_and_refuses_requests_without_one(
+    tiny_flux_fill: Path,
+) -> None:
+    """FLUX.1 Fill's own pipeline is an inpainting one: a masked edit equals FluxFillPipeline's own image
+    (two batched as alone), and a request without a mask fails alone, saying what it needs."""
+    facts = registry.inspect_model(str(tiny_flux_fill))
+    assert (facts.takes_mask, facts.needs_mask, facts.needs_images) == (True, True, True)
+    engine = DiffusionEngine(tiny_flux_fill, DiffusionEngineConfig(max_batch_size=4))
+    assert (
+        engine.runner.pipeline_for(ask("x", "x", 1, 3.5, mask=np.zeros((SIZE, SIZE), np.uint8)))
+        is engine.runner.pipe
+    )
+    source = source_image(SIZE, seed=4)
+    mask = np.zeros((SIZE, SIZE), np.uint8)
+    mask[8:40, 16:56] = 255
+    masked = [
+        ask("f1", "a red door", seed=6, guidance=3.5, images=[source], mask=mask),
+        ask("f2", "a green door", seed=9, guidance=3.5, images=[source], mask=mask),
+    ]
+    results = engine.generate([*masked, ask("t", "a red door", seed=6, guidance=3.5)])
+    for request, result in zip(masked, ok(results[:2]), strict=True):
+        assert_within_one_level(result.image, reference(engine, request))
+        assert_a_real_image(result.image)
+    assert "needs an image and a mask" in (results[2].error or "")
+
+
 def test_a_pipeline_without_the_usual_call_is_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "DDPMPipeline"}))
     message = "DDPMPipeline cannot be served: its __call__ takes no prompt, height, width"

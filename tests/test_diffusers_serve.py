@@ -251,6 +251,23 @@ def test_edits_masked_edits_and_variations_equal_diffusers(served: Served) -> No
         )
         direct = served.reference("a red door", 22, [source], mask=mask, strength=0.8)
         assert_within_one_level(decode(result.data[0].b64_json), direct)
+        # in chat, the mask is an image_url part marked as such (at the pipeline's own strength)
+        uri = "data:image/png;base64,"
+        content = [
+            {"type": "text", "text": "a red door"},
+            {"type": "image_url", "image_url": {"url": uri + base64.b64encode(png(source)).decode()}},
+            {
+                "type": "image_url",
+                "image_url": {"url": uri + base64.b64encode(png(rgba)).decode(), "mask": True},
+            },
+        ]
+        response = served.client.chat.completions.create(
+            model=served.name,
+            messages=[{"role": "user", "content": content}],
+            extra_body={"modalities": ["image"], "size": "64x64", "seed": 22, **served.sampling},
+        )
+        chat_image = decode(response.choices[0].message.content[0]["image_url"]["url"].removeprefix(uri))
+        assert_within_one_level(chat_image, served.reference("a red door", 22, [source], mask=mask))
 
     result = served.client.images.create_variation(
         image=image, n=2, size="64x64", extra_body={**served.sampling, "seed": 23}

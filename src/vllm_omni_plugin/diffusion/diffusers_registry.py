@@ -67,6 +67,8 @@ class ModelFacts:
     takes_mask: bool = False
     """It repaints the masked area of a source image (inpainting: its own pipeline or diffusers'
     inpainting pipeline of its family)."""
+    needs_mask: bool = False
+    """It only repaints masked areas (FLUX.1 Fill): every request has an image and a mask."""
 
 
 def call_parameters(pipeline_cls: type) -> Mapping[str, inspect.Parameter]:
@@ -199,11 +201,13 @@ def inspect_model(model: str) -> ModelFacts:
     name = pipeline_class_name(model)
     runner = runner_class(name)
     pipeline_cls = checked_pipeline_class(runner.pipeline_class or name, runner)
+    text, images, mask = (runner.task_pipeline(pipeline_cls, task) for task in TASKS)
     return ModelFacts(
         pipeline_class=name,
-        takes_images=runner.task_pipeline(pipeline_cls, "images") is not None,
-        takes_mask=runner.task_pipeline(pipeline_cls, "mask") is not None,
-        needs_images=runner.needs_images,
+        takes_images=images is not None or mask is not None,
+        takes_mask=mask is not None,
+        needs_mask=mask is not None and text is None and images is None,
+        needs_images=runner.needs_images or text is None,
         max_images=runner.max_images,
         prompt_token_limit=runner.prompt_token_limit,
         prompt_tokenizer=runner.prompt_tokenizer,

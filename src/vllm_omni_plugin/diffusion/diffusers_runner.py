@@ -259,11 +259,14 @@ class DiffusersPipelineRunner(DiffusionRunner):
         ``pipeline_cls``: the class itself where its call does it, else diffusers' image-to-image or
         inpainting pipeline of its family; None where neither can."""
         params = call_parameters(pipeline_cls)
+        inpainting = "mask_image" in params and cls.image_argument in params
+        if task == "mask":
+            return pipeline_cls if inpainting else companion_class(pipeline_cls, task)
+        if inpainting:  # an inpainting model (FLUX.1 Fill): every request has its mask
+            return None
         if task == "text":
             return None if cls.needs_images else pipeline_cls
-        if task == "images" and cls.input_support(params)[1]:
-            return pipeline_cls
-        if task == "mask" and "mask_image" in params and cls.image_argument in params:
+        if cls.input_support(params)[1]:
             return pipeline_cls
         return companion_class(pipeline_cls, task)
 
@@ -340,6 +343,12 @@ class DiffusersPipelineRunner(DiffusionRunner):
         images = len(request.images or [])
         task = self.task_of(request)
         runs_it = self.task_pipeline(type(self.pipe), task)
+        repaints_only = self.task_pipeline(type(self.pipe), "mask") is type(self.pipe)
+        if task != "mask" and repaints_only:
+            raise ValueError(
+                f"{self.pipeline_class} repaints the masked area of a source image: the request needs an "
+                "image and a mask"
+            )
         if task == "images" and runs_it is None:
             raise ValueError(f"{self.pipeline_class} runs text-to-image only; this request has source images")
         if task == "mask" and runs_it is None:

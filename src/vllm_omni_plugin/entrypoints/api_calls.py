@@ -147,7 +147,7 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
     lora = server.check_lora(req.lora, req.model)
     settings = server.check_settings(req)
     server.check_steps(req.num_inference_steps)
-    prompt, images = await asyncio.to_thread(chat_prompt_and_images, req.messages, server.limits)
+    prompt, images, mask = await asyncio.to_thread(chat_prompt_and_images, req.messages, server.limits)
     server.check_prompts(prompt, req.negative_prompt, param="messages")
     if not req.wants_image:
         parsed = [
@@ -165,9 +165,13 @@ async def chat_call(server: OmniServer, req: ChatCompletionRequest) -> ApiCall:
         requests = await server.prepare(parsed, {"source": "messages"})
         return ApiCall("chat/completions", requests, model=model, text=True, stream=check_stream(req))
     server.check_image_input(len(images), "chat/completions", "messages")
+    if mask is not None:
+        server.check_mask_input("chat/completions")
     size = parse_size(req.size)
     sides = (req.width, req.height) if size is None else size
     parsed = image_requests(req, prompt, sides, settings, images, req.sampling_params(), lora=lora)
+    for request in parsed:
+        request.mask = mask
     size_param = (
         "size" if size is not None else "width" if req.height is None and req.width is not None else "height"
     )

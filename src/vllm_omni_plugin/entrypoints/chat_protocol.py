@@ -10,7 +10,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from vllm_omni_plugin.entrypoints.errors import OmniAPIError
-from vllm_omni_plugin.entrypoints.image_codec import decode_data_uri
+from vllm_omni_plugin.entrypoints.image_codec import decode_data_uri, mask_from_alpha
 from vllm_omni_plugin.entrypoints.image_protocol import ImageLimits, ImageParams, OutputFormat
 
 # Standard chat-completion fields that do not apply to image output: accepted, ignored.
@@ -83,14 +83,18 @@ class ChatCompletionRequest(ImageParams):
 
 def chat_prompt_and_images(
     messages: list[dict[str, Any]], limits: ImageLimits
-) -> tuple[str, list[np.ndarray]]:
-    """The last user message's text (the prompt) and its ``image_url`` parts (the source images)."""
+) -> tuple[str, list[np.ndarray], np.ndarray | None]:
+    """The last user message's text (the prompt), its ``image_url`` parts (the source images) and the
+    mask of a masked edit: an ``image_url`` part marked ``"mask": true`` (``{"type": "image_url",
+    "image_url": {"url": "data:image/png;base64,...", "mask": true}}``: a PNG of the image's size whose
+    transparent pixels are repainted, as the Images API's ``mask``), with exactly one image."""
     index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
     if index is None:
         raise OmniAPIError("messages: there is no user message to draw", param="messages")
     content = messages[index].get("content")
     texts: list[str] = []
     images: list[np.ndarray] = []
+    mask: tuple[np.ndarray, str] | None = None
     parts: list[Any] = [content] if isinstance(content, str) else content if isinstance(content, list) else []
     if not parts:
         raise OmniAPIError(f"messages[{index}].content must be a string or a list of parts", param="messages")
@@ -107,6 +111,11 @@ def chat_prompt_and_images(
             url = ref.get("url") if isinstance(ref, dict) else ref
             if not isinstance(url, str):
                 raise OmniAPIError(f"{where}.image_url.url must be a string", param="messages")
+            if isinstance(ref, dict) and ref.get("mask") is True:
+                if mask is not None:
+                    raise OmniAPIError(f"{where}: a second mask; send one", param="messages")
+                mask = (decode_data_uri(url, limits, f"{where}.image_url", mode="RGBA"), f"{where}.image_url")
+                continue
             if len(images) >= limits.max_input_images:
                 raise OmniAPIError(
                     f"at most {limits.max_input_images} input images per request", param="messages"
@@ -120,7 +129,14 @@ def chat_prompt_and_images(
     prompt = "\n".join(t for t in texts if t.strip()).strip()
     if not prompt:
         raise OmniAPIError(f"messages[{index}] has no text to draw from", param="messages")
-    return prompt, images
+    if mask is None:
+        return prompt, images, None
+    if len(images) != 1:
+        raise OmniAPIError(
+            f"messages[{index}]: a mask marks one image: send one image with it, not {len(images)}",
+            param="messages",
+        )
+    return prompt, images, mask_from_alpha(mask[0], images[0].shape[:2], mask[1])
 
 
 class ChatMessage(msgspec.Struct):

@@ -91,7 +91,12 @@ def decode_mask(
     """An uploaded mask, as OpenAI's edits read it (a PNG whose fully transparent pixels mark where the
     image is repainted, of the image's ``size``, (height, width)) -> uint8 HxW, 255 where repainted, 0
     where kept: diffusers' ``mask_image``. No alpha channel, another size or nothing transparent -> 400."""
-    rgba = decode_image(data, limits, param, name, mode="RGBA")
+    return mask_from_alpha(decode_image(data, limits, param, name, mode="RGBA"), size, param)
+
+
+def mask_from_alpha(rgba: np.ndarray, size: tuple[int, int], param: str) -> np.ndarray:
+    """A decoded RGBA mask -> uint8 HxW (255: repaint where alpha is 0), checked against its image's
+    (height, width)."""
     if rgba.shape[:2] != tuple(size):
         raise OmniAPIError(
             f"{param}: the mask is {rgba.shape[1]}x{rgba.shape[0]}, the image {size[1]}x{size[0]}: a mask "
@@ -119,8 +124,9 @@ _DATA_URI = re.compile(
 """RFC 2397: the scheme, media type and ``base64`` are case-insensitive (``DATA:image/PNG;BASE64,``)."""
 
 
-def decode_data_uri(url: str, limits: ImageLimits, param: str) -> np.ndarray:
-    """A ``data:image/...;base64,...`` URI -> uint8 HxWx3; this server never fetches remote URLs."""
+def decode_data_uri(url: str, limits: ImageLimits, param: str, *, mode: str = "RGB") -> np.ndarray:
+    """A ``data:image/...;base64,...`` URI -> uint8 HxWx3 (HxWx4 with ``mode="RGBA"``); this server never
+    fetches remote URLs."""
     match = _DATA_URI.match(url.strip())
     if match is None:
         raise OmniAPIError(
@@ -140,7 +146,7 @@ def decode_data_uri(url: str, limits: ImageLimits, param: str) -> np.ndarray:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise OmniAPIError(f"{param}: the data URI is not valid base64", param=param) from None
-    return decode_image(raw, limits, param)
+    return decode_image(raw, limits, param, mode=mode)
 
 
 def encode_image(image: Any, output_format: str = "png", compression: int | None = None) -> bytes:

@@ -250,9 +250,15 @@ class InputProcessor:
 
     def _mask(self, request: OmniRequest) -> Any | None:
         """The request's mask, where its model repaints masked areas and it has the one image it marks."""
-        if request.mask is None:
-            return None
         facts = self.facts
+        if request.mask is None:
+            if getattr(facts, "needs_mask", False) and request.modality != "text":
+                raise InputError(
+                    f"this model ({self.model_label}) repaints the masked area of a source image: send "
+                    "the image with a mask (transparent where it is repainted)",
+                    "mask",
+                )
+            return None
         if facts is not None and not getattr(facts, "takes_mask", False):
             raise InputError(
                 f"this model ({self.model_label}) cannot repaint a masked area; send the edit without a mask",

@@ -59,6 +59,7 @@ BUILDERS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[Path, dict[str
     "sd3": (_lazy("sd3", "sd3_config"), _lazy("sd3", "build_sd3")),
     "sd3-medium-shape": (_lazy("sd3", "sd3_medium_shape_config"), _lazy("sd3", "build_sd3")),
     "flux": (_lazy("flux", "flux_config"), _lazy("flux", "build_flux")),
+    "flux-fill": (_lazy("flux", "flux_fill_config"), _lazy("flux", "build_flux")),
     "qwen-image": (_lazy("qwen_image", "qwen_image_config"), _lazy("qwen_image", "build_qwen_image")),
     "qwen-image-edit": (
         _lazy("qwen_image", "qwen_image_edit_config"),

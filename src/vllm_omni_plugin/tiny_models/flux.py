@@ -1,4 +1,6 @@
-"""A tiny FLUX.1 (``FluxPipeline``) in the hub layout, random weights.
+"""A tiny FLUX.1 (``FluxPipeline``) in the hub layout, random weights; ``flux-fill`` is FLUX.1 Fill's layout
+(``FluxFillPipeline``: the transformer reads the packed latents, the masked image's latents and the mask,
+384 input channels, as FLUX.1-Fill-dev's).
 
 The real component classes at toy size: ``FluxTransformer2DModel`` (double- and single-stream blocks,
 guidance-distilled like FLUX.1-dev, RoPE axes summing to the head size), ``AutoencoderKL`` (16 latent
@@ -50,9 +52,21 @@ def flux_config() -> dict[str, Any]:
     }
 
 
+def flux_fill_config() -> dict[str, Any]:
+    cfg = flux_config()
+    cfg["fill"] = True
+    cfg["transformer"] = {**cfg["transformer"], "in_channels": 384, "out_channels": 64}
+    return cfg
+
+
 def build_flux(outdir: Path, cfg: dict[str, Any]) -> None:
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        FluxFillPipeline,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
 
     from vllm_omni_plugin.tiny_models.components import (
         autoencoder_kl,
@@ -79,7 +93,8 @@ def build_flux(outdir: Path, cfg: dict[str, Any]) -> None:
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, **cfg["scheduler"]
     )
-    pipe = FluxPipeline(
+    pipeline_cls = FluxFillPipeline if cfg.get("fill") else FluxPipeline
+    pipe = pipeline_cls(
         transformer=transformer.eval(),
         scheduler=scheduler,
         vae=autoencoder_kl(cfg["vae"], generator),
@@ -89,8 +104,9 @@ def build_flux(outdir: Path, cfg: dict[str, Any]) -> None:
         tokenizer_2=tokenizer_2,
     )
     pipe.save_pretrained(outdir, safe_serialization=True)
+    kind = "flux-fill" if cfg.get("fill") else "flux"
     (outdir / "README.md").write_text(
-        "# tiny FLUX.1\n\nRandom weights in the FluxPipeline layout, built offline by "
-        "`python -m vllm_omni_plugin.tiny_models flux OUTDIR`. For tests only: its images are "
+        f"# tiny FLUX.1\n\nRandom weights in the {pipeline_cls.__name__} layout, built offline by "
+        f"`python -m vllm_omni_plugin.tiny_models {kind} OUTDIR`. For tests only: its images are "
         "noise.\n"
     )

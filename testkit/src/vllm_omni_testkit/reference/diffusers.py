@@ -10,8 +10,9 @@ documented request -> pipeline mapping:
 - a source image is the pipeline's ``image`` (Qwen-Image-Edit-2509 and later: the list of a request's
   images); where the model's own pipeline takes none, diffusers' image-to-image pipeline of the family
   (``AutoPipelineForImage2Image.from_pipe``) makes it, and a request with a mask is diffusers'
-  inpainting pipeline's (``AutoPipelineForInpainting.from_pipe``: the mask its ``mask_image``, white where
-  repainted), with the request's ``strength`` where it gives one.
+  inpainting pipeline's (``AutoPipelineForInpainting.from_pipe``, or the model's own where it is one, as
+  FLUX.1 Fill's: the mask its ``mask_image``, white where repainted), with the request's ``strength``
+  where it gives one.
 
 The only thing taken from this project is the Qwen-Image-Edit processor loader, which transformers needs
 torchvision for (see ``vllm_omni_plugin.families.diffusers.qwen2vl_processor``).
@@ -102,10 +103,12 @@ def reference_image(
             pipe.load_lora_weights(path, adapter_name=name_)
         pipe.enable_lora()
         pipe.set_adapters([name_], [scale])
+    takes = inspect.signature(type(pipe).__call__).parameters
     if mask is not None:
         kwargs["mask_image"] = Image.fromarray(np.asarray(mask, dtype=np.uint8))
-        pipe = diffusers.AutoPipelineForInpainting.from_pipe(pipe)
-    elif images and "image" not in inspect.signature(type(pipe).__call__).parameters:
+        if "mask_image" not in takes:  # FLUX.1 Fill's own pipeline takes it
+            pipe = diffusers.AutoPipelineForInpainting.from_pipe(pipe)
+    elif images and "image" not in takes:
         pipe = diffusers.AutoPipelineForImage2Image.from_pipe(pipe)
     if strength is not None:
         kwargs["strength"] = strength
