@@ -198,6 +198,31 @@ def test_image_endpoints(client: openai.OpenAI) -> None:
     assert Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json))).size == (96, 64)
     assert edited.size == "96x64"
 
+    # A variation: the thinker's own description of the image (greedy, as in chat) drives a generation of
+    # the image's size; the description comes back as each image's revised_prompt.
+    from vllm_omni_plugin.entrypoints.api_calls import DESCRIBE_PROMPT, DESCRIPTION_TOKENS
+
+    source = png(96, 64, seed=4)
+    steps = {"seed": 7, "num_inference_steps": 4}
+    varied = client.images.create_variation(
+        model=MODEL, image=("in.png", source, "image/png"), n=2, extra_body=steps
+    )
+    description = varied.data[0].revised_prompt
+    assert description and all(item.revised_prompt == description for item in varied.data)
+    described = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(source)}},
+            {"type": "text", "text": DESCRIBE_PROMPT},
+        ]}],
+        max_tokens=DESCRIPTION_TOKENS,
+        temperature=0.0,
+    )  # fmt: skip
+    assert described.choices[0].message.content.strip() == description
+    drawn = client.images.generate(model=MODEL, prompt=description, size="96x64", n=2, extra_body=steps)
+    for variation, generated in zip(varied.data, drawn.data, strict=True):
+        assert base64.b64decode(variation.b64_json) == base64.b64decode(generated.b64_json)
+
 
 def test_settings_change_the_image_and_are_checked(client: openai.OpenAI, server: ServerProcess) -> None:
     def chat(**settings: Any) -> np.ndarray:

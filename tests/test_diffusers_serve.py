@@ -25,7 +25,7 @@ import openai
 import pytest
 from PIL import Image
 
-from helpers import assert_streamed, pixels, source_image
+from helpers import assert_streamed, pixels, png_header, source_image
 from vllm_omni_testkit.harness import http_client
 from vllm_omni_testkit.harness.forks import VllmForks
 from vllm_omni_testkit.harness.server import (
@@ -287,9 +287,17 @@ def test_edits_masked_edits_and_variations_equal_diffusers(served: Served) -> No
         with pytest.raises(openai.BadRequestError) as caught:
             served.client.images.edit(image=image, mask=("m.png", mask_png, "image/png"), prompt="x")
         assert says in str(caught.value) and caught.value.body["param"] == "mask", caught.value
+    with pytest.raises(openai.APIStatusError) as caught:  # huge: refused from its header, never decoded
+        served.client.images.edit(
+            image=image, mask=("m.png", png_header(40000, 40000), "image/png"), prompt="x"
+        )
+    assert caught.value.status_code == 413 and "too large" in str(caught.value)
     with pytest.raises(openai.BadRequestError) as caught:
         served.client.images.create_variation(image=image, extra_body={"strength": 1.5})
     assert caught.value.body["param"] == "strength"
+    with pytest.raises(openai.BadRequestError) as caught:
+        served.client.images.create_variation(image=("v.png", b"GIF89a nonsense", "image/gif"))
+    assert "cannot decode" in str(caught.value) and caught.value.body["param"] == "image"
 
 
 def test_a_request_caches_steps_as_its_cache_field_says(served: Served) -> None:

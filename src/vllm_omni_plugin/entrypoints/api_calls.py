@@ -37,6 +37,7 @@ from vllm_omni_plugin.entrypoints.image_protocol import (
     ImageGenerationRequest,
     ImageObject,
     ImagesResponse,
+    ImageVariationRequest,
     parse_size,
 )
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer
@@ -59,6 +60,8 @@ class ApiCall:
     """A chat call answered in text (the pipeline's AR stage), not with an image."""
     stream: bool = False
     """Answered as server-sent events (``streaming``)."""
+    revised_prompt: str | None = None
+    """The prompt the images were drawn from where the server wrote it (a variation's description)."""
 
 
 def check_stream(req: Any) -> bool:
@@ -118,6 +121,51 @@ async def edit_call(
         request.mask, request.strength = mask, req.strength
     requests = await server.prepare(parsed, {"size": "size", "source": image_param, "mask": "mask"})
     return images_call(endpoint, req, requests, response_format)
+
+
+DESCRIBE_PROMPT = "Describe this image in detail: its subject, setting, composition, colors and style."
+"""What a pipeline that understands images (BAGEL's thinker) is asked before it draws a variation."""
+DESCRIPTION_TOKENS = 96
+
+
+async def variation_call(
+    server: OmniServer,
+    req: ImageVariationRequest,
+    read_images: Callable[[], Awaitable[list[Any]]],
+    gone: Awaitable[Any],
+) -> ApiCall:
+    """``POST /v1/images/variations``: where the pipeline understands images (it answers in text: BAGEL),
+    its own description of the image (greedy) drives a generation of the image's size, the description
+    returned as the images' ``revised_prompt``; elsewhere, and where the request gives a ``prompt``, an
+    image-to-image of the source (an edit without a prompt)."""
+    endpoint = "images/variations"
+    if not server.settings.answers_in_text or req.prompt:
+        return await edit_call(server, req, read_images, endpoint=endpoint)
+    server.check_image_input(1, endpoint, "image")
+    server.check_model(req.model)
+    lora = server.check_lora(req.lora, req.model)
+    settings = server.check_settings(req)
+    response_format = server.check_response_format(req.response_format)
+    size = parse_size(req.size)
+    server.check_steps(req.num_inference_steps)
+    images = await read_images()
+    ask = OmniRequest(
+        prompt=DESCRIBE_PROMPT,
+        images=list(images),
+        modality="text",
+        sampling_params={"temperature": 0.0, "max_tokens": DESCRIPTION_TOKENS},
+        priority=req.priority,
+    )
+    [answer] = await server.run(endpoint, await server.prepare([ask], {"source": "image"}), gone)
+    description = (answer.output.text or "").strip()
+    if not description:
+        raise OmniAPIError("the model described the image with no text: nothing to draw", status=500)
+    height, width = images[0].shape[:2]
+    parsed = image_requests(req, description, size or (width, height), settings, lora=lora)
+    requests = await server.prepare(parsed, {"size": "size", "source": "image"})
+    call = images_call(endpoint, req, requests, response_format)
+    call.revised_prompt = description
+    return call
 
 
 def images_call(
@@ -203,9 +251,15 @@ async def images_body(
     encoded = await encode_all(results, call.output_format, call.compression)
     if call.response_format == "url":
         assert save_media is not None, "response_format=url is refused where no media is served"
-        data = [ImageObject(url=await save_media(blob, call.output_format)) for blob in encoded]
+        data = [
+            ImageObject(url=await save_media(blob, call.output_format), revised_prompt=call.revised_prompt)
+            for blob in encoded
+        ]
     else:
-        data = [ImageObject(b64_json=base64.b64encode(blob).decode("ascii")) for blob in encoded]
+        data = [
+            ImageObject(b64_json=base64.b64encode(blob).decode("ascii"), revised_prompt=call.revised_prompt)
+            for blob in encoded
+        ]
     height, width = results[0].output.image.shape[:2]  # a pipeline may keep an edit's source size (BAGEL)
     return ImagesResponse(
         created=int(time.time()),

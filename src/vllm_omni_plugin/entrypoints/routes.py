@@ -33,6 +33,7 @@ from vllm_omni_plugin.entrypoints.api_calls import (
     edit_call,
     generation_call,
     images_body,
+    variation_call,
 )
 from vllm_omni_plugin.entrypoints.chat_protocol import ChatCompletionRequest
 from vllm_omni_plugin.entrypoints.errors import OmniAPIError, decode_json, error_body, parse_request
@@ -146,9 +147,11 @@ async def _edit_or_variation(raw: Request, endpoint: str, request_type: type[Ima
             blob = await read(mask, "mask")
             return await asyncio.to_thread(decode_mask, blob, limits, size, "mask", mask.filename)
 
-        call = await edit_call(
-            server, req, read_images, read_mask=read_mask if mask is not None else None, endpoint=endpoint
-        )
+        if isinstance(req, ImageVariationRequest):
+            call = await variation_call(server, req, read_images, disconnected(raw))
+        else:
+            reads_mask = read_mask if mask is not None else None
+            call = await edit_call(server, req, read_images, read_mask=reads_mask)
     finally:
         await form.close()
     if call.stream:
