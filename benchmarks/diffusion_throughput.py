@@ -7,10 +7,10 @@ tiny SD3, 64x64, 4 steps (guidance: the pipeline's default, so classifier-free g
 Baseline: diffusers' ``StableDiffusion3Pipeline`` called once per image, one after the other (what a
 service built on diffusers alone does); for reference, the same pipeline called with 16 prompts at once
 (what batching can give at most on the machine, with nothing around it). Then the offline API (``Omni``)
-and the HTTP server (``vllm serve --omni``, a thin httpx client) with 1, 8 and 16 requests in flight; the
-stage batches up to 16 (``diffusion.yaml`` with ``max_batch_size: 16``). Each figure is the median of a
-few timed rounds after a warm-up; ratios are against the sequential baseline, and HTTP against offline
-at the same concurrency.
+and the HTTP server (``vllm serve --omni``, measured by ``vllm bench serve --omni``) with 1, 8 and 16
+requests in flight; the stage batches up to 16 (``diffusion.yaml`` with ``max_batch_size: 16``). Each
+figure is the median of a few timed rounds after a warm-up; ratios are against the sequential baseline,
+and HTTP against offline at the same concurrency.
 
 Targets: at concurrency 16 >= 3x the sequential baseline (the DiT batches); HTTP >= 0.95x offline.
 """
@@ -18,7 +18,6 @@ Targets: at concurrency 16 >= 3x the sequential baseline (the DiT batches); HTTP
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -95,38 +94,25 @@ def offline_rates(model: str, deploy: str, images: int, levels: list[int]) -> di
     return out
 
 
-async def http_rates(base_url: str, model: str, images: int, levels: list[int]) -> dict[int, float]:
-    """A thin HTTP client (httpx; bodies checked, not decoded): the client shares the CPU with the stage."""
-    import httpx
+def http_rates(base_url: str, model: str, images: int, levels: list[int]) -> dict[int, float]:
+    """``vllm bench serve --omni``'s measurement at each concurrency (a thin httpx client: it shares the
+    CPU with the stage): the median images/s of ``ROUNDS`` runs, after a warm-up."""
+    from vllm_omni_plugin.bench.serve import measure
 
     out = {}
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-
-        async def one(i: int, gate: asyncio.Semaphore) -> None:
-            async with gate:
-                response = await client.post(
-                    "/v1/images/generations",
-                    json={
-                        "model": model,
-                        "prompt": prompt(i),
-                        "size": f"{SIZE}x{SIZE}",
-                        "seed": i,
-                        "num_inference_steps": STEPS,
-                    },
-                )
-                if response.status_code != 200 or b'"b64_json"' not in response.content:
-                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-
-        warm = asyncio.Semaphore(max(levels))
-        await asyncio.gather(*(one(i, warm) for i in range(max(levels))))
-        for concurrency in levels:
-            gate = asyncio.Semaphore(concurrency)
-            rates = []
-            for _ in range(ROUNDS):
-                start = time.perf_counter()
-                await asyncio.gather(*(one(i, gate) for i in range(images)))
-                rates.append(images / (time.perf_counter() - start))
-            out[concurrency] = statistics.median(rates)
+    for concurrency in levels:
+        rates = []
+        for round_ in range(ROUNDS):
+            warmups = max(levels) if (concurrency, round_) == (levels[0], 0) else 0
+            result = measure(
+                ["--base-url", base_url, "--model", model, "--num-prompts", str(images), "--max-concurrency",
+                 str(concurrency), "--size", f"{SIZE}x{SIZE}", "--num-inference-steps", str(STEPS),
+                 "--seed", str(round_ * images), "--num-warmups", str(warmups)]
+            )  # fmt: skip
+            if result["failed"]:
+                raise RuntimeError(f"{result['failed']} requests failed: {result['errors'][:1]}")
+            rates.append(result["image_throughput"])
+        out[concurrency] = statistics.median(rates)
     return out
 
 
@@ -156,7 +142,7 @@ def main() -> int:
             argv, port=port, log_path=ROOT / "out" / "bench_diffusion_server.log", env=cpu_test_env()
         ) as server:
             server.wait_ready(timeout=600)
-            http = asyncio.run(http_rates(server.base_url, model, args.images, levels))
+            http = http_rates(server.base_url, model, args.images, levels)
     print(
         f"\nmodel={model} size={SIZE} steps={STEPS} max_batch_size={args.max_batch_size} "
         f"images/round={args.images} rounds={ROUNDS} (median)"

@@ -9,7 +9,6 @@ Target: HTTP >= 0.95x the offline API.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -26,38 +25,23 @@ SIZE, STEPS = 64, 4
 ROUNDS = 3  # timed rounds per side (median reported)
 
 
-async def http_rate(base_url: str, model: str, images: int, concurrency: int) -> float:
-    """A thin HTTP client (httpx, the bodies are checked, not decoded): on a 2-core machine the client
-    shares the CPU with every stage, so a heavy client would measure itself rather than the server.
-    The end-to-end tests use the official openai client."""
-    import httpx
+def http_rate(base_url: str, model: str, images: int, concurrency: int) -> float:
+    """``vllm bench serve --omni``'s measurement (a thin httpx client: on a 2-core machine the client
+    shares the CPU with every stage, so a heavy client would measure itself rather than the server; the
+    end-to-end tests use the official openai client): the median images/s of ``ROUNDS`` runs."""
+    from vllm_omni_plugin.bench.serve import measure
 
-    gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
-
-        async def one(i: int) -> None:
-            async with gate:
-                response = await client.post(
-                    "/v1/images/generations",
-                    json={
-                        "model": model,
-                        "prompt": f"a red fox number {i}",
-                        "size": f"{SIZE}x{SIZE}",
-                        "response_format": "b64_json",
-                        "seed": i,
-                        "num_inference_steps": STEPS,
-                    },
-                )
-                if response.status_code != 200 or b'"b64_json"' not in response.content:
-                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-
-        await asyncio.gather(*(one(i) for i in range(concurrency)))  # warm-up
-        rates = []
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            await asyncio.gather(*(one(i) for i in range(images)))
-            rates.append(images / (time.perf_counter() - start))
-        return statistics.median(rates)
+    rates = []
+    for round_ in range(ROUNDS):
+        result = measure(
+            ["--base-url", base_url, "--model", model, "--num-prompts", str(images), "--max-concurrency",
+             str(concurrency), "--size", f"{SIZE}x{SIZE}", "--num-inference-steps", str(STEPS), "--seed",
+             str(round_ * images), "--num-warmups", str(concurrency if round_ == 0 else 0)]
+        )  # fmt: skip
+        if result["failed"]:
+            raise RuntimeError(f"{result['failed']} requests failed: {result['errors'][:1]}")
+        rates.append(result["image_throughput"])
+    return statistics.median(rates)
 
 
 def offline_rate(model: str, images: int, concurrency: int) -> float:
@@ -99,12 +83,12 @@ def main() -> int:
         argv, port=port, log_path=ROOT / "out" / "bench_server.log", env=cpu_test_env()
     ) as server:
         server.wait_ready(timeout=600)
-        http = asyncio.run(http_rate(server.base_url, model, args.images, args.concurrency))
+        http = http_rate(server.base_url, model, args.images, args.concurrency)
     offline = offline_rate(model, args.images, args.concurrency)
     print(f"\nmodel={model} size={SIZE} steps={STEPS} images={args.images} concurrency={args.concurrency}")
     print(f"{'runner':<28} {'images/s':>9}")
     print(f"{'offline API (Omni)':<28} {offline:>9.2f}")
-    print(f"{'HTTP (httpx client)':<28} {http:>9.2f}")
+    print(f"{'HTTP (vllm bench serve)':<28} {http:>9.2f}")
     print(f"ratio HTTP/offline: {http / offline:.3f}  (target >= 0.95)")
     return 0
 

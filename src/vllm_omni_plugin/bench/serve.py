@@ -90,6 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="Model name (default: the server's first model)")
     parser.add_argument("--workload", choices=WORKLOADS, default="generations")
     parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-warmups", type=int, default=0, help="Requests sent first and not measured")
     parser.add_argument(
         "--request-rate", type=float, default=float("inf"), help="Requests/s (inf: all at once)"
     )
@@ -126,6 +127,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         raise BenchError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.num_warmups < 0:
+        raise BenchError(f"--num-warmups must be 0 or more, got {args.num_warmups}")
     if not args.request_rate > 0:
         raise BenchError(f"--request-rate must be positive (inf: all at once), got {args.request_rate}")
     if not args.burstiness > 0:
@@ -380,6 +383,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             raise BenchError(f"cannot reach {args.base_url}: {type(exc).__name__}: {exc}") from None
         args.model = args.model or served
         asks = draw_requests(args)
+        if args.num_warmups:  # the workload's first requests, one after another, not counted
+            warm = [await send(client, args, ask) for ask in asks[: args.num_warmups]]
+            failed = [o.error for o in warm if not o.success]
+            if failed:
+                raise BenchError(f"a warm-up request failed: {failed[0]}")
         before = await read_server_metrics(client)
         slots = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         in_flight, most = 0, 0
@@ -551,6 +559,12 @@ def save(args: argparse.Namespace, result: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(saved))
     return path
+
+
+def measure(argv: list[str]) -> dict[str, Any]:
+    """One run from Python (the benchmarks under ``benchmarks/``): the flags as on the command line, the
+    result as ``--save-result`` saves it (nothing printed)."""
+    return asyncio.run(run(parse_args(argv)))
 
 
 def main(argv: list[str]) -> int:
