@@ -269,6 +269,8 @@ def test_edits_masked_edits_and_variations_equal_diffusers(served: Served) -> No
         chat_image = decode(response.choices[0].message.content[0]["image_url"]["url"].removeprefix(uri))
         assert_within_one_level(chat_image, served.reference("a red door", 22, [source], mask=mask))
 
+    if served.edits:  # the edit model's variation is its edit with no prompt: the edit above's path
+        return
     result = served.client.images.create_variation(
         image=image, n=2, size="64x64", extra_body={**served.sampling, "seed": 23}
     )
