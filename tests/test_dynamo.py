@@ -480,7 +480,12 @@ class TestStageRoles:
             drops = stages.router.metric("omni_stage_aborted_requests_total", stage=stage, where=where)
             gone = stages.router.metric("omni_client_disconnects_total")
 
-            async def main(point: str = point, workers: list[ServerProcess] = workers) -> str:
+            async def main(
+                point: str = point,
+                workers: list[ServerProcess] = workers,
+                stage: str = stage,
+                where: str = where,
+            ) -> str:
                 holds = {str(i): w.hold(point) for i, w in enumerate(workers)}
                 try:
                     async with httpx.AsyncClient(base_url=frontend.base_url, timeout=600) as client:
@@ -491,6 +496,18 @@ class TestStageRoles:
                         work.cancel()  # the client closes its connection while the stage holds its request
                         with pytest.raises(asyncio.CancelledError):
                             await work
+                        if where == "engine":
+                            # Held until the AR worker has dropped it (counted as its request is cancelled,
+                            # before the engine's own abort): released earlier, the request could leave the
+                            # engine for the DiT before the abort reached the worker. The DiT's drop is
+                            # counted after the held step, and its endless request cannot leave meanwhile.
+                            await asyncio.to_thread(
+                                wait_for_metric,
+                                lambda sample: workers[int(held)].metric(sample, stage=stage, where=where),
+                                "omni_stage_aborted_requests_total",
+                                1,
+                                at_least=True,
+                            )
                         return held
                 finally:
                     for hold in holds.values():
