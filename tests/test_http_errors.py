@@ -83,6 +83,15 @@ def png(side: int = 64) -> bytes:
     return out.getvalue()
 
 
+def png_rgba(side: int = 64) -> bytes:
+    """A mask as OpenAI's edits take it: a PNG whose transparent pixels are the area to repaint."""
+    pixels = np.full((side, side, 4), 255, dtype=np.uint8)
+    pixels[: side // 2, :, 3] = 0
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
 BOUNDARY = "omni-test-boundary"
 FORM_TYPE = f"multipart/form-data; boundary={BOUNDARY}"
 
@@ -292,6 +301,11 @@ MULTIPART_CASES: list[tuple[str, bytes, dict[str, str], int, str | None, str]] =
      "prompt is repeated"),
     ("unknown file field", multipart(image_part(), image_part(name="photo"), PROMPT), {}, 400, "photo",
      "photo: file uploads other than image and mask are not supported"),
+    # a pipeline without model facts (as GLM-Image and BAGEL) repaints no mask and takes no strength
+    ("a mask", multipart(image_part(), image_part(png_rgba(), name="mask"), PROMPT), {}, 400, "mask",
+     "cannot repaint a masked area"),
+    ("a strength", multipart(image_part(), PROMPT, ("strength", "0.5", None)), {}, 400, "strength",
+     "takes no strength"),
 ]  # fmt: skip
 
 

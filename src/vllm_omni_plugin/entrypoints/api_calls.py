@@ -155,6 +155,7 @@ async def variation_call(
         modality="text",
         sampling_params={"temperature": 0.0, "max_tokens": DESCRIPTION_TOKENS},
         priority=req.priority,
+        strength=req.strength,  # refused here (the input processor) as by an edit, before the thinker runs
     )
     [answer] = await server.run(endpoint, await server.prepare([ask], {"source": "image"}), gone)
     description = (answer.output.text or "").strip()

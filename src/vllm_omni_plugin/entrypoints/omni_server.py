@@ -207,10 +207,11 @@ class OmniServer:
             )
 
     def check_mask_input(self, endpoint: str) -> None:
-        """A mask only where the model repaints masked areas (its inpainting pipeline)."""
+        """A mask only where the model repaints masked areas (a diffusers model's inpainting pipeline;
+        the pipelines without model facts, GLM-Image and BAGEL, repaint none)."""
         facts, label = self.omni.inputs.facts, self.omni.inputs.model_label
-        if facts is not None and not getattr(facts, "takes_mask", False):
-            can = "edits without a mask" if facts.takes_images else "text-to-image only"
+        if facts is None or not facts.takes_mask:
+            can = "edits without a mask" if facts is None or facts.takes_images else "text-to-image only"
             raise OmniAPIError(
                 f"{endpoint}: this model ({label}) cannot repaint a masked area (it runs {can}); send the "
                 "request without a mask",

@@ -244,22 +244,23 @@ class InputProcessor:
             cache=request.cache,
             priority=self._priority(request),
             mask=self._mask(request),
-            strength=request.strength,
+            strength=self._strength(request),
             on_event=request.on_event,
         )
 
     def _mask(self, request: OmniRequest) -> Any | None:
-        """The request's mask, where its model repaints masked areas and it has the one image it marks."""
+        """The request's mask, where its model repaints masked areas (a diffusers model's inpainting
+        pipeline: the pipelines without model facts repaint none) and it has the one image it marks."""
         facts = self.facts
         if request.mask is None:
-            if getattr(facts, "needs_mask", False) and request.modality != "text":
+            if facts is not None and facts.needs_mask and request.modality != "text":
                 raise InputError(
                     f"this model ({self.model_label}) repaints the masked area of a source image: send "
                     "the image with a mask (transparent where it is repainted)",
                     "mask",
                 )
             return None
-        if facts is not None and not getattr(facts, "takes_mask", False):
+        if facts is None or not facts.takes_mask:
             raise InputError(
                 f"this model ({self.model_label}) cannot repaint a masked area; send the edit without a mask",
                 "mask",
@@ -267,6 +268,13 @@ class InputProcessor:
         if len(request.images) != 1:
             raise InputError("a mask goes with exactly one source image", "mask")
         return request.mask
+
+    def _strength(self, request: OmniRequest) -> float | None:
+        """The request's strength, for a diffusers model (its runner checks that the pipeline running the
+        request takes one); the pipelines without model facts (GLM-Image, BAGEL) take none."""
+        if request.strength is not None and self.facts is None:
+            raise InputError(f"this model ({self.model_label}) takes no strength; leave it unset", "strength")
+        return request.strength
 
     def _priority(self, request: OmniRequest) -> int:
         if request.priority != 0 and not self.priority_scheduling:
