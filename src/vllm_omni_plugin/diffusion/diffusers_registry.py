@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from vllm_omni_plugin.diffusion.runner import DiffusionRunner
@@ -71,14 +72,16 @@ class ModelFacts:
     """It only repaints masked areas (FLUX.1 Fill): every request has an image and a mask."""
 
 
+@functools.cache
 def call_parameters(pipeline_cls: type) -> Mapping[str, inspect.Parameter]:
-    """The named parameters of the class's own ``__call__`` (none when it has no ``__call__``)."""
+    """The named parameters of the class's own ``__call__`` (none when it has no ``__call__``); read once
+    per class (runners ask per request and per call), read-only."""
     call = next((vars(k)["__call__"] for k in pipeline_cls.__mro__[:-1] if "__call__" in vars(k)), None)
     if call is None:
-        return {}
+        return MappingProxyType({})
     params = inspect.signature(call).parameters
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {name: p for name, p in params.items() if p.kind in kinds and name != "self"}
+    return MappingProxyType({name: p for name, p in params.items() if p.kind in kinds and name != "self"})
 
 
 TASKS = ("text", "images", "mask")

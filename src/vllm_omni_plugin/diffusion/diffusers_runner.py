@@ -202,10 +202,9 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """Held while a group encodes its prompts (:meth:`_one_at_a_time`)."""
         self._encoding = threading.local()
         """Seconds the calling thread's pipeline call spent encoding prompts (``seconds``)."""
-        # Every text-conditioned diffusers pipeline has one; timed for the call's ``encode`` (``/metrics``).
-        self._encode = getattr(pipe, "encode_prompt", None)
-        if self._encode is not None:
-            pipe.__dict__["encode_prompt"] = self._timed(self._encode)
+        self._encodes: dict[int, Callable[..., Any]] = {}
+        """Each loaded pipeline's own ``encode_prompt`` (by ``id``), before :meth:`_time_encoding`."""
+        self._time_encoding(pipe)
         self._vae_lock = threading.Lock()
         """Held while a VAE that keeps state (:func:`vae_keeps_state`) encodes or decodes for a group, or
         decodes a group's preview."""
@@ -281,7 +280,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
     def pipeline_for(self, request: DiffusionRequest) -> Any:
         """The loaded pipeline that runs ``request``: the runner's own, or the family's companion for its
         task, built from the own one's components on first use."""
-        cls = self.task_pipeline(type(self.pipe), self.task_of(request))
+        task = self.task_of(request)
+        cls = self.task_pipeline(type(self.pipe), task)
         if cls is None or cls is type(self.pipe):
             return self.pipe
         with self._companions_lock:
@@ -289,13 +289,18 @@ class DiffusersPipelineRunner(DiffusionRunner):
             if companion is None:
                 companion = cls.from_pipe(self.pipe)
                 companion.set_progress_bar_config(disable=True)
-                encode = getattr(companion, "encode_prompt", None)
-                if encode is not None:  # timed like the own pipeline's (``/metrics``)
-                    companion.__dict__["encode_prompt"] = self._timed(encode)
-                task = self.task_of(request)
+                self._time_encoding(companion)
                 logger.info("%s runs %s requests with %s (same components)", self.label, task, cls.__name__)
                 self._companions[cls] = companion
         return companion
+
+    def _time_encoding(self, pipe: Any) -> None:
+        """``pipe``'s prompt encoding timed for the call's ``encode`` (``/metrics``): every text-conditioned
+        diffusers pipeline has an ``encode_prompt``; its own is kept for step-batched groups."""
+        encode = getattr(pipe, "encode_prompt", None)
+        if encode is not None:
+            self._encodes[id(pipe)] = encode
+            pipe.__dict__["encode_prompt"] = self._timed(encode)
 
     @classmethod
     def missing_call_arguments(cls, pipeline_cls: type) -> list[str]:
@@ -562,9 +567,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             # Set in __dict__: the pipeline's __setattr__ would re-register the component in its config.
             pipe.__dict__[denoiser_attribute(self.pipe)] = batcher.proxy(group, len(batch))
         pipe.__dict__["scheduler"] = copy.deepcopy(own.scheduler)
-        encode = self._encode if own is self.pipe else getattr(type(own), "encode_prompt", None)
-        if encode is not None and own is not self.pipe:
-            encode = encode.__get__(own)  # the class's, not the timed one pipeline_for set
+        encode = self._encodes.get(id(own))
         if encode is not None:  # its wait for the lock counts as encoding
             pipe.__dict__["encode_prompt"] = self._timed(self._one_at_a_time(encode))
         vae, decodes = getattr(self.pipe, "vae", None), self.decode_batcher
