@@ -28,6 +28,7 @@ from vllm_omni_plugin.stage.placement.headless.head import HeadlessStageRegistry
 from vllm_omni_plugin.stage.placement.headless.protocol import (
     HeadMessage,
     HeadShutdown,
+    Heartbeat,
     RemoteRequest,
     WorkerAccepted,
     WorkerProgress,
@@ -201,6 +202,9 @@ def test_a_silent_worker_is_given_up_even_where_every_tick_of_the_head_comes_lat
             assert isinstance(await worker.receive(), WorkerAccepted)
             pending = asyncio.ensure_future(client.generate(request("lost")))
             assert isinstance(await worker.receive(), RemoteRequest)
+            # its last word, read by the head at the latest after the first stall: from there on every
+            # tick of the head comes after a stall (its next tick is due after the staller's next stall)
+            await worker.send(Heartbeat())
             staller = asyncio.ensure_future(stall_every_tick())
             with pytest.raises(StageDeadError, match="sent nothing for"):
                 await asyncio.wait_for(pending, 60)
