@@ -198,14 +198,7 @@ def fake_prompt_ids(sources: dict[int, Any], context: ProcessorContext) -> Stage
 def fake_ids_to_image(sources: dict[int, Any], context: ProcessorContext) -> StageDiffusionCoreRequest:
     """Stage-input processor of the fake DiT stage: the AR ids as the prior, sized like the request."""
     request = context.request
-    diffusion = GlmImageRequest(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        height=request.height,
-        width=request.width,
-        seed=request.seed,
-        prior_token_ids=list(sources[0].token_ids),
-    )
+    diffusion = request.runner_request(GlmImageRequest, prior_token_ids=list(sources[0].token_ids))
     return StageDiffusionCoreRequest(
         request_id=request.request_id, stage_id=context.stage_id, diffusion=diffusion
     )

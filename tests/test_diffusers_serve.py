@@ -180,7 +180,7 @@ def test_a_priority_without_priority_scheduling_is_400_naming_the_field(served: 
     )
     error = answer.json()["error"]
     assert answer.status_code == 400 and error["param"] == "priority", error
-    assert "set scheduling_policy: priority on its diffusion stage" in error["message"]
+    assert "set scheduling_policy: priority on its stages" in error["message"]
 
 
 def test_a_size_the_pipeline_cannot_make_is_400_before_any_stage_runs(served: Served) -> None:

@@ -6,6 +6,8 @@ memory it finds free (``gpu_memory_utilization`` of the machine minus what the p
 restart runs without the variable, as a GPU restart runs on a device that changed: an engine that sized
 its cache again would get another block count (or fail to start), one that reuses the measured size gets
 the same.
+
+Its last test checks that an AR engine scheduling by priority takes the priority our client passes.
 """
 
 from __future__ import annotations
@@ -13,16 +15,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from vllm_omni_plugin.schedulers import OMNI_AR_SCHEDULER
 from vllm_omni_plugin.stage.core_client import StageState
 from vllm_omni_plugin.stage.core_types import StageLLMCoreRequest
 from vllm_omni_plugin.stage.errors import StageDeadError
 from vllm_omni_plugin.stage.llm_core_client import StageLLMCoreClient
+from vllm_omni_testkit.holds import HoldPoints
 
 GIB = 1 << 30
 TOKEN_BYTES = 2 * 2 * 1 * 32 * 4
@@ -36,12 +43,13 @@ def engine_args(model: Path, **extra: Any) -> dict[str, Any]:
             "max_num_seqs": 2, "gpu_memory_utilization": 0.05, **extra}  # fmt: skip
 
 
-def request(request_id: str) -> StageLLMCoreRequest:
+def request(request_id: str, priority: int = 0, tokens: int = 4) -> StageLLMCoreRequest:
     return StageLLMCoreRequest(
         request_id=request_id,
         stage_id=0,
         prompt_token_ids=[5, 6, 7, 8],
-        sampling_params={"max_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+        sampling_params={"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True},
+        priority=priority,
     )
 
 
@@ -91,19 +99,85 @@ def test_a_restarted_engine_core_comes_back_with_the_kv_cache_its_first_start_me
     asyncio.run(main())
 
 
-def test_a_kv_cache_size_the_deploy_file_fixed_is_left_as_it_is(tiny_text_model: Path) -> None:
+FIXED_KV_BYTES = 8 << 20
+
+
+@dataclass
+class FixedEngine:
+    """One engine for the module's last tests: its KV cache fixed by the engine arguments, one sequence at
+    a time, scheduling by priority, its hold points armed by ``holds``; ``run`` runs a coroutine on the
+    event loop the client lives on (a thread of its own)."""
+
+    client: StageLLMCoreClient
+    holds: HoldPoints
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coroutine: Any, timeout: float = 300) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+
+@pytest.fixture(scope="module")
+def fixed_engine(tiny_text_model: Path) -> Iterator[FixedEngine]:
+    holds = HoldPoints()
+    args = engine_args(
+        tiny_text_model, kv_cache_memory_bytes=FIXED_KV_BYTES, max_num_seqs=1, scheduling_policy="priority",
+        scheduler_cls=OMNI_AR_SCHEDULER,
+    )  # fmt: skip
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fixed-engine-loop", daemon=True)
+    thread.start()
+    engine = FixedEngine(StageLLMCoreClient(0, 0, args, env=holds.env), holds, loop)
+    try:
+        engine.run(engine.client.start())
+        yield engine
+    finally:
+        holds.release_all()
+        engine.run(engine.client.shutdown())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+        holds.remove()
+
+
+def test_a_kv_cache_size_the_deploy_file_fixed_is_left_as_it_is(fixed_engine: FixedEngine) -> None:
     """``kv_cache_memory_bytes`` in the engine arguments: the user's size, nothing measured on top."""
+    client = fixed_engine.client
+    assert client.kv_cache_args == {}
+    assert client.launch_args()["kv_cache_memory_bytes"] == FIXED_KV_BYTES
+    block_bytes = client.engine.vllm_config.cache_config.block_size * TOKEN_BYTES
+    assert client.kv_cache_blocks == FIXED_KV_BYTES // block_bytes
+
+
+def test_an_engine_scheduling_by_priority_takes_the_better_of_its_waiting_requests_first(
+    fixed_engine: FixedEngine,
+) -> None:
+    """``scheduling_policy: priority`` on an AR stage is vLLM's: the priority our client passes decides
+    which waiting request the engine takes next. One sequence at a time; a request runs, held in the
+    engine after its first step, while a worse one and then a better one arrive; once the engine's own
+    stats count both waiting, the running one goes on: the better one runs next, though it came last."""
+    client = fixed_engine.client
+    finished: list[str] = []
+
+    async def run(name: str, priority: int, tokens: int) -> None:
+        await client.generate(request(name, priority, tokens))
+        finished.append(name)
 
     async def main() -> None:
-        fixed = 8 << 20
-        client = StageLLMCoreClient(0, 0, engine_args(tiny_text_model, kv_cache_memory_bytes=fixed))
-        try:
-            await client.start()
-            assert client.kv_cache_args == {}
-            assert client.launch_args()["kv_cache_memory_bytes"] == fixed
-            block_bytes = client.engine.vllm_config.cache_config.block_size * TOKEN_BYTES
-            assert client.kv_cache_blocks == fixed // block_bytes
-        finally:
-            await client.shutdown()
+        with fixed_engine.holds.arm("ar.step") as hold:
+            tasks = [asyncio.ensure_future(run("first", 0, 64))]
+            await asyncio.to_thread(hold.wait)
+            for name, priority in (("worse", 5), ("better", -5)):
+                tasks.append(asyncio.ensure_future(run(name, priority, 4)))
+                while name not in client.inflight:
+                    await asyncio.sleep(0.01)
+            steps = 1
+            while client.health().get("waiting") != 2:
+                assert steps < 60, "the engine never counted both requests waiting"
+                await asyncio.to_thread(hold.next)
+                await asyncio.sleep(0.05)  # the step's stats reach the client's output handler
+                steps += 1
+            assert finished == []
+        await asyncio.gather(*tasks)
+        assert finished == ["first", "better", "worse"]
 
-    asyncio.run(main())
+    fixed_engine.run(main())

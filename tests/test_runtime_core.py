@@ -19,7 +19,11 @@ from vllm_omni_plugin.connectors.base import HANDLE_KEY, ConnectorError, InProce
 from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 from vllm_omni_plugin.stage.async_omni import stages_start_side_by_side
 from vllm_omni_plugin.stage.core_client import StageState
-from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
+from vllm_omni_plugin.stage.core_types import (
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreRequest,
+    StageLLMCoreRequest,
+)
 from vllm_omni_plugin.stage.errors import (
     QuarantinedError,
     RequestAbortedError,
@@ -85,6 +89,43 @@ def test_request_runs_through_both_stages_with_timings(deployment) -> None:
     (ar,) = [iv for iv in result.intervals if iv.stage_id == 0]
     (dit,) = [iv for iv in result.intervals if iv.stage_id == 1]
     assert ar.end <= dit.start  # the DiT started after its source
+
+
+@pytest.mark.parametrize(
+    ("policies", "reached"), [({0: "priority"}, {0: -3, 1: 0}), ({1: "priority"}, {0: 0, 1: -3})]
+)
+def test_a_priority_reaches_the_stages_that_schedule_by_it_and_is_refused_where_none_does(
+    tmp_path: Path, policies: dict[int, str], reached: dict[int, int]
+) -> None:
+    """An AR stage's ``scheduling_policy`` is vLLM's engine argument: its requests carry
+    the priority to vLLM; a stage without it gets 0; with no stage scheduling by priority, a priority
+    other than 0 is an input error naming the field."""
+    deploy = "stages:\n" + "".join(
+        f"  - stage_id: {sid}\n    scheduling_policy: {policy}\n" for sid, policy in policies.items()
+    )
+    deployment = fake_deployment(tmp_path, deploy)
+    if 0 in policies:
+        assert deployment.stage(0).engine_args["scheduling_policy"] == "priority"
+    seen: dict[int, int] = {}
+
+    def ar(request: StageLLMCoreRequest) -> Any:
+        seen[0] = request.priority
+        return ar_answer(request)
+
+    def dit(request: StageDiffusionCoreRequest) -> Any:
+        seen[1] = request.diffusion.priority
+        return dit_answer(request)
+
+    async def main() -> OmniResult:
+        orchestrator, _ = runtime(deployment, {0: ar, 1: dit})
+        return await (await started(orchestrator)).generate(OmniRequest(prompt="abc", priority=-3))
+
+    result = run(main())
+    assert result.ok, result.error
+    assert seen == reached
+    with pytest.raises(InputError, match="set scheduling_policy: priority on its stages") as refused:
+        process(fake_deployment(tmp_path), OmniRequest(prompt="abc", priority=-3))
+    assert refused.value.field == "priority"
 
 
 def test_request_defaults_come_from_resolution(deployment) -> None:

@@ -111,10 +111,12 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     whole ones between its steps). Unset: ``loop`` where the pipeline has step-loop pieces and nothing
     configured needs whole calls, else ``request``."""
     scheduling_policy: Literal["fcfs", "priority"] | None = None
-    """Diffusion stages: ``priority`` lets requests carry a ``priority`` (lower first, ties by arrival, as
-    vLLM's ``--scheduling-policy priority``): it orders the stage's queue and, with ``batching: loop``,
-    each step, where a better request preempts worse ones between steps. Default ``fcfs``: a request
-    with a priority other than 0 is refused (400)."""
+    """``priority`` lets requests carry a ``priority`` (lower first, ties by arrival, as vLLM's
+    ``--scheduling-policy priority``). AR stages: vLLM's engine argument (the flag on the command line
+    sets it): its scheduler takes waiting requests by priority. Diffusion stages: it orders the stage's
+    queue and, with ``batching: loop``, each step, where a better request preempts worse ones between
+    steps. Default ``fcfs``: a stage runs requests in arrival order, and where no stage has ``priority``
+    a request with a priority other than 0 is refused (400)."""
     batch_wait_ms: NonNegativeFloat | None = None
     """Diffusion stages with ``batching: step``: while requests run, how long a new request waits for
     others to start with it (default 100)."""
@@ -220,6 +222,7 @@ ENGINE_ARG_FIELDS: tuple[str, ...] = (
     "trust_remote_code",
     "enable_prefix_caching",
     "seed",
+    "scheduling_policy",
 )
 AR_ONLY_FIELDS: frozenset[str] = frozenset(
     {
@@ -244,7 +247,6 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "max_batch_size",
         "max_step_tokens",
         "batching",
-        "scheduling_policy",
         "batch_wait_ms",
         "max_loras",
         "num_threads",

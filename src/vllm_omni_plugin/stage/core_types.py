@@ -39,6 +39,9 @@ class StageLLMCoreRequest(StageCoreRequest, kw_only=True, tag="llm_request"):
     companion_timeout_s: float = 30.0
     """How long the companions may take once the main request is done before the request fails with
     the names of those missing."""
+    priority: int = 0
+    """vLLM's request priority (lower first), where the stage's engine has ``scheduling_policy:
+    priority``; its companions carry the same."""
 
 
 class StageDiffusionCoreRequest(StageCoreRequest, Generic[DiffusionT], kw_only=True, tag="diffusion_request"):

@@ -74,7 +74,7 @@ class OmniRequest:
     cache: StepCacheSpec | None = None
     """Step caching settings over its diffusion stage's (runners with ``step_cache``)."""
     priority: int = 0
-    """Lower first, where the diffusion stage's ``scheduling_policy`` is ``priority``."""
+    """Lower first, where a stage's ``scheduling_policy`` is ``priority`` (refused elsewhere)."""
     on_event: EventSink | None = field(default=None, repr=False, compare=False)
     """Where its stages' events go while it runs (AR progress, previews: ``stage/request_events.py``);
     None: nobody streams it."""
@@ -110,6 +110,9 @@ class OmniCoreRequest:
     lora: LoraSpec | None = None
     cache: StepCacheSpec | None = None
     priority: int = 0
+    """The diffusion stage's priority (0 where its ``scheduling_policy`` is ``fcfs``)."""
+    ar_priority: int = 0
+    """The AR stages' priority (0 where their ``scheduling_policy`` is ``fcfs``)."""
     mask: Any | None = None
     strength: float | None = None
     on_event: EventSink | None = field(default=None, repr=False, compare=False)
@@ -197,8 +200,14 @@ class InputProcessor:
         self.lora_refusal = _lora_refusal(dit.diffusion_args if dit is not None else None, self.model_label)
         """Why requests cannot name a LoRA adapter (None: the image's diffusion runner applies them)."""
         policy = dit.diffusion_args.get("scheduling_policy") if dit is not None else None
-        self.priority_scheduling = policy == "priority"
-        """Requests may carry a priority other than 0."""
+        self.dit_priority = policy == "priority"
+        """The diffusion stage orders its requests by priority."""
+        self.ar_priority = any(
+            s.engine_args.get("scheduling_policy") == "priority"
+            for s in deployment.stages
+            if s.execution_type == "llm_ar"
+        )
+        """The AR stages' vLLM engines take waiting requests by priority."""
         self.edits_keep_source_size = pipeline.edits_keep_source_size
         self.settings_type = pipeline.settings_type
         sampling = dit.default_sampling_params if dit is not None else {}
@@ -224,6 +233,7 @@ class InputProcessor:
         defaults = self.defaults
         steps = request.num_inference_steps
         guidance = request.guidance_scale
+        priority = self._priority(request)
         return OmniCoreRequest(
             request_id=request.request_id,
             arrival_time=request.arrival_time,
@@ -242,7 +252,8 @@ class InputProcessor:
             partial_images=request.partial_images,
             lora=request.lora,
             cache=request.cache,
-            priority=self._priority(request),
+            priority=priority if self.dit_priority else 0,
+            ar_priority=priority if self.ar_priority else 0,
             mask=self._mask(request),
             strength=self._strength(request),
             on_event=request.on_event,
@@ -277,10 +288,10 @@ class InputProcessor:
         return request.strength
 
     def _priority(self, request: OmniRequest) -> int:
-        if request.priority != 0 and not self.priority_scheduling:
+        if request.priority != 0 and not (self.dit_priority or self.ar_priority):
             raise InputError(
                 f"priority {request.priority} needs priority scheduling, which this deployment does not "
-                "use: send priority 0, or set scheduling_policy: priority on its diffusion stage",
+                "use: send priority 0, or set scheduling_policy: priority on its stages",
                 "priority",
             )
         return request.priority

@@ -230,7 +230,9 @@ class StageLLMCoreClient(StageCoreClientBase):
         final = None
         progress = _Progress(self.stage_id, request.request_id, params.max_tokens, params.detokenize)
         try:
-            async for output in self.engine.generate(prompt, params, request_id=request.request_id):
+            async for output in self.engine.generate(
+                prompt, params, request_id=request.request_id, priority=request.priority
+            ):
                 final = output
                 progress.report(output)
         except EngineDeadError as exc:

@@ -41,7 +41,7 @@ from vllm_omni_plugin.config.resolved import ResolvedDeployment
 from vllm_omni_plugin.connectors.base import OmniConnector
 from vllm_omni_plugin.dotted import import_object
 from vllm_omni_plugin.log import get_logger
-from vllm_omni_plugin.stage.core_types import StageCoreOutput, StageDiffusionCoreRequest
+from vllm_omni_plugin.stage.core_types import StageCoreOutput, StageDiffusionCoreRequest, StageLLMCoreRequest
 from vllm_omni_plugin.stage.errors import (
     QuarantinedError,
     RequestAbortedError,
@@ -378,13 +378,13 @@ class Orchestrator:
             return None
         if stage_id not in self.pools:
             raise StageError(f"stage {stage_id} is not served by this deployment", stage_id=stage_id)
-        output = await self.pools[stage_id].generate(_alone(stage_request, alone))
+        output = await self.pools[stage_id].generate(_as_sent(stage_request, request, alone))
         continuation = self.continuations.get(stage_id)
         while continuation is not None:
             stage_request = await input_work(continuation, output, context)
             if stage_request is None:
                 break
-            output = await self.pools[stage_id].generate(_alone(stage_request, alone))
+            output = await self.pools[stage_id].generate(_as_sent(stage_request, request, alone))
         t2 = time.perf_counter()
         result.intervals.append(StageInterval(stage_id, t1, t2))
         result.timings[f"stage_{stage_id}"] = t2 - t1
@@ -435,8 +435,15 @@ class Orchestrator:
         )
 
 
-def _alone(stage_request: Any, alone: bool) -> Any:
-    """The stage request, run alone where it is a diffusion stage's and ``alone`` is asked."""
+def _as_sent(stage_request: Any, request: OmniCoreRequest, alone: bool) -> Any:
+    """The stage request as its pool gets it: an AR stage's (and its companions) with the request's AR
+    priority; a diffusion stage's run alone where ``alone`` is asked."""
+    if isinstance(stage_request, StageLLMCoreRequest) and request.ar_priority:
+        companions = {
+            name: msgspec.structs.replace(c, priority=request.ar_priority)
+            for name, c in stage_request.companions.items()
+        }
+        return msgspec.structs.replace(stage_request, priority=request.ar_priority, companions=companions)
     if alone and isinstance(stage_request, StageDiffusionCoreRequest):
         return msgspec.structs.replace(stage_request, alone=True)
     return stage_request
