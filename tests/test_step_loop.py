@@ -352,6 +352,45 @@ def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_al
     assert not pieces.layers[2].caches and not pieces.layers[2].slots
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+def test_image_to_image_in_the_loop_gives_the_image_to_image_pipelines_image(
+    request: pytest.FixtureRequest, family: str
+) -> None:
+    """Edits as the family's image-to-image pipeline runs them (the runner's whole call: diffusers'
+    ``StableDiffusion3Img2ImgPipeline``, ``FluxImg2ImgPipeline``, ``QwenImageImg2ImgPipeline`` from the
+    same components): alone bit for bit, its strength skipping the first steps; beside a text-to-image
+    request and an edit of the pipeline's default strength joining mid-way, each within 1/255 of its
+    whole call. A masked edit is left to whole calls."""
+    from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+
+    runner = load_pipeline_runner(str(request.getfixturevalue(f"tiny_{family}")), dtype=torch.float32,
+                                  device="cpu")  # fmt: skip
+    pieces = runner.step_family()
+    sources = np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
+    guidance = {"flux": 3.5, "qwen_image": 3.0}.get(family, 4.0)
+
+    def ask(k: int, strength: float | None = None, images: bool = True) -> DiffusionRequest:
+        return DiffusionRequest(request_id=f"e{k}", prompt=f"a red fox {k}", seed=50 + k, height=64, width=64,
+                                num_inference_steps=6, guidance_scale=guidance,
+                                images=[sources[k % 2]] if images else None, strength=strength)  # fmt: skip
+
+    first, text, default = ask(0, 0.7), ask(1, images=False), ask(2)
+    assert pieces.runs(first) and pieces.runs(default)
+    assert not pieces.runs(msgspec.structs.replace(first, mask=np.zeros((64, 64), np.uint8)))
+    loop = StepLoop(pieces, max_rows=16)
+    loop.add(first.request_id, first)
+    alone = run(loop)["e0"].image
+    assert loop.counters.steps == 6 - pieces.first_step(first) == 5  # 6 x 0.7 = 4.2 steps, as diffusers
+    assert alone.std() > 5 and diff(alone, whole_call(runner, first)) == 0
+    for r in (first, text):
+        loop.add(r.request_id, r)
+    run(loop, until=loop.counters.steps + 2)
+    loop.add(default.request_id, default)
+    done = run(loop)
+    for r in (first, text, default):
+        assert diff(done[r.request_id].image, whole_call(runner, r)) <= 1, r.request_id
+
+
 def test_glm_image_alone_exact_and_mixed_guidance_and_glyph_lengths_in_one_loop(tiny_glm_image: Path) -> None:
     """GLM-Image's DiT from prior tokens: alone, its whole call's image (and final latents, asked for) bit
     for bit; requests with other guidance (none: one forward), other glyph lengths (a forward of their

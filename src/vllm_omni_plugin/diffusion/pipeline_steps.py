@@ -5,13 +5,15 @@ family's layers), the scheduler step the layers see, and grouped decoding. A fam
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from vllm_omni_plugin.diffusion.diffusers_runner import decode_latents
+from vllm_omni_plugin.diffusion.diffusers_runner import as_pil, decode_latents
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.step_loop import (
     ConditioningCache,
@@ -43,8 +45,61 @@ class PipelineSteps:
         self.texts = ConditioningCache()
         self.layers: list[LoopLayer] = list(layers or [])
 
+    image_to_image: ClassVar[bool] = False
+    """The family runs image-to-image requests as its family's image-to-image pipeline runs them (one
+    source image, no mask: :meth:`first_step`, :meth:`noised_source`)."""
+
     def runs(self, request: DiffusionRequest) -> bool:
-        return runs_in_loop(request, self.layers)
+        if not request.images:
+            return runs_in_loop(request, self.layers)
+        return (
+            self.image_to_image
+            and runs_in_loop(request, self.layers, own=("images",))
+            and len(request.images) == 1
+            and self.first_step(request) < self.steps_of(request)
+        )
+
+    def steps_of(self, request: DiffusionRequest) -> int:
+        return request.num_inference_steps or 28
+
+    @functools.cached_property
+    def default_strength(self) -> float:
+        """The family's image-to-image pipeline's own default strength."""
+        from vllm_omni_plugin.diffusion.diffusers_registry import companion_class
+
+        companion = companion_class(type(self.pipe), "images")
+        return inspect.signature(companion.__call__).parameters["strength"].default
+
+    def first_step(self, request: DiffusionRequest) -> int:
+        """The steps an image-to-image request's strength skips (the pipeline's ``get_timesteps``)."""
+        steps = self.steps_of(request)
+        strength = self.default_strength if request.strength is None else request.strength
+        return int(max(steps - min(steps * strength, steps), 0))
+
+    def noised_source(
+        self, request: DiffusionRequest, scheduler: Any, first: torch.Tensor, height: int, width: int,
+        dtype: torch.dtype, generator: torch.Generator,
+    ) -> torch.Tensor:  # fmt: skip
+        """The image-to-image pipeline's initial latents (unpacked), with the request's own scheduler: its
+        source image at the request's size encoded (a draw of its generator), normalized, and noised to
+        the first step its strength leaves."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        image = self.pipe.image_processor.preprocess(as_pil(request.images[0]), height=height, width=width)
+        encoded = self.encoded_source(image.to(device=self.device, dtype=dtype), generator)
+        noise = randn_tensor(encoded.shape, generator=generator, device=self.device, dtype=dtype)
+        return scheduler.scale_noise(encoded, first, noise).to(device=self.device, dtype=dtype)
+
+    def encoded_source(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """A preprocessed source image as its image-to-image pipeline's latents: a draw of the encoder's
+        distribution, shifted and scaled by the autoencoder's configuration."""
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_img2img import (
+            retrieve_latents,
+        )
+
+        vae = self.pipe.vae
+        encoded = retrieve_latents(vae.encode(image), generator=generator)
+        return (encoded - vae.config.shift_factor) * vae.config.scaling_factor
 
     def advance(self, state: Any, output: torch.Tensor) -> None:
         """The state's scheduler step with its (guided) model output, shown to every layer (previews)."""
@@ -67,7 +122,7 @@ class PipelineSteps:
 
     def estimate(self, state: Any, sample: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """Flow matching's clean latents as a whole call's previews take them: ``sample - sigma * output``."""
-        sigma = state.scheduler.sigmas[state.index]
+        sigma = state.scheduler.sigmas[getattr(state, "begin", 0) + state.index]  # image to image: later
         return (sample.float() - sigma * output.float()).to(sample.dtype)
 
     def guided_by_second_forward(

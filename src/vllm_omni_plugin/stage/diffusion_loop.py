@@ -420,7 +420,7 @@ class DiffusionBatchLoop:
         their prompts encode together; a request of better priority than one admitted joins beyond that
         (up to ``max_batch`` parked), and the step's row budget (two per request in ``max_batch``) leaves
         the worse out until it is done. Requests the family cannot run step-wise (the diffusers
-        families' source images, BAGEL's step caching) run as whole requests between steps. Finished
+        families' masked edits, BAGEL's step caching) run as whole requests between steps. Finished
         requests are reported after the step that finished them. Stopping admits nothing new and lets
         the admitted requests finish (interrupted: drops them)."""
         import torch

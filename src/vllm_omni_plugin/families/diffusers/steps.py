@@ -30,10 +30,16 @@ class SD3State:
     height: int
     width: int
     index: int = 0
+    begin: int = 0
+    """Where its schedule begins (an image-to-image request skips the first steps by its strength)."""
 
 
 class SD3Steps(PipelineSteps):
-    """``StableDiffusion3Pipeline``'s text to image, one step at a time."""
+    """``StableDiffusion3Pipeline``'s text to image, and image to image as its family's
+    ``StableDiffusion3Img2ImgPipeline`` runs it (the source image encoded and noised to the first step its
+    strength leaves), one step at a time."""
+
+    image_to_image = True
 
     def _guided(self, request: DiffusionRequest) -> bool:
         return self._guidance(request) > 1.0
@@ -74,12 +80,29 @@ class SD3Steps(PipelineSteps):
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
         generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
         embeds, pooled = conditioning
-        latents = pipe.prepare_latents(
-            1, pipe.transformer.config.in_channels, height, width, embeds.dtype, self.device, generator, None
-        )
         scheduler = fresh_scheduler(pipe)
-        timesteps, _ = retrieve_timesteps(scheduler, request.num_inference_steps or 28, self.device)
-        return SD3State(latents, scheduler, timesteps, embeds, pooled, self._guidance(request), height, width)
+        timesteps, _ = retrieve_timesteps(scheduler, self.steps_of(request), self.device)
+        begin = 0
+        if request.images:
+            begin = self.first_step(request) * scheduler.order
+            timesteps = timesteps[begin:]
+            scheduler.set_begin_index(begin)
+            latents = self.noised_source(
+                request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
+            )
+        else:
+            latents = pipe.prepare_latents(
+                1,
+                pipe.transformer.config.in_channels,
+                height,
+                width,
+                embeds.dtype,
+                self.device,
+                generator,
+                None,
+            )
+        guidance = self._guidance(request)
+        return SD3State(latents, scheduler, timesteps, embeds, pooled, guidance, height, width, begin=begin)
 
     def steps(self, state: SD3State) -> int:
         return len(state.timesteps)
@@ -122,10 +145,15 @@ class FluxState:
     height: int
     width: int
     index: int = 0
+    begin: int = 0
+    """Where its schedule begins (image to image: after the steps its strength skips)."""
 
 
 class FluxSteps(PipelineSteps):
-    """``FluxPipeline``'s text to image (guidance distilled, no true CFG), one step at a time."""
+    """``FluxPipeline``'s text to image (guidance distilled, no true CFG), and image to image as
+    ``FluxImg2ImgPipeline`` runs it, one step at a time."""
+
+    image_to_image = True
 
     default_max_sequence_length = 512
 
@@ -152,25 +180,38 @@ class FluxSteps(PipelineSteps):
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
         embeds, pooled, text_ids = conditioning
         generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
-        latents, image_ids = pipe.prepare_latents(
-            1, pipe.transformer.config.in_channels // 4, height, width, embeds.dtype, self.device, generator
-        )
-        steps = request.num_inference_steps or 28
+        steps = self.steps_of(request)
         sigmas = np.linspace(1.0, 1 / steps, steps)
-        if getattr(pipe.scheduler.config, "use_flow_sigmas", False):
-            sigmas = None
+        if getattr(pipe.scheduler.config, "use_flow_sigmas", False) and not request.images:
+            sigmas = None  # the text-to-image pipeline's rule (its image-to-image one has none)
         config = pipe.scheduler.config
         mu = calculate_shift(
-            latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2),
+            config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5), config.get("max_shift", 1.15),
         )  # fmt: skip
         scheduler = fresh_scheduler(pipe)
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
+        channels = pipe.transformer.config.in_channels // 4
+        packed = begin = None
+        if request.images:
+            begin = self.first_step(request) * scheduler.order
+            timesteps = timesteps[begin:]
+            scheduler.set_begin_index(begin)
+            noised = self.noised_source(
+                request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
+            )
+            packed = pipe._pack_latents(noised, 1, channels, noised.shape[2], noised.shape[3])
+        else:
+            scheduler.set_begin_index(0)
+        latents, image_ids = pipe.prepare_latents(
+            1, channels, height, width, embeds.dtype, self.device, generator, packed
+        )  # packed given: its image ids only
         guidance = 3.5 if request.guidance_scale is None else request.guidance_scale
         return FluxState(
-            latents, image_ids, text_ids, scheduler, timesteps, embeds, pooled, guidance, height, width
-        )
+            latents, image_ids, text_ids, scheduler, timesteps, embeds, pooled, guidance, height, width,
+            begin=begin or 0,
+        )  # fmt: skip
 
     def steps(self, state: FluxState) -> int:
         return len(state.timesteps)
@@ -208,6 +249,8 @@ class QwenImageState:
     height: int
     width: int
     index: int = 0
+    begin: int = 0
+    """Where its schedule begins (image to image: after the steps its strength skips)."""
 
 
 def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -224,12 +267,29 @@ def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]
 
 
 class QwenImageSteps(PipelineSteps):
-    """``QwenImagePipeline``'s text to image, one step at a time: true CFG as the pipeline runs it (the
-    prompts' rows in one forward, the negative prompts' in a second, then the norm-kept combination), a
-    guided request's negative prompt ``" "`` where it gives none (the served runner's rule)."""
+    """``QwenImagePipeline``'s text to image, and image to image as ``QwenImageImg2ImgPipeline`` runs it,
+    one step at a time: true CFG as the pipeline runs it (the prompts' rows in one forward, the negative
+    prompts' in a second, then the norm-kept combination), a guided request's negative prompt ``" "``
+    where it gives none (the served runner's rule)."""
 
     negative_default = " "
     default_max_sequence_length = 512
+    image_to_image = True
+
+    def steps_of(self, request: DiffusionRequest) -> int:
+        return request.num_inference_steps or 50
+
+    def encoded_source(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Its video autoencoder's latents of the image as one frame, normalized by the latents' mean and
+        deviation: (1, 1, channels, h, w), as ``QwenImageImg2ImgPipeline`` noises them."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
+
+        vae = self.pipe.vae
+        encoded = retrieve_latents(vae.encode(image.unsqueeze(2)), generator=generator)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(encoded.device, encoded.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(encoded.device, encoded.dtype)
+        return ((encoded - mean) * inverse_std).transpose(1, 2)
 
     def _guidance(self, request: DiffusionRequest) -> float:
         return 4.0 if request.guidance_scale is None else request.guidance_scale
@@ -263,22 +323,35 @@ class QwenImageSteps(PipelineSteps):
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
         embeds, negative = conditioning
         generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
-        latents = pipe.prepare_latents(
-            1, pipe.transformer.config.in_channels // 4, height, width, embeds.dtype, self.device, generator,
-            None,
-        )  # fmt: skip
-        steps = request.num_inference_steps or 50
+        steps = self.steps_of(request)
         config = pipe.scheduler.config
         mu = calculate_shift(
-            latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2),
+            config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5), config.get("max_shift", 1.15),
         )  # fmt: skip
         scheduler = fresh_scheduler(pipe)
         sigmas = np.linspace(1.0, 1 / steps, steps)
         timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
+        channels = pipe.transformer.config.in_channels // 4
+        packed, begin = None, 0
+        if request.images:
+            begin = self.first_step(request) * scheduler.order
+            timesteps = timesteps[begin:]
+            scheduler.set_begin_index(begin)
+            noised = self.noised_source(
+                request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
+            )
+            packed = pipe._pack_latents(noised, 1, channels, noised.shape[3], noised.shape[4])
+        else:
+            scheduler.set_begin_index(0)
+        latents = pipe.prepare_latents(
+            1, channels, height, width, embeds.dtype, self.device, generator, packed
+        )  # packed given: as it is
         guidance = self._guidance(request)
-        return QwenImageState(latents, scheduler, timesteps, embeds, negative, guidance, height, width)
+        return QwenImageState(
+            latents, scheduler, timesteps, embeds, negative, guidance, height, width, begin=begin
+        )
 
     def steps(self, state: QwenImageState) -> int:
         return len(state.timesteps)
