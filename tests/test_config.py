@@ -130,6 +130,7 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
             max_batch_size: 16
             batching: step
             batch_wait_ms: 2.5
+            overlap_decode: false
             scheduling_policy: priority
             process: false
             num_inference_steps: 20
@@ -146,6 +147,7 @@ def test_a_deploy_config_sets_every_knob_of_the_diffusion_stage(tmp_path: Path) 
         "batching": "step",
         "dtype": "bfloat16",
         "max_batch_size": 16,
+        "overlap_decode": False,
         "scheduling_policy": "priority",
         "seed": 7,
     }

@@ -1,6 +1,6 @@
 """DiT acceleration on a CUDA device (``scripts/gpu_check.sh`` runs these; they skip without one): a
-step-cached request, a compiled tiny SD3 deployment and (with two devices) CFG- and sequence-parallel
-tiny SD3 and a CFG-parallel tiny BAGEL on ``cuda``, float32 so that the images compare with the CPU's
+step-cached request, a compiled tiny SD3 deployment, the step loop's decoder on a stream of its own and
+(with two devices) CFG- and sequence-parallel tiny SD3 and a CFG-parallel tiny BAGEL on ``cuda``, float32 so that the images compare with the CPU's
 cached ones and the eager, single-device ones."""
 
 from __future__ import annotations
@@ -117,3 +117,32 @@ def test_a_cfg_parallel_tiny_bagel_over_two_cuda_devices(tiny_bagel: Path) -> No
         engine.close()
     for results, images in zip(got, expected, strict=True):
         assert results[0].ok and np.abs(results[0].image.astype(np.int16) - images[0]).max() <= 2
+
+
+def test_the_step_loop_decodes_beside_its_next_step_on_a_stream_of_its_own(tiny_sd3: Path) -> None:
+    """``DecodeBeside`` on a CUDA device: a request finished while another runs decodes on the decoder's
+    stream beside the next step, with the image it gets when it decodes inline (the same kernels, after
+    the stream waited for the latents' last step)."""
+    import msgspec
+    import torch
+
+    from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+    from vllm_omni_plugin.diffusion.step_loop import DecodeBeside, StepLoop
+
+    runner = load_pipeline_runner(str(tiny_sd3), dtype=torch.float32, device="cuda")
+    short, long = requests(2)
+    short = msgspec.structs.replace(short, num_inference_steps=4)
+
+    def images(decoder: DecodeBeside | None) -> dict[str, np.ndarray]:
+        loop = StepLoop(runner.step_family(), max_rows=8, decoder=decoder)
+        for r in (short, long):
+            loop.add(r.request_id, r)
+        done = {}
+        with torch.no_grad():
+            while not loop.idle():
+                done.update({f.request_id: f.image for f in loop.step()})
+        return done
+
+    beside, inline = images(DecodeBeside(torch.device("cuda"))), images(None)
+    for request_id in ("r0", "r1"):
+        assert np.array_equal(beside[request_id], inline[request_id]), request_id

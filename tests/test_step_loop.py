@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.step_loop import StepLoop
+from vllm_omni_plugin.diffusion.step_loop import DecodeBeside, StepLoop
 from vllm_omni_plugin.families.diffusers.steps import SD3Steps
 
 pytestmark = pytest.mark.slow
@@ -105,8 +105,31 @@ def test_joining_mid_way_leaving_early_mixed_guidance_and_sizes(pipe: Any) -> No
         assert diff(done[r.request_id].image, alone(pipe, r)) <= 1, r.request_id
 
 
-def test_a_higher_priority_request_preempts_and_the_preempted_one_resumes_unchanged(pipe: Any) -> None:
-    loop = StepLoop(SD3Steps(pipe), max_rows=2)  # one guided request per step
+def test_finished_requests_decode_beside_the_next_step_with_the_image_they_get_alone(pipe: Any) -> None:
+    """With a decoder, a request finished while others of its priority run decodes on the decoder's
+    thread beside the next step, which returns its image; the last decodes at once."""
+    loop = StepLoop(SD3Steps(pipe), max_rows=8, decoder=DecodeBeside(torch.device("cpu")))
+    short, long = request(8, steps=2), request(9, steps=4)
+    for r in (short, long):
+        loop.add(r.request_id, r)
+    returned = []
+    with torch.no_grad():
+        while not loop.idle():
+            returned += [(f, loop.counters.steps) for f in loop.step()]
+            if loop.counters.steps == 2:
+                assert loop.decoding is not None and [i.request_id for i in loop.decoding.items] == ["r8"]
+    assert [(f.request_id, step) for f, step in returned] == [("r8", 3), ("r9", 4)]
+    for (f, _), r in zip(returned, (short, long), strict=True):
+        assert diff(f.image, alone(pipe, r)) <= 1 and f.seconds["decode"] > 0, r.request_id
+
+
+@pytest.mark.parametrize("decoder", [None, DecodeBeside(torch.device("cpu"))], ids=["inline", "beside"])
+def test_a_higher_priority_request_preempts_and_the_preempted_one_resumes_unchanged(
+    pipe: Any, decoder: DecodeBeside | None
+) -> None:
+    """With a decoder too, the better request decodes at once: its answer does not wait for a worse
+    request's step."""
+    loop = StepLoop(SD3Steps(pipe), max_rows=2, decoder=decoder)  # one guided request per step
     low, high = request(6, steps=6), request(7, steps=3)
     loop.add(low.request_id, low, priority=1)
     run(loop, until=2)

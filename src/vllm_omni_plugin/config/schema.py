@@ -120,6 +120,10 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     batch_wait_ms: NonNegativeFloat | None = None
     """Diffusion stages with ``batching: step``: while requests run, how long a new request waits for
     others to start with it (default 100)."""
+    overlap_decode: bool | None = None
+    """Diffusion stages with ``batching: loop``: finished requests decode on a thread of their own beside
+    the next step, their answers sent after it (default true; false: they decode after the step that
+    finished them, before the next)."""
     max_loras: PositiveInt | None = None
     """Diffusion stages: LoRA adapters each replica keeps loaded at once (default 4; the least recently
     used leaves first)."""
@@ -248,6 +252,7 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "max_step_tokens",
         "batching",
         "batch_wait_ms",
+        "overlap_decode",
         "max_loras",
         "num_threads",
         "cache",

@@ -203,6 +203,7 @@ class DiffusionEngine:
         """``batching: step``: groups of requests in flight share denoiser forwards step by step
         (:meth:`run_group`); ``None``: whole requests batch (:meth:`generate`)."""
         self.batch_wait_ms = config.batch_wait_ms
+        self.overlap_decode = config.overlap_decode
         """``batching: step``: while requests run, how long a new request waits for others to start with
         it as one group (one pipeline call: its prompt encoding and decode batched)."""
         self.compile_seconds = 0.0
@@ -523,7 +524,8 @@ class DiffusionEngine:
         return step_done
 
     def count_loop_step(self, requests: int, seconds: float, preempted: int) -> None:
-        """``batching: loop`` ran a step of ``requests`` in ``seconds``, leaving ``preempted`` out."""
+        """``batching: loop`` ran a step of ``requests`` in ``seconds``, leaving ``preempted`` out (the
+        loop reports it and holds at ``dit.step`` once the step's answers went out)."""
         with self._count_lock:
             counters = self._counters
             counters.denoise_steps += requests
@@ -531,8 +533,6 @@ class DiffusionEngine:
             counters.step_requests += requests
             counters.step_seconds += seconds
             counters.preemptions += preempted
-        if self.on_progress is not None:
-            self.on_progress()
 
     def count_loop_finished(self, timings: list[dict[str, float]]) -> None:
         """``batching: loop`` finished these requests (each counts as a call: its wave's prompt

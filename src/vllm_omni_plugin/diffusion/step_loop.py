@@ -12,7 +12,10 @@ draws and conditioning) and runs the stage as vLLM's engine core runs tokens:
   as if alone while it runs;
 - **execute**: one forward per group of rows that can share one (equal shape key: same image size), each
   request's guidance and scheduler step on its own rows;
-- **update**: finished requests leave, decoded together.
+- **update**: finished requests leave, decoded together; with a :class:`DecodeBeside`, their decoder call
+  runs on a thread of its own beside the next step (the loop's forwards and the decoder's convolutions
+  share the device), and the step after it returns their images. With nothing left to step, or only
+  requests of a worse priority, they decode at once.
 
 Features that act on the requests asking for them attach as :class:`LoopLayer` s of the family (its
 ``layers``): LoRA adapters per request and previews are two. The loop tells each layer which requests are
@@ -28,9 +31,11 @@ A request's image does not depend on the rows beside it, up to the float noise o
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -218,6 +223,56 @@ class LoopCounters:
     encoder_calls: int = 0
 
 
+class DecodeBeside:
+    """Runs a loop's decoder calls on one thread of its own, each beside the step that follows it: under
+    ``no_grad`` as the loop's forwards (the mode is per thread) and, on a CUDA device, on a stream of its
+    own that first waits for what the loop's stream had queued when the call was handed over."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.device = device
+        self._stream: Any = None
+
+    def submit(self, decode: Callable[[], list[Any]]) -> Future[tuple[list[Any], float]]:
+        """``decode()`` begun on the decoder's thread: its images and the seconds the call took."""
+        import torch
+
+        future: Future[tuple[list[Any], float]] = Future()
+        cuda = getattr(self.device, "type", None) == "cuda"
+        ready = None
+        if cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device)
+            ready = torch.cuda.Event()
+            ready.record()  # the latents' last step, on the loop's stream
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                began = time.perf_counter()
+                with torch.no_grad():
+                    if ready is not None:
+                        with torch.cuda.stream(self._stream):
+                            self._stream.wait_event(ready)
+                            images = decode()
+                    else:
+                        images = decode()
+                future.set_result((images, time.perf_counter() - began))
+            except BaseException as exc:  # raised where the loop waits for it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="dit-decode", daemon=True).start()
+        return future
+
+
+@dataclass
+class Decoding:
+    """Finished requests whose decoder call runs beside the next step."""
+
+    items: list[Denoising]
+    images: Future[tuple[list[Any], float]]
+
+
 Budget = tuple[int, Callable[[Any], int]]
 """A limit on one step and what a request needs of it (the stage's ``max_step_tokens`` and a request's
 latent tokens; its memory budget and a request's activations)."""
@@ -231,11 +286,16 @@ class StepLoop:
     family: StepFamily
     max_rows: int
     budgets: list[Budget] = field(default_factory=list)
+    decoder: DecodeBeside | None = None
+    """Where finished requests decode beside the next step (None: at once, after the step that finished
+    them)."""
     waiting: list[Denoising] = field(default_factory=list)
     running: list[Denoising] = field(default_factory=list)
     counters: LoopCounters = field(default_factory=LoopCounters)
     ran: list[str] = field(default_factory=list)
     """The requests the last step ran."""
+    decoding: Decoding | None = None
+    """The finished requests decoding beside this step."""
     _arrivals: itertools.count = field(default_factory=itertools.count)
 
     def add(self, request_id: str, request: Any, priority: int = 0) -> None:
@@ -257,7 +317,7 @@ class StepLoop:
                 layer.leave(item.state)
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and self.decoding is None
 
     def _schedule(self) -> list[Denoising]:
         """Admit what fits after what is ahead of it, then pick this step's requests."""
@@ -296,7 +356,9 @@ class StepLoop:
         return chosen
 
     def step(self) -> list[Finished]:
-        """One iteration: schedule, one forward per shape group, then decode what finished."""
+        """One iteration: schedule, one forward per shape group, then decode what finished (beside the
+        next step, with a decoder); what returns is what finished decoding: the requests this step
+        finished, or those the previous one finished where they decoded beside this one."""
         chosen = self._schedule()
         self.ran = [item.request_id for item in chosen]
         groups: dict[Hashable, list[Denoising]] = {}
@@ -308,22 +370,45 @@ class StepLoop:
             for item in group:
                 item.done_steps += 1
                 item.seconds["steps"] = item.seconds.get("steps", 0.0) + time.perf_counter() - forward
-        self.counters.steps += 1
+        if chosen:
+            self.counters.steps += 1
+        finished = self._decoded()
         done = [item for item in self.running if item.done_steps >= item.total_steps]
         if not done:
-            return []
+            return finished
         for item in done:
             self.running.remove(item)
             self._left(item)
         for layer in self.family.layers:
             layer.settle()
+        states = [item.state for item in done]
+        if self.decoder is not None and self._decodes_beside(done):
+            self.decoding = Decoding(done, self.decoder.submit(lambda: self.family.decode(states)))
+            return finished
         began = time.perf_counter()
-        images = self.family.decode([item.state for item in done])
-        for item in done:
-            item.seconds["decode"] = time.perf_counter() - began
+        images = self.family.decode(states)
+        return finished + self._finished(done, images, time.perf_counter() - began)
+
+    def _decodes_beside(self, done: list[Denoising]) -> bool:
+        """Finished requests decode beside the next step where one follows that runs requests of their
+        priority or better; requests that preempted worse ones decode at once, their answers not kept
+        waiting for the worse ones' step."""
+        left = [item.priority for item in (*self.running, *self.waiting)]
+        return bool(left) and min(left) <= min(item.priority for item in done)
+
+    def _decoded(self) -> list[Finished]:
+        """The requests that decoded beside this step (waited for: their answers go out after it)."""
+        decoding, self.decoding = self.decoding, None
+        if decoding is None:
+            return []
+        return self._finished(decoding.items, *decoding.images.result())
+
+    def _finished(self, items: list[Denoising], images: list[Any], seconds: float) -> list[Finished]:
+        for item in items:
+            item.seconds["decode"] = seconds
         return [
             Finished(item.request_id, item.request, image, item.preemptions, item.seconds, latents_of(item))
-            for item, image in zip(done, images, strict=True)
+            for item, image in zip(items, images, strict=True)
         ]
 
 

@@ -420,12 +420,13 @@ class DiffusionBatchLoop:
         their prompts encode together; a request of better priority than one admitted joins beyond that
         (up to ``max_batch`` parked), and the step's row budget (two per request in ``max_batch``) leaves
         the worse out until it is done. Requests the family cannot run step-wise (the diffusers
-        families' masked edits, BAGEL's step caching) run as whole requests between steps. Finished
-        requests are reported after the step that finished them. Stopping admits nothing new and lets
-        the admitted requests finish (interrupted: drops them)."""
+        families' masked edits, BAGEL's step caching) run as whole requests between
+        steps. Finished requests decode beside the next step (``overlap_decode``; ``DecodeBeside``) and
+        are reported after it, before the loop holds at ``dit.step``. Stopping admits nothing new and
+        lets the admitted requests finish (interrupted: drops them)."""
         import torch
 
-        from vllm_omni_plugin.diffusion.step_loop import StepLoop
+        from vllm_omni_plugin.diffusion.step_loop import DecodeBeside, StepLoop
 
         inbox, engine = self.inbox, self.engine
         family = engine.step_family
@@ -434,9 +435,19 @@ class DiffusionBatchLoop:
         memory: dict[str, int] = {}
         if engine.memory is not None:
             budgets.append((engine.memory.activation_bytes, lambda r: memory[r.request_id]))
-        loop = StepLoop(family, max_rows=2 * self.max_batch, budgets=budgets)
+        decoder = DecodeBeside(engine.device) if engine.overlap_decode else None
+        loop = StepLoop(family, max_rows=2 * self.max_batch, budgets=budgets, decoder=decoder)
         transfer: dict[str, float] = {}
         started: dict[str, float] = {}
+
+        def drop(request_id: str) -> None:
+            """An aborted request leaves (interrupted: silently)."""
+            for kept in (tokens, memory, transfer, started):
+                kept.pop(request_id, None)
+            inbox.done([request_id])
+            if not inbox.interrupted:
+                self.report.dropped([request_id], "batch")
+
         while not inbox.stopping or not loop.idle():
             admitted = self._admit(self._loop_arrivals(loop), transfer)
             whole = []
@@ -454,23 +465,23 @@ class DiffusionBatchLoop:
             for item in [*loop.waiting, *loop.running]:
                 if inbox.is_aborted(item.request_id) or inbox.interrupted:
                     loop.abort(item.request_id)
-                    tokens.pop(item.request_id, None)
-                    memory.pop(item.request_id, None)
-                    inbox.done([item.request_id])
-                    transfer.pop(item.request_id, None)
-                    started.pop(item.request_id, None)
-                    if not inbox.interrupted:
-                        self.report.dropped([item.request_id], "batch")
+                    drop(item.request_id)
             if loop.idle():
                 continue
             preempted, began = loop.counters.preemptions, time.perf_counter()
             with torch.no_grad():  # as a pipeline's call: compiled blocks' graphs guard on the grad mode
                 finished = loop.step()
-            left_out = loop.counters.preemptions - preempted
-            self._step_ran = loop.ran
-            engine.count_loop_step(len(loop.ran), time.perf_counter() - began, left_out)  # holds at dit.step
+            stepped = bool(loop.ran)  # else it only waited for the last requests' decoder call
+            if stepped:
+                self._step_ran = loop.ran
+                engine.count_loop_step(
+                    len(loop.ran), time.perf_counter() - began, loop.counters.preemptions - preempted
+                )
             outputs, timings = [], []
             for done in finished:
+                if inbox.is_aborted(done.request_id) or inbox.interrupted:  # while it decoded
+                    drop(done.request_id)
+                    continue
                 tokens.pop(done.request_id, None)
                 memory.pop(done.request_id, None)
                 phases = done.seconds
@@ -489,8 +500,11 @@ class DiffusionBatchLoop:
             if outputs:
                 engine.count_loop_finished(timings)
                 inbox.done([o.request_id for o in outputs])
+                self._report_previews()  # those the preview decoder handed over come before the images
                 self.report.progress(engine.counters(), force=True)
                 self.report.outputs(outputs)
+            if stepped:
+                self._step_done()  # holds at dit.step, after the step's answers went out
 
     def _admit(self, taken: list[StageDiffusionCoreRequest], transfer: dict[str, float]) -> list[list[Any]]:
         """The engine's groups of the taken requests (their payloads read; ``transfer``: each one's read
