@@ -131,6 +131,43 @@ class SD3Steps(PipelineSteps):
             self.advance(s, noise)
 
 
+def shifted_schedule(
+    pieces: PipelineSteps, request: DiffusionRequest, height: int, width: int, sigmas: Any
+) -> tuple[Any, torch.Tensor, int]:
+    """FLUX's and Qwen-Image's schedule as their pipelines make it (shifted by the image's token count),
+    an image-to-image request's first steps skipped by its strength: its own scheduler, the timesteps it
+    runs, and where they begin in the schedule."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+    pipe = pieces.pipe
+    config = pipe.scheduler.config
+    mu = calculate_shift(
+        (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2),
+        config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5), config.get("max_shift", 1.15),
+    )  # fmt: skip
+    scheduler = fresh_scheduler(pipe)
+    timesteps, _ = retrieve_timesteps(
+        scheduler, pieces.steps_of(request), pieces.device, sigmas=sigmas, mu=mu
+    )
+    begin = pieces.first_step(request) * scheduler.order if request.images else 0
+    scheduler.set_begin_index(begin)
+    return scheduler, timesteps[begin:], begin
+
+
+def packed_source(
+    pieces: PipelineSteps, request: DiffusionRequest, scheduler: Any, timesteps: torch.Tensor, height: int,
+    width: int, dtype: torch.dtype, generator: torch.Generator,
+) -> torch.Tensor | None:  # fmt: skip
+    """An image-to-image request's noised source latents packed into tokens as FLUX's and Qwen-Image's
+    pipelines pack them (None for a text-to-image request: the pipeline draws its latents)."""
+    if not request.images:
+        return None
+    noised = pieces.noised_source(request, scheduler, timesteps[:1], height, width, dtype, generator)
+    channels = pieces.pipe.transformer.config.in_channels // 4
+    return pieces.pipe._pack_latents(noised, 1, channels, noised.shape[-2], noised.shape[-1])
+
+
 @dataclass(eq=False)
 class FluxState:
     latents: torch.Tensor
@@ -173,8 +210,6 @@ class FluxSteps(PipelineSteps):
         return [(embeds[k : k + 1], pooled[k : k + 1], text_ids) for k in range(len(texts))]
 
     def prepare(self, request: DiffusionRequest, conditioning: tuple[torch.Tensor, ...]) -> FluxState:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
         pipe = self.pipe
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
@@ -184,33 +219,16 @@ class FluxSteps(PipelineSteps):
         sigmas = np.linspace(1.0, 1 / steps, steps)
         if getattr(pipe.scheduler.config, "use_flow_sigmas", False) and not request.images:
             sigmas = None  # the text-to-image pipeline's rule (its image-to-image one has none)
-        config = pipe.scheduler.config
-        mu = calculate_shift(
-            (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2),
-            config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-        )  # fmt: skip
-        scheduler = fresh_scheduler(pipe)
-        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler, timesteps, begin = shifted_schedule(self, request, height, width, sigmas)
         channels = pipe.transformer.config.in_channels // 4
-        packed = begin = None
-        if request.images:
-            begin = self.first_step(request) * scheduler.order
-            timesteps = timesteps[begin:]
-            scheduler.set_begin_index(begin)
-            noised = self.noised_source(
-                request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
-            )
-            packed = pipe._pack_latents(noised, 1, channels, noised.shape[2], noised.shape[3])
-        else:
-            scheduler.set_begin_index(0)
+        packed = packed_source(self, request, scheduler, timesteps, height, width, embeds.dtype, generator)
         latents, image_ids = pipe.prepare_latents(
             1, channels, height, width, embeds.dtype, self.device, generator, packed
         )  # packed given: its image ids only
         guidance = 3.5 if request.guidance_scale is None else request.guidance_scale
         return FluxState(
             latents, image_ids, text_ids, scheduler, timesteps, embeds, pooled, guidance, height, width,
-            begin=begin or 0,
+            begin=begin,
         )  # fmt: skip
 
     def steps(self, state: FluxState) -> int:
@@ -316,35 +334,16 @@ class QwenImageSteps(PipelineSteps):
         return [embeds[k : k + 1, : lengths[k]] for k in range(len(texts))]
 
     def prepare(self, request: DiffusionRequest, conditioning: tuple[Any, Any]) -> QwenImageState:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-
         pipe = self.pipe
         height = request.height or pipe.default_sample_size * pipe.vae_scale_factor
         width = request.width or pipe.default_sample_size * pipe.vae_scale_factor
         embeds, negative = conditioning
         generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
         steps = self.steps_of(request)
-        config = pipe.scheduler.config
-        mu = calculate_shift(
-            (height // pipe.vae_scale_factor // 2) * (width // pipe.vae_scale_factor // 2),
-            config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5), config.get("max_shift", 1.15),
-        )  # fmt: skip
-        scheduler = fresh_scheduler(pipe)
         sigmas = np.linspace(1.0, 1 / steps, steps)
-        timesteps, _ = retrieve_timesteps(scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        scheduler, timesteps, begin = shifted_schedule(self, request, height, width, sigmas)
         channels = pipe.transformer.config.in_channels // 4
-        packed, begin = None, 0
-        if request.images:
-            begin = self.first_step(request) * scheduler.order
-            timesteps = timesteps[begin:]
-            scheduler.set_begin_index(begin)
-            noised = self.noised_source(
-                request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
-            )
-            packed = pipe._pack_latents(noised, 1, channels, noised.shape[3], noised.shape[4])
-        else:
-            scheduler.set_begin_index(0)
+        packed = packed_source(self, request, scheduler, timesteps, height, width, embeds.dtype, generator)
         latents = pipe.prepare_latents(
             1, channels, height, width, embeds.dtype, self.device, generator, packed
         )  # packed given: as it is
