@@ -521,6 +521,57 @@ def test_bagel_alone_exact_and_mixed_contexts_guidance_and_previews_in_one_loop(
         assert diff(mine, theirs) <= 1
 
 
+def test_bagel_cached_and_uncached_requests_share_steps_each_with_its_whole_calls_image(
+    tiny_bagel: Path,
+) -> None:
+    """BAGEL's step caching as the loop's layer that answers a step with its guided velocity: a
+    fixed-policy request alone leaves out of the forward exactly the steps its plan skips and gives its
+    whole call's cached image bit for bit; beside an uncached request and a threshold-policy one joining
+    mid-way, each within 1/255 of its whole call alone."""
+    from test_bagel_dit import t2i
+    from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec, fixed_plan
+    from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner, flow_schedule
+
+    runner = BagelGenerationRunner.load(str(tiny_bagel), dtype=torch.float32, device="cpu")
+    counts = [0, 0]
+    runner.on_cache_counts = lambda computed, cached: counts.__setitem__(1, counts[1] + cached)
+    pieces = runner.step_family()
+    forwards = [0]
+    velocity = runner.transformer.velocity
+    runner.transformer.velocity = lambda *a, **k: (
+        forwards.__setitem__(0, forwards[0] + 1),
+        velocity(*a, **k),
+    )[1]
+
+    def ask(k: int, policy: str | None) -> Any:
+        spec = None if policy is None else StepCacheSpec(policy=policy).resolved()
+        return msgspec.structs.replace(t2i(f"c{k}", k), cache=spec)
+
+    def whole(r: Any) -> np.ndarray:
+        return runner.run([r], [torch.Generator("cpu").manual_seed(r.seed)]).images[0]
+
+    fixed, uncached, threshold = ask(0, "fixed"), ask(1, None), ask(2, "threshold")
+    assert all(pieces.runs(r) for r in (fixed, uncached, threshold))
+    steps = len(flow_schedule(fixed.sampling.num_inference_steps, fixed.sampling.timestep_shift)[0])
+    plan = fixed_plan(fixed.cache, steps)
+    loop = StepLoop(pieces, max_rows=16)
+    loop.add(fixed.request_id, fixed)
+    alone = run(loop)["c0"].image
+    assert forwards[0] == sum(plan) and counts[1] == (steps - sum(plan)) * runner.transformer.num_layers
+    assert diff(alone, whole(fixed)) == 0
+    assert diff(alone, whole(msgspec.structs.replace(fixed, cache=None))) > 1  # caching acts
+
+    for r in (fixed, uncached):
+        loop.add(r.request_id, r)
+    run(loop, until=loop.counters.steps + 3)
+    loop.add(threshold.request_id, threshold)
+    done = run(loop)
+    for r in (fixed, uncached, threshold):
+        assert diff(done[r.request_id].image, whole(r)) <= 1, r.request_id
+    cache_layer = pieces.layers[-1]
+    assert not cache_layer.caches and not cache_layer.computing
+
+
 @pytest.mark.parametrize("family", ["flux", "qwen_image", "glm_image", "bagel"])
 def test_each_family_preempted_resumes_unchanged_and_an_aborted_one_leaves(
     request: pytest.FixtureRequest, family: str

@@ -450,6 +450,58 @@ class StepCacheLayer(LoopLayer):
         return out
 
 
+class GuidedStepCacheLayer(LoopLayer):
+    """Step caching in the step loop for a family whose whole call caches each step's guided output
+    (BAGEL's velocity, :class:`CallCache`'s one slot): at each step a caching request decides on its
+    latents, as in the whole call, whether it computes; one that does not is answered with the estimate
+    of its guided output at the step's timestep (:meth:`answer`), its rows left out of the forward, and
+    one that does keeps the guided output it stepped with."""
+
+    field = "cache"
+
+    def __init__(
+        self,
+        steps: Callable[[Any], int],
+        blocks: int,
+        on_counts: Callable[[], Callable[[int, int], None] | None],
+    ) -> None:
+        self.steps = steps
+        self.blocks = max(1, blocks)
+        self.on_counts = on_counts
+        self.caches: dict[Any, _RequestCache] = {}
+        self.computing: set[Any] = set()
+        """The caching states whose step the forward computes."""
+
+    def serves(self, request: Any) -> bool:
+        return request.cache is not None and request.cache.active
+
+    def admit(self, request: Any, state: Any) -> None:
+        if self.serves(request):
+            self.caches[state] = _RequestCache(request.cache, self.steps(state))
+
+    def leave(self, state: Any) -> None:
+        self.caches.pop(state, None)
+        self.computing.discard(state)
+
+    def answer(self, state: Any) -> Any | None:
+        cache = self.caches.get(state)
+        if cache is None:
+            return None
+        computes = cache.decide(state.index, state.latents[0])
+        counted = self.on_counts()
+        if counted is not None:
+            counted(self.blocks, 0) if computes else counted(0, self.blocks)
+        if computes:
+            self.computing.add(state)
+            return None
+        return cache.estimate(0, float(state.timesteps[state.index]))[None]
+
+    def stepped(self, state: Any, sample: Any, output: Any) -> None:
+        if state in self.computing:
+            self.computing.discard(state)
+            self.caches[state].store(0, float(state.timesteps[state.index]), output[0])
+
+
 def _coordinate(timestep: Any, step: int) -> float:
     """Where a step lies for extrapolation: its timestep (any scale: the line is the same), else its
     index."""

@@ -67,6 +67,12 @@ class LoopLayer:
         the last layer outermost)."""
         return call
 
+    def answer(self, state: Any) -> Any | None:
+        """The state's (guided) model output for its step in place of the forward's, its rows left out
+        of the forward (families whose whole call caches a step's guided output ask it: BAGEL); None:
+        the forward computes it."""
+        return None
+
     def stepped(self, state: Any, sample: Any, output: Any) -> None:
         """The state's scheduler stepped from ``sample`` with the (guided) model ``output``; the state's
         ``index`` is still the step that ran."""

@@ -368,14 +368,17 @@ class BagelGenerationRunner(DiffusionRunner):
             return self._decoded(latents, batch, start)
 
     def step_family(self) -> Any:
-        """Its step-loop pieces (``families/bagel/steps.py``), with previews as their layer."""
+        """Its step-loop pieces (``families/bagel/steps.py``), with previews and step caching (of the
+        guided velocity, as its whole call caches) as their layers."""
         from vllm_omni_plugin.diffusion.previews import PreviewLayer
+        from vllm_omni_plugin.diffusion.step_cache import GuidedStepCacheLayer
         from vllm_omni_plugin.families.bagel.steps import BagelSteps
 
         family = BagelSteps(self)
-        family.layers.append(
-            PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.on_preview)
-        )
+        family.layers += [
+            PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.on_preview),
+            GuidedStepCacheLayer(family.steps, self.transformer.num_layers, lambda: self.on_cache_counts),
+        ]
         return family
 
     step_batching = True

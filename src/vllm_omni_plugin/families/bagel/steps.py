@@ -7,9 +7,10 @@ runs the rows of every request of one image size in one velocity forward: their 
 side, their banks' attention rows joined (each row attends to its own context, padded to the longest);
 each request then combines its own branches with its own guidance and steps.
 
-Step caching is not a layer here yet: BAGEL's whole call caches its guided velocity, the layer caches a
-forward's rows (the branches), and guidance's renormalization is not linear, so their images would
-differ; cached requests run as whole requests. BAGEL has no LoRA adapters."""
+Step caching is the layer that answers a step with its guided output (``GuidedStepCacheLayer``): BAGEL's
+whole call caches its guided velocity, not a forward's rows (the branches; guidance's renormalization is
+not linear), so a request that skips a step leaves its rows out of the forward and takes the estimate of
+its velocity. BAGEL has no LoRA adapters."""
 
 from __future__ import annotations
 
@@ -86,6 +87,27 @@ class BagelSteps:
         return state.height, state.width
 
     def denoise(self, states: list[BagelState]) -> None:
+        """One velocity forward over the rows of the states no layer answers (step caching), then each
+        state's guidance and step."""
+        answered: dict[BagelState, torch.Tensor] = {}
+        for s in states:
+            for layer in self.layers:
+                if (output := layer.answer(s)) is not None:
+                    answered[s] = output
+                    break
+        computed = [s for s in states if s not in answered]
+        guided = dict(zip(computed, self._guided(computed), strict=True)) if computed else {}
+        for s in states:
+            v = answered[s] if s in answered else guided[s]
+            sample = s.latents
+            for layer in self.layers:
+                layer.stepped(s, sample, v)
+            s.latents = sample - v * s.dts[s.index]
+            s.index += 1
+
+    def _guided(self, states: list[BagelState]) -> list[torch.Tensor]:
+        """Each state's guided velocity, from one forward over every state's rows (their attention rows
+        joined per shape group, kept while its states stay)."""
         model, device = self.runner.transformer, self.runner.device
         step_rows = [s.plan.at(s.index, s.bank, device) for s in states]
         inputs = [
@@ -102,16 +124,16 @@ class BagelSteps:
         velocity = through_layers(self.layers, self._velocity)(
             owners, {"latents": torch.cat(inputs), "rows": joined}
         ).float()
-        for s, rows, own in zip(states, step_rows, velocity.split(counts), strict=True):
-            v = s.guidance.combine(
-                own.index_select(0, rows.cond), own.index_select(0, rows.text), own.index_select(0, rows.img),
-                rows.guided, rows.image_guided,
+        return [
+            s.guidance.combine(
+                own.index_select(0, rows.cond),
+                own.index_select(0, rows.text),
+                own.index_select(0, rows.img),
+                rows.guided,
+                rows.image_guided,
             )  # fmt: skip
-            sample = s.latents
-            for layer in self.layers:
-                layer.stepped(s, sample, v)
-            s.latents = sample - v * s.dts[s.index]
-            s.index += 1
+            for s, rows, own in zip(states, step_rows, velocity.split(counts), strict=True)
+        ]
 
     def _velocity(self, owners: list[Any], inputs: dict[str, Any]) -> torch.Tensor:
         return self.runner.transformer.velocity(inputs["latents"], inputs["rows"])
