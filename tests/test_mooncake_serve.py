@@ -80,9 +80,11 @@ def serve_seed_request(model: Path, document: str, directory: Path) -> tuple[np.
     deploy = directory / "bagel.yaml"
     deploy.write_text(document)
     port = free_port()
+    # The seed's file sizes nothing for a CPU: the KV cache size comes from vLLM's CPU variable, so vLLM's
+    # profiling of the thinker's image encoder (93 images of the largest size in bf16, minutes on a CPU
+    # without bf16 units, more with both servers and another worker's on two cores) decides nothing here.
     argv = [bin_script("vllm"), "serve", str(model), "--omni", "--deploy-config", str(deploy),
-            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
-    # The seed's file sizes nothing for a CPU: the KV cache size comes from vLLM's CPU variable.
+            "--port", str(port), "--host", "127.0.0.1", "--skip-mm-profiling"]  # fmt: skip
     env = user_like_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOG_STATS_INTERVAL": "1"})
     server = ServerProcess(argv, port=port, env=env, log_path=directory / "server.log")
     with server:
