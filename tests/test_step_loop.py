@@ -329,6 +329,22 @@ def test_previews_in_the_loop_are_the_whole_calls_previews_and_come_before_the_i
     assert not pieces.layers[1].wanted
 
 
+def cached_beside_others(loop: StepLoop, alone: np.ndarray, asks: tuple[Any, Any, Any], whole: Any) -> None:
+    """A fixed-policy request's image alone (``alone``) is its whole call's cached one, not its uncached
+    one; then beside an uncached request, a threshold-policy one joining mid-way, each gets its whole
+    call's image (within 1/255)."""
+    fixed, uncached, threshold = asks
+    assert diff(alone, whole(fixed)) == 0
+    assert diff(alone, whole(msgspec.structs.replace(fixed, cache=None))) > 1  # caching acts
+    for r in (fixed, uncached):
+        loop.add(r.request_id, r)
+    run(loop, until=loop.counters.steps + 3)
+    loop.add(threshold.request_id, threshold)
+    done = run(loop)
+    for r in asks:
+        assert diff(done[r.request_id].image, whole(r)) <= 1, r.request_id
+
+
 @pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "glm_image"])
 def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_alone(
     request: pytest.FixtureRequest, family: str
@@ -362,16 +378,7 @@ def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_al
     loop.add(fixed.request_id, fixed)
     alone = run(loop)["c0"].image
     assert forwards[0] == calls * sum(plan) and counts[1] == calls * (8 - sum(plan)) * runner.cache_blocks
-    assert diff(alone, whole(fixed)) == 0
-    assert diff(alone, whole(msgspec.structs.replace(fixed, cache=None))) > 1  # caching acts
-
-    for r in (fixed, uncached):
-        loop.add(r.request_id, r)
-    run(loop, until=loop.counters.steps + 3)
-    loop.add(threshold.request_id, threshold)
-    done = run(loop)
-    for r in (fixed, uncached, threshold):
-        assert diff(done[r.request_id].image, whole(r)) <= 1, r.request_id
+    cached_beside_others(loop, alone, (fixed, uncached, threshold), whole)
     assert not pieces.layers[2].caches and not pieces.layers[2].slots
 
 
@@ -558,16 +565,7 @@ def test_bagel_cached_and_uncached_requests_share_steps_each_with_its_whole_call
     loop.add(fixed.request_id, fixed)
     alone = run(loop)["c0"].image
     assert forwards[0] == sum(plan) and counts[1] == (steps - sum(plan)) * runner.transformer.num_layers
-    assert diff(alone, whole(fixed)) == 0
-    assert diff(alone, whole(msgspec.structs.replace(fixed, cache=None))) > 1  # caching acts
-
-    for r in (fixed, uncached):
-        loop.add(r.request_id, r)
-    run(loop, until=loop.counters.steps + 3)
-    loop.add(threshold.request_id, threshold)
-    done = run(loop)
-    for r in (fixed, uncached, threshold):
-        assert diff(done[r.request_id].image, whole(r)) <= 1, r.request_id
+    cached_beside_others(loop, alone, (fixed, uncached, threshold), whole)
     cache_layer = pieces.layers[-1]
     assert not cache_layer.caches and not cache_layer.computing
 

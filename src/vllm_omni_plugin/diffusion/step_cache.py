@@ -350,35 +350,23 @@ class CachedDenoiser:
         return getattr(self._inner, name)
 
 
-class StepCacheLayer(LoopLayer):
-    """Step caching in the step loop: at its first forward of a step each caching request decides, as in a
-    whole call, whether it computes (on its state's ``latents``); the forward runs the rows of the
-    requests that compute (all of them where none is left out) and gives the others the estimates of
-    their outputs, per forward of the step (slot) and by the forward's ``timestep`` input (else the
-    state's own), exactly as :class:`CachedDenoiser` does for a call's rows. Requests without caching
-    beside them always compute. Forwards ``passes`` names (GLM-Image's write of its source images) run as
-    they are; a forward that reads an argument joined per row (an edit's source-image K/V) runs every row,
-    the cached requests still taking their estimates."""
+class _CachingLayer(LoopLayer):
+    """What the step loop's caching layers share: each caching request's cache, made as it is admitted
+    (``steps``: its state's step count), and where the block evaluations computed and taken from caches
+    go (``on_counts``, read when counted)."""
 
     field = "cache"
 
     def __init__(
         self,
         steps: Callable[[Any], int],
-        joins: Mapping[str, ArgumentJoin],
         blocks: int,
         on_counts: Callable[[], Callable[[int, int], None] | None],
-        passes: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
         self.steps = steps
-        self.joins = joins
-        self.passes = passes
         self.blocks = max(1, blocks)
         self.on_counts = on_counts
-        """Where the block evaluations computed and taken from caches go (read per forward)."""
         self.caches: dict[Any, _RequestCache] = {}
-        self.slots: dict[Any, tuple[int, int, bool]] = {}
-        """Per caching state: the step it decided at, its next forward slot in that step, the decision."""
 
     def serves(self, request: Any) -> bool:
         return request.cache is not None and request.cache.active
@@ -389,6 +377,34 @@ class StepCacheLayer(LoopLayer):
 
     def leave(self, state: Any) -> None:
         self.caches.pop(state, None)
+
+
+class StepCacheLayer(_CachingLayer):
+    """Step caching in the step loop: at its first forward of a step each caching request decides, as in a
+    whole call, whether it computes (on its state's ``latents``); the forward runs the rows of the
+    requests that compute (all of them where none is left out) and gives the others the estimates of
+    their outputs, per forward of the step (slot) and by the forward's ``timestep`` input (else the
+    state's own), exactly as :class:`CachedDenoiser` does for a call's rows. Requests without caching
+    beside them always compute. Forwards ``passes`` names (GLM-Image's write of its source images) run as
+    they are; a forward that reads an argument joined per row (an edit's source-image K/V) runs every row,
+    the cached requests still taking their estimates."""
+
+    def __init__(
+        self,
+        steps: Callable[[Any], int],
+        joins: Mapping[str, ArgumentJoin],
+        blocks: int,
+        on_counts: Callable[[], Callable[[int, int], None] | None],
+        passes: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
+        super().__init__(steps, blocks, on_counts)
+        self.joins = joins
+        self.passes = passes
+        self.slots: dict[Any, tuple[int, int, bool]] = {}
+        """Per caching state: the step it decided at, its next forward slot in that step, the decision."""
+
+    def leave(self, state: Any) -> None:
+        super().leave(state)
         self.slots.pop(state, None)
 
     def wrap(self, call: Forward) -> Forward:
@@ -450,14 +466,12 @@ class StepCacheLayer(LoopLayer):
         return out
 
 
-class GuidedStepCacheLayer(LoopLayer):
+class GuidedStepCacheLayer(_CachingLayer):
     """Step caching in the step loop for a family whose whole call caches each step's guided output
     (BAGEL's velocity, :class:`CallCache`'s one slot): at each step a caching request decides on its
     latents, as in the whole call, whether it computes; one that does not is answered with the estimate
     of its guided output at the step's timestep (:meth:`answer`), its rows left out of the forward, and
     one that does keeps the guided output it stepped with."""
-
-    field = "cache"
 
     def __init__(
         self,
@@ -465,22 +479,12 @@ class GuidedStepCacheLayer(LoopLayer):
         blocks: int,
         on_counts: Callable[[], Callable[[int, int], None] | None],
     ) -> None:
-        self.steps = steps
-        self.blocks = max(1, blocks)
-        self.on_counts = on_counts
-        self.caches: dict[Any, _RequestCache] = {}
+        super().__init__(steps, blocks, on_counts)
         self.computing: set[Any] = set()
         """The caching states whose step the forward computes."""
 
-    def serves(self, request: Any) -> bool:
-        return request.cache is not None and request.cache.active
-
-    def admit(self, request: Any, state: Any) -> None:
-        if self.serves(request):
-            self.caches[state] = _RequestCache(request.cache, self.steps(state))
-
     def leave(self, state: Any) -> None:
-        self.caches.pop(state, None)
+        super().leave(state)
         self.computing.discard(state)
 
     def answer(self, state: Any) -> Any | None:
