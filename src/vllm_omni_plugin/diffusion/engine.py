@@ -203,9 +203,10 @@ class DiffusionEngine:
         """``batching: step``: groups of requests in flight share denoiser forwards step by step
         (:meth:`run_group`); ``None``: whole requests batch (:meth:`generate`)."""
         self.batch_wait_ms = config.batch_wait_ms
-        self.overlap_decode = config.overlap_decode
         """``batching: step``: while requests run, how long a new request waits for others to start with
         it as one group (one pipeline call: its prompt encoding and decode batched)."""
+        self.overlap_decode = config.overlap_decode
+        """``batching: loop``: finished requests decode beside the next step."""
         self.compile_seconds = 0.0
         # Everything checkable is checked above, before any peer process starts; what fails from here on
         # (a peer that cannot load, a warm-up request) stops what started before the error goes up.

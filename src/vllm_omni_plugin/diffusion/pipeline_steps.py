@@ -6,7 +6,6 @@ family's layers), the scheduler step the layers see, and grouped decoding. A fam
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -65,16 +64,24 @@ class PipelineSteps:
     @functools.cached_property
     def default_strength(self) -> float:
         """The family's image-to-image pipeline's own default strength."""
-        from vllm_omni_plugin.diffusion.diffusers_registry import companion_class
+        from vllm_omni_plugin.diffusion.diffusers_registry import call_parameters, companion_class
 
-        companion = companion_class(type(self.pipe), "images")
-        return inspect.signature(companion.__call__).parameters["strength"].default
+        return call_parameters(companion_class(type(self.pipe), "images"))["strength"].default
 
     def first_step(self, request: DiffusionRequest) -> int:
         """The steps an image-to-image request's strength skips (the pipeline's ``get_timesteps``)."""
         steps = self.steps_of(request)
         strength = self.default_strength if request.strength is None else request.strength
         return int(max(steps - min(steps * strength, steps), 0))
+
+    def strength_timesteps(
+        self, request: DiffusionRequest, scheduler: Any, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        """The timesteps an image-to-image request runs: those after the steps its strength skips, its
+        scheduler begun there (the pipeline's ``get_timesteps``)."""
+        begin = self.first_step(request) * scheduler.order
+        scheduler.set_begin_index(begin)
+        return timesteps[begin:]
 
     def noised_source(
         self, request: DiffusionRequest, scheduler: Any, first: torch.Tensor, height: int, width: int,
@@ -122,7 +129,7 @@ class PipelineSteps:
 
     def estimate(self, state: Any, sample: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """Flow matching's clean latents as a whole call's previews take them: ``sample - sigma * output``."""
-        sigma = state.scheduler.sigmas[getattr(state, "begin", 0) + state.index]  # image to image: later
+        sigma = state.scheduler.sigmas[(state.scheduler.begin_index or 0) + state.index]  # image to image
         return (sample.float() - sigma * output.float()).to(sample.dtype)
 
     def guided_by_second_forward(

@@ -494,7 +494,7 @@ class GuidedStepCacheLayer(_CachingLayer):
         computes = cache.decide(state.index, state.latents[0])
         counted = self.on_counts()
         if counted is not None:
-            counted(self.blocks, 0) if computes else counted(0, self.blocks)
+            counted(self.blocks if computes else 0, 0 if computes else self.blocks)
         if computes:
             self.computing.add(state)
             return None

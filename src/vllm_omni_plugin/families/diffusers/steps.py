@@ -30,8 +30,6 @@ class SD3State:
     height: int
     width: int
     index: int = 0
-    begin: int = 0
-    """Where its schedule begins (an image-to-image request skips the first steps by its strength)."""
 
 
 class SD3Steps(PipelineSteps):
@@ -82,27 +80,18 @@ class SD3Steps(PipelineSteps):
         embeds, pooled = conditioning
         scheduler = fresh_scheduler(pipe)
         timesteps, _ = retrieve_timesteps(scheduler, self.steps_of(request), self.device)
-        begin = 0
         if request.images:
-            begin = self.first_step(request) * scheduler.order
-            timesteps = timesteps[begin:]
-            scheduler.set_begin_index(begin)
+            timesteps = self.strength_timesteps(request, scheduler, timesteps)
             latents = self.noised_source(
                 request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
             )
         else:
+            channels = pipe.transformer.config.in_channels
             latents = pipe.prepare_latents(
-                1,
-                pipe.transformer.config.in_channels,
-                height,
-                width,
-                embeds.dtype,
-                self.device,
-                generator,
-                None,
+                1, channels, height, width, embeds.dtype, self.device, generator, None
             )
         guidance = self._guidance(request)
-        return SD3State(latents, scheduler, timesteps, embeds, pooled, guidance, height, width, begin=begin)
+        return SD3State(latents, scheduler, timesteps, embeds, pooled, guidance, height, width)
 
     def steps(self, state: SD3State) -> int:
         return len(state.timesteps)
@@ -133,10 +122,10 @@ class SD3Steps(PipelineSteps):
 
 def shifted_schedule(
     pieces: PipelineSteps, request: DiffusionRequest, height: int, width: int, sigmas: Any
-) -> tuple[Any, torch.Tensor, int]:
+) -> tuple[Any, torch.Tensor]:
     """FLUX's and Qwen-Image's schedule as their pipelines make it (shifted by the image's token count),
-    an image-to-image request's first steps skipped by its strength: its own scheduler, the timesteps it
-    runs, and where they begin in the schedule."""
+    an image-to-image request's first steps skipped by its strength: its own scheduler and the timesteps
+    it runs."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
     pipe = pieces.pipe
@@ -150,9 +139,10 @@ def shifted_schedule(
     timesteps, _ = retrieve_timesteps(
         scheduler, pieces.steps_of(request), pieces.device, sigmas=sigmas, mu=mu
     )
-    begin = pieces.first_step(request) * scheduler.order if request.images else 0
-    scheduler.set_begin_index(begin)
-    return scheduler, timesteps[begin:], begin
+    if request.images:
+        return scheduler, pieces.strength_timesteps(request, scheduler, timesteps)
+    scheduler.set_begin_index(0)
+    return scheduler, timesteps
 
 
 def packed_source(
@@ -182,8 +172,6 @@ class FluxState:
     height: int
     width: int
     index: int = 0
-    begin: int = 0
-    """Where its schedule begins (image to image: after the steps its strength skips)."""
 
 
 class FluxSteps(PipelineSteps):
@@ -219,7 +207,7 @@ class FluxSteps(PipelineSteps):
         sigmas = np.linspace(1.0, 1 / steps, steps)
         if getattr(pipe.scheduler.config, "use_flow_sigmas", False) and not request.images:
             sigmas = None  # the text-to-image pipeline's rule (its image-to-image one has none)
-        scheduler, timesteps, begin = shifted_schedule(self, request, height, width, sigmas)
+        scheduler, timesteps = shifted_schedule(self, request, height, width, sigmas)
         channels = pipe.transformer.config.in_channels // 4
         packed = packed_source(self, request, scheduler, timesteps, height, width, embeds.dtype, generator)
         latents, image_ids = pipe.prepare_latents(
@@ -227,9 +215,8 @@ class FluxSteps(PipelineSteps):
         )  # packed given: its image ids only
         guidance = 3.5 if request.guidance_scale is None else request.guidance_scale
         return FluxState(
-            latents, image_ids, text_ids, scheduler, timesteps, embeds, pooled, guidance, height, width,
-            begin=begin,
-        )  # fmt: skip
+            latents, image_ids, text_ids, scheduler, timesteps, embeds, pooled, guidance, height, width
+        )
 
     def steps(self, state: FluxState) -> int:
         return len(state.timesteps)
@@ -267,8 +254,6 @@ class QwenImageState:
     height: int
     width: int
     index: int = 0
-    begin: int = 0
-    """Where its schedule begins (image to image: after the steps its strength skips)."""
 
 
 def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -341,16 +326,14 @@ class QwenImageSteps(PipelineSteps):
         generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
         steps = self.steps_of(request)
         sigmas = np.linspace(1.0, 1 / steps, steps)
-        scheduler, timesteps, begin = shifted_schedule(self, request, height, width, sigmas)
+        scheduler, timesteps = shifted_schedule(self, request, height, width, sigmas)
         channels = pipe.transformer.config.in_channels // 4
         packed = packed_source(self, request, scheduler, timesteps, height, width, embeds.dtype, generator)
         latents = pipe.prepare_latents(
             1, channels, height, width, embeds.dtype, self.device, generator, packed
         )  # packed given: as it is
         guidance = self._guidance(request)
-        return QwenImageState(
-            latents, scheduler, timesteps, embeds, negative, guidance, height, width, begin=begin
-        )
+        return QwenImageState(latents, scheduler, timesteps, embeds, negative, guidance, height, width)
 
     def steps(self, state: QwenImageState) -> int:
         return len(state.timesteps)
