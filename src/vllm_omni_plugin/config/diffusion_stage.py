@@ -13,7 +13,10 @@ from vllm_omni_plugin.config.pipeline import Pipeline
 from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.report import Reporter
 from vllm_omni_plugin.config.schema import StageDeployConfig
+from vllm_omni_plugin.diffusion.diffusers_registry import stage_runner_class
 from vllm_omni_plugin.diffusion.engine_config import DiffusionEngineConfig
+from vllm_omni_plugin.diffusion.quantization import SCHEMES, QuantizationSpec
+from vllm_omni_plugin.diffusion.quantization import check as check_quantization
 from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE
 from vllm_omni_plugin.dotted import import_object
 
@@ -22,7 +25,7 @@ REQUEST_DEFAULT_KEYS = ("num_inference_steps", "guidance_scale", "height", "widt
 field of the same name wins): the stage's ``request_defaults``."""
 DIFFUSION_DEFAULT_KEYS = (*REQUEST_DEFAULT_KEYS, "seed")
 """Those, and ``seed``: it seeds the engine's draw of seeds for unseeded requests."""
-SET_BY_DIFFUSION_ARGS = ("max_batch_size", "seed", "cache", "compile")
+SET_BY_DIFFUSION_ARGS = ("max_batch_size", "seed", "cache", "compile", "quantization")
 """Stage fields the engine's configuration also has that ``diffusion_args`` resolves itself."""
 DIFFUSION_ENGINE_FIELDS = tuple(
     name
@@ -83,6 +86,29 @@ def diffusion_args(
         if getattr(stage, name) is not None:
             args[name] = getattr(stage, name)
     args.setdefault("scheduling_policy", "fcfs")  # shown by --print-resolved-config whether set or not
+    if stage.quantization is not None:
+        try:
+            spec = QuantizationSpec.of(stage.quantization)
+        except (msgspec.ValidationError, ValueError) as exc:
+            schemes = ", ".join((*SCHEMES, "gguf"))
+            raise report.error(f"{exc} (schemes: {schemes})", stage.stage_id, "quantization") from None
+        if spec is not None and spec.active:
+            try:
+                runner = stage_runner_class({**args, "model": model})
+            except (OSError, ValueError):  # the model is not readable here: its stage says so as it starts
+                runner = None
+            if runner is not None and not runner.quantizes:
+                raise report.error(
+                    f"quantization is not available for {pipeline.name}'s diffusion runner "
+                    f"({runner.__name__})",
+                    stage.stage_id,
+                    "quantization",
+                )
+            try:
+                check_quantization(spec, "cpu" if platform.device_env is None else "cuda")
+            except ValueError as exc:
+                raise report.error(str(exc), stage.stage_id, "quantization") from None
+            args["quantization"] = msgspec.to_builtins(spec)
     if stage.cache is not None and stage.cache.active:
         args["cache"] = msgspec.to_builtins(stage.cache.resolved())
     if stage.compile is not None and stage.compile.active:

@@ -30,7 +30,9 @@ LEGACY_STAGE_TYPES = {"llm": "llm_ar", "ar": "llm_ar", "llm_ar": "llm_ar", "diff
 LEGACY_OUTPUT_TYPES = {"token_ids": "token_ids", "latent": "latents", "latents": "latents", "text": "text"}
 
 # engine_args keys that are stage fields of the stages form (everything else goes to engine_extras).
-STAGE_FIELDS_FROM_ENGINE_ARGS = frozenset(ENGINE_ARG_FIELDS) | (DIFFUSION_ONLY_FIELDS - {"max_batch_size"})
+STAGE_FIELDS_FROM_ENGINE_ARGS = (
+    frozenset(ENGINE_ARG_FIELDS) | (DIFFUSION_ONLY_FIELDS - {"max_batch_size"}) | {"quantization"}
+)
 
 
 def is_legacy_document(data: Any) -> bool:

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from vllm_omni_plugin.diffusion.blocks import CompileSpec
+from vllm_omni_plugin.diffusion.quantization import QuantizationSpec
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -139,6 +140,12 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     sequence_parallel_size: PositiveInt | None = None
     """Diffusion stages: the devices (processes) each replica spans, each computing its share of every
     denoiser forward's image tokens (SD3, FLUX, Qwen-Image, GLM-Image; default 1)."""
+    quantization: str | QuantizationSpec | None = None
+    """How the stage's weights are quantized. Diffusion stages: a torchao scheme for the denoiser
+    (``int8_weight_only``, ``int8_dynamic``, ``float8_weight_only``, ``float8_dynamic``,
+    ``int4_weight_only``), or a block with ``denoiser`` (a scheme, or ``gguf`` with ``gguf_file``) and
+    ``text_encoders`` (``diffusion/quantization.py``). AR stages: vLLM's ``quantization`` engine argument
+    (a method name, e.g. ``fp8``; a quantized checkpoint's own method is read from its config)."""
     num_threads: PositiveInt | None = None
     """Diffusion stages on CPU: the intra-op threads each replica runs, instead of the CPU threads
     policy's share of the cores (``config/cpu_threads.py``); the replica is then not bound to cores."""

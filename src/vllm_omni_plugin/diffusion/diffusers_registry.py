@@ -217,8 +217,8 @@ def inspect_model(model: str) -> ModelFacts:
     )
 
 
-def pipeline_class_name(model: str | Path) -> str:
-    """``_class_name`` from the model's ``model_index.json`` (a local directory or a cached hub id)."""
+def model_index(model: str | Path) -> dict[str, Any]:
+    """The model's ``model_index.json`` (a local directory or a cached hub id)."""
     path = Path(model)
     if path.is_dir():
         index_file = path / "model_index.json"
@@ -236,10 +236,24 @@ def pipeline_class_name(model: str | Path) -> str:
                 f"{model} is neither a local directory nor a reachable hub model with a "
                 f"model_index.json: {exc}"
             ) from exc
-    name = json.loads(index_file.read_text()).get("_class_name")
-    if not isinstance(name, str):
+    index = json.loads(index_file.read_text())
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
         raise ValueError(f"{index_file} names no pipeline (_class_name)")
-    return name
+    return index
+
+
+def pipeline_class_name(model: str | Path) -> str:
+    """``_class_name`` from the model's ``model_index.json``."""
+    return str(model_index(model)["_class_name"])
+
+
+def model_components(model: str | Path) -> dict[str, tuple[str, str]]:
+    """The pipeline's components in ``model_index.json``: name -> (library, class name)."""
+    return {
+        name: (entry[0], entry[1])
+        for name, entry in model_index(model).items()
+        if not name.startswith("_") and isinstance(entry, list) and len(entry) == 2 and entry[1]
+    }
 
 
 def stage_runner_class(diffusion_args: dict[str, Any]) -> type[Any]:

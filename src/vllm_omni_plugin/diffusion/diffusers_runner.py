@@ -8,12 +8,15 @@ registered by dotted path in ``diffusion/diffusers_registry.py``, which also cho
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
 
 from vllm_omni_plugin.diffusion.blocks import CompileSpec, repeated_blocks
 from vllm_omni_plugin.diffusion.diffusers_registry import (
@@ -22,6 +25,7 @@ from vllm_omni_plugin.diffusion.diffusers_registry import (
     call_parameters,
     checked_pipeline_class,
     companion_class,
+    model_components,
     pipeline_class_name,
 )
 from vllm_omni_plugin.diffusion.lora import AdapterLayer, AdapterRows, LoadedAdapters
@@ -48,6 +52,7 @@ from vllm_omni_plugin.log import get_logger
 if TYPE_CHECKING:
     from vllm_omni_plugin.diffusion.cfg_parallel import PairedBranches
     from vllm_omni_plugin.diffusion.peer_group import PeerSpec
+    from vllm_omni_plugin.diffusion.quantization import QuantizationSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, StepBatcher
 
 logger = get_logger(__name__)
@@ -324,22 +329,54 @@ class DiffusersPipelineRunner(DiffusionRunner):
         return name, checked_pipeline_class(name, cls)
 
     @classmethod
-    def load(cls, model: str, *, dtype: Any, device: Any) -> DiffusersPipelineRunner:
-        """``from_pretrained`` on the model directory (or hub id), moved to ``device``."""
+    def load(
+        cls, model: str, *, dtype: Any, device: Any, quantization: QuantizationSpec | None = None
+    ) -> DiffusersPipelineRunner:
+        """``from_pretrained`` on the model directory (or hub id), moved to ``device``; with
+        ``quantization``, its denoiser (and text encoders) quantized as diffusers loads them."""
         name, pipeline_cls = cls.diffusers_class(model)
         start = time.perf_counter()
-        pipe = pipeline_cls.from_pretrained(model, dtype=dtype, **cls.load_overrides(model))
+        overrides = cls.load_overrides(model)
+        if quantization is not None and quantization.active:
+            overrides.update(cls.quantized_loading(model, quantization, dtype))
+        pipe = pipeline_cls.from_pretrained(model, dtype=dtype, **overrides)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         logger.info(
-            "loaded %s from %s (%s, %s) in %.2f s",
+            "loaded %s from %s (%s, %s%s) in %.2f s",
             name,
             model,
             dtype,
             device,
+            f", quantized: {quantization.describe()}"
+            if quantization is not None and quantization.active
+            else "",
             time.perf_counter() - start,
         )
-        return cls(pipe, device=device, dtype=dtype)
+        runner = cls(pipe, device=device, dtype=dtype)
+        runner.quantization = quantization
+        return runner
+
+    @classmethod
+    def quantized_loading(cls, model: str, spec: QuantizationSpec, dtype: Any) -> dict[str, Any]:
+        """``from_pretrained`` arguments that quantize: diffusers' ``quantization_config`` for the torchao
+        components, the denoiser itself when it comes from a GGUF file."""
+        from vllm_omni_plugin.diffusion import quantization
+
+        components = model_components(model)
+        kwargs: dict[str, Any] = {}
+        config = quantization.pipeline_quantization(spec, list(components))
+        if config is not None:
+            kwargs["quantization_config"] = config
+        if spec.denoiser == "gguf":
+            assert spec.gguf_file is not None
+            name = next((n for n in quantization.DENOISERS if n in components), None)
+            if name is None:
+                raise ValueError(f"denoiser: gguf: {model} has no transformer or unet component")
+            library, class_name = components[name]
+            model_cls = getattr(importlib.import_module(library), class_name)
+            kwargs[name] = quantization.gguf_denoiser(model, name, model_cls, spec.gguf_file, dtype)
+        return kwargs
 
     # --- per-request hooks -------------------------------------------------------------------------
 
@@ -450,6 +487,11 @@ class DiffusersPipelineRunner(DiffusionRunner):
         import torch
 
         return [c for c in self.pipe.components.values() if isinstance(c, torch.nn.Module)]
+
+    def weight_components(self) -> dict[str, list[Any]]:
+        import torch
+
+        return {n: [c] for n, c in self.pipe.components.items() if isinstance(c, torch.nn.Module)}
 
     @functools.cached_property
     def memory_shape(self) -> DenoiserShape:
@@ -714,12 +756,14 @@ class DiffusersPipelineRunner(DiffusionRunner):
             subfolder=name,
             module=type(module).__module__,
             qualname=type(module).__qualname__,
-            dtype=str(module.dtype),
+            dtype=str(self.dtype),
             device=device,
             num_threads=num_threads,
+            quantization=msgspec.to_builtins(self.quantization) if self.quantization else None,
         )
 
     compiles_blocks = True
+    quantizes = True
 
     def compile_blocks(self, spec: CompileSpec) -> int:
         from vllm_omni_plugin.diffusion.compiled_blocks import compile_blocks

@@ -33,17 +33,18 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.cfg_parallel import RowParallelDenoiser
-from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+from vllm_omni_plugin.diffusion.diffusers_registry import pipeline_class_name, runner_class
 from vllm_omni_plugin.diffusion.engine_config import DiffusionEngineConfig
 from vllm_omni_plugin.diffusion.memory import (
     MemoryBudget,
     allocated_bytes,
     device_memory_bytes,
     gib,
-    tensor_bytes,
 )
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult, RunnerRequest
 from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup
+from vllm_omni_plugin.diffusion.quantization import check as check_quantization
+from vllm_omni_plugin.diffusion.quantization import component_weights, describe_weights
 from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, PreviewCallback
 from vllm_omni_plugin.diffusion.sequence_parallel import SequenceParallelDenoiser, sequence_plan
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements
@@ -125,15 +126,18 @@ class DiffusionEngine:
         device_default = MAX_STEP_TOKENS.get(self.device.type, GPU_STEP_TOKENS)
         self.max_step_tokens = config.max_step_tokens or device_default
         self.batch_invariant = batch_invariant = config.batch_invariant
-        runner_cls = config.runner_cls
         start = time.perf_counter()
-        if runner is None and runner_cls:  # a runner the pipeline names (its model is no diffusers pipeline)
-            runner = _runner_class(runner_cls).load(self.model, dtype=self.dtype, device=self.device)
-        self.runner: DiffusionRunner = runner or load_pipeline_runner(
-            self.model, dtype=self.dtype, device=self.device
-        )
+        if runner is None:
+            runner = self._load_runner(config)
+        self.runner: DiffusionRunner = runner
         self.load_seconds = time.perf_counter() - start
-        runner = self.runner
+        self.weights = [
+            component_weights(name, objects, self.dtype)
+            for name, objects in runner.weight_components().items()
+        ]
+        """Each part of the model's weights as loaded (quantized where the stage says so)."""
+        self.weight_bytes = sum(w.bytes for w in self.weights)
+        logger.info("diffusion engine %s", describe_weights(self.weights))
         self.memory: MemoryBudget | None = None
         """The stage's memory budget, its weights measured (None: no budget, batches by size only)."""
         if config.gpu_memory_utilization is not None:
@@ -230,6 +234,24 @@ class DiffusionEngine:
             self.load_seconds,
         )
 
+    def _load_runner(self, config: DiffusionEngineConfig) -> DiffusionRunner:
+        """The runner the pipeline names (its model is no diffusers pipeline: ``runner_cls``), else the
+        one registered for its ``model_index.json`` class, loaded (and quantized) on the device."""
+        cls = (
+            _runner_class(config.runner_cls)
+            if config.runner_cls
+            else runner_class(pipeline_class_name(self.model))
+        )
+        spec = config.quantization
+        if spec is None or not spec.active:
+            return cls.load(self.model, dtype=self.dtype, device=self.device)
+        if not cls.quantizes:
+            raise ValueError(
+                f"quantization is not available for {cls.__name__}; remove the quantization block"
+            )
+        check_quantization(spec, self.device, self.dtype)
+        return cls.load(self.model, dtype=self.dtype, device=self.device, quantization=spec)
+
     def _start(self, config: DiffusionEngineConfig, compiles: bool) -> None:
         """What starts processes and threads: the parallel group's peers, the compiled blocks and their
         warm-up, the step and decode batchers."""
@@ -264,7 +286,7 @@ class DiffusionEngine:
         every request."""
         weights = allocated_bytes(self.device)
         if weights is None:
-            weights = tensor_bytes(self.runner.weight_tensors())
+            weights = self.weight_bytes
         budget = MemoryBudget(
             fraction=fraction,
             device=str(self.device),

@@ -12,6 +12,7 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.lora import MAX_LORAS
+from vllm_omni_plugin.diffusion.quantization import QuantizationSpec
 from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
@@ -61,6 +62,8 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     """Regional compilation of the denoiser's blocks; None: eager."""
     cfg_parallel_size: int = 1
     sequence_parallel_size: int = 1
+    quantization: QuantizationSpec | None = None
+    """The denoiser's (and text encoders') weights quantized as they load; None: as stored."""
 
     def __post_init__(self) -> None:
         if self.batching is not None and self.batching not in BATCHING_MODES:

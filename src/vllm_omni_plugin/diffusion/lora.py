@@ -204,7 +204,8 @@ class LoadedAdapters:
     def _load(self, spec: LoraSpec) -> LoraWeights:
         read = read_lora(spec.name, spec.path)
         check_lora(read, self.denoiser)
-        parameter = next(self.denoiser.parameters())
+        # the compute dtype: a quantized denoiser's GGUF blocks are bytes, its torchao weights say theirs
+        parameter = next(p for p in self.denoiser.parameters() if p.is_floating_point())
         layers = {
             module: LoraLayer(
                 layer.down.to(parameter.device, parameter.dtype),

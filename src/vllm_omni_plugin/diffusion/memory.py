@@ -64,8 +64,9 @@ def vae_decode_bytes(images: int, pixels: int, channels: int, element: int) -> i
 
 
 def tensor_bytes(objects: Iterable[Any]) -> int:
-    """Bytes of the distinct tensors in ``objects`` (modules' parameters and buffers, tensors, and the
-    tensors held by dataclass-like objects one level down), each storage counted once."""
+    """Bytes of the distinct tensors in ``objects`` (modules' parameters and buffers, tensors), each
+    storage counted once; a quantized weight (a torchao tensor subclass) by the tensors it holds (its
+    int8 or float8 data and its scales), not by the shape it stands for."""
     import torch
 
     seen: set[tuple[Any, int]] = set()
@@ -73,6 +74,11 @@ def tensor_bytes(objects: Iterable[Any]) -> int:
 
     def add(tensor: torch.Tensor) -> None:
         nonlocal total
+        inner = _inner_tensors(tensor)
+        if inner is not None:
+            for part in inner:
+                add(part)
+            return
         key = (tensor.device, tensor.data_ptr()) if tensor.device.type != "meta" else (None, id(tensor))
         if key in seen:
             return
@@ -85,6 +91,39 @@ def tensor_bytes(objects: Iterable[Any]) -> int:
                 add(tensor)
         elif isinstance(obj, torch.Tensor):
             add(obj)
+    return total
+
+
+def logical_bytes(module: Any, element: int) -> int:
+    """What ``module``'s floating-point parameters and buffers take at ``element`` bytes each, unquantized
+    (a quantized weight counted at the shape it stands for; other tensors at their own size)."""
+
+    total = 0
+    for tensor in (*module.parameters(), *module.buffers()):
+        quant_shape = getattr(tensor, "quant_shape", None)
+        if quant_shape is not None:  # diffusers' GGUFParameter: bytes of GGUF blocks of this shape
+            total += _numel(quant_shape) * element
+        elif _inner_tensors(tensor) is not None or tensor.is_floating_point():
+            total += tensor.numel() * element
+        else:
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _inner_tensors(tensor: Any) -> list[Any] | None:
+    """The tensors a wrapper tensor subclass holds (torchao's quantized weights), else None."""
+    import torch
+
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return None
+    names, _ = tensor.__tensor_flatten__()
+    return [getattr(tensor, name) for name in names]
+
+
+def _numel(shape: Iterable[int]) -> int:
+    total = 1
+    for side in shape:
+        total *= int(side)
     return total
 
 

@@ -58,7 +58,10 @@ def _load(spec: PeerSpec) -> tuple[Any, Any]:
     device = torch.device(spec.device)
     if hasattr(cls, "load_peer"):  # a denoiser of ours (BAGEL's velocity), not a diffusers model
         return cls.load_peer(spec.model, dtype=dtype, device=device), device
-    module = cls.from_pretrained(spec.model, subfolder=spec.subfolder, torch_dtype=dtype)
+    from vllm_omni_plugin.diffusion.quantization import QuantizationSpec, load_denoiser
+
+    quantization = QuantizationSpec.of(spec.quantization)
+    module = load_denoiser(cls, spec.model, spec.subfolder, dtype, quantization)
     return module.to(device).eval(), device
 
 

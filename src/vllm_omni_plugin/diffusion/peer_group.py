@@ -68,6 +68,8 @@ class PeerSpec:
     device: str
     num_threads: int | None
     trust_remote_code: bool = False
+    quantization: dict[str, Any] | None = None
+    """The stage's ``QuantizationSpec`` (as JSON builtins): a peer's denoiser is quantized as rank 0's."""
 
 
 class PeerKept:

@@ -24,6 +24,7 @@ from vllm_omni_plugin.diffusion.params import RunnerRequest
 
 if TYPE_CHECKING:
     from vllm_omni_plugin.diffusion.peer_group import PeerSpec
+    from vllm_omni_plugin.diffusion.quantization import QuantizationSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, DecodeCalls, StepBatcher
 
 
@@ -127,6 +128,11 @@ class DiffusionRunner(abc.ABC):
     """Set by the engine of a CFG- or sequence-parallel replica: the denoiser as its pipelines call it
     (``diffusion/cfg_parallel.py``'s ``RowParallelDenoiser``, ``diffusion/sequence_parallel.py``'s
     ``SequenceParallelDenoiser``)."""
+    quantizes: ClassVar[bool] = False
+    """Its :meth:`load` takes ``quantization`` (``diffusion/quantization.py``: the denoiser's and text
+    encoders' weights quantized as they load)."""
+    quantization: QuantizationSpec | None = None
+    """What it was loaded with (None: nothing quantized)."""
     compiles_blocks: ClassVar[bool] = False
     """It compiles its denoiser's repeated blocks (:meth:`compile_blocks`, a stage's ``compile`` block)."""
     step_cache: bool = False
@@ -183,6 +189,10 @@ class DiffusionRunner(abc.ABC):
     @abc.abstractmethod
     def weight_tensors(self) -> list[Any]:
         """The tensors (or modules) its weights are, counted where no allocator counts them."""
+
+    def weight_components(self) -> dict[str, list[Any]]:
+        """:meth:`weight_tensors` by the part of the model they are (the start-up log's weights line)."""
+        return {"weights": self.weight_tensors()}
 
     @abc.abstractmethod
     def activation_bytes(self, batch: list[Any]) -> int:

@@ -2,7 +2,8 @@
 in seconds. ``builders``: the kinds, the config hash cache; ``__main__``: the command
 ``python -m vllm_omni_plugin.tiny_models KIND OUTDIR``; one module per family (``text``, ``glm_image``,
 ``bagel``, ``sd3``, ``flux``, ``qwen_image``) and the parts they share (``components``: the corpus,
-tokenizers, encoders, VAE, the seeded init; ``lora``: adapters in diffusers' format)."""
+tokenizers, encoders, VAE, the seeded init; ``lora``: adapters in diffusers' format; ``gguf_file``: a
+denoiser as a GGUF checkpoint)."""
 
 from __future__ import annotations
 

@@ -32,9 +32,20 @@ def pipeline_class(model_dir: str | Path) -> str:
     return str(json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"])
 
 
+TORCHAO_CONFIGS = {
+    "int8_weight_only": "Int8WeightOnlyConfig",
+    "int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
+    "float8_weight_only": "Float8WeightOnlyConfig",
+}
+"""The torchao config class of each scheme a quantized reference is made with."""
+
+
 @functools.lru_cache(maxsize=4)
-def load_reference_pipeline(model_dir: str) -> Any:
-    """The stock pipeline of ``model_dir`` in float32 on the CPU (cached: a test module asks often)."""
+def load_reference_pipeline(model_dir: str, quantized: str | None = None) -> Any:
+    """The stock pipeline of ``model_dir`` in float32 on the CPU (cached: a test module asks often).
+    ``quantized``: its transformer quantized as a diffusers user does it, a torchao scheme
+    (:data:`TORCHAO_CONFIGS`) through ``PipelineQuantizationConfig``, or ``gguf:PATH``: the transformer
+    read from that GGUF file with ``from_single_file``."""
     import diffusers
     import torch
 
@@ -44,6 +55,23 @@ def load_reference_pipeline(model_dir: str) -> Any:
         from vllm_omni_plugin.families.diffusers.qwen2vl_processor import load_qwen2vl_processor
 
         extra["processor"] = load_qwen2vl_processor(Path(model_dir) / "processor")
+    if quantized is not None and quantized.startswith("gguf:"):
+        index = json.loads((Path(model_dir) / "model_index.json").read_text())
+        transformer_cls = getattr(diffusers, index["transformer"][1])
+        extra["transformer"] = transformer_cls.from_single_file(
+            quantized.removeprefix("gguf:"),
+            quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32),
+            config=model_dir,
+            subfolder="transformer",
+            torch_dtype=torch.float32,
+        )
+    elif quantized is not None:
+        import torchao.quantization
+
+        config = getattr(torchao.quantization, TORCHAO_CONFIGS[quantized])()
+        extra["quantization_config"] = diffusers.PipelineQuantizationConfig(
+            quant_mapping={"transformer": diffusers.TorchAoConfig(config)}
+        )
     pipe = getattr(diffusers, name).from_pretrained(model_dir, dtype=torch.float32, **extra)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -63,10 +91,12 @@ def reference_image(
     lora: tuple[str, str, float] | None = None,
     mask: Any | None = None,
     strength: float | None = None,
+    quantized: str | None = None,
 ) -> Any:
     """One stock diffusers call for one request; the image as a uint8 HxWx3 array (``None`` sizes: the
     pipeline's own default). ``lora`` (name, path, scale): the adapter loaded with diffusers' own
-    ``load_lora_weights`` (PEFT) and set to that scale, as a diffusers user runs one."""
+    ``load_lora_weights`` (PEFT) and set to that scale, as a diffusers user runs one. ``quantized``: the
+    pipeline with its transformer quantized (:func:`load_reference_pipeline`)."""
     import inspect
 
     import diffusers
@@ -75,7 +105,7 @@ def reference_image(
     from PIL import Image
 
     name = pipeline_class(model_dir)
-    pipe = load_reference_pipeline(str(model_dir))
+    pipe = load_reference_pipeline(str(model_dir), quantized)
     kwargs: dict[str, Any] = {
         "prompt": prompt,
         "height": height,
