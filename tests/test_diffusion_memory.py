@@ -64,7 +64,8 @@ def test_batches_keep_to_the_budget_and_a_request_too_large_alone_is_refused(
     assert big > room
     weights = tensor_bytes(glm_runner.weight_tensors())
     fraction = fraction_leaving(weights, room)
-    engine = DiffusionEngine(tiny_glm_image, DiffusionEngineConfig(dtype="float32", max_batch_size=8, gpu_memory_utilization=fraction), runner=glm_runner)  # fmt: skip
+    engine = DiffusionEngine(tiny_glm_image, DiffusionEngineConfig(dtype="float32", max_batch_size=8, gpu_memory_utilization=fraction,
+                             vae_tiling="never"), runner=glm_runner)  # fmt: skip
     assert engine.memory is not None and engine.memory.weight_bytes == weights
 
     requests = [glm_request(f"r{i}", 64, seed=i) for i in range(5)] + [glm_request("big", 512)]
@@ -117,7 +118,7 @@ def test_a_request_too_large_for_the_budget_is_a_400_through_the_stage(
     deploy = tmp_path / "budget.yaml"
     deploy.write_text(
         "pipeline: diffusion\nstages:\n  - stage_id: 0\n    process: false\n"
-        f"    gpu_memory_utilization: {fraction!r}\n"
+        f"    gpu_memory_utilization: {fraction!r}\n    vae_tiling: never\n"
     )
     with Omni(str(tiny_sd3), deploy_config=str(deploy)) as omni:
         assert omni.deployment.stage(0).diffusion_args["gpu_memory_utilization"] == fraction
@@ -132,6 +133,48 @@ def test_a_request_too_large_for_the_budget_is_a_400_through_the_stage(
     assert small.ok, small.error
     assert not large.ok and http_status(large.exception) == 400
     assert "1024x1024" in large.error and "gpu_memory_utilization" in large.error
+
+
+def test_the_vae_decodes_image_by_image_then_in_tiles_where_the_budget_needs_it(tiny_sd3: Path) -> None:
+    """``vae_tiling: auto``: a batch whose whole decode would not fit the budget decodes image by image
+    (the images it gives whole, within a level), and an image whose decode alone would not fit decodes
+    in tiles, where ``never`` refuses it. Tiles change the image (each tile's decoder sees only its
+    tile): on this tiny random VAE (64-pixel tiles, 16 blended, attention in its middle block) a 128x128
+    image moves 24/255 on average; the documentation states it."""
+    import numpy as np
+    import torch
+
+    runner = load_pipeline_runner(str(tiny_sd3), dtype=torch.float32, device="cpu")
+
+    def sd3(request_id: str, size: int) -> DiffusionRequest:
+        return DiffusionRequest(request_id=request_id, prompt=f"a fox {request_id}", height=size, width=size,
+                                guidance_scale=2.0, num_inference_steps=STEPS, seed=len(request_id))  # fmt: skip
+
+    pair = [sd3("a", 128), sd3("bb", 128)]
+    denoise = runner.activation_phases(pair)["denoise"]
+    whole, sliced, tiled = (runner.decode_bytes(2, 128, 128, p) for p in ("whole", "sliced", "tiled"))
+    assert tiled < sliced < whole
+    weights = tensor_bytes(runner.weight_tensors())
+    results, plans = {}, {}
+    for mode, room in (("slice", max(denoise, sliced) + 1), ("tile", max(denoise, tiled) + 1)):
+        assert room < (whole if mode == "slice" else sliced)
+        config = DiffusionEngineConfig(dtype="float32", max_batch_size=2, batching="request",
+                                       gpu_memory_utilization=fraction_leaving(weights, room))  # fmt: skip
+        engine = DiffusionEngine(tiny_sd3, config, runner=runner)
+        plans[mode] = runner.decode_plan(2, 128, 128)
+        results[mode] = engine.generate(pair)
+        never = DiffusionEngine(tiny_sd3, msgspec.structs.replace(config, vae_tiling="never"), runner=runner)
+        refused = never.generate([sd3("a", 128)])[0] if mode == "tile" else None
+    assert plans == {"slice": "sliced", "tile": "tiled"}
+    unbounded = DiffusionEngine(tiny_sd3, DiffusionEngineConfig(dtype="float32", max_batch_size=2,
+                                batching="request"), runner=runner)  # fmt: skip
+    wholly = unbounded.generate(pair)
+    assert all(r.ok and r.batch_size == 2 for r in (*results["slice"], *results["tile"], *wholly))
+    for by_image, at_once, in_tiles in zip(results["slice"], wholly, results["tile"], strict=True):
+        a, b, c = (np.asarray(r.image).astype(np.int16) for r in (by_image, at_once, in_tiles))
+        assert np.abs(a - b).max() <= 1
+        assert np.abs(c - b).mean() > 1  # tiled: the decoder saw tiles
+    assert refused is not None and refused.invalid and "128x128" in (refused.error or "")
 
 
 def test_resolution_hands_the_budget_to_the_diffusion_stage(tiny_glm_image: Path, tmp_path: Path) -> None:
@@ -237,7 +280,8 @@ def test_step_batched_groups_in_flight_keep_to_the_budget_together(
         limits["gpu_memory_utilization"] = fraction_leaving(tensor_bytes(glm_runner.weight_tensors()), room)
     else:
         limits["max_step_tokens"] = 2 * glm_runner.step_tokens(glm_request("r", 64))
-    engine = DiffusionEngine(tiny_glm_image, DiffusionEngineConfig(dtype="float32", max_batch_size=8, batching="step", batch_wait_ms=60_000, **limits), runner=glm_runner)  # fmt: skip
+    engine = DiffusionEngine(tiny_glm_image, DiffusionEngineConfig(dtype="float32", max_batch_size=8, batching="step", batch_wait_ms=60_000,
+                                                                    vae_tiling="never", **limits), runner=glm_runner)  # fmt: skip
     in_flight: list[int] = []
 
     class CountingLoop(DiffusionBatchLoop):

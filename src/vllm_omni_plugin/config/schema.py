@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from vllm_omni_plugin.diffusion.blocks import CompileSpec
+from vllm_omni_plugin.diffusion.memory import VaeTiling
 from vllm_omni_plugin.diffusion.quantization import QuantizationSpec
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
@@ -140,6 +141,11 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     sequence_parallel_size: PositiveInt | None = None
     """Diffusion stages: the devices (processes) each replica spans, each computing its share of every
     denoiser forward's image tokens (SD3, FLUX, Qwen-Image, GLM-Image; default 1)."""
+    vae_tiling: VaeTiling | None = None
+    """Diffusion stages: ``auto`` (default) decodes a batch whole while its estimate fits the stage's memory
+    budget (``gpu_memory_utilization``), else image by image, else in overlapping tiles (diffusers'
+    ``enable_slicing`` / ``enable_tiling``, for that decode alone); ``always`` tiles every decode larger
+    than a tile; ``never`` decodes whole."""
     quantization: str | QuantizationSpec | None = None
     """How the stage's weights are quantized. Diffusion stages: a torchao scheme for the denoiser
     (``int8_weight_only``, ``int8_dynamic``, ``float8_weight_only``, ``float8_dynamic``,
@@ -266,6 +272,7 @@ DIFFUSION_ONLY_FIELDS: frozenset[str] = frozenset(
         "compile",
         "cfg_parallel_size",
         "sequence_parallel_size",
+        "vae_tiling",
     }
 )
 RAY_RESOURCE_FIELDS: tuple[str, ...] = ("num_cpus", "num_gpus", "resources", "node_labels", "max_restarts")

@@ -29,7 +29,14 @@ from vllm_omni_plugin.diffusion.diffusers_registry import (
     pipeline_class_name,
 )
 from vllm_omni_plugin.diffusion.lora import AdapterLayer, AdapterRows, LoadedAdapters
-from vllm_omni_plugin.diffusion.memory import transformer_block_bytes, vae_decode_bytes
+from vllm_omni_plugin.diffusion.memory import (
+    TILED_OUTPUT_WIDTHS,
+    DecodePlan,
+    VaeTiling,
+    transformer_block_bytes,
+    vae_decode_bytes,
+    vae_tile_pixels,
+)
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.preview_decoder import PreviewDecoder
 from vllm_omni_plugin.diffusion.previews import CallPreviews, PreviewLayer
@@ -214,6 +221,13 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """Held while a VAE that keeps state (:func:`vae_keeps_state`) encodes or decodes for a group, or
         decodes a group's preview."""
         self._preview_decoder = PreviewDecoder(getattr(pipe, "vae", None))
+        self.vae_tiling: VaeTiling = "auto"
+        """Set by the engine: when the VAE decodes image by image (sliced) or tile by tile (tiled)."""
+        self.decode_budget: int | None = None
+        """Set by the engine (a stage with a memory budget): what one call's activations may take."""
+        self._decode_flags_lock = threading.Lock()
+        """Held while a decode runs with the slicing and tiling flags its :meth:`decode_plan` set."""
+        self._plan_decodes(getattr(pipe, "vae", None))
         self._companions: dict[type, Any] = {}
         """diffusers' pipelines of the family for the tasks ``pipe`` does not do, by class (built once)."""
         self._companions_lock = threading.Lock()
@@ -531,10 +545,70 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 shape.decoder_channels,
                 shape.vae_element,
             ),
-            "decode": vae_decode_bytes(
-                len(batch), first.height * first.width, shape.decoder_channels, shape.vae_element
+            "decode": self.decode_bytes(
+                len(batch),
+                first.height,
+                first.width,
+                self.decode_plan(len(batch), first.height, first.width),
             ),
         }
+
+    @property
+    def tiles_decode(self) -> bool:
+        """Its VAE decodes in tiles and slices (diffusers' ``enable_tiling`` / ``enable_slicing``)."""
+        vae = getattr(self.pipe, "vae", None)
+        return vae is not None and hasattr(vae, "use_tiling") and hasattr(vae, "use_slicing")
+
+    def decode_plan(self, images: int, height: int, width: int) -> DecodePlan:
+        """How ``images`` latents of a ``height`` x ``width`` image decode: ``whole`` (one call),
+        ``sliced`` (one image at a time) or ``tiled`` (overlapping tiles of the VAE's tile size, blended):
+        with ``vae_tiling: auto``, the least of those whose estimate fits the stage's memory budget."""
+        if not self.tiles_decode or self.vae_tiling == "never":
+            return "whole"
+        if self.vae_tiling == "always":
+            return "tiled"
+        if (
+            self.decode_budget is None
+            or self.decode_bytes(images, height, width, "whole") <= self.decode_budget
+        ):
+            return "whole"
+        if images > 1 and self.decode_bytes(1, height, width, "sliced") <= self.decode_budget:
+            return "sliced"
+        return "tiled"
+
+    def decode_bytes(self, images: int, height: int, width: int, plan: DecodePlan) -> int:
+        """Estimated peak of decoding ``images`` images so: the decoder over all of them, one of them, or
+        one tile (of the VAE's tile size and its overlap) with the finished tiles' pixels kept beside it."""
+        shape = self.memory_shape
+        pixels = height * width
+        if plan == "whole":
+            return vae_decode_bytes(images, pixels, shape.decoder_channels, shape.vae_element)
+        if plan == "sliced":
+            return vae_decode_bytes(1, pixels, shape.decoder_channels, shape.vae_element)
+        tile = min(pixels, vae_tile_pixels(self.pipe.vae))
+        return (
+            vae_decode_bytes(1, tile, shape.decoder_channels, shape.vae_element)
+            + TILED_OUTPUT_WIDTHS * pixels * shape.vae_element
+        )
+
+    def _plan_decodes(self, vae: Any) -> None:
+        """Every decode of the pipeline's VAE (the pipeline's own, the step loop's, a decode batcher's)
+        runs with the slicing and tiling its :meth:`decode_plan` picks, set for that call alone."""
+        if vae is None or not (hasattr(vae, "use_tiling") and hasattr(vae, "use_slicing")):
+            return
+        decode, scale = vae.decode, int(getattr(self.pipe, "vae_scale_factor", 8))
+
+        def planned(z: Any, *args: Any, **kwargs: Any) -> Any:
+            plan = self.decode_plan(int(z.shape[0]), int(z.shape[-2]) * scale, int(z.shape[-1]) * scale)
+            with self._decode_flags_lock:
+                kept = vae.use_slicing, vae.use_tiling
+                vae.use_slicing, vae.use_tiling = plan != "whole", plan == "tiled"
+                try:
+                    return decode(z, *args, **kwargs)
+                finally:
+                    vae.use_slicing, vae.use_tiling = kept
+
+        vae.__dict__["decode"] = planned
 
     def step_tokens(self, request: DiffusionRequest) -> int:
         """Its image tokens, twice with classifier-free guidance (a second row, or a second call). A

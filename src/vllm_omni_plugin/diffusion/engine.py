@@ -161,6 +161,11 @@ class DiffusionEngine:
         if runner.previews:
             runner.on_preview = self._preview
         runner.max_loras = config.max_loras
+        if runner.tiles_decode:
+            runner.vae_tiling = config.vae_tiling
+            runner.decode_budget = self.memory.activation_bytes if self.memory is not None else None
+        elif config.vae_tiling == "always":
+            raise ValueError(f"vae_tiling: always: {runner.label}'s decoder does not tile; remove vae_tiling")
         self.cache = config.cache
         """The stage's step caching settings (requests override them field by field); None: off."""
         if self.cache is not None and self.cache.active and not runner.step_cache:

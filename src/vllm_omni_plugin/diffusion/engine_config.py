@@ -12,6 +12,7 @@ import msgspec
 
 from vllm_omni_plugin.diffusion.blocks import CompileSpec
 from vllm_omni_plugin.diffusion.lora import MAX_LORAS
+from vllm_omni_plugin.diffusion.memory import VaeTiling
 from vllm_omni_plugin.diffusion.quantization import QuantizationSpec
 from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
@@ -62,6 +63,8 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     """Regional compilation of the denoiser's blocks; None: eager."""
     cfg_parallel_size: int = 1
     sequence_parallel_size: int = 1
+    vae_tiling: VaeTiling = "auto"
+    """When the VAE decodes image by image or tile by tile (``memory.VaeTiling``)."""
     quantization: QuantizationSpec | None = None
     """The denoiser's (and text encoders') weights quantized as they load; None: as stored."""
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 GIB = 1 << 30
 RESERVE_BYTES = 512 << 20
@@ -41,6 +41,27 @@ DECODE_CHANNEL_WIDTHS = 6
 """Live ``[pixels, channels]`` tensors at a VAE decoder's peak, at full resolution with the channels of
 its last upsampled level (the upsample's input and output, a resnet's norm, activation and convolution
 outputs, the shortcut)."""
+
+
+TILED_OUTPUT_WIDTHS = 6
+"""Per pixel of a tiled decode, beside the tile in flight: the finished tiles' three channels and the
+blended rows they are cut into (diffusers keeps both until the image is joined)."""
+VaeTiling = Literal["auto", "always", "never"]
+"""A stage's ``vae_tiling``: ``auto`` decodes a batch whole while its estimate fits the memory budget, else
+image by image, else tile by tile; ``always`` tiles; ``never`` decodes whole (too large: refused)."""
+DecodePlan = Literal["whole", "sliced", "tiled"]
+
+
+def vae_tile_pixels(vae: Any) -> int:
+    """Pixels of one tile the VAE decodes when tiling (its tile size; 512 x 512 where it names none)."""
+    side = getattr(vae, "tile_sample_min_size", None)
+    if isinstance(side, int):
+        return side * side
+    if isinstance(side, (tuple, list)):
+        return int(side[0]) * int(side[-1])
+    height = getattr(vae, "tile_sample_min_height", None) or 512
+    width = getattr(vae, "tile_sample_min_width", None) or 512
+    return int(height) * int(width)
 
 
 def element_bytes(dtype: Any) -> int:

@@ -190,6 +190,11 @@ class DiffusionRunner(abc.ABC):
     def weight_tensors(self) -> list[Any]:
         """The tensors (or modules) its weights are, counted where no allocator counts them."""
 
+    @property
+    def tiles_decode(self) -> bool:
+        """Its decoder can decode image by image and tile by tile (a stage's ``vae_tiling``)."""
+        return False
+
     def weight_components(self) -> dict[str, list[Any]]:
         """:meth:`weight_tensors` by the part of the model they are (the start-up log's weights line)."""
         return {"weights": self.weight_tensors()}
