@@ -164,9 +164,15 @@ class CheckpointReader:
         entry = self._entry(name)
         self.read.append(name)
         stored = _torch_dtype(entry.dtype)
+        scale_name = f"{name}_scale"
+        quantized = stored == torch.int8 and scale_name in self.names
         if _is_meta(device):
-            return torch.empty(entry.shape, dtype=dtype or stored, device="meta")
+            return torch.empty(
+                entry.shape, dtype=dtype or (torch.float32 if quantized else stored), device="meta"
+            )
         value = self._bytes(name, entry.start, entry.end).view(stored).reshape(entry.shape)
+        if quantized:  # a compressed-tensors int8 weight (the thinker's kernels run it): dequantized here
+            value = value.to(torch.float32) * self.tensor(scale_name, dtype=torch.float32)
         return value.to(device=device, dtype=dtype) if dtype is not None or device is not None else value
 
     def rows(self, name: str, indices: list[int], *, dtype: Any = None, device: Any = None) -> Any:
