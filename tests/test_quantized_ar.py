@@ -1,7 +1,8 @@
-"""AR stages on quantized checkpoints: the tiny GLM-Image and BAGEL with their AR model written as a
-compressed-tensors W8A8 int8 checkpoint (``tiny_models/compressed_tensors.py``) serve end to end, the AR
-stage running vLLM's int8 kernels (the deploy file's ``quantization: compressed-tensors``); BAGEL's DiT
-stage reads the same checkpoint, its int8 weights dequantized as it loads them."""
+"""AR stages on quantized checkpoints: the tiny BAGEL with its thinker written as a compressed-tensors W8A8
+int8 checkpoint (``tiny_models/compressed_tensors.py``) serves end to end, the AR stage running vLLM's
+int8 kernels (the deploy file's ``quantization: compressed-tensors``), and its DiT stage reads the same
+checkpoint, the int8 weights dequantized as it loads them. GLM-Image on such a checkpoint is the offline
+example's model (``test_offline_example.py``: vLLM reads the method from the checkpoint's config)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from vllm_omni_plugin.tiny_models.compressed_tensors import quantized_pipeline, write_w8a8_int8
+from vllm_omni_plugin.tiny_models.compressed_tensors import write_w8a8_int8
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -37,20 +38,6 @@ def serve_one(model: Path, deploy: Path, **request: Any) -> Any:
         assert omni.deployment.stage(0).engine_args["quantization"] == "compressed-tensors"
         (result,) = omni.generate([OmniRequest(prompt="a red fox", seed=1, height=64, width=64, **request)])
     return result
-
-
-def test_glm_image_serves_with_an_int8_ar_stage(
-    tiny_glm_image: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    from helpers import source_image
-
-    model = quantized_pipeline(tiny_glm_image, "vision_language_encoder", tmp_path / "glm-image")
-    result = serve_one(
-        model, quantized_deploy("tiny_glm_image_cpu.yaml", tmp_path), images=[source_image(64)]
-    )
-    assert result.ok, result.error
-    assert result.output.image.shape == (64, 64, 3)
-    assert INT8_KERNEL in "".join(capfd.readouterr())
 
 
 def test_bagel_serves_with_an_int8_thinker_and_its_dit_reads_the_same_checkpoint(
