@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The CUDA check, one command for a host with an NVIDIA GPU (under 8 minutes on one H200 once installed):
-#   1. installs .[cuda,test] and the test kit (testkit/, both editable) into .venv-cuda (VLLM_OMNI_CUDA_VENV
+#   1. installs .[cuda,quant,test] and the test kit (testkit/, both editable) into .venv-cuda (VLLM_OMNI_CUDA_VENV
 #      picks another; VLLM_OMNI_CUDA_PYTHON=PY installs into that interpreter instead, one that already holds
 #      a CUDA build of torch; pip's own PIP_FIND_LINKS / PIP_NO_INDEX serve an offline host);
 #   2. runs the tests marked `cuda` (skipped everywhere else; among them a step-cached, a compiled and, on
 #      a host with two devices, CFG- and sequence-parallel tiny SD3 and a CFG-parallel tiny BAGEL, and the
-#      step loop decoding on a CUDA stream of its own: tests/test_dit_acceleration_cuda.py);
+#      step loop decoding on a CUDA stream of its own: tests/test_dit_acceleration_cuda.py; a tiny FLUX stage
+#      quantized to float8 and int8 on the GPU: tests/test_quantization.py);
 #   3. serves the tiny GLM-Image and the tiny BAGEL with vLLM's defaults (CUDA graphs and async scheduling
 #      on, the V2 model runner, on 0.34 its extensible KV cache and the KV connector made after warm-up):
 #      text to image and an edit each, every image compared with a reference computed on this host's CPU
@@ -43,8 +44,8 @@ fi
 WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/testkit/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 HAVE_VLLM=1
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-    echo "== installing vllm-omni-plugin[cuda,test] (vLLM's CUDA build, diffusers, ...) and its test kit"
-    if "$PY" -m pip install -q -e "$ROOT[cuda,test]" -e "$ROOT/testkit"; then
+    echo "== installing vllm-omni-plugin[cuda,quant,test] (vLLM's CUDA build, diffusers, ...) and its test kit"
+    if "$PY" -m pip install -q -e "$ROOT[cuda,quant,test]" -e "$ROOT/testkit"; then
         echo "$WANT" > "$STAMP"
     elif "$PY" -c "import torch, diffusers, transformers, msgspec, zmq, yaml, safetensors, PIL, pytest" 2>/dev/null; then
         echo "== vLLM's CUDA build could not be installed here: checking what runs without it (the project from src/ and testkit/src/)"

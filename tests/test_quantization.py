@@ -277,3 +277,37 @@ def resolve(model: Path, tmp_path: Path, pipeline: str, stage: dict[str, Any]) -
     path = tmp_path / "deploy.yaml"
     path.write_text(yaml.safe_dump({"pipeline": pipeline, "stages": [stage]}))
     return resolve_deployment(str(model), deploy_config=str(path), platform=PLATFORMS["cpu"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["float8_weight_only", "float8_dynamic", "int8_weight_only"])
+def test_a_quantized_tiny_flux_stage_on_cuda(tiny_flux: Path, scheme: str) -> None:
+    """``scripts/gpu_check.sh`` runs it: the stage's engine on the GPU in bfloat16, its denoiser quantized
+    (float8 matmuls for ``float8_dynamic`` where the GPU has them, compute capability 8.9+): the image
+    within the stated distance of the unquantized one on the same GPU, the denoiser's weights at most
+    0.55x of its bfloat16 bytes. The numbers are printed for the check's log."""
+    import torch
+
+    if scheme == "float8_dynamic" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8_dynamic needs compute capability 8.9+")
+    config = {"dtype": "bfloat16", "max_batch_size": 4}
+    plain = DiffusionEngine(tiny_flux, DiffusionEngineConfig(**config), device="cuda")
+    try:
+        want = run(plain, ask("c", 6), ask("d", 7))
+    finally:
+        plain.close()
+    quantized = DiffusionEngine(
+        tiny_flux, DiffusionEngineConfig(**config, quantization=QuantizationSpec.of(scheme)), device="cuda"
+    )
+    try:
+        got = run(quantized, ask("c", 6), ask("d", 7))
+        (denoiser,) = [w for w in quantized.weights if w.name == "transformer"]
+    finally:
+        quantized.close()
+    bound = DISTANCE["float8_weight_only" if scheme.startswith("float8") else scheme]
+    for a, b in zip(got, want, strict=True):
+        worst, mean = distance(a, b)
+        print(f"{scheme} on {torch.cuda.get_device_name()}: max {worst}, mean {mean:.2f}; "
+              f"denoiser {denoiser.bytes} of {denoiser.unquantized_bytes} bytes")  # fmt: skip
+        assert worst <= bound[0] and mean <= bound[1], (worst, mean)
+    assert denoiser.quantized > 0 and denoiser.bytes <= 0.55 * denoiser.unquantized_bytes
