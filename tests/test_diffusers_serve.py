@@ -143,6 +143,7 @@ def test_generations_equal_direct_diffusers_calls(served: Served) -> None:
         assert_within_one_level(image, served.reference("a red fox in the snow", seed=11 + i))
     assert len({image.tobytes() for image in images}) == 3
     assert served.server.metric("omni_diffusion_denoise_steps_total") - before == 3 * STEPS
+    assert served.server.metric("omni_diffusion_weight_bytes", stage="0") > 0  # the replica's, as held
 
 
 def test_a_request_without_size_gets_the_pipelines_own_default(served: Served) -> None:

@@ -84,6 +84,12 @@ class OmniCollector:
             "requests counts B); rises while long images are still in progress",
             labels=["stage", "name"],
         )
+        weights = GaugeMetricFamily(
+            "omni_diffusion_weight_bytes",
+            "Bytes of each diffusion stage's weights as its replicas hold them (quantized weights at their "
+            "real size), summed over its ready replicas",
+            labels=["stage", "name"],
+        )
         timing = {
             field: CounterMetricFamily(name, text, labels=["stage", "name"])
             for name, field, text in DIFFUSION_TIMING
@@ -130,6 +136,7 @@ class OmniCollector:
             if sid in diffusion:
                 counted = DiffusionCounters.total(c.diffusion for c in pool.clients)
                 steps.add_metric(labels, counted.denoise_steps)
+                weights.add_metric(labels, sum(c.weight_bytes for c in pool.clients if c.healthy))
                 for field, family in timing.items():
                     family.add_metric(labels, getattr(counted, field))
             deaths.add_metric(labels, sum(c.deaths for c in pool.clients))
@@ -139,7 +146,7 @@ class OmniCollector:
             for where in ABORT_PLACES:
                 aborted.add_metric([*labels, where], sum(c.dropped[where] for c in pool.clients))
             discarded.add_metric(labels, sum(c.discarded_outputs for c in pool.clients))
-        yield from (depth, healthy, restarts, steps, deaths, retries, exhausted, quarantined)
+        yield from (depth, healthy, restarts, steps, weights, deaths, retries, exhausted, quarantined)
         yield from (aborted, discarded)
         yield from timing.values()
 

@@ -58,6 +58,8 @@ class StageCoreClientBase(abc.ABC):
         """Whether a replica whose process died is started again (servers turn this off on shutdown)."""
         self.last_connector_stats: list[dict[str, Any]] = []
         """What :meth:`connector_stats` said at the last stats interval (``/metrics`` reads it)."""
+        self.weight_bytes = 0
+        """A diffusion replica's weights as its engine holds them, once loaded (``/metrics``)."""
         self.diffusion = DiffusionCounters()
         """What this replica's diffusion engine counted (denoising steps, step and queue times), kept
         across restarts (diffusion replicas report it as they go; zeros for the others)."""

@@ -66,6 +66,8 @@ class StageReady(msgspec.Struct, kw_only=True, tag="ready"):
     pid: int
     load_seconds: float
     device: str
+    weight_bytes: int = 0
+    """A diffusion replica's weights as its engine holds them (quantized ones by their real size)."""
 
 
 class StageFailed(msgspec.Struct, kw_only=True, tag="failed"):

@@ -130,6 +130,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 raise StageStartError(f"{self.label} not ready after {READY_TIMEOUT_S:.0f}s")
             await asyncio.wait({self._ready}, timeout=WATCH_INTERVAL_S)
         ready = self._ready.result()
+        self.weight_bytes = ready.weight_bytes
         await asyncio.to_thread(self.processes.record, self.manager.pid)
         self.state = StageState.READY
         logger.info(
@@ -333,6 +334,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
             engine, _device = await loop.run_in_executor(None, load_diffusion_engine, self.diffusion_args)
         except Exception as exc:
             raise StageStartError(f"{self.label} failed to start: {type(exc).__name__}: {exc}") from exc
+        self.weight_bytes = engine.weight_bytes
         self._loop = DiffusionBatchLoop(
             engine,
             self.stage_id,

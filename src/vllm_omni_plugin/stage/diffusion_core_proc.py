@@ -213,6 +213,7 @@ def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:
                     pid=os.getpid(),
                     load_seconds=time.perf_counter() - start,
                     device=device,
+                    weight_bytes=engine.weight_bytes,
                 )
             )
         )

@@ -162,6 +162,7 @@ class StageReplicaActor:
         return StageReady(
             pid=self.where.pid,
             load_seconds=seconds,
+            weight_bytes=replica.weight_bytes,
             device=f"{device} on {self.where.host}",
         )
 

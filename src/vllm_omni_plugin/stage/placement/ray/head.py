@@ -392,6 +392,7 @@ class RayStageClient(StageCoreClientBase):
                 f"{self.label} failed to start on {self.where.host}: {status.error}", stage_id=self.stage_id
             )
         self.state = StageState.READY
+        self.weight_bytes = status.weight_bytes
         self.waiting, self.no_place = None, False
         logger.info(
             "%s ready: Ray actor %s on node %s (%s, pid %d), loaded in %.1fs",
