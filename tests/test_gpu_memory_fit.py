@@ -45,13 +45,19 @@ from vllm_omni_plugin.diffusion.memory import (
     tensor_bytes,
     vae_decode_bytes,
 )
+from vllm_omni_plugin.diffusion.quantization import QuantizationSpec, estimated_bytes
 
 pytestmark = pytest.mark.slow
 
 GIB = 1 << 30
-GPU_MEMORY = {"80GB": int(79.0 * GIB), "H200": int(139.0 * GIB)}
-"""What CUDA reports as each named GPU's memory, rounded down: A100 80GB and H100 80GB report 79.2-79.3
-GiB, an H200 139.8 GiB."""
+GPU_MEMORY = {
+    "24GB": int(22.0 * GIB),
+    "48GB": int(44.0 * GIB),
+    "80GB": int(79.0 * GIB),
+    "H200": int(139.0 * GIB),
+}
+"""What CUDA reports as each named GPU's memory, rounded down: an L4 or A10G 22.0-22.5 GiB (an RTX 4090
+23.6), an L40S 44.4 (an RTX A6000 47.5), A100 80GB and H100 80GB 79.2-79.3 GiB, an H200 139.8 GiB."""
 CUDA_CONTEXT = 768 << 20
 """A process's CUDA context, kernels and library handles: outside the allocator, outside every budget."""
 CUDA_GRAPHS = 1 << 30
@@ -65,7 +71,9 @@ TYPICAL_PROMPT_TOKENS = 256
 GLM_PROMPT = 'a shop sign that says "' + "OPEN EVERY DAY " * 12 + '" above the door'
 """A GLM-Image prompt with 180 characters of glyph text (its glyph tokens join the DiT's sequence)."""
 MAX_SIDE = 2048
-"""The largest side the server accepts by default (``--image-max-size``)."""
+"""The largest side the server accepts by default (``--image-max-size``). A file for a smaller GPU may
+name a smaller one (``# Largest side: N``): larger images are then refused by its DiT's budget (400),
+which the test checks too."""
 GPU_FILES = {
     "glm_image.yaml": "glm_image",
     "glm_image_1gpu.yaml": "glm_image",
@@ -74,6 +82,8 @@ GPU_FILES = {
     "bagel.yaml": "bagel",
     "bagel_think.yaml": "bagel",
     "bagel_h200.yaml": "bagel",
+    "glm_image_48gb.yaml": "glm_image",
+    "flux_dev_24gb.yaml": "flux_dev",
 }
 NOT_FOR_A_GPU = {"tiny_glm_image_cpu.yaml", "tiny_bagel_cpu.yaml", "diffusion.yaml"}
 """CPU files of the tiny models, and the template for any diffusers model (no model to size)."""
@@ -90,6 +100,12 @@ def gpu_of(path: Path) -> tuple[str, int]:
     assert found, f"{path.name} names no GPU (a '# GPU: NAME (...)' comment)"
     assert found.group(1) in GPU_MEMORY, f"{path.name}: unknown GPU {found.group(1)!r}"
     return found.group(1), GPU_MEMORY[found.group(1)]
+
+
+def largest_side(path: Path) -> int:
+    """The largest image side a deploy file serves: its ``# Largest side: N`` comment, else ``MAX_SIDE``."""
+    found = re.search(r"^# Largest side: (\d+)", path.read_text(), re.MULTILINE)
+    return int(found.group(1)) if found else MAX_SIDE
 
 
 # --- the models, on the meta device ---------------------------------------------------------------------
@@ -172,6 +188,35 @@ def glm_image_models(models: Models) -> None:
     models.model_dir["glm_image"] = str(DATA / "glm_image")
 
 
+def flux_dev_models(models: Models) -> None:
+    """FLUX.1-dev's pipeline from its real configs (``real_models/flux_dev``), on the meta device."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from vllm_omni_plugin.diffusion.diffusers_registry import runner_class
+
+    folder = DATA / "flux_dev"
+
+    def config(component: str) -> dict[str, Any]:
+        return json.loads((folder / component / "config.json").read_text())
+
+    with torch.device("meta"):
+        parts = {
+            "text_encoder": CLIPTextModel(CLIPTextConfig(**config("text_encoder"))),
+            "text_encoder_2": T5EncoderModel(T5Config(**config("text_encoder_2"))),
+            "transformer": FluxTransformer2DModel.from_config(config("transformer")),
+            "vae": AutoencoderKL.from_config(config("vae")),
+        }
+    parts = {k: v.to(torch.bfloat16) for k, v in parts.items()}
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=None, tokenizer_2=None, **parts
+    )
+    models.dit["flux_dev"] = runner_class("FluxPipeline")(
+        pipe, device=torch.device("meta"), dtype=torch.bfloat16
+    )
+    models.model_dir["flux_dev"] = str(folder)
+
+
 def bagel_models(models: Models, folder: Path) -> None:
     from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
     from vllm_omni_plugin.families.bagel.transformer import GenerationTransformer
@@ -203,6 +248,7 @@ def models(bagel_dir: Path) -> Models:  # noqa: F811 (the fixture imported above
     found = Models()
     glm_image_models(found)
     bagel_models(found, bagel_dir)
+    flux_dev_models(found)
     return found
 
 
@@ -214,12 +260,17 @@ def test_the_real_models_weigh_what_their_checkpoints_hold(models: Models) -> No
     assert round(tensor_bytes(models.dit["glm_image"].weight_tensors()) / GIB, 1) == 13.5
     assert round(models.ar_weights["bagel"] / GIB, 1) == 27.2
     assert round(tensor_bytes(models.dit["bagel"].weight_tensors()) / GIB, 1) == 24.5
+    flux = models.dit["flux_dev"].pipe
+    # FLUX.1-dev: its DiT 11.9 B parameters, T5-XXL's encoder 4.76 B, CLIP-L's text model 123 M
+    assert round(sum(p.numel() for p in flux.transformer.parameters()) / 1e9, 1) == 11.9
+    assert round(sum(p.numel() for p in flux.text_encoder_2.parameters()) / 1e9, 2) == 4.76
+    assert round(sum(p.numel() for p in flux.text_encoder.parameters()) / 1e6) == 123
 
 
 # --- the requests a diffusion stage must hold ------------------------------------------------------------
 
 
-def glm_requests(stage: ResolvedStage) -> tuple[list[Any], list[list[Any]]]:
+def glm_requests(stage: ResolvedStage, side: int = MAX_SIDE) -> tuple[list[Any], list[list[Any]]]:
     """(the largest requests, each alone; a full batch of the stage's default request)."""
     from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 
@@ -231,7 +282,20 @@ def glm_requests(stage: ResolvedStage) -> tuple[list[Any], list[list[Any]]]:
                                 guidance_scale=args.get("guidance_scale", 1.5), source_image_grid_thw=grid)  # fmt: skip
 
     default = request(args.get("height", 1024))
-    return [request(MAX_SIDE), request(MAX_SIDE, source=MAX_SIDE)], [[default] * args["max_batch_size"]]
+    return [request(side), request(side, source=side)], [[default] * args["max_batch_size"]]
+
+
+def diffusers_requests(stage: ResolvedStage, side: int = MAX_SIDE) -> tuple[list[Any], list[list[Any]]]:
+    """A text-to-image model's: the largest image alone, a full batch of the stage's default size."""
+    from vllm_omni_plugin.diffusion.params import DiffusionRequest
+
+    args = stage.diffusion_args
+
+    def request(size: int) -> DiffusionRequest:
+        return DiffusionRequest(request_id="r", prompt=GLM_PROMPT, height=size, width=size,
+                                guidance_scale=args.get("guidance_scale", 3.5))  # fmt: skip
+
+    return [request(side)], [[request(args.get("height", 1024))] * args["max_batch_size"]]
 
 
 def bagel_requests(
@@ -272,6 +336,8 @@ class Need:
     outside: int
     """Bytes it needs on its device outside its budget."""
     detail: str
+    refused: bool = True
+    """A DiT stage's budget refuses (400) a request of the default largest side (``MAX_SIDE``) alone."""
 
 
 def device_keys(resolved: ResolvedDeployment, stage: ResolvedStage) -> list[str]:
@@ -304,10 +370,25 @@ def ar_need(stage: ResolvedStage, shape: LlmShape, weights: int, gpu: int) -> Ne
 
 
 def dit_need(
-    stage: ResolvedStage, runner: Any, largest: list[Any], batches: list[list[Any]], gpu: int
+    stage: ResolvedStage,
+    runner: Any,
+    largest: list[Any],
+    batches: list[list[Any]],
+    gpu: int,
+    beyond: list[Any] | None = None,
 ) -> Need:
+    """``beyond``: requests of ``MAX_SIDE`` where the file serves smaller ones (its budget must refuse
+    them)."""
     fraction = stage.diffusion_args.get("gpu_memory_utilization", 1.0 - CUDA_CONTEXT / gpu)
-    budget = MemoryBudget(fraction, "cuda", gpu, tensor_bytes(runner.weight_tensors()))
+    spec = QuantizationSpec.of(stage.diffusion_args.get("quantization"))
+    if spec is not None:  # its weights as torchao holds them
+        weights = estimated_bytes(dict(runner.pipe.components), spec, 2)
+    else:
+        weights = tensor_bytes(runner.weight_tensors())
+    budget = MemoryBudget(fraction, "cuda", gpu, weights)
+    if runner.tiles_decode:  # as the engine sets them: decodes image by image or in tiles where they must
+        runner.vae_tiling = stage.diffusion_args.get("vae_tiling", "auto")
+        runner.decode_budget = budget.activation_bytes
     worst_alone = max(runner.activation_bytes([r]) for r in largest)
     full = max(runner.activation_bytes(b) for b in batches)
     detail = (
@@ -315,27 +396,35 @@ def dit_need(
         f"a batch of {len(batches[0])} default requests {gib(full)}"
     )
     needs = budget.weight_bytes + budget.reserve_bytes + max(worst_alone, full)
-    return Need(stage.name, fraction, needs, CUDA_CONTEXT, detail)
+    refused = max(runner.activation_bytes([r]) for r in beyond) > budget.activation_bytes if beyond else True
+    return Need(stage.name, fraction, needs, CUDA_CONTEXT, detail, refused)
 
 
 def sized(name: str, models: Models) -> tuple[int, dict[str, list[Need]]]:
     path = next(p for p in packaged_deploy_configs() if p.name == name)
     _, gpu = gpu_of(path)
+    side = largest_side(path)
     pipeline = GPU_FILES[name]
     resolved = resolve_deployment(
         models.model_dir[pipeline], deploy_config=str(path), platform=PLATFORMS["cuda"]
     )
     devices: dict[str, list[Need]] = {}
-    ar = next(s for s in resolved.stages if s.execution_type == "llm_ar")
+    ar = next((s for s in resolved.stages if s.execution_type == "llm_ar"), None)
     for stage in resolved.stages:
         if stage.execution_type == "llm_ar":
             need = ar_need(stage, models.llm[pipeline], models.ar_weights[pipeline], gpu)
         else:
             runner = models.dit[pipeline]
-            largest, batches = (
-                glm_requests(stage) if pipeline == "glm_image" else bagel_requests(stage, ar, runner)
-            )
-            need = dit_need(stage, runner, largest, batches, gpu)
+            beyond = None
+            if pipeline == "glm_image":
+                largest, batches = glm_requests(stage, side)
+                beyond = glm_requests(stage)[0] if side < MAX_SIDE else None
+            elif pipeline == "bagel":
+                largest, batches = bagel_requests(stage, ar, runner)
+            else:
+                largest, batches = diffusers_requests(stage, side)
+                beyond = diffusers_requests(stage)[0] if side < MAX_SIDE else None
+            need = dit_need(stage, runner, largest, batches, gpu, beyond)
         for key in device_keys(resolved, stage):
             devices.setdefault(key, []).append(need)
     return gpu, devices
@@ -353,6 +442,9 @@ def test_every_gpu_deploy_file_fits_the_gpu_it_names(name: str, models: Models) 
         assert shares * gpu + outside <= gpu, f"no room for CUDA contexts and graphs: {report}"
         for need in needs:
             assert need.needs <= need.fraction * gpu, f"{need.stage} does not fit its budget: {report}"
+            assert need.refused, (
+                f"{need.stage} would run a {MAX_SIDE}x{MAX_SIDE} image it cannot hold: {report}"
+            )
 
 
 def test_raising_a_batch_size_or_max_model_len_past_the_gpu_fails(models: Models) -> None:

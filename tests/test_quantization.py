@@ -23,7 +23,7 @@ import pytest
 from vllm_omni_plugin.config.errors import ConfigError
 from vllm_omni_plugin.diffusion import DiffusionEngine, DiffusionEngineConfig, DiffusionRequest
 from vllm_omni_plugin.diffusion.lora import LoraSpec
-from vllm_omni_plugin.diffusion.quantization import QuantizationSpec
+from vllm_omni_plugin.diffusion.quantization import QuantizationSpec, estimated_bytes
 from vllm_omni_plugin.log import ROOT as ROOT_LOGGER
 from vllm_omni_plugin.tiny_models.gguf_file import write_denoiser_gguf
 from vllm_omni_plugin.tiny_models.lora import build_lora
@@ -104,6 +104,14 @@ def test_a_quantized_denoiser_gives_diffusers_quantized_image_and_reports_its_by
         if family in ("flux", "qwen_image"):  # denoisers of linears mostly, as the real ones are
             assert denoiser.bytes <= 0.55 * denoiser.unquantized_bytes
         assert eng.weight_bytes == sum(w.bytes for w in eng.weights)
+        if scheme != "gguf":  # the estimate the GPU memory fit sizes deploy files with, from shapes alone
+            import torch
+
+            from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+
+            plain = load_pipeline_runner(str(model), dtype=torch.float32, device="cpu").pipe.transformer
+            estimate = estimated_bytes({"transformer": plain}, QuantizationSpec.of(scheme), 4)
+            assert estimate == denoiser.bytes
         logged = [r.getMessage() for r in caplog.records if "weights" in r.getMessage()]
         assert any(f"transformer {denoiser.bytes / (1 << 20):.1f} MiB ({denoiser.quantized} tensors quantized"
                    in line for line in logged), logged  # fmt: skip

@@ -245,6 +245,49 @@ def load_denoiser(
     return model_cls.from_pretrained(model, subfolder=subfolder, torch_dtype=dtype)
 
 
+STORED_BYTES: dict[str, tuple[float, int, int | None]] = {
+    "int8_weight_only": (1.0, 5, None),
+    "int8_dynamic": (1.0, 5, None),
+    "float8_weight_only": (1.0, 4, None),
+    "float8_dynamic": (1.0, 4, None),
+    "int4_weight_only": (0.5, 4, 128),
+}
+"""How torchao stores each scheme's linear weight: (bytes per weight, bytes per group of inputs, the group's
+size; None: a whole row): int8 with a float32 scale and an int8 zero point per output row, float8 with a
+float32 scale per row (both measured: ``tests/test_quantization.py``), int4 two weights a byte with a
+bfloat16 scale and zero point per group of 128 inputs (not measured here: torchao runs it on CUDA only)."""
+
+
+def estimated_bytes(components: dict[str, Any], spec: QuantizationSpec | None, element: int) -> int:
+    """What a pipeline's components (name -> module, unquantized, on any device, the meta device
+    included) take once ``spec`` quantizes them as diffusers does (every ``nn.Linear`` weight of a
+    quantized component; everything else at ``element`` bytes). GGUF files are not estimated (their
+    blocks vary per tensor): the denoiser counts unquantized."""
+    import torch
+
+    from vllm_omni_plugin.diffusion.memory import logical_bytes
+
+    total = 0
+    for name, module in components.items():
+        if not isinstance(module, torch.nn.Module):  # a scheduler, a tokenizer, an absent part
+            continue
+        scheme = None
+        if spec is not None and name in DENOISERS and spec.denoiser != "gguf":
+            scheme = spec.denoiser
+        elif spec is not None and name.startswith(TEXT_ENCODER_PREFIX):
+            scheme = spec.text_encoders
+        total += logical_bytes(module, element)
+        if scheme is None:
+            continue
+        per_weight, per_group, group = STORED_BYTES[scheme]
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.Linear):
+                rows, inputs = layer.weight.shape
+                groups = 1 if group is None else -(-inputs // group)
+                total += int(rows * inputs * per_weight) + rows * groups * per_group - rows * inputs * element
+    return total
+
+
 def quantized_layers(module: Any) -> int:
     """Parameters of ``module`` stored quantized (torchao tensors, GGUF blocks)."""
     import torch
