@@ -84,6 +84,7 @@ GPU_FILES = {
     "bagel_h200.yaml": "bagel",
     "glm_image_48gb.yaml": "glm_image",
     "flux_dev_24gb.yaml": "flux_dev",
+    "qwen_image_48gb.yaml": "qwen_image",
 }
 NOT_FOR_A_GPU = {"tiny_glm_image_cpu.yaml", "tiny_bagel_cpu.yaml", "diffusion.yaml"}
 """CPU files of the tiny models, and the template for any diffusers model (no model to size)."""
@@ -217,6 +218,42 @@ def flux_dev_models(models: Models) -> None:
     models.model_dir["flux_dev"] = str(folder)
 
 
+def qwen_image_models(models: Models, tokenizer_dir: Path) -> None:
+    """Qwen-Image's pipeline from its real configs (``real_models/qwen_image``), on the meta device. Its
+    runner counts prompt tokens with a tokenizer (the tiny model's, of the same class): the requests
+    sized here carry the longest prompt served (``prompt_token_limit``), whatever the vocabulary."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from vllm_omni_plugin.diffusion.diffusers_registry import runner_class
+
+    folder = DATA / "qwen_image"
+
+    def config(component: str) -> dict[str, Any]:
+        return json.loads((folder / component / "config.json").read_text())
+
+    with torch.device("meta"):
+        parts = {
+            "text_encoder": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config("text_encoder"))),
+            "transformer": QwenImageTransformer2DModel.from_config(config("transformer")),
+            "vae": AutoencoderKLQwenImage.from_config(config("vae")),
+        }
+    parts = {k: v.to(torch.bfloat16) for k, v in parts.items()}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=tokenizer, **parts)
+    models.dit["qwen_image"] = runner_class("QwenImagePipeline")(
+        pipe, device=torch.device("meta"), dtype=torch.bfloat16
+    )
+    models.model_dir["qwen_image"] = str(folder)
+
+
 def bagel_models(models: Models, folder: Path) -> None:
     from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
     from vllm_omni_plugin.families.bagel.transformer import GenerationTransformer
@@ -244,11 +281,12 @@ def bagel_models(models: Models, folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(bagel_dir: Path) -> Models:  # noqa: F811 (the fixture imported above)
+def models(bagel_dir: Path, tiny_qwen_image: Path) -> Models:  # noqa: F811 (the fixture imported above)
     found = Models()
     glm_image_models(found)
     bagel_models(found, bagel_dir)
     flux_dev_models(found)
+    qwen_image_models(found, tiny_qwen_image / "tokenizer")
     return found
 
 
@@ -265,6 +303,10 @@ def test_the_real_models_weigh_what_their_checkpoints_hold(models: Models) -> No
     assert round(sum(p.numel() for p in flux.transformer.parameters()) / 1e9, 1) == 11.9
     assert round(sum(p.numel() for p in flux.text_encoder_2.parameters()) / 1e9, 2) == 4.76
     assert round(sum(p.numel() for p in flux.text_encoder.parameters()) / 1e6) == 123
+    qwen = models.dit["qwen_image"].pipe
+    # Qwen-Image: its DiT 20.4 B parameters, its text encoder (Qwen2.5-VL-7B, vision tower and head) 8.29 B
+    assert round(sum(p.numel() for p in qwen.transformer.parameters()) / 1e9, 1) == 20.4
+    assert round(sum(p.numel() for p in qwen.text_encoder.parameters()) / 1e9, 2) == 8.29
 
 
 # --- the requests a diffusion stage must hold ------------------------------------------------------------
@@ -285,15 +327,25 @@ def glm_requests(stage: ResolvedStage, side: int = MAX_SIDE) -> tuple[list[Any],
     return [request(side), request(side, source=side)], [[default] * args["max_batch_size"]]
 
 
-def diffusers_requests(stage: ResolvedStage, side: int = MAX_SIDE) -> tuple[list[Any], list[list[Any]]]:
-    """A text-to-image model's: the largest image alone, a full batch of the stage's default size."""
+def diffusers_requests(
+    stage: ResolvedStage, runner: Any, side: int = MAX_SIDE
+) -> tuple[list[Any], list[list[Any]]]:
+    """A text-to-image model's: the largest image alone, a full batch of the stage's default size; each
+    with the longest prompt the runner takes where it counts them (else ``GLM_PROMPT``)."""
     from vllm_omni_plugin.diffusion.params import DiffusionRequest
 
     args = stage.diffusion_args
 
-    def request(size: int) -> DiffusionRequest:
-        return DiffusionRequest(request_id="r", prompt=GLM_PROMPT, height=size, width=size,
+    def request(size: int, prompt: str = GLM_PROMPT) -> DiffusionRequest:
+        return DiffusionRequest(request_id="r", prompt=prompt, height=size, width=size,
                                 guidance_scale=args.get("guidance_scale", 3.5))  # fmt: skip
+
+    limit = runner.prompt_token_limit
+    if limit is not None and hasattr(runner, "prompt_length"):
+        words = GLM_PROMPT
+        while runner.prompt_length(request(side, words + " " + GLM_PROMPT)) <= limit:
+            words += " " + GLM_PROMPT
+        return [request(side, words)], [[request(args.get("height", 1024), words)] * args["max_batch_size"]]
 
     return [request(side)], [[request(args.get("height", 1024))] * args["max_batch_size"]]
 
@@ -422,8 +474,8 @@ def sized(name: str, models: Models) -> tuple[int, dict[str, list[Need]]]:
             elif pipeline == "bagel":
                 largest, batches = bagel_requests(stage, ar, runner)
             else:
-                largest, batches = diffusers_requests(stage, side)
-                beyond = diffusers_requests(stage)[0] if side < MAX_SIDE else None
+                largest, batches = diffusers_requests(stage, runner, side)
+                beyond = diffusers_requests(stage, runner)[0] if side < MAX_SIDE else None
             need = dit_need(stage, runner, largest, batches, gpu, beyond)
         for key in device_keys(resolved, stage):
             devices.setdefault(key, []).append(need)
