@@ -193,12 +193,12 @@ def test_lora_adapters_mixed_in_one_batch_on_a_quantized_denoiser(
             eng.close()
 
 
-def test_step_cache_compile_cfg_parallel_and_step_batching_run_on_a_quantized_denoiser(
+def test_step_cache_compile_parallelism_and_step_batching_run_on_a_quantized_denoiser(
     tiny_sd3: Path,
 ) -> None:
-    """The stage's other features on an int8 denoiser: step caching skips blocks; compiled blocks, a
-    CFG-parallel pair of processes (the peer loads the denoiser quantized as rank 0's) and step batching
-    each give the image of the plain quantized stage (the step loop's)."""
+    """The stage's other features on an int8 denoiser: step caching skips blocks; compiled blocks, CFG-
+    and sequence-parallel pairs of processes (the peer loads the denoiser quantized as rank 0's) and step
+    batching each give the image of the plain quantized stage (the step loop's)."""
     from vllm_omni_plugin.diffusion.blocks import CompileSpec
     from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
 
@@ -224,6 +224,7 @@ def test_step_cache_compile_cfg_parallel_and_step_batching_run_on_a_quantized_de
     for config in (
         {"compile": CompileSpec(blocks=True, shapes="static", warmup_sizes=[])},
         {"cfg_parallel_size": 2, "batching": "request"},
+        {"sequence_parallel_size": 2, "batching": "request"},
         {"batching": "step"},
     ):
         eng = engine(tiny_sd3, "int8_weight_only", **config)
