@@ -22,6 +22,7 @@ from vllm_omni_plugin.config import (
     resolve_deployment,
 )
 from vllm_omni_plugin.config import pipeline as pipeline_module
+from vllm_omni_plugin.config.platform import PlatformInfo
 from vllm_omni_plugin.config.resolve import reresolve
 from vllm_omni_plugin.diffusion.runner import MAX_BATCH_SIZE, DiffusionRunner
 from vllm_omni_plugin.schedulers import OMNI_AR_ASYNC_SCHEDULER, OMNI_AR_SCHEDULER
@@ -280,12 +281,27 @@ BAGEL_CONFIGS = [p for p in packaged_deploy_configs() if "bagel" in p.name]
 
 
 DIFFUSION_CONFIGS = [p for p in packaged_deploy_configs() if p.name == "diffusion.yaml"]
+QUANTIZED_DIFFUSERS_CONFIGS = {"flux_dev_24gb.yaml": "tiny_flux", "qwen_image_48gb.yaml": "tiny_qwen_image"}
+"""The packaged files of one diffusers model each (sized for their GPUs by tests/test_gpu_memory_fit.py),
+and the tiny model of the family they resolve with here."""
 
 
 def test_every_packaged_config_is_tested() -> None:
-    assert set(packaged_deploy_configs()) == set(GLM_IMAGE_CONFIGS) | set(BAGEL_CONFIGS) | set(
-        DIFFUSION_CONFIGS
-    )
+    assert {p.name for p in packaged_deploy_configs()} == {
+        p.name for p in (*GLM_IMAGE_CONFIGS, *BAGEL_CONFIGS, *DIFFUSION_CONFIGS)
+    } | set(QUANTIZED_DIFFUSERS_CONFIGS)
+
+
+@pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])
+@pytest.mark.parametrize("name", sorted(QUANTIZED_DIFFUSERS_CONFIGS))
+def test_every_packaged_quantized_diffusers_config_resolves(
+    name: str, platform: PlatformInfo, request: pytest.FixtureRequest
+) -> None:
+    model = request.getfixturevalue(QUANTIZED_DIFFUSERS_CONFIGS[name])
+    path = next(p for p in packaged_deploy_configs() if p.name == name)
+    args = resolve_deployment(str(model), deploy_config=str(path), platform=platform).stage(0).diffusion_args
+    assert args["quantization"] == {"denoiser": "int8_weight_only", "text_encoders": "int8_weight_only"}
+    assert args["worker_cls"] == platform.diffusion_worker_cls and args["dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("platform", [GPU, CPU], ids=["cuda", "cpu"])

@@ -189,17 +189,30 @@ def glm_image_models(models: Models) -> None:
     models.model_dir["glm_image"] = str(DATA / "glm_image")
 
 
+def real_config(model: str, component: str) -> dict[str, Any]:
+    return json.loads((DATA / model / component / "config.json").read_text())
+
+
+def bf16(parts: dict[str, Any]) -> dict[str, Any]:
+    return {name: module.to(torch.bfloat16) for name, module in parts.items()}
+
+
+def add_diffusers_pipeline(models: Models, name: str, pipe: Any) -> None:
+    """The diffusion stage's runner of a diffusers pipeline built on the meta device."""
+    from vllm_omni_plugin.diffusion.diffusers_registry import runner_class
+
+    runner = runner_class(type(pipe).__name__)(pipe, device=torch.device("meta"), dtype=torch.bfloat16)
+    models.dit[name] = runner
+    models.model_dir[name] = str(DATA / name)
+
+
 def flux_dev_models(models: Models) -> None:
     """FLUX.1-dev's pipeline from its real configs (``real_models/flux_dev``), on the meta device."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from vllm_omni_plugin.diffusion.diffusers_registry import runner_class
-
-    folder = DATA / "flux_dev"
-
     def config(component: str) -> dict[str, Any]:
-        return json.loads((folder / component / "config.json").read_text())
+        return real_config("flux_dev", component)
 
     with torch.device("meta"):
         parts = {
@@ -208,14 +221,10 @@ def flux_dev_models(models: Models) -> None:
             "transformer": FluxTransformer2DModel.from_config(config("transformer")),
             "vae": AutoencoderKL.from_config(config("vae")),
         }
-    parts = {k: v.to(torch.bfloat16) for k, v in parts.items()}
     pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=None, tokenizer_2=None, **parts
+        scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=None, tokenizer_2=None, **bf16(parts)
     )
-    models.dit["flux_dev"] = runner_class("FluxPipeline")(
-        pipe, device=torch.device("meta"), dtype=torch.bfloat16
-    )
-    models.model_dir["flux_dev"] = str(folder)
+    add_diffusers_pipeline(models, "flux_dev", pipe)
 
 
 def qwen_image_models(models: Models, tokenizer_dir: Path) -> None:
@@ -228,14 +237,10 @@ def qwen_image_models(models: Models, tokenizer_dir: Path) -> None:
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from vllm_omni_plugin.diffusion.diffusers_registry import runner_class
-
-    folder = DATA / "qwen_image"
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     def config(component: str) -> dict[str, Any]:
-        return json.loads((folder / component / "config.json").read_text())
+        return real_config("qwen_image", component)
 
     with torch.device("meta"):
         parts = {
@@ -243,15 +248,9 @@ def qwen_image_models(models: Models, tokenizer_dir: Path) -> None:
             "transformer": QwenImageTransformer2DModel.from_config(config("transformer")),
             "vae": AutoencoderKLQwenImage.from_config(config("vae")),
         }
-    parts = {k: v.to(torch.bfloat16) for k, v in parts.items()}
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=tokenizer, **parts)
-    models.dit["qwen_image"] = runner_class("QwenImagePipeline")(
-        pipe, device=torch.device("meta"), dtype=torch.bfloat16
-    )
-    models.model_dir["qwen_image"] = str(folder)
+    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), tokenizer=tokenizer, **bf16(parts))
+    add_diffusers_pipeline(models, "qwen_image", pipe)
 
 
 def bagel_models(models: Models, folder: Path) -> None:
