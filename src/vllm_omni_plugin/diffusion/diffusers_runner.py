@@ -227,7 +227,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """Set by the engine (a stage with a memory budget): what one call's activations may take."""
         self._decode_flags_lock = threading.Lock()
         """Held while a decode runs with the slicing and tiling flags its :meth:`decode_plan` set."""
-        self._plan_decodes(getattr(pipe, "vae", None))
+        self._plan_decodes()
         self._companions: dict[type, Any] = {}
         """diffusers' pipelines of the family for the tasks ``pipe`` does not do, by class (built once)."""
         self._companions_lock = threading.Lock()
@@ -591,11 +591,12 @@ class DiffusersPipelineRunner(DiffusionRunner):
             + TILED_OUTPUT_WIDTHS * pixels * shape.vae_element
         )
 
-    def _plan_decodes(self, vae: Any) -> None:
+    def _plan_decodes(self) -> None:
         """Every decode of the pipeline's VAE (the pipeline's own, the step loop's, a decode batcher's)
         runs with the slicing and tiling its :meth:`decode_plan` picks, set for that call alone."""
-        if vae is None or not (hasattr(vae, "use_tiling") and hasattr(vae, "use_slicing")):
+        if not self.tiles_decode:
             return
+        vae = self.pipe.vae
         decode, scale = vae.decode, int(getattr(self.pipe, "vae_scale_factor", 8))
 
         def planned(z: Any, *args: Any, **kwargs: Any) -> Any:

@@ -19,14 +19,11 @@ and step caching, step batching, the step loop and compiled blocks see a denoise
 from __future__ import annotations
 
 import importlib.util
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-
-logger = logging.getLogger(__name__)
 
 TorchaoScheme = Literal[
     "int8_weight_only", "int8_dynamic", "float8_weight_only", "float8_dynamic", "int4_weight_only"
