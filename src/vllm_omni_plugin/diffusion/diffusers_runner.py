@@ -88,9 +88,17 @@ class DenoiserShape:
     vae_element: int
     guidance_embedded: bool
     """The transformer takes guidance as an input (FLUX's distilled guidance): one pass, not two."""
+    frames_per_token: int = 0
+    """A video denoiser's frames per token (its VAE's temporal compression times its temporal patch; 0: an
+    image denoiser)."""
 
-    def image_tokens(self, height: int, width: int) -> int:
-        return -(-height // self.patch_pixels) * -(-width // self.patch_pixels)
+    def image_tokens(self, height: int, width: int, frames: int | None = None) -> int:
+        """Tokens of an image, or of a video of ``frames`` frames (its first frame a latent frame of its
+        own, as causal video VAEs encode it)."""
+        tokens = -(-height // self.patch_pixels) * -(-width // self.patch_pixels)
+        if self.frames_per_token and frames:
+            tokens *= (frames - 1) // self.frames_per_token + 1
+        return tokens
 
 
 def denoiser_attribute(pipe: Any) -> str | None:
@@ -121,18 +129,48 @@ def denoiser_shape(pipe: Any) -> DenoiserShape:
     vae_cfg = dict(pipe.vae.config)
     latent = vae_cfg.get("latent_channels") or vae_cfg.get("z_dim") or cfg.get("in_channels") or 4
     in_channels = cfg.get("in_channels") or latent
-    patch = cfg.get("patch_size") if isinstance(cfg.get("patch_size"), int) else 1
+    patch, frame_patch = _patch(cfg)
     if in_channels != latent and in_channels % latent == 0:  # latents packed into tokens (FLUX, Qwen-Image)
         patch = math.isqrt(in_channels // latent)
+    temporal = video_frame_step(pipe)
     return DenoiserShape(
         hidden=hidden,
         ff_inner=max(widths, default=4 * hidden),
-        patch_pixels=int(getattr(pipe, "vae_scale_factor", 8)) * max(1, patch),
+        patch_pixels=spatial_scale(pipe) * max(1, patch),
         decoder_channels=_decoder_channels(vae_cfg),
         element=next(model.parameters()).element_size(),
         vae_element=next(pipe.vae.parameters()).element_size(),
         guidance_embedded=bool(cfg.get("guidance_embeds")),
+        frames_per_token=temporal * frame_patch,
     )
+
+
+def _patch(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(spatial, temporal) patch of a denoiser's config: an int for images, (t, h, w) for videos (Wan)."""
+    patch = cfg.get("patch_size")
+    if isinstance(patch, list | tuple) and len(patch) == 3:
+        return int(patch[1]), int(patch[0])
+    return (patch if isinstance(patch, int) else 1), 1
+
+
+def spatial_scale(pipe: Any) -> int:
+    """Pixels per latent side: ``vae_scale_factor`` (image pipelines) or ``vae_scale_factor_spatial``
+    (video pipelines); 8 where the pipeline states neither."""
+    # Optional attributes of a diffusers pipeline: image pipelines have the first, video ones the second.
+    for name in ("vae_scale_factor", "vae_scale_factor_spatial"):
+        value = getattr(pipe, name, None)
+        if isinstance(value, int):
+            return value
+    return 8
+
+
+def video_frame_step(pipe: Any) -> int:
+    """A video pipeline's frames per latent frame (its VAE's temporal compression: frame counts are
+    ``k * step + 1``); 0 for a pipeline that makes images (its call takes no ``num_frames``)."""
+    if "num_frames" not in call_parameters(type(pipe)):
+        return 0
+    step = getattr(pipe, "vae_scale_factor_temporal", None)  # optional, as above
+    return step if isinstance(step, int) and step > 0 else 1
 
 
 def _decoder_channels(vae_cfg: dict[str, Any]) -> int:
@@ -240,6 +278,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """What the pipeline's call does with steps and guidance left out (a warm-up's, a bare request's)."""
         self.supports_negative_prompt, self.supports_image_to_image = cls.input_support(params)
         self.text_tokens = _default(params, "max_sequence_length", int) or DEFAULT_TEXT_TOKENS
+        self.frame_step = video_frame_step(pipe)
+        """A video pipeline's frames per latent frame (0: it makes images)."""
         """Prompt tokens the transformer attends to (the pipeline's ``max_sequence_length`` default)."""
         self.step_cache = "callback_on_step_end" in self.call_arguments
         """Caching counts the steps by the pipeline's step-end callback (a pipeline without one never
@@ -283,7 +323,9 @@ class DiffusersPipelineRunner(DiffusionRunner):
         if inpainting:  # an inpainting model (FLUX.1 Fill): every request has its mask
             return None
         if task == "text":
-            return None if cls.needs_images else pipeline_cls
+            image = params.get(cls.image_argument)
+            required = image is not None and image.default is inspect.Parameter.empty  # image-to-video
+            return None if cls.needs_images or required else pipeline_cls
         if cls.input_support(params)[1]:
             return pipeline_cls
         return companion_class(pipeline_cls, task)
@@ -434,6 +476,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 f"{self.pipeline_class} takes at most {self.max_images} source image(s) per request, "
                 f"got {images}"
             )
+        if request.num_frames is not None and not self.frame_step:
+            raise ValueError(f"{self.pipeline_class} makes images; leave num_frames unset")
         if request.negative_prompt and not self.supports_negative_prompt:
             raise ValueError(f"{self.pipeline_class} takes no negative prompt; leave negative_prompt unset")
         if request.guidance_scale is not None and self.guidance_argument not in self.call_arguments:
@@ -464,14 +508,21 @@ class DiffusersPipelineRunner(DiffusionRunner):
             request.image_to_image,
             request.mask is not None,
             request.strength,
+            request.num_frames,
         )
         return common + tuple(self.call_key(request))
 
     def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
         """What else (beyond size, steps, guidance, i2i) must match for requests to share a call: whether
         a negative prompt is given (``None`` and ``""`` differ for pipelines whose guidance needs one)
-        and the source images' sizes (a pipeline resizes a batch's images to one size)."""
-        return (request.negative_prompt is not None, tuple(image_size(i) for i in request.images or []))
+        and the source images' sizes (a pipeline resizes a batch's images to one size); an image-to-video
+        request shares no call (diffusers' video pipelines encode one source frame per call)."""
+        alone = request.request_id if self.frame_step and request.images else None
+        return (
+            request.negative_prompt is not None,
+            tuple(image_size(i) for i in request.images or []),
+            alone,  # a video pipeline conditions a call on one source frame: each image-to-video runs alone
+        )
 
     def call_kwargs(self, batch: list[DiffusionRequest]) -> dict[str, Any]:
         """Pipeline arguments beyond prompt, size, steps, guidance, generators and output type."""
@@ -494,6 +545,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         return request.num_inference_steps
 
     def describe_request(self, request: DiffusionRequest) -> str:
+        if request.num_frames:
+            return f"a {request.height}x{request.width} video of {request.num_frames} frames"
         return f"a {request.height}x{request.width} image"
 
     def weight_tensors(self) -> list[Any]:
@@ -531,7 +584,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         rows = len(batch) * (2 if guided else 1)
         sources = [self.source_pixels(r) for r in batch]
         tokens = (
-            shape.image_tokens(first.height, first.width)
+            shape.image_tokens(first.height, first.width, first.num_frames)
             + self.prompt_tokens(batch)
             + max(sum(p) // shape.patch_pixels**2 for p in sources)
         )
@@ -549,7 +602,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 len(batch),
                 first.height,
                 first.width,
-                self.decode_plan(len(batch), first.height, first.width),
+                self.decode_plan(len(batch), first.height, first.width, first.num_frames or 1),
+                first.num_frames or 1,
             ),
         }
 
@@ -559,36 +613,45 @@ class DiffusersPipelineRunner(DiffusionRunner):
         vae = getattr(self.pipe, "vae", None)
         return vae is not None and hasattr(vae, "use_tiling") and hasattr(vae, "use_slicing")
 
-    def decode_plan(self, images: int, height: int, width: int) -> DecodePlan:
-        """How ``images`` latents of a ``height`` x ``width`` image decode: ``whole`` (one call),
-        ``sliced`` (one image at a time) or ``tiled`` (overlapping tiles of the VAE's tile size, blended):
-        with ``vae_tiling: auto``, the least of those whose estimate fits the stage's memory budget."""
+    def decode_plan(self, images: int, height: int, width: int, frames: int = 1) -> DecodePlan:
+        """How ``images`` latents of a ``height`` x ``width`` image (or video of ``frames`` frames) decode:
+        ``whole`` (one call), ``sliced`` (one image at a time) or ``tiled`` (overlapping tiles of the VAE's
+        tile size, blended): with ``vae_tiling: auto``, the least of those whose estimate fits the stage's
+        memory budget."""
         if not self.tiles_decode or self.vae_tiling == "never":
             return "whole"
         if self.vae_tiling == "always":
             return "tiled"
         if (
             self.decode_budget is None
-            or self.decode_bytes(images, height, width, "whole") <= self.decode_budget
+            or self.decode_bytes(images, height, width, "whole", frames) <= self.decode_budget
         ):
             return "whole"
-        if images > 1 and self.decode_bytes(1, height, width, "sliced") <= self.decode_budget:
+        if images > 1 and self.decode_bytes(1, height, width, "sliced", frames) <= self.decode_budget:
             return "sliced"
         return "tiled"
 
-    def decode_bytes(self, images: int, height: int, width: int, plan: DecodePlan) -> int:
+    def decode_bytes(self, images: int, height: int, width: int, plan: DecodePlan, frames: int = 1) -> int:
         """Estimated peak of decoding ``images`` images so: the decoder over all of them, one of them, or
-        one tile (of the VAE's tile size and its overlap) with the finished tiles' pixels kept beside it."""
+        one tile (of the VAE's tile size and its overlap) with the finished tiles' pixels kept beside it.
+        A video VAE decodes one latent frame (``frame_step`` frames) at a time, its causal caches carrying
+        the rest: its decoder's activations are those of a chunk of frames, beside the frames decoded so
+        far (kept whole, and once more as the float array the pipeline post-processes)."""
         shape = self.memory_shape
         pixels = height * width
+        held = 0
+        if self.frame_step:
+            held = images * frames * pixels * 3 * shape.vae_element * 2
+            pixels *= min(frames, self.frame_step)
         if plan == "whole":
-            return vae_decode_bytes(images, pixels, shape.decoder_channels, shape.vae_element)
+            return vae_decode_bytes(images, pixels, shape.decoder_channels, shape.vae_element) + held
         if plan == "sliced":
-            return vae_decode_bytes(1, pixels, shape.decoder_channels, shape.vae_element)
+            return vae_decode_bytes(1, pixels, shape.decoder_channels, shape.vae_element) + held
         tile = min(pixels, vae_tile_pixels(self.pipe.vae))
         return (
             vae_decode_bytes(1, tile, shape.decoder_channels, shape.vae_element)
             + TILED_OUTPUT_WIDTHS * pixels * shape.vae_element
+            + held
         )
 
     def _plan_decodes(self) -> None:
@@ -597,10 +660,13 @@ class DiffusersPipelineRunner(DiffusionRunner):
         if not self.tiles_decode:
             return
         vae = self.pipe.vae
-        decode, scale = vae.decode, int(getattr(self.pipe, "vae_scale_factor", 8))
+        decode, scale = vae.decode, spatial_scale(self.pipe)
 
         def planned(z: Any, *args: Any, **kwargs: Any) -> Any:
-            plan = self.decode_plan(int(z.shape[0]), int(z.shape[-2]) * scale, int(z.shape[-1]) * scale)
+            frames = (int(z.shape[2]) - 1) * self.frame_step + 1 if self.frame_step and z.ndim == 5 else 1
+            plan = self.decode_plan(
+                int(z.shape[0]), int(z.shape[-2]) * scale, int(z.shape[-1]) * scale, frames
+            )
             with self._decode_flags_lock:
                 kept = vae.use_slicing, vae.use_tiling
                 vae.use_slicing, vae.use_tiling = plan != "whole", plan == "tiled"
@@ -617,7 +683,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         shape = self.memory_shape
         guided = (request.guidance_scale or 0.0) > 1.0 and not shape.guidance_embedded
         height, width = request.height, request.width
-        tokens = shape.image_tokens(height, width) if height and width else 1
+        tokens = shape.image_tokens(height, width, request.num_frames) if height and width else 1
         return tokens * (2 if guided else 1)
 
     def prompt_tokens(self, batch: list[DiffusionRequest]) -> int:
@@ -760,6 +826,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
             kwargs["num_inference_steps"] = first.num_inference_steps
         if first.guidance_scale is not None and self.guidance_argument in arguments:
             kwargs[self.guidance_argument] = first.guidance_scale
+        if first.num_frames is not None:
+            kwargs["num_frames"] = first.num_frames
 
         previews = CallPreviews()
         pipe, pairs = self._parallel_denoiser(pipe, batch)
@@ -798,8 +866,10 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 pairs.close()
         end = time.perf_counter()
         denoised = step_done[0] if step_done else end
-        # diffusers' own float -> uint8 conversion (numpy_to_pil), so arrays equal its PIL output.
-        pixels = (np.asarray(out.images) * 255).round().astype(np.uint8)
+        # diffusers' own float -> uint8 conversion (numpy_to_pil), so arrays equal its PIL output; a video
+        # pipeline's output is its frames (batch x frames x H x W x 3).
+        made = out.frames if self.frame_step else out.images
+        pixels = (np.asarray(made) * 255).round().astype(np.uint8)
         latents = None
         if any(r.return_latents for r in batch) and latents_box:
             latents = [
@@ -860,6 +930,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
                 width=width,
                 num_inference_steps=2,
                 guidance_scale=None if guided else unguided,
+                num_frames=self.frame_step + 1 if self.frame_step else None,  # a video's shortest
             )
             for i in range(count)
         ]
@@ -1036,10 +1107,12 @@ def _model_defaults(cls: type[DiffusersPipelineRunner], model: str) -> ModelDefa
     name, pipeline_cls = cls.diffusers_class(model)
     steps, guidance = cls.call_defaults(call_parameters(pipeline_cls))
     pipe = meta_pipeline(model, pipeline_cls)
-    size = None if cls.size_required else cls.default_size or _pipeline_default_size(pipe)
+    params = call_parameters(pipeline_cls)
+    size = None if cls.size_required else cls.default_size or _pipeline_default_size(pipe, params)
     height, width = size or (None, None)
+    frames = _default(params, "num_frames", int) if video_frame_step(pipe) else None
     defaults = DiffusionDefaults(
-        height=height, width=width, num_inference_steps=steps, guidance_scale=guidance
+        height=height, width=width, num_inference_steps=steps, guidance_scale=guidance, num_frames=frames
     )
     return ModelDefaults(defaults=defaults, limits=_pipeline_size_limits(pipe), label=name)
 
@@ -1071,13 +1144,15 @@ def meta_pipeline(model: str, pipeline_cls: type) -> Any:
     return pipeline_cls(**components)
 
 
-def _pipeline_default_size(pipe: Any) -> tuple[int, int] | None:
-    """The size the pipeline draws when given none (``default_sample_size * vae_scale_factor``)."""
+def _pipeline_default_size(pipe: Any, params: Mapping[str, inspect.Parameter]) -> tuple[int, int] | None:
+    """The size the pipeline draws when given none (``default_sample_size * vae_scale_factor``), else the
+    one its call's signature names (video pipelines: Wan's 480x832)."""
     # Optional attributes of a diffusers pipeline: not every pipeline class defines them.
     sample, scale = getattr(pipe, "default_sample_size", None), getattr(pipe, "vae_scale_factor", None)
     if isinstance(sample, int) and isinstance(scale, int):
         return sample * scale, sample * scale
-    return None
+    height, width = _default(params, "height", int), _default(params, "width", int)
+    return (height, width) if height and width else None
 
 
 def _pipeline_size_limits(pipe: Any) -> SizeLimits:
@@ -1086,12 +1161,15 @@ def _pipeline_size_limits(pipe: Any) -> SizeLimits:
     position embedding covers (SD3: ``pos_embed_max_size * patch_size * vae_scale_factor``)."""
     import math
 
+    frame_step = video_frame_step(pipe)
     scale = getattr(pipe, "vae_scale_factor", None)  # optional pipeline attributes, as above
+    if frame_step:
+        scale = spatial_scale(pipe)
     model = denoiser_of(pipe)
     if not isinstance(scale, int) or model is None:
-        return SizeLimits()
+        return SizeLimits(frame_step=frame_step)
     cfg = dict(model.config)
-    patch = cfg.get("patch_size") if isinstance(cfg.get("patch_size"), int) else 1
+    patch = _patch(cfg)[0]
     vae = getattr(pipe, "vae", None)
     latent = dict(vae.config).get("latent_channels") if vae is not None else None
     in_channels = cfg.get("in_channels")
@@ -1100,7 +1178,7 @@ def _pipeline_size_limits(pipe: Any) -> SizeLimits:
             patch = max(patch, math.isqrt(in_channels // latent))
     pos_embed = cfg.get("pos_embed_max_size")
     max_side = pos_embed * patch * scale if isinstance(pos_embed, int) else None
-    return SizeLimits(multiple=scale * patch, max_side=max_side)
+    return SizeLimits(multiple=scale * patch, max_side=max_side, frame_step=frame_step)
 
 
 def image_size(image: Any) -> tuple[int, int]:

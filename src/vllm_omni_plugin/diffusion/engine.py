@@ -154,6 +154,9 @@ class DiffusionEngine:
         """Called after every step of whole-request batching (a stage process then reports
         :meth:`counters` to ``/metrics``)."""
         self._progress: _BatchProgress | None = None
+        self._in_flight: dict[int, _BatchProgress] = {}
+        """The batch or groups the runner is working on, by id (:meth:`request_steps`); under
+        ``_count_lock``."""
         runner.on_step = self._step_done
         self.on_preview: PreviewCallback | None = None
         """Where the previews requests ask for (``partial_images``) go (set by the host's batch loop);
@@ -581,6 +584,15 @@ class DiffusionEngine:
             counters.step_requests += requests
             counters.step_seconds += seconds
 
+    def request_steps(self) -> dict[str, tuple[int, int]]:
+        """(steps done, steps in all) of each request the runner is working on (whole-request and step
+        batching; the step loop's requests are its own); a request whose runner cannot tell its steps
+        beforehand counts the steps done so far as all of them."""
+        with self._count_lock:
+            running = list(self._in_flight.values())
+        steps_of = self.runner.steps_of
+        return {r.request_id: (p.steps, max(p.steps, steps_of(r) or 0)) for p in running for r in p.batch}
+
     @property
     def denoise_steps(self) -> int:
         """Denoising steps run since load, counted per request (a step of a batch of B counts B)."""
@@ -647,6 +659,10 @@ class DiffusionEngine:
                 progress.steps / (now - progress.start),
             )
 
+    def _left(self, progress: _BatchProgress) -> None:
+        with self._count_lock:
+            self._in_flight.pop(id(progress), None)
+
     def _finish_progress(self, progress: _BatchProgress) -> None:
         if progress.logged:
             logger.info(
@@ -677,6 +693,8 @@ class DiffusionEngine:
         stop = None if is_aborted is None else (lambda: all(is_aborted(i) for i in ids))
         batcher = self.step_batcher
         progress = _BatchProgress(batch, time.perf_counter())
+        with self._count_lock:
+            self._in_flight[id(progress)] = progress
         try:
             if batcher is None:
                 self._progress = progress
@@ -688,10 +706,12 @@ class DiffusionEngine:
                 out = self.runner.run_rows(batch, generators, stop, batcher, group, count)
         except BatchAborted as exc:
             self._progress = None
+            self._left(progress)
             logger.info("diffusion batch of %d: every request aborted, %s", len(batch), exc)
             return [self._aborted(r, len(batch)) for r in batch]
         except Exception as exc:
             self._progress = None
+            self._left(progress)
             if len(batch) > 1:  # find the culprit: the others must not fail with it
                 logger.warning(
                     "diffusion batch of %d failed (%s: %s); retrying its requests one by one",
@@ -702,6 +722,7 @@ class DiffusionEngine:
                 return [r for request in batch for r in self._run_batch([request], is_aborted, on_step)]
             return [self._failed(batch[0], exc, batch_size=1)]
         self._progress = None
+        self._left(progress)
         self._finish_progress(progress)
         with self._count_lock:
             self._counters.decodes += 1

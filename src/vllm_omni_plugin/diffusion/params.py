@@ -60,6 +60,9 @@ class DiffusionRequest(RunnerRequest, kw_only=True, tag="diffusion"):
     strength: float | None = None
     """How far an image-to-image or inpainting request departs from its source (the pipeline's
     ``strength``: 1.0 ignores it); None: the pipeline's own default."""
+    num_frames: int | None = None
+    """A video pipeline's frames (None: an image pipeline's request; the input processor gives a video
+    request its model's default)."""
     return_latents: bool = False
     """Also return the final (denoised, still normalized) latents."""
     lora: LoraSpec | None = None
@@ -118,7 +121,7 @@ class DiffusionResult(msgspec.Struct, kw_only=True):
 
     request_id: str
     image: Any = None
-    """A uint8 HxWx3 numpy array (``None`` on failure)."""
+    """A uint8 HxWx3 numpy array, a video's FxHxWx3 (``None`` on failure)."""
     latents: Any = None
     """The final latents (a CPU ``torch.Tensor``, C x h x w) when the request asked for them."""
     error: str | None = None

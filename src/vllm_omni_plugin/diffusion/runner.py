@@ -60,7 +60,7 @@ class BatchOutput:
     """What one call produced, in batch order."""
 
     images: list[Any]
-    """uint8 HxWx3 arrays."""
+    """uint8 HxWx3 arrays (a video pipeline's: FxHxWx3, its frames)."""
     latents: list[Any] | None
     """Per row, its final latents where its request asked for them (``None`` elsewhere, or for all)."""
     timings: dict[str, float]
@@ -75,6 +75,8 @@ class DiffusionDefaults(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    num_frames: int | None = None
+    """A video pipeline's frames (None for image pipelines)."""
 
 
 class SizeLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,6 +86,13 @@ class SizeLimits(msgspec.Struct, frozen=True, kw_only=True):
     """Height and width must be multiples of this (pixels)."""
     max_side: int | None = None
     """The largest height or width (``None``: no limit the model states)."""
+    frame_step: int = 0
+    """A video pipeline's frame counts are ``k * frame_step + 1`` (its VAE's temporal compression; 0: the
+    model makes images)."""
+
+    @property
+    def video(self) -> bool:
+        return self.frame_step > 0
 
 
 @dataclass(frozen=True)

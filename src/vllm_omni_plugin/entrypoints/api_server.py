@@ -20,6 +20,8 @@ import errno
 import os
 import signal
 import socket
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -34,6 +36,9 @@ from vllm_omni_plugin.entrypoints.errors import OmniAPIError
 from vllm_omni_plugin.entrypoints.metrics import OmniMetrics
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, settings_from_args
 from vllm_omni_plugin.entrypoints.routes import api_error_handler, framework_error_handler, router
+from vllm_omni_plugin.entrypoints.video_calls import VideoService, default_video_dir
+from vllm_omni_plugin.entrypoints.video_jobs import VideoJobStore
+from vllm_omni_plugin.entrypoints.video_protocol import VideoLimits
 from vllm_omni_plugin.log import best_effort, get_logger
 from vllm_omni_plugin.stage.async_omni import AsyncOmni
 from vllm_omni_plugin.stage.input_work import input_work
@@ -175,6 +180,7 @@ async def serve(
         loop.add_signal_handler(sig, interrupt, sig)
     omni = AsyncOmni(deployment, placement=placement)
     server = OmniServer(omni, settings_from_args(args, deployment))
+    server.videos = open_videos(args, server)
     try:
         await input_work(server.add_startup_adapters)
     except LoraError as exc:
@@ -205,10 +211,34 @@ async def serve(
         await shutdown
         logger.info("HTTP server stopped; stopping the stages")
     finally:
+        if server.videos is not None:
+            await server.videos.close()
         server.close()
         await omni.shutdown()
         sock.close()
         logger.info("every stage stopped")
+
+
+def open_videos(args: argparse.Namespace, server: OmniServer) -> VideoService | None:
+    """The Videos API where the served model makes videos: its job store opened (a directory this server
+    cannot use, or one another server holds, stops the start in one line)."""
+    if not server.omni.inputs.frame_step:
+        return None
+    directory = Path(args.video_dir) if args.video_dir else default_video_dir()
+    limits = VideoLimits(
+        max_frames=args.video_max_frames,
+        max_side=args.video_max_size,
+        max_seconds=float(args.video_max_seconds),
+        max_jobs=args.video_max_jobs,
+        max_bytes=args.video_max_bytes,
+        max_active=args.video_max_active,
+    )
+    try:
+        store = VideoJobStore(directory, limits)
+    except (OSError, RuntimeError, sqlite3.Error) as exc:
+        raise ServeError(f"--video-dir {directory}: {exc}") from None
+    logger.info("videos kept in %s (%d)", directory, store.count())
+    return VideoService(server, store, limits, default_fps=args.video_fps)
 
 
 def run_server(args: argparse.Namespace, deployment: ResolvedDeployment) -> None:

@@ -215,6 +215,31 @@ def add_omni_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Directory for generated images served at /media/...; enables response_format=url.",
     )
     group.add_argument(
+        "--video-dir",
+        default=None,
+        metavar="DIR",
+        help="Where /v1/videos keeps its jobs (an SQLite index) and finished MP4s, so a restarted server "
+        "still lists and serves them. Default: $XDG_DATA_HOME/vllm-omni/videos (~/.local/share/...).",
+    )
+    group.add_argument(
+        "--video-fps",
+        type=_positive_int,
+        default=16,
+        metavar="FPS",
+        help="Frames per second of a video whose request names no fps (Wan's 16).",
+    )
+    for name, default, metavar, what in (
+        ("frames", 241, "FRAMES", "Most frames of one video."),
+        ("size", 1920, "PIXELS", "Largest video width or height."),
+        ("seconds", 20, "SECONDS", "Longest video in seconds."),
+        ("jobs", 1000, "JOBS", "Videos kept (the oldest finished ones go first)."),
+        ("bytes", 10 * 1024**3, "BYTES", "MP4 bytes kept on disk (the oldest finished ones go first)."),
+        ("active", 64, "JOBS", "Videos queued or in progress at once (more: 429)."),
+    ):
+        group.add_argument(
+            f"--video-max-{name}", type=_positive_int, default=default, metavar=metavar, help=what
+        )
+    group.add_argument(
         "--worker-backend",
         choices=("local", "ray"),
         default=None,

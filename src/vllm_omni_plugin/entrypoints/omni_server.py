@@ -106,6 +106,8 @@ class OmniServer:
     metrics: OmniMetrics | None = None
     stage_names: dict[int, str] = field(default_factory=dict)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    videos: Any = None
+    """The Videos API's service (``video_calls.VideoService``) where the model makes videos."""
     adapters: ServedAdapters = field(init=False)
     """The LoRA adapters requests may name."""
 
@@ -155,10 +157,13 @@ class OmniServer:
         check_prompt_length(prompt, self.limits, param)
         check_prompt_length(negative_prompt, self.limits, "negative_prompt")
 
-    async def prepare(self, requests: list[OmniRequest], params: Mapping[str, str]) -> list[OmniCoreRequest]:
-        """The call's parsed requests, complete and checked by the runtime's input processor; a refusal
-        names the field as this call's transport does (``params``: the processor's field -> the param)."""
-        bounds = RequestBounds(max_side=self.limits.max_side)
+    async def prepare(
+        self, requests: list[OmniRequest], params: Mapping[str, str], bounds: RequestBounds | None = None
+    ) -> list[OmniCoreRequest]:
+        """The call's parsed requests, complete and checked by the runtime's input processor (within
+        ``bounds``, by default the Images API's); a refusal names the field as this call's transport does
+        (``params``: the processor's field -> the param)."""
+        bounds = bounds or RequestBounds(max_side=self.limits.max_side)
         try:
             return [await self.omni.process(request, bounds) for request in requests]
         except InputError as exc:
@@ -253,7 +258,7 @@ class OmniServer:
         if gone:
             self._gone(endpoint, len(requests))
             raise OmniAPIError("the client disconnected", status=499)
-        return self._finished(endpoint, work.result())
+        return self.finish(endpoint, work.result())
 
     async def stream(
         self, endpoint: str, request: OmniCoreRequest, gone: Awaitable[Any] | None = None
@@ -286,7 +291,7 @@ class OmniServer:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await work
                 self._gone(endpoint, 1)
-        (result,) = self._finished(endpoint, [work.result()])
+        (result,) = self.finish(endpoint, [work.result()])
         yield result
 
     def _gone(self, endpoint: str, requests: int) -> None:
@@ -294,7 +299,7 @@ class OmniServer:
             self.metrics.disconnects.labels(endpoint).inc()
         logger.info("client of %s went away; aborted %d request(s)", endpoint, requests)
 
-    def _finished(self, endpoint: str, results: list[OmniResult]) -> list[OmniResult]:
+    def finish(self, endpoint: str, results: list[OmniResult]) -> list[OmniResult]:
         """The results of one API call, counted; raises the worst failure's error if any failed."""
         if self.metrics is not None:
             self.metrics.observe(endpoint, results, self.stage_names)

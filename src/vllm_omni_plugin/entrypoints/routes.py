@@ -1,8 +1,9 @@
-"""The omni server's HTTP routes: the OpenAI Images API, chat completions with image output, models,
-health and generated media. Each route reads its body (JSON, or the edit's multipart form), parses it
-(``image_protocol``, ``chat_protocol``, ``models_protocol``) and hands it to ``api_calls``, which checks it,
-builds its requests and encodes the answer as every front end does; the serving state (``OmniServer``)
-runs it. A client mistake is an ``OmniAPIError``.
+"""The omni server's HTTP routes: the OpenAI Images API, its Videos API (jobs: ``video_calls``), chat
+completions with image output, models, health and generated media. Each route reads its body (JSON, or a
+multipart form), parses it (``image_protocol``, ``video_protocol``, ``chat_protocol``, ``models_protocol``)
+and hands it to ``api_calls`` (``video_calls``), which checks it, builds its requests and encodes the answer
+as every front end does; the serving state (``OmniServer``) runs it. A client mistake is an
+``OmniAPIError``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ from vllm_omni_plugin.entrypoints.models_protocol import (
 )
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer, disconnected, http_status
 from vllm_omni_plugin.entrypoints.streaming import chat_events, image_events
+from vllm_omni_plugin.entrypoints.video_calls import VideoService, read_reference
+from vllm_omni_plugin.entrypoints.video_protocol import VideoCreateRequest
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.input_work import input_work
 
@@ -214,6 +217,103 @@ def _runtime_lora_updates() -> None:
             f"{RUNTIME_UPDATES_ENV}=True (adapters named with --lora-modules are served)",
             status=404,
         )
+
+
+@router.post("/v1/videos")
+async def create_video(raw: Request) -> Response:
+    """A video job (OpenAI's Videos API): JSON, or the multipart form the openai client always sends (its
+    ``input_reference`` a file part); answered at once with the queued job."""
+    server = _server(raw)
+    videos = _videos(server)
+    limits = server.limits
+    if _media_type(raw) == "multipart/form-data":
+        form = await _read_form(raw, limits)
+        try:
+            upload, fields = _video_parts(form)
+            req = parse_request(VideoCreateRequest, fields)
+
+            async def reference() -> Any:
+                assert upload is not None
+                blob = await upload.read()
+                return await asyncio.to_thread(read_reference, server, blob, upload.filename)
+
+            job = await videos.create(req, reference if upload is not None else None)
+        finally:
+            await form.close()
+    else:
+        req = parse_request(VideoCreateRequest, await _read_json(raw, _json_limit(limits)))
+        job = await videos.create(req, None)
+    return _json(job.video())
+
+
+@router.get("/v1/videos")
+async def list_videos(raw: Request) -> Response:
+    query = raw.query_params
+    limit = query.get("limit")
+    if limit is not None and not limit.strip().lstrip("-").isdigit():
+        raise OmniAPIError(f"limit must be a whole number, got {limit!r}", param="limit")
+    page = _videos(_server(raw)).store.list(
+        after=query.get("after") or None,
+        limit=int(limit) if limit is not None else 20,
+        order=query.get("order") or "desc",
+    )
+    return _json(page)
+
+
+@router.get("/v1/videos/{video_id}")
+async def retrieve_video(video_id: str, raw: Request) -> Response:
+    return _json(_videos(_server(raw)).store.get(video_id).video())
+
+
+@router.get("/v1/videos/{video_id}/content")
+async def video_content(video_id: str, raw: Request) -> Response:
+    variant = raw.query_params.get("variant") or "video"
+    if variant != "video":
+        raise OmniAPIError(
+            f"variant {variant!r} is not available: this server keeps the video only (variant=video)",
+            param="variant",
+        )
+    path = _videos(_server(raw)).store.content_path(video_id)
+    return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+
+@router.delete("/v1/videos/{video_id}")
+async def delete_video(video_id: str, raw: Request) -> Response:
+    _videos(_server(raw)).delete(video_id)
+    return _json({"id": video_id, "object": "video.deleted", "deleted": True})
+
+
+def _videos(server: OmniServer) -> VideoService:
+    """The Videos API's service; a server whose model makes images has none (400 naming the way)."""
+    if server.videos is None:
+        label = server.omni.inputs.model_label
+        raise OmniAPIError(
+            f"videos: this model ({label}) makes images, not videos: use /v1/images/generations",
+            param="model",
+        )
+    return server.videos
+
+
+def _video_parts(form: FormData) -> tuple[UploadFile | None, dict[str, Any]]:
+    """The video form's ``input_reference`` file (if any) and its other fields, each sent once."""
+    upload: UploadFile | None = None
+    fields: dict[str, Any] = {}
+    for key, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            if key != "input_reference":
+                raise OmniAPIError(
+                    f"{key}: file uploads other than input_reference are not supported", param=key
+                )
+            if upload is not None:
+                raise OmniAPIError("input_reference is repeated: send one image", param="input_reference")
+            upload = value
+        elif key in fields:
+            raise OmniAPIError(f"{key} is repeated: send it once", param=key)
+        else:
+            fields[key] = _form_value(key, value)
+    if upload is not None:
+        fields["input_reference"] = b""  # read (and checked) once the request's fields are
+    return upload, fields
 
 
 @router.get("/health")
@@ -404,7 +504,7 @@ async def _read_form(raw: Request, limits: ImageLimits) -> FormData:
     if media_type != "multipart/form-data":
         sent = f"not {media_type}" if media_type else "and this one has no Content-Type"
         raise OmniAPIError(
-            f"images/edits takes a multipart/form-data body (the image files and form fields), {sent}",
+            f"{raw.url.path} takes a multipart/form-data body (the files and form fields), {sent}",
             status=415,
         )
     if _BOUNDARY.search(content_type) is None:

@@ -33,7 +33,7 @@ from vllm_omni_plugin.entrypoints.errors import OmniAPIError, error_body
 from vllm_omni_plugin.entrypoints.image_codec import data_uri, encode_image
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer
 from vllm_omni_plugin.stage.orchestrator import OmniResult
-from vllm_omni_plugin.stage.request_events import ARProgress, PreviewImage
+from vllm_omni_plugin.stage.request_events import ARProgress, DenoiseProgress, PreviewImage
 
 EVENT_PREFIX = {"images/generations": "image_generation", "images/edits": "image_edit"}
 
@@ -77,6 +77,8 @@ async def image_events(
                 partial = {"type": f"{prefix}.partial_image", "b64_json": b64,
                            "partial_image_index": item.index, **image_fields(item.image)}  # fmt: skip
                 yield sse(partial, f"{prefix}.partial_image")
+            elif isinstance(item, DenoiseProgress):
+                continue  # the Images API's stream has no step events
             else:
                 image = item.output.image
                 b64 = await _encoded(image, call.output_format, call.compression)

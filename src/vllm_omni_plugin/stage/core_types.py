@@ -85,6 +85,8 @@ class StageProgress(msgspec.Struct, kw_only=True, tag="progress"):
     counters: DiffusionCounters
     pid: int = 0
     """The stage process that sent it (its client ignores what a process it replaced sent)."""
+    steps: dict[str, tuple[int, int]] = {}
+    """(steps done, steps in all) of each request it is denoising."""
 
 
 class StagePreview(msgspec.Struct, kw_only=True, tag="preview"):

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -18,6 +19,7 @@ from vllm_omni_plugin.processes import ProcessTree
 from vllm_omni_plugin.runtime_dir import runtime_dir
 from vllm_omni_plugin.stage.core_client import StageCoreClientBase, StageState
 from vllm_omni_plugin.stage.core_types import (
+    PROGRESS_REPORT_INTERVAL_S,
     FromStageMessage,
     StageAbort,
     StageCoreOutputs,
@@ -47,7 +49,7 @@ from vllm_omni_plugin.stage.payload import (
     send_request_through,
 )
 from vllm_omni_plugin.stage.pending_replies import PendingReplies
-from vllm_omni_plugin.stage.request_events import PreviewImage, publish
+from vllm_omni_plugin.stage.request_events import DenoiseProgress, PreviewImage, publish
 from vllm_omni_plugin.stage.serialization import StageMessageCodec
 
 logger = get_logger(__name__)
@@ -179,6 +181,8 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 continue
             if isinstance(message, StageProgress):
                 self.count_steps(message.counters)
+                for request_id, (done, total) in message.steps.items():
+                    publish(request_id, DenoiseProgress(self.stage_id, done, total))
                 continue
             if isinstance(message, StagePreview):
                 publish(message.request_id, PreviewImage(self.stage_id, message.index, message.image))
@@ -397,6 +401,7 @@ class _FutureReport:
 
     def __init__(self, client: InlineStageDiffusionClient) -> None:
         self.client = client
+        self.last_steps = 0.0
 
     def outputs(self, outputs: list[StageDiffusionCoreOutput]) -> None:
         for output in outputs:
@@ -416,8 +421,20 @@ class _FutureReport:
             error = RequestAbortedError("aborted", stage_id=client.stage_id, request_id=request_id)
             loop.call_soon_threadsafe(_set_exception, future, error)
 
-    def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
+    def progress(
+        self, counters: DiffusionCounters, *, force: bool, steps: dict[str, tuple[int, int]] | None = None
+    ) -> None:
         self.client.count_steps(counters)  # from the engine's thread: one attribute assignment
+        now = time.monotonic()
+        if not steps or not (force or now - self.last_steps >= PROGRESS_REPORT_INTERVAL_S):
+            return
+        self.last_steps = now
+        for request_id, (done, total) in steps.items():
+            waiting = self.client._waiting.get(request_id)
+            if waiting is not None:
+                waiting[1].call_soon_threadsafe(
+                    publish, request_id, DenoiseProgress(self.client.stage_id, done, total)
+                )
 
     def preview(self, request_id: str, index: int, image: Any) -> None:
         waiting = self.client._waiting.get(request_id)

@@ -161,11 +161,14 @@ class _ZmqReport:
         message = StagePreview(request_id=request_id, index=index, image=image, pid=os.getpid())
         self.push.send(self.codec.encode(message))
 
-    def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
+    def progress(
+        self, counters: DiffusionCounters, *, force: bool, steps: dict[str, tuple[int, int]] | None = None
+    ) -> None:
         now = time.monotonic()
         if force or now - self.last_progress >= PROGRESS_REPORT_INTERVAL_S:
             self.last_progress = now
-            self.push.send(self.codec.encode(StageProgress(counters=counters, pid=os.getpid())))
+            message = StageProgress(counters=counters, pid=os.getpid(), steps=steps or {})
+            self.push.send(self.codec.encode(message))
 
 
 def run_stage_diffusion_core_proc(config: StageDiffusionProcConfig) -> None:

@@ -277,8 +277,11 @@ class BatchReport(Protocol):
     def dropped(self, request_ids: list[str], where: str) -> None:
         """Requests aborted while their batch ran: nothing more comes for them (``where="batch"``)."""
 
-    def progress(self, counters: DiffusionCounters, *, force: bool) -> None:
-        """The engine's running count of denoising steps: after each step, and ``force`` after a batch."""
+    def progress(
+        self, counters: DiffusionCounters, *, force: bool, steps: dict[str, tuple[int, int]] | None = None
+    ) -> None:
+        """The engine's running count of denoising steps: after each step, and ``force`` after a batch;
+        ``steps``: (done, in all) of each request it is working on, for whoever follows one's progress."""
 
     def preview(self, request_id: str, index: int, image: Any) -> None:
         """A preview a request asked for (``partial_images``): uint8 HxWx3."""
@@ -311,11 +314,21 @@ class DiffusionBatchLoop:
         """The thread that serves (reports go out from it alone)."""
         self._step_ran: list[str] | None = None
         """``batching: loop``: the requests its last step ran."""
+        self._step_loop: Any = None
+        """``batching: loop``: the stage's step loop (its requests' steps are its own)."""
+
+    def _request_steps(self) -> dict[str, tuple[int, int]]:
+        """(done, in all) of the steps of each request being denoised."""
+        steps = self.engine.request_steps()
+        loop = self._step_loop
+        if loop is not None:
+            steps.update({i.request_id: (i.done_steps, i.total_steps) for i in loop.running if i.total_steps})
+        return steps
 
     def _step_done(self) -> None:
         if threading.current_thread() is self._thread:
             self._report_previews()
-        self.report.progress(self.engine.counters(), force=False)
+        self.report.progress(self.engine.counters(), force=False, steps=self._request_steps())
         self._hold_at_step()
 
     def _report_previews(self) -> None:
@@ -390,7 +403,7 @@ class DiffusionBatchLoop:
             counters = engine.counters()
             if counters != reported or finished:  # forced before outputs: /metrics counts what they ran
                 reported = counters
-                self.report.progress(counters, force=bool(finished))
+                self.report.progress(counters, force=bool(finished), steps=self._request_steps())
             for key, results in finished:
                 groups.pop(key)[0].join()
                 budget.done(key)
@@ -437,6 +450,7 @@ class DiffusionBatchLoop:
             budgets.append((engine.memory.activation_bytes, lambda r: memory[r.request_id]))
         decoder = DecodeBeside(engine.device) if engine.overlap_decode else None
         loop = StepLoop(family, max_rows=2 * self.max_batch, budgets=budgets, decoder=decoder)
+        self._step_loop = loop
         transfer: dict[str, float] = {}
         started: dict[str, float] = {}
 
@@ -501,7 +515,7 @@ class DiffusionBatchLoop:
                 engine.count_loop_finished(timings)
                 inbox.done([o.request_id for o in outputs])
                 self._report_previews()  # those the preview decoder handed over come before the images
-                self.report.progress(engine.counters(), force=True)
+                self.report.progress(engine.counters(), force=True, steps=self._request_steps())
                 self.report.outputs(outputs)
             if stepped:
                 self._step_done()  # holds at dit.step, after the step's answers went out
@@ -578,7 +592,7 @@ class DiffusionBatchLoop:
         freed), the rest reported."""
         self._report_previews()  # every preview of the call is in: a call returns after its previews
         aborted = aborted | finish()
-        self.report.progress(self.engine.counters(), force=True)
+        self.report.progress(self.engine.counters(), force=True, steps=self._request_steps())
         connector = self.output_connector
         for output in outputs:
             if output.request_id in aborted and output.image_handle is not None and connector is not None:

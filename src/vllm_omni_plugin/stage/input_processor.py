@@ -60,8 +60,11 @@ class OmniRequest:
     sampling_params: dict[str, Any] = field(default_factory=dict)
     """AR sampling overrides (e.g. ``{"temperature": 0}`` for greedy decoding)."""
     modality: str = "image"
-    """What the client wants back: ``"image"``, or ``"text"`` from pipelines whose AR stage can answer in
-    text (BAGEL's understanding and chat; the later stages are then skipped)."""
+    """What the client wants back: ``"image"``, ``"video"`` (a video pipeline's frames), or ``"text"`` from
+    pipelines whose AR stage can answer in text (BAGEL's understanding and chat; the later stages are then
+    skipped)."""
+    num_frames: int | None = None
+    """A video's frames (None: the model's default)."""
     generation_params: dict[str, Any] = field(default_factory=dict)
     """The pipeline's own settings the request gives (its family's settings type's fields, e.g. BAGEL's
     ``cfg_text_scale`` or ``think``)."""
@@ -115,6 +118,8 @@ class OmniCoreRequest:
     """The AR stages' priority (0 where their ``scheduling_policy`` is ``fcfs``)."""
     mask: Any | None = None
     strength: float | None = None
+    num_frames: int | None = None
+    """A video's frames (None: an image request)."""
     on_event: EventSink | None = field(default=None, repr=False, compare=False)
 
     def runner_request(self, cls: type[R], **family: Any) -> R:
@@ -142,6 +147,8 @@ class RequestBounds:
     offline API has none."""
 
     max_side: int | None = None
+    max_frames: int | None = None
+    """The most frames of a video (``--video-max-frames``)."""
 
 
 def request_size(request: OmniCoreRequest, stage_id: int) -> tuple[int, int]:
@@ -188,6 +195,8 @@ class InputProcessor:
         """Height and width must be multiples of this: the pipeline's grid and its model's."""
         self.max_side = model.limits.max_side
         """The model's largest side (None: it states none)."""
+        self.frame_step = model.limits.frame_step
+        """A video model's frame counts are ``k * frame_step + 1`` (0: the model makes images)."""
         self.size_label = model.label or deployment.pipeline
         """Who states the sizes (the runner's pipeline), for messages."""
         self.facts: Any = (
@@ -227,6 +236,7 @@ class InputProcessor:
         an :class:`InputError` names what the deployment cannot run."""
         bounds = bounds or RequestBounds()
         image = request.modality != "text"
+        num_frames = self._frames(request, bounds) if image else None
         width, height = self._size(request, bounds) if image else (request.width, request.height)
         if image and width is not None and height is not None:
             await self._check_ar_tokens(request, width, height)
@@ -256,8 +266,41 @@ class InputProcessor:
             ar_priority=priority if self.ar_priority else 0,
             mask=self._mask(request),
             strength=self._strength(request),
+            num_frames=num_frames,
             on_event=request.on_event,
         )
+
+    def _frames(self, request: OmniRequest, bounds: RequestBounds) -> int | None:
+        """A video request's frames (the model's default where it names none), checked; None for an
+        image request. Each kind goes to a model of its kind."""
+        step = self.frame_step
+        if request.modality != "video":
+            if step:
+                raise InputError(
+                    f"this model ({self.model_label}) makes videos: send the request to /v1/videos", "model"
+                )
+            return None
+        if not step:
+            raise InputError(
+                f"this model ({self.model_label}) makes images, not videos: send the request to "
+                "/v1/images/generations",
+                "model",
+            )
+        frames = request.num_frames if request.num_frames is not None else self.defaults.num_frames
+        if frames is None:
+            raise InputError(f"this model ({self.model_label}) states no default length: give num_frames")
+        if frames < 1 or (frames - 1) % step:
+            raise InputError(
+                f"num_frames must be {step}k+1 (1, {step + 1}, {2 * step + 1}, ...) for {self.size_label}, "
+                f"got {frames}",
+                "num_frames",
+            )
+        if bounds.max_frames is not None and frames > bounds.max_frames:
+            raise InputError(
+                f"num_frames {frames} exceeds this server's --video-max-frames {bounds.max_frames}",
+                "num_frames",
+            )
+        return frames
 
     def _mask(self, request: OmniRequest) -> Any | None:
         """The request's mask, where its model repaints masked areas (a diffusers model's inpainting

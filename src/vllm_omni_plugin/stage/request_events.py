@@ -1,6 +1,7 @@
-"""What a request's stages report while it runs, for a client that streams it: the AR stage's progress
-(tokens generated out of what it will generate) and the diffusion stage's previews (its estimate of the
-clean image, decoded at steps spread over the denoising: ``partial_images``).
+"""What a request's stages report while it runs, for a client that streams it (or a video job that shows its
+progress): the AR stage's progress (tokens generated out of what it will generate), the diffusion stage's
+denoising steps and its previews (its estimate of the clean image, decoded at steps spread over the
+denoising: ``partial_images``).
 
 A listener is registered for a request's id while it runs (``Orchestrator.generate`` does, when the
 request has ``on_event``); stage clients publish to it as their replicas report, on the runtime's event
@@ -37,7 +38,17 @@ class PreviewImage:
     image: Any
 
 
-RequestEvent = ARProgress | PreviewImage
+@dataclass(frozen=True, slots=True)
+class DenoiseProgress:
+    """The diffusion stage ran ``steps`` of the request's ``total`` denoising steps (reported at most about
+    every half second, from the stage's running counts)."""
+
+    stage_id: int
+    steps: int
+    total: int
+
+
+RequestEvent = ARProgress | PreviewImage | DenoiseProgress
 EventSink = Callable[[RequestEvent], None]
 
 _listeners: dict[str, EventSink] = {}

@@ -10,9 +10,10 @@ Every attention layer vLLM runs has head_dim 32, the smallest head size vLLM's C
 
 Kinds: ``text`` (Qwen2 with a ChatML tokenizer), ``glm-image`` (the diffusers GLM-Image pipeline in the
 upstream repository layout: AR model, processor, DiT, VAE, glyph T5, scheduler; 64x64 images in seconds),
-``bagel`` (BAGEL-7B-MoT's hub layout: both MoT experts, NaViT SigLIP, FLUX autoencoder; see ``bagel``)
-and the single-stage diffusers pipelines ``sd3``, ``flux``, ``qwen-image`` and ``qwen-image-edit`` (the
-real component classes of each family; see ``sd3``, ``flux``, ``qwen_image``). ``sd3-medium-shape`` is
+``bagel`` (BAGEL-7B-MoT's hub layout: both MoT experts, NaViT SigLIP, FLUX autoencoder; see ``bagel``),
+the single-stage diffusers pipelines ``sd3``, ``flux``, ``qwen-image`` and ``qwen-image-edit`` (the
+real component classes of each family; see ``sd3``, ``flux``, ``qwen_image``) and the Wan 2.1 video
+pipelines ``wan`` (text-to-video) and ``wan-i2v`` (image-to-video; see ``wan``). ``sd3-medium-shape`` is
 not tiny: SD3 medium's DiT and VAE at their real shapes (random, 4 GB), for measuring on a GPU. One module
 per family in this package, imported only when its kind is built; their shared parts are in
 ``components``.
@@ -65,6 +66,8 @@ BUILDERS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[Path, dict[str
         _lazy("qwen_image", "qwen_image_edit_config"),
         _lazy("qwen_image", "build_qwen_image"),
     ),
+    "wan": (_lazy("wan", "wan_config"), _lazy("wan", "build_wan")),
+    "wan-i2v": (_lazy("wan", "wan_i2v_config"), _lazy("wan", "build_wan")),
 }
 
 
