@@ -107,7 +107,8 @@ def test_joining_mid_way_leaving_early_mixed_guidance_and_sizes(pipe: Any) -> No
 
 def test_finished_requests_decode_beside_the_next_step_with_the_image_they_get_alone(pipe: Any) -> None:
     """With a decoder, a request finished while others of its priority run decodes on the decoder's
-    thread beside the next step, which returns its image; the last decodes at once."""
+    thread beside the next steps, a step after it ended returning its image (at the latest, the last
+    request's, which decodes at once after it); the last decodes at once."""
     loop = StepLoop(SD3Steps(pipe), max_rows=8, decoder=DecodeBeside(torch.device("cpu")))
     short, long = request(8, steps=2), request(9, steps=4)
     for r in (short, long):
@@ -118,7 +119,8 @@ def test_finished_requests_decode_beside_the_next_step_with_the_image_they_get_a
             returned += [(f, loop.counters.steps) for f in loop.step()]
             if loop.counters.steps == 2:
                 assert loop.decoding is not None and [i.request_id for i in loop.decoding.items] == ["r8"]
-    assert [(f.request_id, step) for f, step in returned] == [("r8", 3), ("r9", 4)]
+    assert [f.request_id for f, _ in returned] == ["r8", "r9"] and returned[1][1] == 4
+    assert returned[0][1] in (3, 4)  # the step during which its decode ended
     for (f, _), r in zip(returned, (short, long), strict=True):
         assert diff(f.image, alone(pipe, r)) <= 1 and f.seconds["decode"] > 0, r.request_id
 

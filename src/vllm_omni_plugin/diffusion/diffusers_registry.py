@@ -27,7 +27,10 @@ from vllm_omni_plugin.log import get_logger
 logger = get_logger(__name__)
 
 GENERIC_RUNNER = "vllm_omni_plugin.diffusion.diffusers_runner:DiffusersPipelineRunner"
-"""The runner of every diffusers class no other runner is registered for."""
+"""The runner of every diffusers image class no other runner is registered for."""
+VIDEO_RUNNER = "vllm_omni_plugin.families.diffusers.runner:DiffusersVideoRunner"
+"""The runner of every diffusers video class (its ``__call__`` takes ``num_frames``) no other runner is
+registered for."""
 
 STEP_FAMILIES: Mapping[str, str] = {
     "StableDiffusion3Pipeline": "vllm_omni_plugin.families.diffusers.steps:SD3Steps",
@@ -155,7 +158,7 @@ def registered_runner(class_name: str) -> type[Any] | None:
 
 def diffusers_runner_classes() -> list[type[Any]]:
     """The generic runner and every registered one (imported): what a diffusion stage may run."""
-    runners: list[type[Any]] = [generic_runner()]
+    runners: list[type[Any]] = [generic_runner(), import_object(VIDEO_RUNNER)]
     for class_name in PIPELINE_RUNNERS:
         runner = registered_runner(class_name)
         if runner is not None and runner not in runners:
@@ -164,12 +167,15 @@ def diffusers_runner_classes() -> list[type[Any]]:
 
 
 def runner_class(class_name: str) -> type[Any]:
-    """The registered runner of ``class_name``, else the generic runner (for a class diffusers has)."""
+    """The registered runner of ``class_name``, else the generic runner (for a class diffusers has): its
+    video runner where the class makes videos."""
     runner = registered_runner(class_name)
     if runner is not None:
         return runner
     generic = generic_runner()
-    checked_pipeline_class(class_name, generic)
+    pipeline_cls = checked_pipeline_class(class_name, generic)
+    if "num_frames" in call_parameters(pipeline_cls):
+        return import_object(VIDEO_RUNNER)
     return generic
 
 

@@ -55,7 +55,7 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     batch_wait_ms: float = BATCH_WAIT_MS
     """``batching: step``: how long a new request waits for others to start with it as one group."""
     overlap_decode: bool = True
-    """``batching: loop``: finished requests decode beside the next step (``step_loop.DecodeBeside``)."""
+    """``batching: loop``: finished requests decode beside the next steps (``step_loop.DecodeBeside``)."""
     max_loras: int = MAX_LORAS
     cache: StepCacheSpec | None = None
     """Step caching (requests override it field by field); None: off."""

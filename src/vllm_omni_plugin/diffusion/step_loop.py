@@ -13,9 +13,10 @@ draws and conditioning) and runs the stage as vLLM's engine core runs tokens:
 - **execute**: one forward per group of rows that can share one (equal shape key: same image size), each
   request's guidance and scheduler step on its own rows;
 - **update**: finished requests leave, decoded together; with a :class:`DecodeBeside`, their decoder call
-  runs on a thread of its own beside the next step (the loop's forwards and the decoder's convolutions
-  share the device), and the step after it returns their images. With nothing left to step, or only
-  requests of a worse priority, they decode at once.
+  runs on a thread of its own beside the next steps (the loop's forwards and the decoder's convolutions
+  share the device), and the first step after it is done returns their images; requests that finish
+  while it is busy decode together in the next call (a video's decode lasts many steps). With nothing
+  left to step, or only requests of a worse priority, they decode at once.
 
 Features that act on the requests asking for them attach as :class:`LoopLayer` s of the family (its
 ``layers``): LoRA adapters per request and previews are two. The loop tells each layer which requests are
@@ -273,7 +274,7 @@ class DecodeBeside:
 
 @dataclass
 class Decoding:
-    """Finished requests whose decoder call runs beside the next step."""
+    """Finished requests whose decoder call runs beside the next steps."""
 
     items: list[Denoising]
     images: Future[tuple[list[Any], float]]
@@ -293,7 +294,7 @@ class StepLoop:
     max_rows: int
     budgets: list[Budget] = field(default_factory=list)
     decoder: DecodeBeside | None = None
-    """Where finished requests decode beside the next step (None: at once, after the step that finished
+    """Where finished requests decode beside the next steps (None: at once, after the step that finished
     them)."""
     waiting: list[Denoising] = field(default_factory=list)
     running: list[Denoising] = field(default_factory=list)
@@ -301,7 +302,9 @@ class StepLoop:
     ran: list[str] = field(default_factory=list)
     """The requests the last step ran."""
     decoding: Decoding | None = None
-    """The finished requests decoding beside this step."""
+    """The finished requests whose decoder call runs beside the steps."""
+    to_decode: list[Denoising] = field(default_factory=list)
+    """Finished requests waiting for the decoder (busy with earlier ones): they decode together next."""
     _arrivals: itertools.count = field(default_factory=itertools.count)
 
     def add(self, request_id: str, request: Any, priority: int = 0) -> None:
@@ -323,7 +326,7 @@ class StepLoop:
                 layer.leave(item.state)
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running and self.decoding is None
+        return not self.waiting and not self.running and self.decoding is None and not self.to_decode
 
     def _schedule(self) -> list[Denoising]:
         """Admit what fits after what is ahead of it, then pick this step's requests."""
@@ -362,9 +365,10 @@ class StepLoop:
         return chosen
 
     def step(self) -> list[Finished]:
-        """One iteration: schedule, one forward per shape group, then decode what finished (beside the
-        next step, with a decoder); what returns is what finished decoding: the requests this step
-        finished, or those the previous one finished where they decoded beside this one."""
+        """One iteration: schedule, one forward per shape group, then decode what finished; what returns is
+        what finished decoding. With a decoder, finished requests decode on its thread while the steps go
+        on, and those that finish while it is busy decode together once it is free (a video's decode
+        takes many steps' time); with no step to run beside it, the iteration waits for the decoder."""
         chosen = self._schedule()
         self.ran = [item.request_id for item in chosen]
         groups: dict[Hashable, list[Denoising]] = {}
@@ -378,35 +382,43 @@ class StepLoop:
                 item.seconds["steps"] = item.seconds.get("steps", 0.0) + time.perf_counter() - forward
         if chosen:
             self.counters.steps += 1
-        finished = self._decoded()
+        finished = self._decoded(wait=not chosen)
         done = [item for item in self.running if item.done_steps >= item.total_steps]
-        if not done:
-            return finished
-        for item in done:
-            self.running.remove(item)
-            self._left(item)
-        for layer in self.family.layers:
-            layer.settle()
-        states = [item.state for item in done]
-        if self.decoder is not None and self._decodes_beside(done):
-            self.decoding = Decoding(done, self.decoder.submit(lambda: self.family.decode(states)))
-            return finished
+        if done:
+            for item in done:
+                self.running.remove(item)
+                self._left(item)
+            for layer in self.family.layers:
+                layer.settle()
+            if self.decoder is not None and self._decodes_beside(done):
+                self.to_decode += done
+            else:  # at once, after the decoder's call (one decode of the VAE at a time)
+                finished += self._decoded(wait=True) + self._decode(self.to_decode + done)
+                self.to_decode = []
+        if self.decoder is not None and self.decoding is None and self.to_decode:
+            items, self.to_decode = self.to_decode, []
+            states = [item.state for item in items]
+            self.decoding = Decoding(items, self.decoder.submit(lambda: self.family.decode(states)))
+        return finished
+
+    def _decode(self, items: list[Denoising]) -> list[Finished]:
         began = time.perf_counter()
-        images = self.family.decode(states)
-        return finished + self._finished(done, images, time.perf_counter() - began)
+        images = self.family.decode([item.state for item in items])
+        return self._finished(items, images, time.perf_counter() - began)
 
     def _decodes_beside(self, done: list[Denoising]) -> bool:
-        """Finished requests decode beside the next step where one follows that runs requests of their
+        """Finished requests decode beside the next steps where one follows that runs requests of their
         priority or better; requests that preempted worse ones decode at once, their answers not kept
         waiting for the worse ones' step."""
         left = [item.priority for item in (*self.running, *self.waiting)]
         return bool(left) and min(left) <= min(item.priority for item in done)
 
-    def _decoded(self) -> list[Finished]:
-        """The requests that decoded beside this step (waited for: their answers go out after it)."""
-        decoding, self.decoding = self.decoding, None
-        if decoding is None:
+    def _decoded(self, wait: bool) -> list[Finished]:
+        """The requests whose decoder call is done (``wait``: waited for, where one runs)."""
+        decoding = self.decoding
+        if decoding is None or (not wait and not decoding.images.done()):
             return []
+        self.decoding = None
         return self._finished(decoding.items, *decoding.images.result())
 
     def _finished(self, items: list[Denoising], images: list[Any], seconds: float) -> list[Finished]:

@@ -434,9 +434,9 @@ class DiffusionBatchLoop:
         (up to ``max_batch`` parked), and the step's row budget (two per request in ``max_batch``) leaves
         the worse out until it is done. Requests the family cannot run step-wise (the diffusers
         families' masked edits) run as whole requests between steps. Finished requests decode beside
-        the next step (``overlap_decode``; ``DecodeBeside``) and are reported after it, before the loop
-        holds at ``dit.step``. Stopping admits nothing new and lets the admitted requests finish
-        (interrupted: drops them)."""
+        the next steps (``overlap_decode``; ``DecodeBeside``) and are reported after the step during
+        which their decode ended, before the loop holds at ``dit.step``. Stopping admits nothing new and
+        lets the admitted requests finish (interrupted: drops them)."""
         import torch
 
         from vllm_omni_plugin.diffusion.step_loop import DecodeBeside, StepLoop

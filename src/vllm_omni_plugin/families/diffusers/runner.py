@@ -1,6 +1,6 @@
 """The Qwen-Image family's runners (text-to-image, edit, edit-plus): their guidance is ``true_cfg_scale``
-and their edit pipelines take images their own way. Generic code names them by dotted path only
-(``diffusion/diffusers_registry.py``).
+and their edit pipelines take images their own way; and the runner of diffusers' video pipelines. Generic
+code names them by dotted path only (``diffusion/diffusers_registry.py``).
 """
 
 from __future__ import annotations
@@ -153,3 +153,23 @@ def _with_qwen2vl_processor(overrides: dict[str, Any], model: str) -> dict[str, 
     if (Path(model) / "processor").is_dir():
         overrides["processor"] = load_qwen2vl_processor(Path(model) / "processor")
     return overrides
+
+
+class DiffusersVideoRunner(DiffusersPipelineRunner):
+    """Diffusers' video pipelines (Wan 2.x, and any whose ``__call__`` takes ``num_frames`` and returns
+    ``frames``): the generic runner with a request's ``num_frames``, its output the frames. Guidance is a
+    second transformer call (Wan's). What has not been run on a video denoiser here is refused with a
+    reason where it is configured: LoRA adapters, step caching, compiled blocks, CFG and sequence
+    parallelism, quantization."""
+
+    batched_guidance = False
+    lora = False
+    cfg_parallel = False
+    sequence_parallel = False
+    compiles_blocks = False
+    quantizes = False
+    previews = False
+
+    def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
+        super().__init__(pipe, device=device, dtype=dtype)
+        self.step_cache = False
