@@ -4,7 +4,8 @@ input processor completes and checks it, the diffusion stage batches it), report
 the job's progress, then encodes the frames as MP4 (``video_codec.py``) beside the event loop.
 
 A job's request runs while the server does: a job deleted while it runs is aborted in its stage; one the
-server stops before it finished is failed by the next start (the store's recovery), never left queued.
+server stops before it finished is failed as it stops (or, after a kill, by the next start: the store's
+recovery), with code ``server_stopped``, never left queued.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vllm_omni_plugin.entrypoints.errors import OmniAPIError
 from vllm_omni_plugin.entrypoints.image_codec import decode_data_uri, decode_image
 from vllm_omni_plugin.entrypoints.omni_server import OmniServer
 from vllm_omni_plugin.entrypoints.video_codec import encode_mp4
-from vllm_omni_plugin.entrypoints.video_jobs import VideoJob, VideoJobStore
+from vllm_omni_plugin.entrypoints.video_jobs import STOPPED_CODE, STOPPED_MESSAGE, VideoJob, VideoJobStore
 from vllm_omni_plugin.entrypoints.video_protocol import VideoCreateRequest, VideoLimits, check_limits
 from vllm_omni_plugin.log import get_logger
 from vllm_omni_plugin.stage.input_processor import OmniCoreRequest, OmniRequest, RequestBounds
@@ -59,6 +60,7 @@ class VideoService:
         self.limits = limits
         self.default_fps = default_fps
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._stopping = False
 
     @property
     def frame_step(self) -> int:
@@ -81,6 +83,7 @@ class VideoService:
         ``input_reference`` image."""
         server = self.server
         self.check_video_model()
+        self.store.check_room()
         model = server.check_model(req.model)
         server.check_prompts(req.prompt, req.negative_prompt)
         server.check_settings(req)  # unknown fields are refused as by the Images API
@@ -93,6 +96,12 @@ class VideoService:
         if req.seconds is not None:
             check_limits(self.limits, seconds=req.seconds)
             frames = frames_for(req.seconds, fps, self.frame_step)
+            if frames > self.limits.max_frames:
+                raise OmniAPIError(
+                    f"seconds {req.seconds:g} at {fps} fps is {frames} frames, over --video-max-frames "
+                    f"{self.limits.max_frames}: ask for a shorter video or a lower fps",
+                    param="seconds",
+                )
         size = req.dimensions
         if size is not None:
             check_limits(self.limits, width=size[0], height=size[1])
@@ -174,7 +183,8 @@ class VideoService:
             mp4 = await asyncio.to_thread(encode_mp4, frames, fps)
             await asyncio.to_thread(store.complete, job.id, mp4)
         except asyncio.CancelledError:
-            store.fail(job.id, "cancelled", "the video was cancelled (deleted, or the server stopped)")
+            if self._stopping:
+                store.fail(job.id, STOPPED_CODE, STOPPED_MESSAGE)
             raise
         except Exception as exc:  # ours: logged with its traceback, the job failed with its summary
             logger.exception("video %s failed", job.id)
@@ -203,6 +213,7 @@ class VideoService:
 
     async def close(self) -> None:
         """Abort the running jobs (the store fails them) and close the store."""
+        self._stopping = True
         tasks = list(self._running.values())
         for task in tasks:
             task.cancel()

@@ -422,6 +422,17 @@ class VideoJobStore:
             self._live[video_id] = 0
             return self._find(video_id)
 
+    def check_room(self) -> None:
+        """Refuse (429) a new job while ``max_active`` are queued or in progress: asked before a request's
+        work (its checks, its image's decode), so a flood of creates costs little."""
+        with self._lock:
+            active = len(self._live)
+        if active >= self.limits.max_active:
+            raise VideoStoreFullError(
+                f"{active} videos are queued or in progress, the most this server runs at once "
+                f"({FLAGS['max_active']} {self.limits.max_active}); retry when one finishes"
+            )
+
     def start(self, video_id: str) -> VideoJob | None:
         """Queued -> in progress; ``None``: the job is no longer running (deleted or finished)."""
         with self._lock:

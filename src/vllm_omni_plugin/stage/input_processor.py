@@ -236,8 +236,8 @@ class InputProcessor:
         an :class:`InputError` names what the deployment cannot run."""
         bounds = bounds or RequestBounds()
         image = request.modality != "text"
-        num_frames = self._frames(request, bounds) if image else None
         width, height = self._size(request, bounds) if image else (request.width, request.height)
+        num_frames = self._frames(request, bounds) if image else None
         if image and width is not None and height is not None:
             await self._check_ar_tokens(request, width, height)
         defaults = self.defaults
@@ -293,6 +293,12 @@ class InputProcessor:
             raise InputError(
                 f"num_frames must be {step}k+1 (1, {step + 1}, {2 * step + 1}, ...) for {self.size_label}, "
                 f"got {frames}",
+                "num_frames",
+            )
+        if bounds.max_frames is not None and frames > bounds.max_frames and request.num_frames is None:
+            raise InputError(
+                f"this model's default length, {frames} frames, is over this server's --video-max-frames "
+                f"{bounds.max_frames}: give seconds or num_frames",
                 "num_frames",
             )
         if bounds.max_frames is not None and frames > bounds.max_frames:
