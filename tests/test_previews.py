@@ -123,7 +123,7 @@ class LoopReport:
     def dropped(self, request_ids: list[str], where: str) -> None:
         pass
 
-    def progress(self, counters: Any, *, force: bool) -> None:
+    def progress(self, counters: Any, *, force: bool, steps: Any = None) -> None:
         pass
 
     def preview(self, request_id: str, index: int, image: Any) -> None:

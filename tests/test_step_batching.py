@@ -480,7 +480,7 @@ class LoopReport:
             self.drops.update((i, where) for i in request_ids)
             self.changed.notify_all()
 
-    def progress(self, denoise_steps: int, *, force: bool) -> None:
+    def progress(self, denoise_steps: Any, *, force: bool, steps: Any = None) -> None:
         pass
 
 
