@@ -108,6 +108,23 @@ class PipelineSteps:
         encoded = retrieve_latents(vae.encode(image), generator=generator)
         return (encoded - vae.config.shift_factor) * vae.config.scaling_factor
 
+    negative_default: ClassVar[str] = ""
+    """The negative prompt a guided request that gives none is encoded with (:meth:`with_negatives`)."""
+
+    def with_negatives(
+        self,
+        requests: list[DiffusionRequest],
+        guided: Callable[[DiffusionRequest], bool],
+        encode: Callable[[list[str]], list[Any]],
+    ) -> list[tuple[Any, Any | None]]:
+        """Each request's prompt embeddings and, where ``guided``, its negative prompt's (else None): the
+        prompts in one encoder call, the negative prompts not cached yet in a second, as a pipeline whose
+        guidance is a second forward encodes them (Qwen-Image's true CFG, Wan's)."""
+        prompts = self.texts.get([r.prompt for r in requests], encode)
+        texts = [r.negative_prompt or self.negative_default for r in requests if guided(r)]
+        negatives = iter(self.texts.get(texts, encode))
+        return [(p, next(negatives) if guided(r) else None) for r, p in zip(requests, prompts, strict=True)]
+
     def advance(self, state: Any, output: torch.Tensor) -> None:
         """The state's scheduler step with its (guided) model output, shown to every layer (previews)."""
         sample = state.latents

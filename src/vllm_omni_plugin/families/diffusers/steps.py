@@ -301,14 +301,7 @@ class QwenImageSteps(PipelineSteps):
         return 2 if self._guidance(request) > 1.0 else 1
 
     def encode(self, requests: list[DiffusionRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        prompts = self.texts.get([r.prompt for r in requests], self._encode)
-        guided = [r for r in requests if self._guidance(r) > 1.0]
-        texts = [r.negative_prompt or self.negative_default for r in guided]
-        negatives = iter(self.texts.get(texts, self._encode))
-        return [
-            (p, next(negatives) if self._guidance(r) > 1.0 else None)
-            for r, p in zip(requests, prompts, strict=True)
-        ]
+        return self.with_negatives(requests, lambda r: self._guidance(r) > 1.0, self._encode)
 
     def _encode(self, texts: list[str]) -> list[torch.Tensor]:
         embeds, mask = self.pipe.encode_prompt(

@@ -69,13 +69,7 @@ class WanSteps(PipelineSteps):
         return self.one_expert and not request.images and runs_in_loop(request, self.layers)
 
     def encode(self, requests: list[DiffusionRequest]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        prompts = self.texts.get([r.prompt for r in requests], self._encode)
-        guided = [r for r in requests if self._guidance(r) > 1.0]
-        negatives = iter(self.texts.get([r.negative_prompt or "" for r in guided], self._encode))
-        return [
-            (p, next(negatives) if self._guidance(r) > 1.0 else None)
-            for r, p in zip(requests, prompts, strict=True)
-        ]
+        return self.with_negatives(requests, lambda r: self._guidance(r) > 1.0, self._encode)
 
     def _encode(self, texts: list[str]) -> list[torch.Tensor]:
         embeds, _ = self.pipe.encode_prompt(
