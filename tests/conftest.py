@@ -234,6 +234,13 @@ def tiny_wan_i2v() -> Path:
     return build("wan-i2v", tiny_model_cache() / "wan-i2v")
 
 
+@pytest.fixture(scope="session")
+def tiny_wan22() -> Path:
+    from vllm_omni_plugin.tiny_models import build
+
+    return build("wan2.2", tiny_model_cache() / "wan2.2")
+
+
 @pytest.fixture(scope="module")
 def spawn() -> multiprocessing.context.SpawnContext:
     """Child processes started fresh (no fork of a process holding engines, sockets and segments)."""

@@ -177,6 +177,68 @@ def test_the_vae_decodes_image_by_image_then_in_tiles_where_the_budget_needs_it(
     assert refused is not None and refused.invalid and "128x128" in (refused.error or "")
 
 
+def test_a_videos_frames_count_in_its_memory_budget_and_decode_plan(tiny_wan: Path) -> None:
+    """A video's estimate grows with its frames: a 48x64 frame is 3x4 = 12 tokens per latent frame (8x
+    spatial, patch 2), 9 frames are 3 latent frames (4x temporal, the first its own), 17 are 5, twice the
+    rows with guidance. Its decode plan (``vae_tiling: auto``) is ``whole`` without a budget, ``sliced``
+    for two videos where the budget holds them one after the other (each chunk's decoder beside both
+    videos' frames) but not at once, ``tiled`` where it holds neither. ``vae_tiling: always`` decodes with the VAE's tiling on, which for frames smaller than its
+    tile (256 pixels) decodes them whole: the same frames."""
+    import numpy as np
+    import torch
+
+    runner = load_pipeline_runner(str(tiny_wan), dtype=torch.float32, device=torch.device("cpu"))
+
+    def video(frames: int, guidance: float = 3.0) -> DiffusionRequest:
+        return DiffusionRequest(request_id="v", prompt="a fox", height=48, width=64, seed=0, num_frames=frames,
+                                num_inference_steps=STEPS, guidance_scale=guidance)  # fmt: skip
+
+    assert runner.frame_step == 4 and runner.memory_shape.patch_pixels == 16
+    assert [runner.step_tokens(video(f, guidance=1.0)) for f in (1, 5, 9, 17)] == [12, 24, 36, 60]
+    assert [runner.step_tokens(video(f)) for f in (9, 17)] == [72, 120]  # guidance: two rows each
+    assert runner.activation_bytes([video(17)]) > runner.activation_bytes([video(9)])
+    longer, shorter = runner.activation_phases([video(17)]), runner.activation_phases([video(9)])
+    assert longer["denoise"] > shorter["denoise"] and longer["decode"] > shorter["decode"]
+
+    runner.vae_tiling = "auto"  # as the engine sets it, with the budget its memory leaves
+    one, two = (runner.decode_bytes(n, 48, 64, "whole", 9) for n in (1, 2))
+    in_turn = runner.decode_bytes(2, 48, 64, "sliced", 9)
+    assert one < in_turn < two
+    plans = {}
+    for budget in (None, two, in_turn, one - 1):
+        runner.decode_budget = budget
+        plans[budget] = (runner.decode_plan(1, 48, 64, 9), runner.decode_plan(2, 48, 64, 9))
+    assert plans == {
+        None: ("whole", "whole"),
+        two: ("whole", "whole"),
+        in_turn: ("whole", "sliced"),
+        one - 1: ("tiled", "tiled"),
+    }
+    runner.decode_budget = None
+
+    vae = runner.pipe.vae
+    decode, seen = vae._decode, []
+
+    def flags_seen(*args: Any, **kwargs: Any) -> Any:
+        seen.append((vae.use_slicing, vae.use_tiling))
+        return decode(*args, **kwargs)
+
+    vae._decode = flags_seen
+    try:
+        made = {}
+        for tiling in ("auto", "always"):
+            runner.vae_tiling = tiling
+            (made[tiling],) = runner.run([video(9)], [torch.Generator().manual_seed(0)]).images
+    finally:
+        runner.vae_tiling = "auto"
+        del vae._decode
+    assert seen == [(False, False), (True, True)]  # whole, then tiled (slicing on too)
+    assert (vae.use_slicing, vae.use_tiling) == (False, False)  # set for each decode alone
+    assert made["always"].shape == (9, 48, 64, 3) and made["always"].dtype == np.uint8
+    np.testing.assert_array_equal(made["always"], made["auto"])  # one 256-pixel tile covers 48x64
+    assert made["always"].std() > 10
+
+
 def test_resolution_hands_the_budget_to_the_diffusion_stage(tiny_glm_image: Path, tmp_path: Path) -> None:
     deploy = tmp_path / "shared.yaml"
     deploy.write_text(

@@ -1,6 +1,6 @@
-"""The tiny Wan 2.1 video models (``wan``, ``wan-i2v``): built deterministically, small, of the real classes,
-and run by diffusers' own pipelines into videos that are neither constant nor clipped, vary from frame to
-frame and from seed to seed, and repeat exactly for a seed."""
+"""The tiny Wan video models (``wan``, ``wan-i2v``, Wan 2.2's two-expert ``wan2.2``): built deterministically,
+small, of the real classes, and run by diffusers' own pipelines into videos that are neither constant nor
+clipped, vary from frame to frame and from seed to seed, and repeat exactly for a seed."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ KINDS = {
         "WanImageToVideoPipeline",
         {**COMPONENTS, "image_encoder": "CLIPVisionModel", "image_processor": "CLIPImageProcessor"},
     ),
+    "wan2.2": ("WanPipeline", {**COMPONENTS, "transformer_2": "WanTransformer3DModel"}),
 }
 
 
@@ -51,13 +52,14 @@ def no_ftfy_needed(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_build_is_deterministic_small_and_of_the_real_classes(
     kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    cached = request.getfixturevalue(f"tiny_{kind.replace('-', '_')}")
+    cached = request.getfixturevalue(f"tiny_{kind.replace('-', '_').replace('.', '')}")
     assert _tree(tiny.build(kind, tmp_path / kind)) == _tree(cached)  # byte for byte, weights included
     assert sum(len(blob) for blob in _tree(cached).values()) < 8 * 1024 * 1024
     pipeline, components = KINDS[kind]
     index = json.loads((cached / "model_index.json").read_text())
     assert index["_class_name"] == pipeline
     assert {name: index[name][1] for name in components} == components
+    assert index.get("boundary_ratio") == (0.875 if kind == "wan2.2" else None)  # Wan2.2-T2V-A14B's
     vae = json.loads((cached / "vae" / "config.json").read_text())
     assert (vae["scale_factor_spatial"], vae["scale_factor_temporal"], vae["z_dim"]) == (8, 4, 16)
     assert len(vae["latents_mean"]) == len(vae["latents_std"]) == 16
@@ -107,6 +109,27 @@ def test_text_to_video_runs_in_diffusers_own_pipeline(tiny_wan: Path) -> None:
 
     pipe = WanPipeline.from_pretrained(tiny_wan)
     assert isinstance(pipe.transformer, WanTransformer3DModel) and isinstance(pipe.vae, AutoencoderKLWan)
+    _check(_videos(pipe, (0, 0, 1)))
+
+
+def test_two_expert_text_to_video_runs_in_diffusers_own_pipeline(tiny_wan22: Path) -> None:
+    """Wan 2.2 A14B's layout: ``transformer_2`` of the same architecture and its own weights, and two steps
+    (timesteps 999 and 750) that fall one on each side of the boundary (875), so both experts run."""
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    pipe = WanPipeline.from_pretrained(tiny_wan22)
+    assert isinstance(pipe.transformer_2, WanTransformer3DModel)
+    assert (pipe.config.boundary_ratio, pipe.config.expand_timesteps) == (0.875, False)
+    configs = [
+        json.loads((tiny_wan22 / name / "config.json").read_text())
+        for name in ("transformer", "transformer_2")
+    ]
+    assert configs[0] == configs[1]  # the same architecture
+    high, low = dict(pipe.transformer.named_parameters()), dict(pipe.transformer_2.named_parameters())
+    assert high.keys() == low.keys() and not any(torch.equal(high[k], low[k]) for k in high)
+    pipe.scheduler.set_timesteps(2)
+    assert [int(t) for t in pipe.scheduler.timesteps] == [999, 750]
     _check(_videos(pipe, (0, 0, 1)))
 
 

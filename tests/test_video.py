@@ -1,12 +1,13 @@
-"""Video end to end on the tiny Wan 2.1 models: what the served model makes equals diffusers' own pipeline for
+"""Video end to end on the tiny Wan models: what the served model makes equals diffusers' own pipeline for
 the same seed, and OpenAI's Videos API over it works with the official ``openai`` client.
 
 Offline (an in-process diffusion stage): two text-to-video requests of different lengths, guidance and
 seeds stepping side by side in the step loop (a hold point proves they share a step) each give the frames
-``WanPipeline`` gives alone, and an image-to-video request those of ``WanImageToVideoPipeline`` (at most
-1/255 apart). Over HTTP, on one server of the tiny text-to-video Wan with small ``--video-*`` limits: a job
-made with ``create_and_poll`` downloads as the H.264 MP4 it says (size, frames, fps) whose frames are
-diffusers' within the codec's loss; retrieve, paged list and delete work as OpenAI's; a job held at
+``WanPipeline`` gives alone, an image-to-video request those of ``WanImageToVideoPipeline``, and a request
+on Wan 2.2's two experts, run as a whole request, those of its ``WanPipeline`` (at most 1/255 apart).
+Over HTTP, on one server of the tiny text-to-video Wan with small ``--video-*`` limits: a job made with
+``create_and_poll`` downloads as the H.264 MP4 it says (size, frames, fps) whose frames are diffusers'
+within the codec's loss; retrieve, paged list and delete work as OpenAI's; a job held at
 ``dit.step`` shows its progress; hostile requests are 4xx naming their field or limit; a burst of thousands
 of creates is refused (429) beyond ``--video-max-active``; the store stays within ``--video-max-jobs`` and
 ``--video-max-bytes``; and a restarted server still lists and serves the videos it finished, while the one it
@@ -187,6 +188,45 @@ def test_image_to_video_equals_diffusers(tiny_wan_i2v: Path, tmp_path: Path) -> 
     direct = wan_reference(
         tiny_wan_i2v, prompt=ask.prompt, seed=21, steps=2, frames=9, guidance=3.0, image=source
     )
+    assert_within_one_level(result.output.image, direct)
+
+
+def test_wan22_two_experts_run_as_a_whole_request_and_equal_diffusers(
+    tiny_wan22: Path, tmp_path: Path
+) -> None:
+    """Wan 2.2's two experts (``transformer`` at timesteps >= ``boundary_ratio`` x 1000, ``transformer_2``
+    below): the step loop's pieces do not run it (``WanSteps.runs`` is False), so the stage runs it as a whole
+    request through ``WanPipeline`` itself, and its frames are the pipeline's alone, with guidance (the
+    request's ``guidance_scale``, which the pipeline uses for both experts when ``guidance_scale_2`` is
+    unset) and steps on both sides of the boundary."""
+    reference = load_reference_pipeline(str(tiny_wan22))
+    assert reference.transformer_2 is not None and reference.config.boundary_ratio == 0.875
+    boundary = reference.config.boundary_ratio * reference.scheduler.config.num_train_timesteps
+    scheduler = reference.scheduler.from_config(reference.scheduler.config)
+    scheduler.set_timesteps(4)
+    assert [bool(t >= boundary) for t in scheduler.timesteps] == [True, True, False, False]  # 999 900 750 500
+    ask = OmniRequest(
+        prompt="a paper boat on a stream", height=48, width=64, num_inference_steps=4, guidance_scale=3.5,
+        seed=31, modality="video", num_frames=9,
+    )  # fmt: skip
+    with offline_engine(tiny_wan22, tmp_path) as omni:
+        engine = omni._async.pools[0].clients[0]._loop.engine
+        assert engine.batching == "loop" and not engine.step_family.one_expert
+        whole: list[Any] = []  # the requests the stage ran as whole pipeline calls
+        generate = engine.generate
+
+        def recorded(requests: list[Any], *args: Any, **kwargs: Any) -> Any:
+            whole.extend(requests)
+            return generate(requests, *args, **kwargs)
+
+        engine.generate = recorded
+        (result,) = omni.generate([ask])
+    assert result.ok, result.error
+    assert [r.request_id for r in whole] == [ask.request_id]
+    assert whole[0].num_frames == 9 and whole[0].guidance_scale == 3.5
+    assert not engine.step_family.runs(whole[0])
+    assert result.output.image.shape == (9, 48, 64, 3)
+    direct = wan_reference(tiny_wan22, prompt=ask.prompt, seed=31, steps=4, frames=9, guidance=3.5)
     assert_within_one_level(result.output.image, direct)
 
 

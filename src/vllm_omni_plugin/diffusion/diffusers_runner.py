@@ -627,7 +627,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             or self.decode_bytes(images, height, width, "whole", frames) <= self.decode_budget
         ):
             return "whole"
-        if images > 1 and self.decode_bytes(1, height, width, "sliced", frames) <= self.decode_budget:
+        if images > 1 and self.decode_bytes(images, height, width, "sliced", frames) <= self.decode_budget:
             return "sliced"
         return "tiled"
 
@@ -639,18 +639,18 @@ class DiffusersPipelineRunner(DiffusionRunner):
         far (kept whole, and once more as the float array the pipeline post-processes)."""
         shape = self.memory_shape
         pixels = height * width
-        held = 0
+        held, chunk = 0, 1
         if self.frame_step:
             held = images * frames * pixels * 3 * shape.vae_element * 2
-            pixels *= min(frames, self.frame_step)
+            chunk = min(frames, self.frame_step)
         if plan == "whole":
-            return vae_decode_bytes(images, pixels, shape.decoder_channels, shape.vae_element) + held
+            return vae_decode_bytes(images, pixels * chunk, shape.decoder_channels, shape.vae_element) + held
         if plan == "sliced":
-            return vae_decode_bytes(1, pixels, shape.decoder_channels, shape.vae_element) + held
-        tile = min(pixels, vae_tile_pixels(self.pipe.vae))
+            return vae_decode_bytes(1, pixels * chunk, shape.decoder_channels, shape.vae_element) + held
+        tile = min(pixels, vae_tile_pixels(self.pipe.vae)) * chunk
         return (
             vae_decode_bytes(1, tile, shape.decoder_channels, shape.vae_element)
-            + TILED_OUTPUT_WIDTHS * pixels * shape.vae_element
+            + TILED_OUTPUT_WIDTHS * pixels * chunk * shape.vae_element
             + held
         )
 

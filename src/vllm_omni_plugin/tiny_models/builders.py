@@ -12,11 +12,11 @@ Kinds: ``text`` (Qwen2 with a ChatML tokenizer), ``glm-image`` (the diffusers GL
 upstream repository layout: AR model, processor, DiT, VAE, glyph T5, scheduler; 64x64 images in seconds),
 ``bagel`` (BAGEL-7B-MoT's hub layout: both MoT experts, NaViT SigLIP, FLUX autoencoder; see ``bagel``),
 the single-stage diffusers pipelines ``sd3``, ``flux``, ``qwen-image`` and ``qwen-image-edit`` (the
-real component classes of each family; see ``sd3``, ``flux``, ``qwen_image``) and the Wan 2.1 video
-pipelines ``wan`` (text-to-video) and ``wan-i2v`` (image-to-video; see ``wan``). ``sd3-medium-shape`` is
-not tiny: SD3 medium's DiT and VAE at their real shapes (random, 4 GB), for measuring on a GPU. One module
-per family in this package, imported only when its kind is built; their shared parts are in
-``components``.
+real component classes of each family; see ``sd3``, ``flux``, ``qwen_image``), the Wan 2.1 video
+pipelines ``wan`` (text-to-video) and ``wan-i2v`` (image-to-video) and Wan 2.2's two-expert text-to-video
+``wan2.2`` (see ``wan``). ``sd3-medium-shape`` is not tiny: SD3 medium's DiT and VAE at their real shapes
+(random, 4 GB), for measuring on a GPU. One module per family in this package, imported only when its kind
+is built; their shared parts are in ``components``.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ BUILDERS: dict[str, tuple[Callable[[], dict[str, Any]], Callable[[Path, dict[str
     ),
     "wan": (_lazy("wan", "wan_config"), _lazy("wan", "build_wan")),
     "wan-i2v": (_lazy("wan", "wan_i2v_config"), _lazy("wan", "build_wan")),
+    "wan2.2": (_lazy("wan", "wan22_config"), _lazy("wan", "build_wan")),
 }
 
 

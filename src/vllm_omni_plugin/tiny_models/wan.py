@@ -1,6 +1,10 @@
-"""Tiny Wan 2.1 video pipelines, random weights: ``wan`` is ``WanPipeline`` in the layout of
+"""Tiny Wan video pipelines, random weights: ``wan`` is ``WanPipeline`` in the layout of
 Wan-AI/Wan2.1-T2V-1.3B-Diffusers, ``wan-i2v`` is ``WanImageToVideoPipeline`` in that of
-Wan-AI/Wan2.1-I2V-14B-480P-Diffusers.
+Wan-AI/Wan2.1-I2V-14B-480P-Diffusers, and ``wan2.2`` is ``WanPipeline`` in that of
+Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts, ``transformer`` for the high-noise steps (timesteps at or
+above ``boundary_ratio`` x 1000) and ``transformer_2`` (the same architecture, its own weights) for the rest,
+``boundary_ratio`` 0.875 as the real pipeline config has it (its other components are ``wan``'s, at the same
+config: the A14B experts have Wan 2.1 14B's architecture and the Wan 2.1 VAE).
 
 The real component classes at toy size: ``WanTransformer3DModel`` (patch 1x2x2, 3-D RoPE split over frames,
 rows and columns), ``AutoencoderKLWan`` (the causal 3-D VAE at its real compression: 8x spatial, 4x
@@ -57,6 +61,12 @@ def wan_config() -> dict[str, Any]:
     }
 
 
+def wan22_config() -> dict[str, Any]:
+    cfg = wan_config()
+    cfg["boundary_ratio"] = 0.875  # Wan2.2-T2V-A14B's: its high-noise expert runs timesteps >= 875
+    return cfg
+
+
 def wan_i2v_config() -> dict[str, Any]:
     cfg = wan_config()
     cfg["i2v"] = True
@@ -105,7 +115,9 @@ def _clip_vision(cfg: dict[str, Any], generator: Any) -> Any:
 
 
 def build_wan(outdir: Path, cfg: dict[str, Any]) -> None:
-    """``WanPipeline``, or ``WanImageToVideoPipeline`` when ``cfg["i2v"]``."""
+    """``WanPipeline``, or ``WanImageToVideoPipeline`` when ``cfg["i2v"]``; with ``cfg["boundary_ratio"]``
+    (Wan 2.2's two experts) a second transformer, ``transformer_2``, drawn after every other weight (the
+    one-expert kinds' weights stay what they were)."""
     import torch
     from diffusers import (
         AutoencoderKLWan,
@@ -126,9 +138,13 @@ def build_wan(outdir: Path, cfg: dict[str, Any]) -> None:
     if cfg["i2v"]:  # as Wan2.1-I2V-14B: CLIP's width in, the transformer's own width for the added K/V
         inner = tr["num_attention_heads"] * tr["attention_head_dim"]
         image = {"image_dim": cfg["clip_vision"]["hidden_size"], "added_kv_proj_dim": inner}
-    transformer = WanTransformer3DModel(
-        **{**tr, "patch_size": tuple(tr["patch_size"])}, text_dim=cfg["umt5"]["d_model"], **image
-    )
+
+    def new_transformer() -> Any:
+        return WanTransformer3DModel(
+            **{**tr, "patch_size": tuple(tr["patch_size"])}, text_dim=cfg["umt5"]["d_model"], **image
+        )
+
+    transformer = new_transformer()
     seeded_init(transformer, generator)
     z = cfg["vae"]["z_dim"]
     # Seeded per-channel statistics, not diffusers' defaults (the real ones): a pipeline that skips the
@@ -141,6 +157,12 @@ def build_wan(outdir: Path, cfg: dict[str, Any]) -> None:
         latents_std=[round(1.0 + 0.5 * float(x.abs()), 4) for x in stats[1]],
     )
     seeded_init(vae, generator)
+    experts: dict[str, Any] = {}
+    if cfg.get("boundary_ratio") is not None:  # Wan 2.2 A14B: the low-noise expert, and where it takes over
+        experts["transformer_2"] = new_transformer()
+        seeded_init(experts["transformer_2"], generator)
+        experts["transformer_2"].eval()
+        experts["boundary_ratio"] = cfg["boundary_ratio"]
     scheduler = UniPCMultistepScheduler(
         num_train_timesteps=1000,
         prediction_type="flow_prediction",
@@ -163,7 +185,7 @@ def build_wan(outdir: Path, cfg: dict[str, Any]) -> None:
             image_processor=CLIPImageProcessor(),
         )
     else:
-        pipe = WanPipeline(**components)
+        pipe = WanPipeline(**components, **experts)
     pipe.save_pretrained(outdir, safe_serialization=True)
     if cfg["i2v"]:
         # Without torchvision transformers hands out CLIPImageProcessorPil: record the class the real
@@ -172,7 +194,12 @@ def build_wan(outdir: Path, cfg: dict[str, Any]) -> None:
         index = json.loads(index_file.read_text())
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]
         index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    name, kind = ("Wan2.1 I2V", "wan-i2v") if cfg["i2v"] else ("Wan2.1 T2V", "wan")
+    if cfg["i2v"]:
+        name, kind = "Wan2.1 I2V", "wan-i2v"
+    elif experts:
+        name, kind = "Wan2.2 T2V A14B (two experts)", "wan2.2"
+    else:
+        name, kind = "Wan2.1 T2V", "wan"
     (outdir / "README.md").write_text(
         f"# tiny {name}\n\nRandom weights in the {type(pipe).__name__} layout, built offline by "
         f"`python -m vllm_omni_plugin.tiny_models {kind} OUTDIR`. For tests only: its videos are "
