@@ -278,9 +278,9 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """What the pipeline's call does with steps and guidance left out (a warm-up's, a bare request's)."""
         self.supports_negative_prompt, self.supports_image_to_image = cls.input_support(params)
         self.text_tokens = _default(params, "max_sequence_length", int) or DEFAULT_TEXT_TOKENS
+        """Prompt tokens the transformer attends to (the pipeline's ``max_sequence_length`` default)."""
         self.frame_step = video_frame_step(pipe)
         """A video pipeline's frames per latent frame (0: it makes images)."""
-        """Prompt tokens the transformer attends to (the pipeline's ``max_sequence_length`` default)."""
         self.step_cache = "callback_on_step_end" in self.call_arguments
         """Caching counts the steps by the pipeline's step-end callback (a pipeline without one never
         calls ``on_step``)."""
@@ -1105,9 +1105,9 @@ def _timesteps_of(pipe: Any) -> int | None:
 @functools.lru_cache(maxsize=8)
 def _model_defaults(cls: type[DiffusersPipelineRunner], model: str) -> ModelDefaults:
     name, pipeline_cls = cls.diffusers_class(model)
-    steps, guidance = cls.call_defaults(call_parameters(pipeline_cls))
-    pipe = meta_pipeline(model, pipeline_cls)
     params = call_parameters(pipeline_cls)
+    steps, guidance = cls.call_defaults(params)
+    pipe = meta_pipeline(model, pipeline_cls)
     size = None if cls.size_required else cls.default_size or _pipeline_default_size(pipe, params)
     height, width = size or (None, None)
     frames = _default(params, "num_frames", int) if video_frame_step(pipe) else None
@@ -1162,9 +1162,8 @@ def _pipeline_size_limits(pipe: Any) -> SizeLimits:
     import math
 
     frame_step = video_frame_step(pipe)
-    scale = getattr(pipe, "vae_scale_factor", None)  # optional pipeline attributes, as above
-    if frame_step:
-        scale = spatial_scale(pipe)
+    # optional pipeline attributes, as above (a video pipeline's: spatial_scale)
+    scale = spatial_scale(pipe) if frame_step else getattr(pipe, "vae_scale_factor", None)
     model = denoiser_of(pipe)
     if not isinstance(scale, int) or model is None:
         return SizeLimits(frame_step=frame_step)

@@ -90,10 +90,6 @@ class SizeLimits(msgspec.Struct, frozen=True, kw_only=True):
     """A video pipeline's frame counts are ``k * frame_step + 1`` (its VAE's temporal compression; 0: the
     model makes images)."""
 
-    @property
-    def video(self) -> bool:
-        return self.frame_step > 0
-
 
 @dataclass(frozen=True)
 class ModelDefaults:

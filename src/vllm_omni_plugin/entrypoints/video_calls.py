@@ -67,14 +67,6 @@ class VideoService:
         """The served model's frames per latent frame (0: it makes images, not videos)."""
         return self.server.omni.inputs.frame_step
 
-    def check_video_model(self) -> None:
-        if not self.frame_step:
-            label = self.server.omni.inputs.model_label
-            raise OmniAPIError(
-                f"videos: this model ({label}) makes images, not videos: use /v1/images/generations",
-                param="model",
-            )
-
     async def create(
         self, req: VideoCreateRequest, reference: Callable[[], Awaitable[Any]] | None
     ) -> VideoJob:
@@ -82,7 +74,6 @@ class VideoService:
         limit, a full store) comes before the job exists. ``reference``: reads the uploaded
         ``input_reference`` image."""
         server = self.server
-        self.check_video_model()
         self.store.check_room()
         model = server.check_model(req.model)
         server.check_prompts(req.prompt, req.negative_prompt)

@@ -390,11 +390,7 @@ class VideoJobStore:
         with self._lock:
             self._check_open()
             limits = self.limits
-            if len(self._live) >= limits.max_active:
-                raise VideoStoreFullError(
-                    f"{len(self._live)} videos are queued or in progress, the most this server runs at once "
-                    f"({FLAGS['max_active']} {limits.max_active}); retry when one finishes"
-                )
+            self.check_room()
             video_id, created_at = self._new_id()
             with self._transaction():
                 count = self._db.execute("SELECT COUNT(*) FROM videos").fetchone()[0]
@@ -424,14 +420,15 @@ class VideoJobStore:
 
     def check_room(self) -> None:
         """Refuse (429) a new job while ``max_active`` are queued or in progress: asked before a request's
-        work (its checks, its image's decode), so a flood of creates costs little."""
+        work (its checks, its image's decode), so a flood of creates costs little; :meth:`create` asks
+        again, under the same lock as its insert."""
         with self._lock:
             active = len(self._live)
-        if active >= self.limits.max_active:
-            raise VideoStoreFullError(
-                f"{active} videos are queued or in progress, the most this server runs at once "
-                f"({FLAGS['max_active']} {self.limits.max_active}); retry when one finishes"
-            )
+            if active >= self.limits.max_active:
+                raise VideoStoreFullError(
+                    f"{active} videos are queued or in progress, the most this server runs at once "
+                    f"({FLAGS['max_active']} {self.limits.max_active}); retry when one finishes"
+                )
 
     def start(self, video_id: str) -> VideoJob | None:
         """Queued -> in progress; ``None``: the job is no longer running (deleted or finished)."""
