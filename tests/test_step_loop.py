@@ -123,6 +123,13 @@ def test_finished_requests_decode_beside_the_next_step_with_the_image_they_get_a
     assert returned[0][1] in (3, 4)  # the step during which its decode ended
     for (f, _), r in zip(returned, (short, long), strict=True):
         assert diff(f.image, alone(pipe, r)) <= 1 and f.seconds["decode"] > 0, r.request_id
+    for r in (short, long):  # drained (a loop about to be held): the decode in flight is waited for
+        loop.add(r.request_id, r)
+    with torch.no_grad():
+        assert loop.step() == [] and loop.step() == [] and loop.decoding is not None
+        drained = loop.drain_decodes()
+        assert loop.decoding is None and [f.request_id for f in drained] == ["r8"]
+        assert diff(drained[0].image, returned[0][0].image) == 0 and sorted(run(loop)) == ["r9"]
 
 
 @pytest.mark.parametrize("decoder", [None, DecodeBeside(torch.device("cpu"))], ids=["inline", "beside"])

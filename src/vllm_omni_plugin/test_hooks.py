@@ -39,6 +39,13 @@ def hold_point(point: str, holding: str = "", give_up: Callable[[], bool] | None
         _hooks(name).hold_point(point, holding, give_up)
 
 
+def hold_armed(point: str) -> bool:
+    """Whether a test armed ``point`` (the next visit holds)."""
+    if name := os.environ.get(HOOKS_ENV):
+        return bool(_hooks(name).hold_armed(point))
+    return False
+
+
 def fault_point(seeds: Iterable[int | None]) -> None:
     """Where a diffusion process about to run a batch of these seeds may be faulted."""
     if name := os.environ.get(HOOKS_ENV):

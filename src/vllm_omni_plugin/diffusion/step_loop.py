@@ -401,6 +401,15 @@ class StepLoop:
             self.decoding = Decoding(items, self.decoder.submit(lambda: self.family.decode(states)))
         return finished
 
+    def drain_decodes(self) -> list[Finished]:
+        """Every finished request's image now: the decoder's call in flight waited for, those waiting for
+        it decoded at once (a loop about to be held between steps leaves nothing decoding)."""
+        finished = self._decoded(wait=True)
+        if self.to_decode:
+            finished += self._decode(self.to_decode)
+            self.to_decode = []
+        return finished
+
     def _decode(self, items: list[Denoising]) -> list[Finished]:
         began = time.perf_counter()
         images = self.family.decode([item.state for item in items])

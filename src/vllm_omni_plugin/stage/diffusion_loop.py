@@ -27,7 +27,7 @@ from vllm_omni_plugin.connectors.base import ConnectorHandle
 from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult
 from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput, StageDiffusionCoreRequest
 from vllm_omni_plugin.stage.payload import internalize, release
-from vllm_omni_plugin.test_hooks import fault_point, hold_point
+from vllm_omni_plugin.test_hooks import fault_point, hold_armed, hold_point
 
 if TYPE_CHECKING:
     from vllm_omni_plugin.connectors.base import OmniConnector
@@ -435,7 +435,8 @@ class DiffusionBatchLoop:
         the worse out until it is done. Requests the family cannot run step-wise (the diffusers
         families' masked edits) run as whole requests between steps. Finished requests decode beside
         the next steps (``overlap_decode``; ``DecodeBeside``) and are reported after the step during
-        which their decode ended, before the loop holds at ``dit.step``. Stopping admits nothing new and
+        which their decode ended; a test that holds the loop at ``dit.step`` sees every decode begun
+        before the held step reported. Stopping admits nothing new and
         lets the admitted requests finish (interrupted: drops them)."""
         import torch
 
@@ -491,6 +492,8 @@ class DiffusionBatchLoop:
                 engine.count_loop_step(
                     len(loop.ran), time.perf_counter() - began, loop.counters.preemptions - preempted
                 )
+                if hold_armed("dit.step"):  # a held step has reported every image decoded before it
+                    finished += loop.drain_decodes()
             outputs, timings = [], []
             for done in finished:
                 if inbox.is_aborted(done.request_id) or inbox.interrupted:  # while it decoded

@@ -69,6 +69,12 @@ def hold_point(point: str, holding: str = "", give_up: Callable[[], bool] | None
     logger.warning("test hold point %s: released", point)
 
 
+def hold_armed(point: str) -> bool:
+    """Whether ``point`` is armed in this process's hold directory."""
+    directory = os.environ.get(HOLD_DIR_ENV)
+    return bool(directory) and os.path.exists(os.path.join(directory, point + ".armed"))
+
+
 _settle_before_fault: Callable[[], None] | None = None
 
 
