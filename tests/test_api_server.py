@@ -643,13 +643,16 @@ def test_clients_gone_during_the_dit_stage_are_dropped_from_its_queue_and_its_ba
                     client.post(GENERATIONS, json={**body(5), "num_inference_steps": ENDLESS})
                 )
                 await asyncio.to_thread(hold.wait, alive=server.alive)  # its batch has started
-            # another size: it cannot join the running (endless) batch and waits in the DiT process's queue
-            queued = asyncio.ensure_future(client.post(GENERATIONS, json={**body(6), "size": "128x64"}))
-            await asyncio.to_thread(wait_for, lambda: replica(server, "1")["inflight"] >= 2, 600, "the queue")
-            queued.cancel()
-            await asyncio.to_thread(
-                wait_for, lambda: aborted(server, "1", "queue") == queue + 1, 30, "a queue drop"
-            )
+                # held after a step, the loop admits nothing: another request waits in the DiT process's
+                # queue, and its abort (applied by the process's reader thread) drops it from there
+                queued = asyncio.ensure_future(client.post(GENERATIONS, json={**body(6), "size": "128x64"}))
+                await asyncio.to_thread(
+                    wait_for, lambda: replica(server, "1")["inflight"] >= 2, 600, "the queue"
+                )
+                queued.cancel()
+                await asyncio.to_thread(
+                    wait_for, lambda: aborted(server, "1", "queue") == queue + 1, 30, "a queue drop"
+                )
             running.cancel()
             for task in (queued, running):
                 with pytest.raises(asyncio.CancelledError):

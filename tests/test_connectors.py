@@ -518,3 +518,24 @@ def test_factory_builds_known_classes_and_rejects_unknown() -> None:
         ValueError, match=r"unknown connector class 'Mooncake'.*known: .*SharedMemoryConnector"
     ):
         make_connector("edge", "Mooncake", {})
+
+
+def test_a_collected_output_image_frees_its_pool_slot_at_once() -> None:
+    """The API process copies an output's image out of its segment: the slot is free for the next image
+    while the collected one is still referenced (a view would keep it until the output was collected by
+    the garbage collector, where a traceback holds it)."""
+    import numpy as np
+
+    from vllm_omni_plugin.stage.core_types import StageDiffusionCoreOutput
+    from vllm_omni_plugin.stage.payload import collect_output
+
+    image = torch.full((128, 128, 3), 7, dtype=torch.uint8)  # 48 KiB: the pool holds one such segment
+    with SharedMemoryConnector("images", {"pool_bytes": 64 << 10}) as connector:
+        first = connector.put(image)
+        output = StageDiffusionCoreOutput(request_id="r", stage_id=1, image_handle=msgspec.to_builtins(first))
+        collect_output(output, connector)
+        second = connector.put(image + 1)
+        assert pooled(first) and pooled(second) and segment_of(second) == segment_of(first)
+        assert isinstance(output.image, np.ndarray) and int(output.image.max()) == 7  # still its own pixels
+        assert_same(connector.get(second), image + 1)
+        assert connector.health().outstanding == 0

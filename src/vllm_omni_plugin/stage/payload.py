@@ -108,12 +108,16 @@ def released_if_replica_dies(request: Any, connector: OmniConnector | None) -> I
 
 
 def collect_output(output: StageCoreOutput, connector: OmniConnector | None) -> None:
-    """Fetch an output's image from ``connector`` when it travelled as a handle (times it)."""
+    """Fetch an output's image from ``connector`` when it travelled as a handle (times it). The image is
+    copied out at once: a zero-copy view would keep its pool slot until the last reference to the
+    output goes, which an exception's traceback can delay until a garbage collection; the copy costs
+    less than the PNG encoding that follows."""
     if connector is None or not isinstance(output, StageDiffusionCoreOutput) or output.image_handle is None:
         return
     t0 = time.perf_counter()
     image = connector.get(msgspec.convert(output.image_handle, ConnectorHandle))
-    output.image = image.numpy()
+    output.image = image.numpy().copy()
+    del image  # the view's slot is free again
     output.image_handle = None
     output.timings["transfer_out"] = time.perf_counter() - t0
 

@@ -80,6 +80,8 @@ class Sample:
     yet), ``pool held`` (a value a receiver still reads), ``pool orphaned`` (in the pool of a process that
     is gone)."""
     segment_bytes: int
+    held_writers: dict[str, int] = field(default_factory=dict)
+    """``pool held`` by the role of the process that wrote the value (its reader is the other side)."""
 
     @property
     def segment_count(self) -> int:
@@ -150,7 +152,9 @@ class SoakReport:
         for sample in self.samples:
             kinds = ", ".join(f"{k} {n}" for k, n in sorted(sample.segments.items()))
             size = f"{sample.segment_bytes / 2**20:.0f} MiB"
-            lines.append(f"  {sample.label:8s} {sample.segment_count}: {kinds}; {size}")
+            writers = ", ".join(f"{k} {n}" for k, n in sorted(sample.held_writers.items()))
+            held = f" (held values written by: {writers})" if writers else ""
+            lines.append(f"  {sample.label:8s} {sample.segment_count}: {kinds}; {size}{held}")
         lines.append(
             f"segment growth (end - start, pool capacity and values in flight aside): {self.segment_growth}; "
             f"values never collected at the end: {self.uncollected_values}"
@@ -201,6 +205,7 @@ class Deployment:
             if value is not None:
                 rss[f"{role} {pid}"] = value
         kinds: collections.Counter[str] = collections.Counter()
+        held: collections.Counter[str] = collections.Counter()
         total = 0
         for name in self.watch.left_segments():
             path = os.path.join(SHM_DIR, name)
@@ -215,8 +220,11 @@ class Deployment:
             elif int(name.split("_")[2]) not in roles:
                 kinds["pool orphaned"] += 1
             else:
-                kinds[f"pool {_pool_state(path)}"] += 1
-        return Sample(label, sent, rss, dict(kinds), total)
+                state = _pool_state(path)
+                kinds[f"pool {state}"] += 1
+                if state == "held":
+                    held[roles[int(name.split("_")[2])]] += 1
+        return Sample(label, sent, rss, dict(kinds), total, dict(held))
 
     def kill(self, stage: str) -> str:
         """SIGKILL the stage's process (``dit``) or engine core (``ar``) once it serves requests."""
