@@ -620,3 +620,47 @@ def test_each_family_preempted_resumes_unchanged_and_an_aborted_one_leaves(
     assert all(step == ["w1"] for step in ran[: ran.index(["w0"])]) and ["w2"] not in ran
     for r in (low, high):
         assert diff(finished[r.request_id].image, whole_call(runner, r)) == 0, r.request_id
+
+
+def test_qwen_image_edit_alone_exact_and_mixed_sources_guidance_and_steps_in_one_loop(
+    tiny_qwen_image_edit: Path,
+) -> None:
+    """An edit as the served runner sends it (its source resized to about a megapixel): alone, bit for bit
+    the pipeline's image; beside others (guided and not, other prompt lengths and step counts, an
+    unguided one's source of another aspect in a forward of its own), each within 1/255."""
+    from PIL import Image
+
+    from helpers import source_image
+    from vllm_omni_plugin.families.diffusers.steps import QwenImageEditSteps
+    from vllm_omni_testkit.reference.diffusers import load_reference_pipeline, reference_image
+
+    def edit(i: int, steps: int, guidance: float, source: np.ndarray, prompt: str = "") -> DiffusionRequest:
+        return DiffusionRequest(request_id=f"r{i}", prompt=prompt or f"make thing {i} red", seed=100 + i,
+                                height=64, width=64, num_inference_steps=steps, guidance_scale=guidance,
+                                images=[source])  # fmt: skip
+
+    def edit_alone(r: DiffusionRequest) -> np.ndarray:
+        return reference_image(
+            tiny_qwen_image_edit, prompt=r.prompt, seed=r.seed, height=64, width=64,
+            steps=r.num_inference_steps, guidance=r.guidance_scale, images=r.images,
+        )  # fmt: skip
+
+    pipe = load_reference_pipeline(str(tiny_qwen_image_edit))
+    family = QwenImageEditSteps(pipe)
+    wide = np.asarray(Image.fromarray(source_image(64, seed=5)).resize((64, 48)))
+    first = edit(40, 2, 3.0, source_image(64, seed=1))
+    assert family.runs(first) and not family.runs(msgspec.structs.replace(first, images=None))
+    loop = StepLoop(family, max_rows=16)
+    loop.add(first.request_id, first)
+    assert diff(run(loop)["r40"].image, edit_alone(first)) == 0
+    mixed = [
+        edit(41, 3, 1.0, wide),
+        edit(42, 2, 3.0, source_image(64, seed=3), prompt="turn the whole scene into a snowy winter night"),
+        edit(43, 2, 3.0, source_image(64, seed=2)),
+    ]
+    for r in mixed:
+        loop.add(r.request_id, r)
+    done = run(loop)
+    for r in mixed:
+        assert done[r.request_id].image.std() > 5
+        assert diff(done[r.request_id].image, edit_alone(r)) <= 1, r.request_id

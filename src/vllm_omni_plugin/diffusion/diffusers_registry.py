@@ -36,6 +36,7 @@ STEP_FAMILIES: Mapping[str, str] = {
     "StableDiffusion3Pipeline": "vllm_omni_plugin.families.diffusers.steps:SD3Steps",
     "FluxPipeline": "vllm_omni_plugin.families.diffusers.steps:FluxSteps",
     "QwenImagePipeline": "vllm_omni_plugin.families.diffusers.steps:QwenImageSteps",
+    "QwenImageEditPipeline": "vllm_omni_plugin.families.diffusers.steps:QwenImageEditSteps",
     "GlmImagePipeline": "vllm_omni_plugin.families.glm_image.steps:GlmImageSteps",
     "WanPipeline": "vllm_omni_plugin.families.diffusers.video_steps:WanSteps",
     "WanImageToVideoPipeline": "vllm_omni_plugin.families.diffusers.video_steps:WanImageToVideoSteps",

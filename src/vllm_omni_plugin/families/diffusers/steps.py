@@ -1,5 +1,6 @@
-"""Stable Diffusion 3, FLUX and Qwen-Image as the pieces the step loop takes (``diffusion/step_loop.py``),
-from the pipelines' own components: exact against the pipeline's ``__call__`` for a request alone.
+"""Stable Diffusion 3, FLUX, Qwen-Image and Qwen-Image-Edit as the pieces the step loop takes
+(``diffusion/step_loop.py``), from the pipelines' own components: exact against the pipeline's
+``__call__`` for a request alone.
 
 Prompts are encoded through a :class:`~vllm_omni_plugin.diffusion.step_loop.ConditioningCache`: the
 negative prompt most requests share (``""``) and repeated prompts are encoded once, with the same
@@ -14,8 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_omni_plugin.diffusion.diffusers_runner import as_pil
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.pipeline_steps import PipelineSteps, fresh_scheduler
+from vllm_omni_plugin.diffusion.step_loop import runs_in_loop
 
 
 @dataclass(eq=False)
@@ -121,10 +124,12 @@ class SD3Steps(PipelineSteps):
 
 
 def shifted_schedule(
-    pieces: PipelineSteps, request: DiffusionRequest, height: int, width: int, sigmas: Any
-) -> tuple[Any, torch.Tensor]:
+    pieces: PipelineSteps, request: DiffusionRequest, height: int, width: int, sigmas: Any,
+    strength: bool = True,
+) -> tuple[Any, torch.Tensor]:  # fmt: skip
     """FLUX's and Qwen-Image's schedule as their pipelines make it (shifted by the image's token count),
-    an image-to-image request's first steps skipped by its strength: its own scheduler and the timesteps
+    an image-to-image request's first steps skipped by its strength (``strength``: the family's source
+    images are noised; an edit's condition the denoiser instead): its own scheduler and the timesteps
     it runs."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
@@ -139,7 +144,7 @@ def shifted_schedule(
     timesteps, _ = retrieve_timesteps(
         scheduler, pieces.steps_of(request), pieces.device, sigmas=sigmas, mu=mu
     )
-    if request.images:
+    if request.images and strength:
         return scheduler, pieces.strength_timesteps(request, scheduler, timesteps)
     scheduler.set_begin_index(0)
     return scheduler, timesteps
@@ -357,3 +362,85 @@ class QwenImageSteps(PipelineSteps):
             )
 
         self.guided_by_second_forward(states, forward, combine)
+
+
+@dataclass(eq=False)
+class QwenImageEditState(QwenImageState):
+    image_latents: torch.Tensor | None = None
+    """The source image's packed latents, beside the latents in every forward: (1, tokens, channels)."""
+    source_size: tuple[int, int] = (0, 0)
+    """The source as the pipeline resizes it (about a megapixel): (height, width)."""
+
+
+class QwenImageEditSteps(QwenImageSteps):
+    """``QwenImageEditPipeline`` one step at a time, one source image per request as the served runner
+    sends it (``QwenImageEditRunner``: resized to about a megapixel, its aspect kept, as the pipeline
+    resizes a single image): the prompt and negative prompt encoded with the image by the
+    vision-language encoder, the source's latents joined to each row's tokens, the output's own tokens
+    taken back. Prompts are not cached by text: their embeddings depend on the image."""
+
+    image_to_image = False
+
+    def runs(self, request: DiffusionRequest) -> bool:
+        return len(request.images or []) == 1 and runs_in_loop(request, self.layers, own=("images",))
+
+    def source(self, request: DiffusionRequest) -> tuple[Any, int, int]:
+        """The request's source image as the pipeline conditions on it, and its (height, width)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+        image = as_pil(request.images[0])
+        width, height, _ = calculate_dimensions(1024 * 1024, image.size[0] / image.size[1])
+        return self.pipe.image_processor.resize(image, height, width), height, width
+
+    def encode(self, requests: list[DiffusionRequest]) -> list[tuple[Any, ...]]:
+        encoded = []
+        for request in requests:
+            image, height, width = self.source(request)
+
+            def embeds(text: str, image: Any = image) -> torch.Tensor:
+                return self.pipe.encode_prompt(prompt=[text], image=[image], device=self.device)[0]
+
+            negative = None
+            if self._guidance(request) > 1.0:
+                negative = embeds(request.negative_prompt or self.negative_default)
+            encoded.append((embeds(request.prompt), negative, (image, height, width)))
+        return encoded
+
+    def prepare(self, request: DiffusionRequest, conditioning: tuple[Any, ...]) -> QwenImageEditState:
+        pipe = self.pipe
+        embeds, negative, (image, source_height, source_width) = conditioning
+        multiple = pipe.vae_scale_factor * 2
+        height = (request.height or source_height) // multiple * multiple
+        width = (request.width or source_width) // multiple * multiple
+        pixels = pipe.image_processor.preprocess(image, source_height, source_width).unsqueeze(2)
+        generator = torch.Generator("cpu").manual_seed(request.seed if request.seed is not None else 0)
+        channels = pipe.transformer.config.in_channels // 4
+        latents, image_latents = pipe.prepare_latents(
+            pixels, 1, channels, height, width, embeds.dtype, self.device, generator
+        )
+        steps = self.steps_of(request)
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        scheduler, timesteps = shifted_schedule(self, request, height, width, sigmas, strength=False)
+        return QwenImageEditState(
+            latents, scheduler, timesteps, embeds, negative, self._guidance(request), height, width,
+            image_latents=image_latents, source_size=(source_height, source_width),
+        )  # fmt: skip
+
+    def shape(self, state: QwenImageEditState) -> Hashable:  # type: ignore[override]
+        return tuple(state.latents.shape), state.height, state.width, state.source_size
+
+    def _forward(self, states: list[QwenImageEditState], rows: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        pipe = self.pipe
+        embeds, mask = padded(rows)
+        first = states[0]
+        scale = pipe.vae_scale_factor * 2
+        shapes = [(1, first.height // scale, first.width // scale)]
+        shapes.append((1, first.source_size[0] // scale, first.source_size[1] // scale))
+        timestep = torch.cat([s.timesteps[s.index].expand(1).to(s.latents.dtype) for s in states])
+        tokens = torch.cat([torch.cat([s.latents, s.image_latents], dim=1) for s in states])
+        out = self.forward(
+            states, hidden_states=tokens, timestep=timestep / 1000, guidance=None,
+            encoder_hidden_states_mask=mask, encoder_hidden_states=embeds, img_shapes=[shapes] * len(states),
+            attention_kwargs={},
+        )  # fmt: skip
+        return out[:, : first.latents.shape[1]]
