@@ -56,7 +56,7 @@ def test_the_watch_finds_what_a_killed_child_left_and_cleans_it(spawn) -> None:
     stranger = f"psm_{secrets.token_hex(4)}"  # made by nobody of this run (another user of the machine)
     open(os.path.join(SHM_DIR, stranger), "wb").close()
     try:
-        time.sleep(0.3)
+        watch.poll()  # both children and what they map, seen now (the background polls may lag)
         left = watch.leftovers()
         assert {child.pid, ours_child.pid} <= set(left.processes)
         assert name in left.segments and ours in left.segments and stranger not in left.segments

@@ -38,9 +38,10 @@ segments an engine maps live as long as it does."""
 
 
 FOREIGN_POLLS = 4
-"""Polls after which a segment none of the run's processes maps is taken for another's (a parallel test
-worker's): a process maps what it creates at once, so only a segment mapped for less than a poll
-interval can escape, as it could before."""
+"""Looks at ``/proc`` (:class:`_SharedLook`, each a new one) after which a segment none of the run's
+processes maps is taken for another's (a parallel test worker's): a process maps what it creates at once,
+so only a segment mapped for less than a poll interval can escape, as it could before. Polls within one
+look count once: a busy machine's polls all read the same stale maps."""
 
 SHARED_LOOK_S = 0.25
 """How long one look at ``/proc`` serves every watch of this process (a test often runs several, each
@@ -56,6 +57,9 @@ class _SharedLook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._taken = float("-inf")
+        self.generation = 0
+        """Counts the looks taken: a segment is unmapped by the run's processes in as many looks as it
+        was counted in distinct generations (the polls within one look all see the same maps)."""
         self._children: dict[int, list[int]] = {}
         self._maps: dict[ProcessId, set[str]] = {}
 
@@ -64,6 +68,7 @@ class _SharedLook:
             self._children = children_of_every_process()
             self._maps = {}
             self._taken = now
+            self.generation += 1
 
     def children(self, *, fresh: bool = False) -> dict[int, list[int]]:
         with self._lock:
@@ -142,7 +147,9 @@ class LeakWatch:
         to whatever started them (a watch of one part of a test run, beside what earlier tests left)."""
         if only_new_processes:
             self.earlier = {p for p in map(ProcessId.of, descendants(self.root)) if p is not None}
-        self._unmapped: dict[str, int] = {}
+        self._unmapped: dict[str, tuple[int, int]] = {}
+        """Segment -> (looks at ``/proc`` in which none of the run's processes mapped it, the last one's
+        generation)."""
         """Segments in /dev/shm that no process of the run mapped, with the polls that found so."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -189,7 +196,7 @@ class LeakWatch:
             unknown = {
                 name
                 for name in listed - self.before - self.segments.keys()
-                if self._unmapped.get(name, 0) < FOREIGN_POLLS
+                if self._unmapped.get(name, (0, 0))[0] < FOREIGN_POLLS
             }
             # ours name their owner, no memory map needs reading: the run's once the owner is one of its
             # processes (it may be seen at a later poll), another's after FOREIGN_POLLS polls
@@ -202,7 +209,7 @@ class LeakWatch:
                 if owner in watched:
                     self.segments.setdefault(name, owner)
                 else:
-                    self._unmapped[name] = self._unmapped.get(name, 0) + 1
+                    self._count_unmapped(name)
             if not unknown:
                 return
             for process in (self.root_id, *[p for p in self.processes.values() if p.alive()]):
@@ -211,7 +218,14 @@ class LeakWatch:
                 for name in _LOOK.mapped(process) & unknown:
                     self.segments.setdefault(name, process.pid)
             for name in unknown - self.segments.keys():
-                self._unmapped[name] = self._unmapped.get(name, 0) + 1
+                self._count_unmapped(name)
+
+    def _count_unmapped(self, name: str) -> None:
+        """One more look in which none of the run's processes maps ``name`` (lock held): polls that share
+        a look count once, so how often the watch polls does not decide what is foreign."""
+        looks, counted = self._unmapped.get(name, (0, 0))
+        if _LOOK.generation != counted:
+            self._unmapped[name] = (looks + 1, _LOOK.generation)
 
     def running(self) -> dict[int, str]:
         """Processes of the run still running, except this process's own resource tracker (it ends with
