@@ -233,17 +233,25 @@ def test_qwen_image_alone_exact_and_mixed_guidance_steps_and_prompt_lengths_in_o
 
     first = request(30, guidance=3.0)
     loop = StepLoop(QwenImageSteps(qwen), max_rows=16)
-    loop.add(first.request_id, first)
-    assert diff(run(loop)["r30"].image, qwen_alone(first)) == 0
     longer = DiffusionRequest(request_id="r33", prompt="a much longer prompt about a red fox in the snow at dusk",
                               seed=133, height=64, width=64, num_inference_steps=4, guidance_scale=3.0)  # fmt: skip
     mixed = [request(31, steps=5, guidance=3.0), request(32, steps=3, guidance=1.0), longer]
+    assert_alone_then_mixed(loop, first, mixed, qwen_alone)
+
+
+def assert_alone_then_mixed(
+    loop: StepLoop, first: DiffusionRequest, mixed: list[DiffusionRequest], alone: Any
+) -> None:
+    """``first`` through the loop alone: bit for bit ``alone(first)``; then ``mixed`` together: each a real
+    image within 1/255 of its own ``alone``."""
+    loop.add(first.request_id, first)
+    assert diff(run(loop)[first.request_id].image, alone(first)) == 0
     for r in mixed:
         loop.add(r.request_id, r)
     done = run(loop)
     for r in mixed:
         assert done[r.request_id].image.std() > 5
-        assert diff(done[r.request_id].image, qwen_alone(r)) <= 1, r.request_id
+        assert diff(done[r.request_id].image, alone(r)) <= 1, r.request_id
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image", "glm_image"])
@@ -650,17 +658,9 @@ def test_qwen_image_edit_alone_exact_and_mixed_sources_guidance_and_steps_in_one
     wide = np.asarray(Image.fromarray(source_image(64, seed=5)).resize((64, 48)))
     first = edit(40, 2, 3.0, source_image(64, seed=1))
     assert family.runs(first) and not family.runs(msgspec.structs.replace(first, images=None))
-    loop = StepLoop(family, max_rows=16)
-    loop.add(first.request_id, first)
-    assert diff(run(loop)["r40"].image, edit_alone(first)) == 0
     mixed = [
         edit(41, 3, 1.0, wide),
         edit(42, 2, 3.0, source_image(64, seed=3), prompt="turn the whole scene into a snowy winter night"),
         edit(43, 2, 3.0, source_image(64, seed=2)),
     ]
-    for r in mixed:
-        loop.add(r.request_id, r)
-    done = run(loop)
-    for r in mixed:
-        assert done[r.request_id].image.std() > 5
-        assert diff(done[r.request_id].image, edit_alone(r)) <= 1, r.request_id
+    assert_alone_then_mixed(StepLoop(family, max_rows=16), first, mixed, edit_alone)
