@@ -1065,12 +1065,14 @@ def vae_keeps_state(vae: Any) -> bool:
 
 
 def decode_latents(
-    pipe: Any, latents: Any, height: int, width: int, decode: Callable[[Any], Any] | None = None
-) -> list[Any]:
+    pipe: Any, latents: Any, height: int, width: int, decode: Callable[[Any], Any] | None = None,
+    shifted: bool = True,
+) -> list[Any]:  # fmt: skip
     """A diffusers pipeline's latents (as its denoising loop holds them) as uint8 HxWx3 images: unpacked
     where the pipeline packs them (FLUX, Qwen-Image), denormalized by the VAE's latent statistics
-    (Qwen-Image, GLM-Image) or its scaling and shift factors (SD3, FLUX, UNets), decoded, post-processed
-    as the pipeline does for ``output_type="np"``."""
+    (Qwen-Image, GLM-Image) or its scaling and shift factors (SD3, FLUX, UNets; ``shifted=False``: its
+    scaling alone, as SD3's inpainting pipeline decodes), decoded, post-processed as the pipeline does for
+    ``output_type="np"``."""
     import numpy as np
     import torch
 
@@ -1087,7 +1089,9 @@ def decode_latents(
             latents
         )
     else:
-        latents = latents / config.get("scaling_factor", 1.0) + (config.get("shift_factor") or 0.0)
+        latents = latents / config.get("scaling_factor", 1.0)
+        if shifted:
+            latents = latents + (config.get("shift_factor") or 0.0)
     image = decode(latents) if decode is not None else vae.decode(latents, return_dict=False)[0]
     if image.ndim == 5:  # a video VAE's one frame (Qwen-Image)
         image = image[:, :, 0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -21,6 +22,18 @@ from vllm_omni_plugin.diffusion.step_loop import (
     runs_in_loop,
     through_layers,
 )
+
+
+@dataclass(eq=False)
+class Inpainting:
+    """What a masked edit's steps keep beside its latents (:meth:`PipelineSteps.inpainting`)."""
+
+    source: torch.Tensor
+    """The source image's latents."""
+    noise: torch.Tensor
+    """The noise its first latents were drawn with, which noises the source to each step."""
+    mask: torch.Tensor
+    """1 where the edit repaints, 0 where the source stays, at the latents' size."""
 
 
 def fresh_scheduler(pipe: Any) -> Any:
@@ -47,13 +60,21 @@ class PipelineSteps:
     image_to_image: ClassVar[bool] = False
     """The family runs image-to-image requests as its family's image-to-image pipeline runs them (one
     source image, no mask: :meth:`first_step`, :meth:`noised_source`)."""
+    masks: ClassVar[bool] = False
+    """The family runs masked edits as its family's inpainting pipeline runs them (one source image and
+    its mask, no previews: :meth:`inpainting`, :meth:`advance` keeps what the mask keeps)."""
 
     def runs(self, request: DiffusionRequest) -> bool:
         if not request.images:
             return runs_in_loop(request, self.layers)
+        if request.mask is not None:
+            masked = self.masks and not request.partial_images
+            own: tuple[str, ...] = ("images", "mask")
+        else:
+            masked, own = self.image_to_image, ("images",)
         return (
-            self.image_to_image
-            and runs_in_loop(request, self.layers, own=("images",))
+            masked
+            and runs_in_loop(request, self.layers, own=own)
             and len(request.images) == 1
             and self.first_step(request) < self.steps_of(request)
         )
@@ -61,17 +82,19 @@ class PipelineSteps:
     def steps_of(self, request: DiffusionRequest) -> int:
         return request.num_inference_steps or 28
 
-    @functools.cached_property
-    def default_strength(self) -> float:
-        """The family's image-to-image pipeline's own default strength."""
+    @functools.cache  # noqa: B019 (one per family: its pipeline lives as long)
+    def default_strength(self, task: str) -> float:
+        """The own default strength of the family's pipeline for ``task`` (``images``: image to image,
+        ``mask``: inpainting)."""
         from vllm_omni_plugin.diffusion.diffusers_registry import call_parameters, companion_class
 
-        return call_parameters(companion_class(type(self.pipe), "images"))["strength"].default
+        return call_parameters(companion_class(type(self.pipe), task))["strength"].default
 
     def first_step(self, request: DiffusionRequest) -> int:
-        """The steps an image-to-image request's strength skips (the pipeline's ``get_timesteps``)."""
+        """The steps an edit's strength skips (the pipeline's ``get_timesteps``)."""
         steps = self.steps_of(request)
-        strength = self.default_strength if request.strength is None else request.strength
+        task = "images" if request.mask is None else "mask"
+        strength = self.default_strength(task) if request.strength is None else request.strength
         return int(max(steps - min(steps * strength, steps), 0))
 
     def strength_timesteps(
@@ -90,12 +113,43 @@ class PipelineSteps:
         """The image-to-image pipeline's initial latents (unpacked), with the request's own scheduler: its
         source image at the request's size encoded (a draw of its generator), normalized, and noised to
         the first step its strength leaves."""
+        return self.source_draws(request, scheduler, first, height, width, dtype, generator)[0]
+
+    def source_draws(
+        self, request: DiffusionRequest, scheduler: Any, first: torch.Tensor, height: int, width: int,
+        dtype: torch.dtype, generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(noised latents, the source's latents, the noise drawn): :meth:`noised_source` with what an
+        inpainting step needs again."""
         from diffusers.utils.torch_utils import randn_tensor
 
         image = self.pipe.image_processor.preprocess(as_pil(request.images[0]), height=height, width=width)
         encoded = self.encoded_source(image.to(device=self.device, dtype=dtype), generator)
         noise = randn_tensor(encoded.shape, generator=generator, device=self.device, dtype=dtype)
-        return scheduler.scale_noise(encoded, first, noise).to(device=self.device, dtype=dtype)
+        noised = scheduler.scale_noise(encoded, first, noise).to(device=self.device, dtype=dtype)
+        return noised, encoded, noise
+
+    def inpainting(
+        self, request: DiffusionRequest, encoded: torch.Tensor, noise: torch.Tensor, height: int, width: int
+    ) -> Inpainting:
+        """A masked edit's mask at the latents' size, as the family's inpainting pipeline prepares it
+        (binarized, resized), with its source latents and noise. The pipeline's encode of the masked image
+        is left out: only an inpainting denoiser (more input channels) reads it, and it is the last draw
+        of the request's generator."""
+        import PIL.Image
+        from diffusers.image_processor import VaeImageProcessor
+
+        pipe = self.pipe
+        processor = VaeImageProcessor(
+            vae_scale_factor=pipe.vae_scale_factor, vae_latent_channels=pipe.vae.config.latent_channels,
+            do_normalize=False, do_binarize=True, do_convert_grayscale=True,
+        )  # fmt: skip
+        mask_image = PIL.Image.fromarray(np.asarray(request.mask))
+        condition = processor.preprocess(mask_image, height=height, width=width)
+        mask = torch.nn.functional.interpolate(condition, size=encoded.shape[-2:])
+        # contiguous, as the pipeline's repeat of the source leaves it: the last step's latents are the
+        # source where the mask keeps it, and their layout decides the decoder's kernels (1/255 apart)
+        return Inpainting(encoded.contiguous(), noise, mask.to(device=self.device, dtype=encoded.dtype))
 
     def encoded_source(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """A preprocessed source image as its image-to-image pipeline's latents: a draw of the encoder's
@@ -126,11 +180,19 @@ class PipelineSteps:
         return [(p, next(negatives) if guided(r) else None) for r, p in zip(requests, prompts, strict=True)]
 
     def advance(self, state: Any, output: torch.Tensor) -> None:
-        """The state's scheduler step with its (guided) model output, shown to every layer (previews)."""
+        """The state's scheduler step with its (guided) model output, shown to every layer (previews); a
+        masked edit then takes back what its mask keeps, the source noised to the next step."""
         sample = state.latents
         state.latents = state.scheduler.step(output, state.timesteps[state.index], sample, return_dict=False)[
             0
         ]
+        inpaint = getattr(state, "inpaint", None)
+        if inpaint is not None:
+            kept = inpaint.source
+            if state.index < len(state.timesteps) - 1:
+                following = torch.tensor([state.timesteps[state.index + 1]])
+                kept = state.scheduler.scale_noise(kept, following, inpaint.noise)
+            state.latents = (1 - inpaint.mask) * kept + inpaint.mask * state.latents
         for layer in self.layers:
             layer.stepped(state, sample, output)
         state.index += 1

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_omni_plugin.diffusion.diffusers_runner import as_pil
+from vllm_omni_plugin.diffusion.diffusers_runner import as_pil, decode_latents
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
-from vllm_omni_plugin.diffusion.pipeline_steps import PipelineSteps, fresh_scheduler
-from vllm_omni_plugin.diffusion.step_loop import runs_in_loop
+from vllm_omni_plugin.diffusion.pipeline_steps import Inpainting, PipelineSteps, fresh_scheduler
+from vllm_omni_plugin.diffusion.step_loop import decoded_by_group, runs_in_loop
 
 
 @dataclass(eq=False)
@@ -33,14 +33,18 @@ class SD3State:
     height: int
     width: int
     index: int = 0
+    inpaint: Inpainting | None = None
+    """A masked edit's mask, source latents and noise."""
 
 
 class SD3Steps(PipelineSteps):
-    """``StableDiffusion3Pipeline``'s text to image, and image to image as its family's
+    """``StableDiffusion3Pipeline``'s text to image, image to image as its family's
     ``StableDiffusion3Img2ImgPipeline`` runs it (the source image encoded and noised to the first step its
-    strength leaves), one step at a time."""
+    strength leaves) and masked edits as ``StableDiffusion3InpaintPipeline`` runs them (besides, after each
+    step, what the mask keeps taken from the source noised to the next step), one step at a time."""
 
     image_to_image = True
+    masks = True
 
     def _guided(self, request: DiffusionRequest) -> bool:
         return self._guidance(request) > 1.0
@@ -83,24 +87,40 @@ class SD3Steps(PipelineSteps):
         embeds, pooled = conditioning
         scheduler = fresh_scheduler(pipe)
         timesteps, _ = retrieve_timesteps(scheduler, self.steps_of(request), self.device)
+        inpaint = None
         if request.images:
             timesteps = self.strength_timesteps(request, scheduler, timesteps)
-            latents = self.noised_source(
+            latents, encoded, noise = self.source_draws(
                 request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
             )
+            if request.mask is not None:
+                inpaint = self.inpainting(request, encoded, noise, height, width)
         else:
             channels = pipe.transformer.config.in_channels
             latents = pipe.prepare_latents(
                 1, channels, height, width, embeds.dtype, self.device, generator, None
             )
         guidance = self._guidance(request)
-        return SD3State(latents, scheduler, timesteps, embeds, pooled, guidance, height, width)
+        return SD3State(
+            latents, scheduler, timesteps, embeds, pooled, guidance, height, width, inpaint=inpaint
+        )
 
     def steps(self, state: SD3State) -> int:
         return len(state.timesteps)
 
     def shape(self, state: SD3State) -> Hashable:
         return tuple(state.latents.shape)
+
+    def decode(self, states: list[SD3State]) -> list[np.ndarray]:
+        """As :meth:`PipelineSteps.decode`; a masked edit's latents as ``StableDiffusion3InpaintPipeline``
+        decodes them (scaled back without the VAE's shift factor, which its encode subtracted)."""
+
+        def decode(key: Any, group: list[SD3State]) -> list[np.ndarray]:
+            height, width, masked = key
+            latents = torch.cat([s.latents for s in group])
+            return decode_latents(self.pipe, latents, height, width, shifted=not masked)
+
+        return decoded_by_group(states, lambda s: (s.height, s.width, s.inpaint is not None), decode)
 
     def denoise(self, states: list[SD3State]) -> None:
         hidden = torch.cat([s.latents.expand(s.embeds.shape[0], -1, -1, -1) for s in states])
