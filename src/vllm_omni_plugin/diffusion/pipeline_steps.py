@@ -63,6 +63,8 @@ class PipelineSteps:
     masks: ClassVar[bool] = False
     """The family runs masked edits as its family's inpainting pipeline runs them (one source image and
     its mask, no previews: :meth:`inpainting`, :meth:`advance` keeps what the mask keeps)."""
+    mask_scale: ClassVar[int] = 1
+    """The inpainting pipeline's mask processor's scale factor, in VAE scale factors (FLUX's packs 2x2)."""
 
     def runs(self, request: DiffusionRequest) -> bool:
         if not request.images:
@@ -141,7 +143,8 @@ class PipelineSteps:
 
         pipe = self.pipe
         processor = VaeImageProcessor(
-            vae_scale_factor=pipe.vae_scale_factor, vae_latent_channels=pipe.vae.config.latent_channels,
+            vae_scale_factor=pipe.vae_scale_factor * self.mask_scale,
+            vae_latent_channels=pipe.vae.config.latent_channels,
             do_normalize=False, do_binarize=True, do_convert_grayscale=True,
         )  # fmt: skip
         mask_image = PIL.Image.fromarray(np.asarray(request.mask))

@@ -40,8 +40,8 @@ class SD3State:
 class SD3Steps(PipelineSteps):
     """``StableDiffusion3Pipeline``'s text to image, image to image as its family's
     ``StableDiffusion3Img2ImgPipeline`` runs it (the source image encoded and noised to the first step its
-    strength leaves) and masked edits as ``StableDiffusion3InpaintPipeline`` runs them (besides, after each
-    step, what the mask keeps taken from the source noised to the next step), one step at a time."""
+    strength leaves) and masked edits as ``StableDiffusion3InpaintPipeline`` runs them (after each step,
+    what the mask keeps is the source noised to the next step), one step at a time."""
 
     image_to_image = True
     masks = True
@@ -197,13 +197,18 @@ class FluxState:
     height: int
     width: int
     index: int = 0
+    inpaint: Inpainting | None = None
+    """A masked edit's mask (one per channel), source latents and noise, packed as the latents."""
 
 
 class FluxSteps(PipelineSteps):
-    """``FluxPipeline``'s text to image (guidance distilled, no true CFG), and image to image as
-    ``FluxImg2ImgPipeline`` runs it, one step at a time."""
+    """``FluxPipeline``'s text to image (guidance distilled, no true CFG), image to image as
+    ``FluxImg2ImgPipeline`` runs it and masked edits as ``FluxInpaintPipeline`` runs them (in packed
+    tokens: the mask repeated over the latents' channels), one step at a time."""
 
     image_to_image = True
+    masks = True
+    mask_scale = 2
 
     default_max_sequence_length = 512
 
@@ -234,14 +239,30 @@ class FluxSteps(PipelineSteps):
             sigmas = None  # the text-to-image pipeline's rule (its image-to-image one has none)
         scheduler, timesteps = shifted_schedule(self, request, height, width, sigmas)
         channels = pipe.transformer.config.in_channels // 4
-        packed = packed_source(self, request, scheduler, timesteps, height, width, embeds.dtype, generator)
+        inpaint = None
+        if request.mask is not None:
+            noised, encoded, noise = self.source_draws(
+                request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
+            )
+            unpacked = self.inpainting(request, encoded, noise, height, width)
+
+            def pack(latents: torch.Tensor) -> torch.Tensor:
+                return pipe._pack_latents(latents, 1, channels, latents.shape[-2], latents.shape[-1])
+
+            mask = pack(unpacked.mask.repeat(1, channels, 1, 1))
+            inpaint = Inpainting(pack(unpacked.source), pack(noise), mask)
+            packed = pack(noised)
+        else:
+            dtype = embeds.dtype
+            packed = packed_source(self, request, scheduler, timesteps, height, width, dtype, generator)
         latents, image_ids = pipe.prepare_latents(
             1, channels, height, width, embeds.dtype, self.device, generator, packed
         )  # packed given: its image ids only
         guidance = 3.5 if request.guidance_scale is None else request.guidance_scale
         return FluxState(
-            latents, image_ids, text_ids, scheduler, timesteps, embeds, pooled, guidance, height, width
-        )
+            latents, image_ids, text_ids, scheduler, timesteps, embeds, pooled, guidance, height, width,
+            inpaint=inpaint,
+        )  # fmt: skip
 
     def steps(self, state: FluxState) -> int:
         return len(state.timesteps)
