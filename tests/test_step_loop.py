@@ -407,9 +407,8 @@ def test_image_to_image_in_the_loop_gives_the_image_to_image_pipelines_image(
     ``StableDiffusion3Img2ImgPipeline``, ``FluxImg2ImgPipeline``, ``QwenImageImg2ImgPipeline`` from the
     same components): alone bit for bit, its strength skipping the first steps; beside a text-to-image
     request and an edit of the pipeline's default strength joining mid-way, each within 1/255 of its
-    whole call. SD3's and FLUX's masked edits too, as ``StableDiffusion3InpaintPipeline`` and
-    ``FluxInpaintPipeline`` run them (alone bit for bit, then among the others); Qwen-Image's are left to
-    whole calls."""
+    whole call. Masked edits too, as ``StableDiffusion3InpaintPipeline``, ``FluxInpaintPipeline`` and
+    ``QwenImageInpaintPipeline`` run them: alone bit for bit, then among the others."""
     from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 
     runner = load_pipeline_runner(str(request.getfixturevalue(f"tiny_{family}")), dtype=torch.float32,
@@ -428,13 +427,12 @@ def test_image_to_image_in_the_loop_gives_the_image_to_image_pipelines_image(
     mask = np.zeros((64, 64), np.uint8)
     mask[8:40, 16:56] = 255  # repainted there, the source kept elsewhere
     masked = msgspec.structs.replace(ask(3), mask=mask)
-    assert pieces.runs(masked) == (family != "qwen_image")
+    assert pieces.runs(masked) and not pieces.runs(msgspec.structs.replace(masked, partial_images=2))
     loop = StepLoop(pieces, max_rows=16)
-    if pieces.runs(masked):
-        loop.add(masked.request_id, masked)
-        inpainted = run(loop)["e3"].image
-        assert diff(inpainted, whole_call(runner, masked)) == 0
-        assert diff(inpainted, whole_call(runner, ask(3))) > 8  # the mask matters
+    loop.add(masked.request_id, masked)
+    inpainted = run(loop)["e3"].image
+    assert diff(inpainted, whole_call(runner, masked)) == 0
+    assert diff(inpainted, whole_call(runner, ask(3))) > 8  # the mask matters
     loop = StepLoop(pieces, max_rows=16)
     loop.add(first.request_id, first)
     alone = run(loop)["e0"].image
@@ -443,11 +441,10 @@ def test_image_to_image_in_the_loop_gives_the_image_to_image_pipelines_image(
     for r in (first, text):
         loop.add(r.request_id, r)
     run(loop, until=loop.counters.steps + 2)
-    joining = [default, masked] if pieces.runs(masked) else [default]
-    for r in joining:
+    for r in (default, masked):
         loop.add(r.request_id, r)
     done = run(loop)
-    for r in (first, text, *joining):
+    for r in (first, text, default, masked):
         assert diff(done[r.request_id].image, whole_call(runner, r)) <= 1, r.request_id
 
 

@@ -144,7 +144,7 @@ class PipelineSteps:
         pipe = self.pipe
         processor = VaeImageProcessor(
             vae_scale_factor=pipe.vae_scale_factor * self.mask_scale,
-            vae_latent_channels=pipe.vae.config.latent_channels,
+            vae_latent_channels=pipe.vae.config.get("latent_channels") or pipe.vae.config.get("z_dim"),
             do_normalize=False, do_binarize=True, do_convert_grayscale=True,
         )  # fmt: skip
         mask_image = PIL.Image.fromarray(np.asarray(request.mask))

@@ -173,14 +173,26 @@ def shifted_schedule(
 def packed_source(
     pieces: PipelineSteps, request: DiffusionRequest, scheduler: Any, timesteps: torch.Tensor, height: int,
     width: int, dtype: torch.dtype, generator: torch.Generator,
-) -> torch.Tensor | None:  # fmt: skip
-    """An image-to-image request's noised source latents packed into tokens as FLUX's and Qwen-Image's
-    pipelines pack them (None for a text-to-image request: the pipeline draws its latents)."""
+) -> tuple[torch.Tensor | None, Inpainting | None]:  # fmt: skip
+    """An edit's noised source latents packed into tokens as FLUX's and Qwen-Image's pipelines pack them
+    (None for a text-to-image request: the pipeline draws its latents), and a masked edit's
+    :class:`Inpainting` packed alike, as their inpainting pipelines pack it (the mask repeated over the
+    latents' channels)."""
     if not request.images:
-        return None
-    noised = pieces.noised_source(request, scheduler, timesteps[:1], height, width, dtype, generator)
+        return None, None
+    noised, encoded, noise = pieces.source_draws(
+        request, scheduler, timesteps[:1], height, width, dtype, generator
+    )
     channels = pieces.pipe.transformer.config.in_channels // 4
-    return pieces.pipe._pack_latents(noised, 1, channels, noised.shape[-2], noised.shape[-1])
+
+    def pack(latents: torch.Tensor) -> torch.Tensor:
+        return pieces.pipe._pack_latents(latents, 1, channels, latents.shape[-2], latents.shape[-1])
+
+    if request.mask is None:
+        return pack(noised), None
+    unpacked = pieces.inpainting(request, encoded, noise, height, width)
+    mask = pack(unpacked.mask.repeat(1, channels, 1, 1))
+    return pack(noised), Inpainting(pack(unpacked.source), pack(noise), mask)
 
 
 @dataclass(eq=False)
@@ -239,22 +251,9 @@ class FluxSteps(PipelineSteps):
             sigmas = None  # the text-to-image pipeline's rule (its image-to-image one has none)
         scheduler, timesteps = shifted_schedule(self, request, height, width, sigmas)
         channels = pipe.transformer.config.in_channels // 4
-        inpaint = None
-        if request.mask is not None:
-            noised, encoded, noise = self.source_draws(
-                request, scheduler, timesteps[:1], height, width, embeds.dtype, generator
-            )
-            unpacked = self.inpainting(request, encoded, noise, height, width)
-
-            def pack(latents: torch.Tensor) -> torch.Tensor:
-                return pipe._pack_latents(latents, 1, channels, latents.shape[-2], latents.shape[-1])
-
-            mask = pack(unpacked.mask.repeat(1, channels, 1, 1))
-            inpaint = Inpainting(pack(unpacked.source), pack(noise), mask)
-            packed = pack(noised)
-        else:
-            dtype = embeds.dtype
-            packed = packed_source(self, request, scheduler, timesteps, height, width, dtype, generator)
+        packed, inpaint = packed_source(
+            self, request, scheduler, timesteps, height, width, embeds.dtype, generator
+        )
         latents, image_ids = pipe.prepare_latents(
             1, channels, height, width, embeds.dtype, self.device, generator, packed
         )  # packed given: its image ids only
@@ -300,6 +299,8 @@ class QwenImageState:
     height: int
     width: int
     index: int = 0
+    inpaint: Inpainting | None = None
+    """A masked edit's mask (one per channel), source latents and noise, packed as the latents."""
 
 
 def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -316,14 +317,17 @@ def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]
 
 
 class QwenImageSteps(PipelineSteps):
-    """``QwenImagePipeline``'s text to image, and image to image as ``QwenImageImg2ImgPipeline`` runs it,
-    one step at a time: true CFG as the pipeline runs it (the prompts' rows in one forward, the negative
-    prompts' in a second, then the norm-kept combination), a guided request's negative prompt ``" "``
-    where it gives none (the served runner's rule)."""
+    """``QwenImagePipeline``'s text to image, image to image as ``QwenImageImg2ImgPipeline`` runs it and
+    masked edits as ``QwenImageInpaintPipeline`` runs them, one step at a time: true CFG as the pipeline
+    runs it (the prompts' rows in one forward, the negative prompts' in a second, then the norm-kept
+    combination), a guided request's negative prompt ``" "`` where it gives none (the served runner's
+    rule)."""
 
     negative_default = " "
     default_max_sequence_length = 512
     image_to_image = True
+    masks = True
+    mask_scale = 2
 
     def steps_of(self, request: DiffusionRequest) -> int:
         return request.num_inference_steps or 50
@@ -367,12 +371,16 @@ class QwenImageSteps(PipelineSteps):
         sigmas = np.linspace(1.0, 1 / steps, steps)
         scheduler, timesteps = shifted_schedule(self, request, height, width, sigmas)
         channels = pipe.transformer.config.in_channels // 4
-        packed = packed_source(self, request, scheduler, timesteps, height, width, embeds.dtype, generator)
+        packed, inpaint = packed_source(
+            self, request, scheduler, timesteps, height, width, embeds.dtype, generator
+        )
         latents = pipe.prepare_latents(
             1, channels, height, width, embeds.dtype, self.device, generator, packed
         )  # packed given: as it is
         guidance = self._guidance(request)
-        return QwenImageState(latents, scheduler, timesteps, embeds, negative, guidance, height, width)
+        return QwenImageState(
+            latents, scheduler, timesteps, embeds, negative, guidance, height, width, inpaint=inpaint
+        )
 
     def steps(self, state: QwenImageState) -> int:
         return len(state.timesteps)
