@@ -429,6 +429,7 @@ class QwenImageEditSteps(QwenImageSteps):
     taken back. Prompts are not cached by text: their embeddings depend on the image."""
 
     image_to_image = False
+    masks = False  # the runner refuses them (no inpainting pipeline of the edit family is served)
 
     def runs(self, request: DiffusionRequest) -> bool:
         return len(request.images or []) == 1 and runs_in_loop(request, self.layers, own=("images",))
