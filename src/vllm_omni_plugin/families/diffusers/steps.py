@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -476,18 +476,21 @@ class QwenImageEditSteps(QwenImageSteps):
             image_latents=image_latents, source_size=(source_height, source_width),
         )  # fmt: skip
 
-    def shape(self, state: QwenImageEditState) -> Hashable:  # type: ignore[override]
-        return tuple(state.latents.shape), state.height, state.width, state.source_size
+    def shape(self, state: QwenImageState) -> Hashable:
+        edit = cast(QwenImageEditState, state)  # the states this family prepares
+        return tuple(edit.latents.shape), edit.height, edit.width, edit.source_size
 
-    def _forward(self, states: list[QwenImageEditState], rows: list[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+    def _forward(self, states: list[QwenImageState], rows: list[torch.Tensor]) -> torch.Tensor:
         pipe = self.pipe
         embeds, mask = padded(rows)
-        first = states[0]
+        first = cast(QwenImageEditState, states[0])
         scale = pipe.vae_scale_factor * 2
         shapes = [(1, first.height // scale, first.width // scale)]
         shapes.append((1, first.source_size[0] // scale, first.source_size[1] // scale))
         timestep = torch.cat([s.timesteps[s.index].expand(1).to(s.latents.dtype) for s in states])
-        tokens = torch.cat([torch.cat([s.latents, s.image_latents], dim=1) for s in states])
+        tokens = torch.cat(
+            [torch.cat([s.latents, cast(QwenImageEditState, s).image_latents], dim=1) for s in states]
+        )
         out = self.forward(
             states, hidden_states=tokens, timestep=timestep / 1000, guidance=None,
             encoder_hidden_states_mask=mask, encoder_hidden_states=embeds, img_shapes=[shapes] * len(states),
