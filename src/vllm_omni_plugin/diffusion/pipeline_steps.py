@@ -84,10 +84,9 @@ class PipelineSteps:
     def steps_of(self, request: DiffusionRequest) -> int:
         return request.num_inference_steps or 28
 
-    @functools.cache  # noqa: B019 (one per family: its pipeline lives as long)
     def default_strength(self, task: str) -> float:
         """The own default strength of the family's pipeline for ``task`` (``images``: image to image,
-        ``mask``: inpainting)."""
+        ``mask``: inpainting; its call's parameters are read once per class)."""
         from vllm_omni_plugin.diffusion.diffusers_registry import call_parameters, companion_class
 
         return call_parameters(companion_class(type(self.pipe), task))["strength"].default
@@ -139,20 +138,25 @@ class PipelineSteps:
         is left out: only an inpainting denoiser (more input channels) reads it, and it is the last draw
         of the request's generator."""
         import PIL.Image
-        from diffusers.image_processor import VaeImageProcessor
 
-        pipe = self.pipe
-        processor = VaeImageProcessor(
-            vae_scale_factor=pipe.vae_scale_factor * self.mask_scale,
-            vae_latent_channels=pipe.vae.config.get("latent_channels") or pipe.vae.config.get("z_dim"),
-            do_normalize=False, do_binarize=True, do_convert_grayscale=True,
-        )  # fmt: skip
         mask_image = PIL.Image.fromarray(np.asarray(request.mask))
-        condition = processor.preprocess(mask_image, height=height, width=width)
+        condition = self.mask_processor.preprocess(mask_image, height=height, width=width)
         mask = torch.nn.functional.interpolate(condition, size=encoded.shape[-2:])
         # contiguous, as the pipeline's repeat of the source leaves it: the last step's latents are the
         # source where the mask keeps it, and their layout decides the decoder's kernels (1/255 apart)
         return Inpainting(encoded.contiguous(), noise, mask.to(device=self.device, dtype=encoded.dtype))
+
+    @functools.cached_property
+    def mask_processor(self) -> Any:
+        """The family's inpainting pipeline's mask processor: grayscale, binarized, not normalized."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        pipe = self.pipe
+        return VaeImageProcessor(
+            vae_scale_factor=pipe.vae_scale_factor * self.mask_scale,
+            vae_latent_channels=pipe.vae.config.get("latent_channels") or pipe.vae.config.get("z_dim"),
+            do_normalize=False, do_binarize=True, do_convert_grayscale=True,
+        )  # fmt: skip
 
     def encoded_source(self, image: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """A preprocessed source image as its image-to-image pipeline's latents: a draw of the encoder's
@@ -200,14 +204,20 @@ class PipelineSteps:
             layer.stepped(state, sample, output)
         state.index += 1
 
+    def shifted(self, state: Any) -> bool:
+        """Whether the state's latents decode with the VAE's shift factor (:func:`decode_latents`)."""
+        return True
+
     def decode(self, states: list[Any]) -> list[np.ndarray]:
-        """The states' images (their ``height`` and ``width``), one decoder call per size, as the pipeline
-        decodes its latents (:func:`decode_latents`)."""
+        """The states' images (their ``height`` and ``width``), one decoder call per size (and
+        :meth:`shifted`), as the pipeline decodes its latents (:func:`decode_latents`)."""
 
-        def decode(size: Any, group: list[Any]) -> list[np.ndarray]:
-            return decode_latents(self.pipe, torch.cat([s.latents for s in group]), *size)
+        def decode(key: Any, group: list[Any]) -> list[np.ndarray]:
+            height, width, shifted = key
+            latents = torch.cat([s.latents for s in group])
+            return decode_latents(self.pipe, latents, height, width, shifted=shifted)
 
-        return decoded_by_group(states, lambda s: (s.height, s.width), decode)
+        return decoded_by_group(states, lambda s: (s.height, s.width, self.shifted(s)), decode)
 
     def estimate(self, state: Any, sample: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """Flow matching's clean latents as a whole call's previews take them: ``sample - sigma * output``."""

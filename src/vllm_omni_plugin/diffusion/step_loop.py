@@ -390,11 +390,9 @@ class StepLoop:
                 self._left(item)
             for layer in self.family.layers:
                 layer.settle()
-            if self.decoder is not None and self._decodes_beside(done):
-                self.to_decode += done
-            else:  # at once, after the decoder's call (one decode of the VAE at a time)
-                finished += self._decoded(wait=True) + self._decode(self.to_decode + done)
-                self.to_decode = []
+            self.to_decode += done
+            if self.decoder is None or not self._decodes_beside(done):
+                finished += self.drain_decodes()  # at once, after the decoder's call (one at a time)
         if self.decoder is not None and self.decoding is None and self.to_decode:
             items, self.to_decode = self.to_decode, []
             states = [item.state for item in items]

@@ -15,10 +15,10 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from vllm_omni_plugin.diffusion.diffusers_runner import as_pil, decode_latents
+from vllm_omni_plugin.diffusion.diffusers_runner import as_pil
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.pipeline_steps import Inpainting, PipelineSteps, fresh_scheduler
-from vllm_omni_plugin.diffusion.step_loop import decoded_by_group, runs_in_loop
+from vllm_omni_plugin.diffusion.step_loop import runs_in_loop
 
 
 @dataclass(eq=False)
@@ -111,16 +111,10 @@ class SD3Steps(PipelineSteps):
     def shape(self, state: SD3State) -> Hashable:
         return tuple(state.latents.shape)
 
-    def decode(self, states: list[SD3State]) -> list[np.ndarray]:
-        """As :meth:`PipelineSteps.decode`; a masked edit's latents as ``StableDiffusion3InpaintPipeline``
-        decodes them (scaled back without the VAE's shift factor, which its encode subtracted)."""
-
-        def decode(key: Any, group: list[SD3State]) -> list[np.ndarray]:
-            height, width, masked = key
-            latents = torch.cat([s.latents for s in group])
-            return decode_latents(self.pipe, latents, height, width, shifted=not masked)
-
-        return decoded_by_group(states, lambda s: (s.height, s.width, s.inpaint is not None), decode)
+    def shifted(self, state: SD3State) -> bool:
+        """A masked edit's latents decode as ``StableDiffusion3InpaintPipeline`` decodes them: scaled back
+        without the VAE's shift factor, which its encode subtracted."""
+        return state.inpaint is None
 
     def denoise(self, states: list[SD3State]) -> None:
         hidden = torch.cat([s.latents.expand(s.embeds.shape[0], -1, -1, -1) for s in states])
