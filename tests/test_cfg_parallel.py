@@ -4,7 +4,8 @@ computes each step's second call while rank 0 computes the first) and BAGEL (row
 their own contexts, which a peer keeps for the batch; also over three processes): every image
 equals the single-process engine's within one level of 255 (the ranks compute different row counts than
 one process does, and a matmul's float sums depend on its rows); rank 0 computes only its share of each
-forward (counted by a pre-hook on its denoiser); caching and step batching go through the group; a peer
+forward (counted by a pre-hook on its denoiser); caching, step batching and the step loop go through the
+group; a peer
 that dies costs no request; a peer that cannot load stops start-up in one line; closing leaves no peer."""
 
 from __future__ import annotations
@@ -92,11 +93,11 @@ def test_a_cfg_parallel_engine_gives_the_single_process_images(pairs: dict[str, 
     batch = [ask(f"{family}-{i}", seed=i, steps=STEPS, family=family) for i in range(2)]
     expected = _images(pair.plain.generate(batch))
     pair.rows.clear()
-    split_before = pair.parallel.runner.parallel_denoiser.split_calls
+    split_before = pair.parallel.context.parallel_denoiser.split_calls
     got = _images(pair.parallel.generate(batch))
     for a, b in zip(got, expected, strict=True):
         assert_within_one_level(a, b)
-    split = pair.parallel.runner.parallel_denoiser.split_calls - split_before
+    split = pair.parallel.context.parallel_denoiser.split_calls - split_before
     if family == "qwen_image":
         # Its branches are two calls a step: the first step's are cut by rows (one of each call's two
         # here); then rank 0 computes each step's first call whole while rank 1 computes the second.
@@ -124,6 +125,63 @@ def test_a_request_whose_branches_are_two_calls_has_its_second_call_computed_on_
     assert pair.rows == [1] * (2 + (STEPS - 1))  # the first step's two calls, then one a step
 
 
+def loop_images(
+    engine: DiffusionEngine, first: Any, late: list[Any], join_at: int = 2
+) -> dict[str, np.ndarray]:
+    """Each request's image from ``engine``'s step loop (its default batching): ``first`` alone, ``late``
+    joining after ``join_at`` steps."""
+    import torch
+
+    from vllm_omni_plugin.diffusion.step_loop import StepLoop
+
+    assert engine.batching == "loop"
+    loop = StepLoop(engine.step_family, max_rows=16)
+    loop.add(first.request_id, first)
+    images: dict[str, np.ndarray] = {}
+    with torch.no_grad():
+        while not loop.idle():
+            if loop.counters.steps == join_at:
+                for r in late:
+                    loop.add(r.request_id, r)
+            images.update((done.request_id, done.image) for done in loop.step())
+    return images
+
+
+@pytest.mark.parametrize("family", ["sd3", "qwen_image"])
+def test_the_step_loop_cuts_every_forward_of_several_rows_over_the_group(
+    pairs: dict[str, Pair], family: str
+) -> None:
+    """CFG parallelism as a layer of the step loop: requests joining mid-way (one unguided, leaving
+    early) share forwards whose rows are cut over the ranks; each gets the image its whole call gives
+    alone in one process (within 1/255). A forward of one row (Qwen-Image's branches of a request alone)
+    stays on rank 0."""
+    pair = pairs[family]
+    first = ask(f"{family}-loop-0", seed=30, steps=STEPS, family=family)
+    late = [
+        ask(f"{family}-loop-1", seed=31, steps=STEPS, family=family),
+        ask(f"{family}-loop-2", seed=32, steps=2, guidance=1.0, family=family),
+    ]
+    expected = {r.request_id: _images(pair.plain.generate([r]))[0] for r in (first, *late)}
+    plain_rows: list[int] = []
+    hook = denoiser_of(pair.plain.runner.pipe).register_forward_pre_hook(
+        lambda module, args, kwargs: plain_rows.append(int(kwargs["hidden_states"].shape[0])),
+        with_kwargs=True,
+    )
+    try:
+        plain = loop_images(pair.plain, first, late)
+    finally:
+        hook.remove()
+    pair.rows.clear()
+    split_before = pair.parallel.context.parallel_denoiser.split_calls
+    got = loop_images(pair.parallel, first, late)
+    for request_id, image in expected.items():
+        assert_within_one_level(got[request_id], image)
+        assert_within_one_level(plain[request_id], image)
+    assert pair.rows == [(rows + 1) // 2 for rows in plain_rows]  # rank 0's share of each forward
+    split = pair.parallel.context.parallel_denoiser.split_calls - split_before
+    assert split == sum(rows > 1 for rows in plain_rows) and max(plain_rows) >= 3
+
+
 def test_a_glm_image_edit_pairs_its_branches_around_its_source_image_cache(pairs: dict[str, Pair]) -> None:
     """An edit's first call writes its source image's keys and values (rank 0), each step's first call
     reads them (rank 0), and its second skips them: rank 1 computes that one, without the cache."""
@@ -141,11 +199,11 @@ def test_an_unguided_request_alone_runs_on_rank_0(pairs: dict[str, Pair]) -> Non
     request = ask("alone", seed=5, steps=STEPS, guidance=1.0)
     expected = _images(pair.plain.generate([request]))
     pair.rows.clear()
-    split_before = pair.parallel.runner.parallel_denoiser.split_calls
+    split_before = pair.parallel.context.parallel_denoiser.split_calls
     got = _images(pair.parallel.generate([request]))
     assert np.array_equal(got[0], expected[0])  # one row: nothing to split, the same forward
     assert pair.rows == [1] * STEPS
-    assert pair.parallel.runner.parallel_denoiser.split_calls == split_before
+    assert pair.parallel.context.parallel_denoiser.split_calls == split_before
 
 
 def test_cached_requests_split_the_steps_they_compute(pairs: dict[str, Pair]) -> None:
@@ -183,7 +241,7 @@ def test_a_step_batched_group_goes_through_the_group(tiny_sd3: Path) -> None:
     )
     try:
         got = _step_batched(engine, batch)
-        assert engine.runner.parallel_denoiser.split_calls == STEPS
+        assert engine.context.parallel_denoiser.split_calls == STEPS
     finally:
         engine.close()
     for a, b in zip(got, expected, strict=True):

@@ -200,13 +200,13 @@ def test_a_videos_frames_count_in_its_memory_budget_and_decode_plan(tiny_wan: Pa
     longer, shorter = runner.activation_phases([video(17)]), runner.activation_phases([video(9)])
     assert longer["denoise"] > shorter["denoise"] and longer["decode"] > shorter["decode"]
 
-    runner.vae_tiling = "auto"  # as the engine sets it, with the budget its memory leaves
+    runner.context.vae_tiling = "auto"  # as the engine sets it, with the budget its memory leaves
     one, two = (runner.decode_bytes(n, 48, 64, "whole", 9) for n in (1, 2))
     in_turn = runner.decode_bytes(2, 48, 64, "sliced", 9)
     assert one < in_turn < two
     plans = {}
     for budget in (None, two, in_turn, one - 1):
-        runner.decode_budget = budget
+        runner.context.decode_budget = budget
         plans[budget] = (runner.decode_plan(1, 48, 64, 9), runner.decode_plan(2, 48, 64, 9))
     assert plans == {
         None: ("whole", "whole"),
@@ -214,7 +214,7 @@ def test_a_videos_frames_count_in_its_memory_budget_and_decode_plan(tiny_wan: Pa
         in_turn: ("whole", "sliced"),
         one - 1: ("tiled", "tiled"),
     }
-    runner.decode_budget = None
+    runner.context.decode_budget = None
 
     vae = runner.pipe.vae
     decode, seen = vae._decode, []
@@ -227,10 +227,10 @@ def test_a_videos_frames_count_in_its_memory_budget_and_decode_plan(tiny_wan: Pa
     try:
         made = {}
         for tiling in ("auto", "always"):
-            runner.vae_tiling = tiling
+            runner.context.vae_tiling = tiling
             (made[tiling],) = runner.run([video(9)], [torch.Generator().manual_seed(0)]).images
     finally:
-        runner.vae_tiling = "auto"
+        runner.context.vae_tiling = "auto"
         del vae._decode
     assert seen == [(False, False), (True, True)]  # whole, then tiled (slicing on too)
     assert (vae.use_slicing, vae.use_tiling) == (False, False)  # set for each decode alone

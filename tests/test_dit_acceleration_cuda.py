@@ -86,7 +86,7 @@ def test_a_parallel_tiny_sd3_over_two_cuda_devices(tiny_sd3: Path, field: str) -
     )
     try:
         results = engine.generate(requests(2))
-        assert engine.runner.parallel_denoiser.split_calls == STEPS
+        assert engine.context.parallel_denoiser.split_calls == STEPS
         assert engine.parallel is not None and engine.parallel.failed is None
     finally:
         engine.close()
@@ -111,7 +111,7 @@ def test_a_cfg_parallel_tiny_bagel_over_two_cuda_devices(tiny_bagel: Path) -> No
     engine = DiffusionEngine(tiny_bagel, DiffusionEngineConfig(cfg_parallel_size=2, **args), device="cuda")
     try:
         got = [engine.generate([request]) for request in batch]
-        assert engine.runner.parallel_denoiser.split_calls > 0
+        assert engine.context.parallel_denoiser.split_calls > 0
         assert engine.parallel is not None and engine.parallel.failed is None
     finally:
         engine.close()

@@ -438,8 +438,8 @@ def dit_need(
         weights = tensor_bytes(runner.weight_tensors())
     budget = MemoryBudget(fraction, "cuda", gpu, weights)
     if runner.tiles_decode:  # as the engine sets them: decodes image by image or in tiles where they must
-        runner.vae_tiling = stage.diffusion_args.get("vae_tiling", "auto")
-        runner.decode_budget = budget.activation_bytes
+        runner.context.vae_tiling = stage.diffusion_args.get("vae_tiling", "auto")
+        runner.context.decode_budget = budget.activation_bytes
     worst_alone = max(runner.activation_bytes([r]) for r in largest)
     full = max(runner.activation_bytes(b) for b in batches)
     detail = (

@@ -56,7 +56,7 @@ class Engines:
 
     @property
     def split_calls(self) -> int:
-        return self.parallel.runner.parallel_denoiser.split_calls
+        return self.parallel.context.parallel_denoiser.split_calls
 
     def close(self) -> None:
         del self._first.forward
@@ -141,6 +141,28 @@ def test_a_sequence_parallel_engine_gives_the_single_process_images(
     calls = STEPS * CALLS_PER_STEP[family]
     assert engines.split_calls - before == calls
     assert engines.tokens == [TOKENS_64 // 2] * calls
+    assert_ulysses(attentions)
+
+
+def test_the_step_loops_forwards_share_their_tokens(
+    engines: Engines, attentions: list[tuple[int, int, int]]
+) -> None:
+    """Sequence parallelism as a layer of the step loop: requests joining mid-way (one unguided, leaving
+    early) share forwards whose image tokens are cut over the ranks, each with the image its whole call
+    gives alone in one process (within 1/255)."""
+    from test_cfg_parallel import loop_images
+
+    first = ask("sp-loop-0", seed=40, steps=STEPS)
+    late = [ask("sp-loop-1", seed=41, steps=STEPS), ask("sp-loop-2", seed=42, steps=2, guidance=1.0)]
+    expected = {r.request_id: _images(engines.plain.generate([r]))[0] for r in (first, *late)}
+    engines.tokens.clear()
+    before = engines.split_calls
+    got = loop_images(engines.parallel, first, late)
+    for request_id, image in expected.items():
+        assert_within_one_level(got[request_id], image)
+    # one forward a step, each over the group with half the tokens: the first's 2 steps alone, its 2
+    # beside the others, then the second request's last 2
+    assert engines.split_calls - before == 6 and engines.tokens == [TOKENS_64 // 2] * 6
     assert_ulysses(attentions)
 
 

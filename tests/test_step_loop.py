@@ -6,16 +6,22 @@ image sizes, or are preempted by a higher-priority one and resumed, each get the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 import pytest
 import torch
 
+from vllm_omni_plugin.diffusion.lora import AdapterLayer
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.previews import PreviewLayer
+from vllm_omni_plugin.diffusion.runner import RunnerContext
+from vllm_omni_plugin.diffusion.step_cache import StepCacheLayer
 from vllm_omni_plugin.diffusion.step_loop import DecodeBeside, StepLoop
 from vllm_omni_plugin.families.diffusers.steps import SD3Steps
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +73,12 @@ def family_request(family: str, request_id: str, seed: int, **fields: Any) -> Di
     from vllm_omni_plugin.families.glm_image.runner import GlmImageRequest
 
     return GlmImageRequest(**common, prior_token_ids=token_ids(16, seed))
+
+
+def layer_of(pieces: Any, kind: type[T]) -> T:
+    """The family's layer of this kind (there is one)."""
+    (layer,) = (layer for layer in pieces.layers if isinstance(layer, kind))
+    return layer
 
 
 def whole_call(runner: Any, r: DiffusionRequest) -> np.ndarray:
@@ -301,7 +313,7 @@ def test_adapters_mixed_in_one_step_each_give_the_image_diffusers_gives_with_it_
         if r.lora is not None and plain is None:
             plain = expected(msgspec.structs.replace(r, lora=None))
             assert np.abs(plain.astype(int) - expected(r).astype(int)).mean() > 1  # the adapter acts
-    assert not pieces.layers[0].chosen  # finished requests leave the layer
+    assert not layer_of(pieces, AdapterLayer).chosen  # finished requests leave the layer
 
 
 @pytest.mark.parametrize("family", ["sd3", "qwen_image", "glm_image"])
@@ -316,7 +328,7 @@ def test_previews_in_the_loop_are_the_whole_calls_previews_and_come_before_the_i
     model = request.getfixturevalue(f"tiny_{family}")
     runner = load_pipeline_runner(str(model), dtype=torch.float32, device="cpu")
     got: list[tuple[str, int, np.ndarray]] = []
-    runner.on_preview = lambda request_id, index, image: got.append((request_id, index, image))
+    runner.attach(RunnerContext(on_preview=lambda *preview: got.append(preview)))
     pieces = runner.step_family()
     asks = [
         family_request(family, f"p{k}", k, num_inference_steps=6, guidance_scale=2.0,
@@ -343,7 +355,7 @@ def test_previews_in_the_loop_are_the_whole_calls_previews_and_come_before_the_i
     assert [(name, index) for name, index, _ in got] == [("p0", 0), ("p0", 1)]
     for mine, whole in zip(in_loop, (image for _, _, image in got), strict=True):
         assert mine.shape == (64, 64, 3) and diff(mine, whole) <= 1
-    assert not pieces.layers[1].wanted
+    assert not layer_of(pieces, PreviewLayer).wanted
 
 
 def cached_beside_others(loop: StepLoop, alone: np.ndarray, asks: tuple[Any, Any, Any], whole: Any) -> None:
@@ -375,7 +387,7 @@ def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_al
     model = request.getfixturevalue(f"tiny_{family}")
     runner = load_pipeline_runner(str(model), dtype=torch.float32, device="cpu")
     counts = [0, 0]
-    runner.on_cache_counts = lambda computed, cached: counts.__setitem__(1, counts[1] + cached)
+    runner.attach(RunnerContext(on_cache_counts=lambda _, cached: counts.__setitem__(1, counts[1] + cached)))
     pieces = runner.step_family()
     forwards = [0]
     runner.pipe.transformer.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -396,7 +408,8 @@ def test_cached_and_uncached_requests_share_steps_each_with_the_image_it_gets_al
     alone = run(loop)["c0"].image
     assert forwards[0] == calls * sum(plan) and counts[1] == calls * (8 - sum(plan)) * runner.cache_blocks
     cached_beside_others(loop, alone, (fixed, uncached, threshold), whole)
-    assert not pieces.layers[2].caches and not pieces.layers[2].slots
+    cache_layer = layer_of(pieces, StepCacheLayer)
+    assert not cache_layer.caches and not cache_layer.slots
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
@@ -526,7 +539,7 @@ def test_bagel_alone_exact_and_mixed_contexts_guidance_and_previews_in_one_loop(
 
     runner = BagelGenerationRunner.load(str(tiny_bagel), dtype=torch.float32, device="cpu")
     got: list[tuple[str, int, np.ndarray]] = []
-    runner.on_preview = lambda request_id, index, image: got.append((request_id, index, image))
+    runner.attach(RunnerContext(on_preview=lambda *preview: got.append(preview)))
     pieces = runner.step_family()
 
     def whole(r: Any) -> np.ndarray:
@@ -568,7 +581,7 @@ def test_bagel_cached_and_uncached_requests_share_steps_each_with_its_whole_call
 
     runner = BagelGenerationRunner.load(str(tiny_bagel), dtype=torch.float32, device="cpu")
     counts = [0, 0]
-    runner.on_cache_counts = lambda computed, cached: counts.__setitem__(1, counts[1] + cached)
+    runner.attach(RunnerContext(on_cache_counts=lambda _, cached: counts.__setitem__(1, counts[1] + cached)))
     pieces = runner.step_family()
     forwards = [0]
     velocity = runner.transformer.velocity

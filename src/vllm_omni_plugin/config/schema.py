@@ -111,7 +111,7 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     and ``max_batch_size``); ``loop`` runs one step loop over every admitted request (at most
     ``max_batch_size``; SD3, FLUX and Qwen-Image text to image and unmasked edits, GLM-Image and
     BAGEL, other requests as whole ones between its steps). Unset: ``loop`` where the pipeline has
-    step-loop pieces and nothing configured needs whole calls, else ``request``."""
+    step-loop pieces and ``batch_invariant`` is off, else ``request``."""
     scheduling_policy: Literal["fcfs", "priority"] | None = None
     """``priority`` lets requests carry a ``priority`` (lower first, ties by arrival, as vLLM's
     ``--scheduling-policy priority``). AR stages: vLLM's engine argument (the flag on the command line

@@ -19,7 +19,7 @@ CFG) gets :class:`PairedBranches`: rank 1 computes each step's second call while
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup, DenoiserStandIn
@@ -33,6 +33,7 @@ from vllm_omni_plugin.diffusion.step_batching import (
     take_rows,
     without_unused,
 )
+from vllm_omni_plugin.diffusion.step_loop import LoopLayer
 
 
 @runtime_checkable
@@ -189,6 +190,23 @@ class PairedBranches(DenoiserStandIn):
         if self._sent is not None:
             self._sent = None
             self._group.take_call()
+
+
+class ParallelDenoiserLayer(LoopLayer):
+    """CFG or sequence parallelism as a layer of the step loop (``diffusion/step_loop.py``): the family's
+    forwards, over the rows of every request in the step, call the replica's stand-in
+    (:class:`RowParallelDenoiser` or ``sequence_parallel.SequenceParallelDenoiser``), which computes
+    them over its group. A forward of one row (an unguided request alone; each of Qwen-Image's true-CFG
+    forwards for one request) stays on rank 0, as the stand-in keeps it."""
+
+    def __init__(self, stand_in: Callable[[], DenoiserStandIn | None]) -> None:
+        self._stand_in = stand_in
+        """The replica's stand-in (None: this stage is no parallel replica); asked at each forward, as the
+        engine starts the group after the family's layers are built."""
+
+    def denoiser(self, module: Any) -> Any:
+        stand_in = self._stand_in()
+        return module if stand_in is None else stand_in
 
 
 def _rows_taken(

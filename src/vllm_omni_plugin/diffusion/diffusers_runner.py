@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgspec
 
 from vllm_omni_plugin.diffusion.blocks import CompileSpec, repeated_blocks
+from vllm_omni_plugin.diffusion.cfg_parallel import ParallelDenoiserLayer
 from vllm_omni_plugin.diffusion.diffusers_registry import (
     CALL_ARGUMENTS,
     STEP_FAMILIES,
@@ -32,7 +33,6 @@ from vllm_omni_plugin.diffusion.lora import AdapterLayer, AdapterRows, LoadedAda
 from vllm_omni_plugin.diffusion.memory import (
     TILED_OUTPUT_WIDTHS,
     DecodePlan,
-    VaeTiling,
     transformer_block_bytes,
     vae_decode_bytes,
     vae_tile_pixels,
@@ -259,10 +259,6 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """Held while a VAE that keeps state (:func:`vae_keeps_state`) encodes or decodes for a group, or
         decodes a group's preview."""
         self._preview_decoder = PreviewDecoder(getattr(pipe, "vae", None))
-        self.vae_tiling: VaeTiling = "auto"
-        """Set by the engine: when the VAE decodes image by image (sliced) or tile by tile (tiled)."""
-        self.decode_budget: int | None = None
-        """Set by the engine (a stage with a memory budget): what one call's activations may take."""
         self._decode_flags_lock = threading.Lock()
         """Held while a decode runs with the slicing and tiling flags its :meth:`decode_plan` set."""
         self._plan_decodes()
@@ -492,7 +488,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
     @functools.cached_property
     def adapters(self) -> LoadedAdapters:
         """The LoRA adapters its denoiser's rows may run with (``max_loras`` of them loaded)."""
-        return LoadedAdapters(denoiser_of(self.pipe), self.max_loras)
+        return LoadedAdapters(denoiser_of(self.pipe), self.context.max_loras)
 
     def _adapter_rows(self, batch: list[DiffusionRequest], denoiser: Any) -> AdapterRows:
         rows = [(self.adapters.get(r.lora), r.lora.scale) if r.lora is not None else None for r in batch]
@@ -618,16 +614,17 @@ class DiffusersPipelineRunner(DiffusionRunner):
         ``whole`` (one call), ``sliced`` (one image at a time) or ``tiled`` (overlapping tiles of the VAE's
         tile size, blended): with ``vae_tiling: auto``, the least of those whose estimate fits the stage's
         memory budget."""
-        if not self.tiles_decode or self.vae_tiling == "never":
+        if not self.tiles_decode or self.context.vae_tiling == "never":
             return "whole"
-        if self.vae_tiling == "always":
+        if self.context.vae_tiling == "always":
             return "tiled"
         if (
-            self.decode_budget is None
-            or self.decode_bytes(images, height, width, "whole", frames) <= self.decode_budget
+            self.context.decode_budget is None
+            or self.decode_bytes(images, height, width, "whole", frames) <= self.context.decode_budget
         ):
             return "whole"
-        if images > 1 and self.decode_bytes(images, height, width, "sliced", frames) <= self.decode_budget:
+        budget = self.context.decode_budget
+        if images > 1 and self.decode_bytes(images, height, width, "sliced", frames) <= budget:
             return "sliced"
         return "tiled"
 
@@ -695,19 +692,20 @@ class DiffusersPipelineRunner(DiffusionRunner):
     step_batching = True
 
     def step_family(self) -> Any:
-        """The pipeline's step-loop pieces, with this runner's adapters, previews and step caching as their
-        layers."""
+        """The pipeline's step-loop pieces, with this runner's adapters, a parallel replica's group,
+        previews and step caching as their layers."""
         path = STEP_FAMILIES.get(type(self.pipe).__name__)
         if path is None:
             return None
         family = import_object(path)(self.pipe, layers=[AdapterLayer(self.adapters)])
         family.layers += [
-            PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.on_preview),
+            ParallelDenoiserLayer(lambda: self.context.parallel_denoiser),
+            PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.context.on_preview),
             StepCacheLayer(
                 family.steps,
                 self.step_joins(),
                 self.cache_blocks,
-                lambda: self.on_cache_counts,
+                lambda: self.context.on_cache_counts,
                 passes=self.cache_passes,
             ),  # fmt: skip
         ]
@@ -724,7 +722,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
 
             pipe = copy.copy(own)
             pipe.__dict__["scheduler"] = copy.deepcopy(own.scheduler)
-        return self._call(pipe, batch, generators, should_stop, self.on_step, None)
+        return self._call(pipe, batch, generators, should_stop, self.context.on_step, None)
 
     def denoiser(self) -> Any:
         return denoiser_of(self.pipe)
@@ -753,7 +751,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         encode = self._encodes.get(id(own))
         if encode is not None:  # its wait for the lock counts as encoding
             pipe.__dict__["encode_prompt"] = self._timed(self._one_at_a_time(encode))
-        vae, decodes = getattr(self.pipe, "vae", None), self.decode_batcher
+        vae, decodes = getattr(self.pipe, "vae", None), self.context.decode_batcher
         if vae is not None and decodes is not None:  # decodes joined with other groups'
             pipe.__dict__["vae"] = GroupVae(vae, decodes, group, self._state_lock(vae))
         try:
@@ -949,7 +947,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         group's then)."""
         name = denoiser_attribute(self.pipe)
         if (
-            self.parallel_denoiser is None
+            self.context.parallel_denoiser is None
             or name is None
             or getattr(pipe, name) is not denoiser_of(self.pipe)
         ):
@@ -960,7 +958,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
 
         if self._shared(pipe):
             pipe = copy.copy(pipe)
-        denoiser, pairs = self.parallel_denoiser, None
+        denoiser, pairs = self.context.parallel_denoiser, None
         guided = (batch[0].guidance_scale or self.default_guidance_scale or 0.0) > 1.0
         if isinstance(denoiser, RowParallelDenoiser) and not self.batched_guidance and guided:
             denoiser = pairs = PairedBranches(denoiser, self.cache_passes, self.step_joins())
@@ -982,7 +980,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
         inner = getattr(pipe, name)
         steps = batch[0].num_inference_steps or self.default_num_inference_steps
         cache = CallCache(
-            specs, lambda: _timesteps_of(pipe) or steps, self.cache_blocks, self.on_cache_counts
+            specs, lambda: _timesteps_of(pipe) or steps, self.cache_blocks, self.context.on_cache_counts
         )
         pipe.__dict__[name] = CachedDenoiser(
             inner,
@@ -990,7 +988,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
             module=module,
             joins=self.step_joins(),
             # a step-batched group's proxy and rows with their own adapters keep every row
-            takes_rows=inner in (module, self.parallel_denoiser)
+            takes_rows=inner in (module, self.context.parallel_denoiser)
             and not any(r.lora is not None for r in batch),
             passes=self.cache_passes,
         )
@@ -1001,7 +999,7 @@ class DiffusersPipelineRunner(DiffusionRunner):
     previews = True
 
     def _previewing(self, batch: list[DiffusionRequest]) -> bool:
-        return self.on_preview is not None and any(r.partial_images for r in batch)
+        return self.context.on_preview is not None and any(r.partial_images for r in batch)
 
     def preview_size(self, batch: list[DiffusionRequest]) -> tuple[int, int] | None:
         """(height, width) the call makes (None: the pipeline decides it as it runs, so no previews)."""
@@ -1014,8 +1012,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         """Wrap the call's own scheduler's ``step``: at the steps a row asked a preview for, the clean
         image it estimates (the flow-matching schedulers': ``sample - sigma * velocity``; others': their
         ``pred_original_sample``) is decoded for those rows beside the next steps (``previews``) and
-        handed to :attr:`on_preview`."""
-        size, sink = self.preview_size(batch), self.on_preview
+        handed to the context's ``on_preview``."""
+        size, sink = self.preview_size(batch), self.context.on_preview
         if size is None or sink is None:
             return
         wanted: dict[int, list[tuple[int, int]]] = {}

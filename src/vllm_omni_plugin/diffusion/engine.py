@@ -45,7 +45,12 @@ from vllm_omni_plugin.diffusion.params import DiffusionCounters, DiffusionResult
 from vllm_omni_plugin.diffusion.peer_group import DenoiserGroup
 from vllm_omni_plugin.diffusion.quantization import check as check_quantization
 from vllm_omni_plugin.diffusion.quantization import component_weights, describe_weights
-from vllm_omni_plugin.diffusion.runner import BatchAborted, DiffusionRunner, PreviewCallback
+from vllm_omni_plugin.diffusion.runner import (
+    BatchAborted,
+    DiffusionRunner,
+    PreviewCallback,
+    RunnerContext,
+)
 from vllm_omni_plugin.diffusion.sequence_parallel import SequenceParallelDenoiser, sequence_plan
 from vllm_omni_plugin.diffusion.step_batching import StepBatcher, latent_elements
 from vllm_omni_plugin.diffusion.step_cache import StepCacheSpec
@@ -157,23 +162,26 @@ class DiffusionEngine:
         self._in_flight: dict[int, _BatchProgress] = {}
         """The batch or groups the runner is working on, by id (:meth:`request_steps`); under
         ``_count_lock``."""
-        runner.on_step = self._step_done
         self.on_preview: PreviewCallback | None = None
         """Where the previews requests ask for (``partial_images``) go (set by the host's batch loop);
         called from the thread that runs the request."""
-        if runner.previews:
-            runner.on_preview = self._preview
-        runner.max_loras = config.max_loras
-        if runner.tiles_decode:
-            runner.vae_tiling = config.vae_tiling
-            runner.decode_budget = self.memory.activation_bytes if self.memory is not None else None
-        elif config.vae_tiling == "always":
+        if config.vae_tiling == "always" and not runner.tiles_decode:
             raise ValueError(f"vae_tiling: always: {runner.label}'s decoder does not tile; remove vae_tiling")
+        self.context = RunnerContext(
+            on_step=self._step_done,
+            on_preview=self._preview if runner.previews else None,
+            on_cache_counts=self._cache_counted,
+            max_loras=config.max_loras,
+            vae_tiling=config.vae_tiling,
+            decode_budget=self.memory.activation_bytes if self.memory is not None else None,
+        )
+        """What the runner reads of this engine (its one seam to it): callbacks, settings, and what
+        :meth:`_start` starts (the decode batcher, a parallel replica's denoiser)."""
+        runner.attach(self.context)
         self.cache = config.cache
         """The stage's step caching settings (requests override them field by field); None: off."""
         if self.cache is not None and self.cache.active and not runner.step_cache:
             raise ValueError(f"step caching is not available for {runner.label}; remove the cache block")
-        runner.on_cache_counts = self._cache_counted
         self.parallel: DenoiserGroup | None = None
         """A CFG- or sequence-parallel replica's group (``cfg_parallel_size`` or ``sequence_parallel_size``
         > 1): its peers compute their share of every denoiser forward's rows, or of its image tokens."""
@@ -193,17 +201,14 @@ class DiffusionEngine:
         self.step_family: Any = None
         """``batching: loop``: the pipeline as the step loop's pieces (``diffusion/step_loop.py``)."""
         if batching in (None, "loop"):
-            features = [name for name, on in (
-                ("batch_invariant", batch_invariant),
-                ("cfg_parallel_size", config.cfg_parallel_size > 1),
-                ("sequence_parallel_size", config.sequence_parallel_size > 1),
-            ) if on]  # fmt: skip
             family = runner.step_family()
-            if batching == "loop" and (family is None or features):
-                why = ", ".join(features) if features else f"{runner.label} has no step-loop pieces yet"
+            if batching == "loop" and (family is None or batch_invariant):
+                why = "batch_invariant runs requests alone" if batch_invariant else (
+                    f"{runner.label} has no step-loop pieces yet"
+                )  # fmt: skip
                 raise ValueError(f"batching: loop is not available: {why}; use batching: request")
-            # unset: the step loop where the pipeline has its pieces and nothing configured needs whole calls
-            batching = "loop" if family is not None and not features else "request"
+            # unset: the step loop where the pipeline has its pieces and requests may share steps
+            batching = "loop" if family is not None and not batch_invariant else "request"
             self.step_family = family if batching == "loop" else None
         self.batching: str = batching
         """What the stage runs: ``request``, ``step`` or ``loop`` (``batching`` unset: ``loop`` where it
@@ -273,7 +278,7 @@ class DiffusionEngine:
             self._compile(self.compile)
         if self.batching == "step":
             self.step_batcher = StepBatcher(
-                runner.parallel_denoiser or runner.denoiser(),
+                self.context.parallel_denoiser or runner.denoiser(),
                 max_rows=2 * self.max_batch_size,
                 joins=runner.step_joins(),
                 on_boundary=self._boundary_done,
@@ -286,7 +291,7 @@ class DiffusionEngine:
                     row_weight=latent_elements,
                     name="dit-decode",
                 )
-                runner.decode_batcher = self.decode_batcher
+                self.context.decode_batcher = self.decode_batcher
 
     def _measure_budget(self, fraction: float) -> MemoryBudget:
         """The budget with the weights as loaded: the allocator's count on CUDA, else the runner's
@@ -363,11 +368,13 @@ class DiffusionEngine:
         group = DenoiserGroup(size, [runner.peer_spec(self.model, d, threads) for d in devices[1:]])
         try:
             if plan is not None:
-                runner.parallel_denoiser = SequenceParallelDenoiser(
+                self.context.parallel_denoiser = SequenceParallelDenoiser(
                     runner.denoiser(), group, plan, runner.step_joins()
                 )
             else:
-                runner.parallel_denoiser = RowParallelDenoiser(runner.denoiser(), group, runner.step_joins())
+                self.context.parallel_denoiser = RowParallelDenoiser(
+                    runner.denoiser(), group, runner.step_joins()
+                )
         except BaseException:
             group.close()
             raise

@@ -47,8 +47,8 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     gpu_memory_utilization: float | None = None
     """The share of the device's memory (the machine's on CPU) the stage keeps to; None: no budget."""
     batching: Literal["request", "step", "loop"] | None = None
-    """None: ``loop`` where the pipeline has step-loop pieces and no stage feature needs whole calls, else
-    ``request``."""
+    """None: ``loop`` where the pipeline has step-loop pieces and requests may share steps (no
+    ``batch_invariant``), else ``request``."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """``priority``: requests carry a priority (lower first, ties by arrival; vLLM's
     ``--scheduling-policy priority``) that orders the queue and, with ``batching: loop``, each step."""

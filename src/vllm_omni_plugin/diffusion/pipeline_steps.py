@@ -19,6 +19,7 @@ from vllm_omni_plugin.diffusion.step_loop import (
     ConditioningCache,
     LoopLayer,
     decoded_by_group,
+    denoiser_through,
     runs_in_loop,
     through_layers,
 )
@@ -250,4 +251,5 @@ class PipelineSteps:
         return through_layers(self.layers, self._denoiser)(owners, inputs)
 
     def _denoiser(self, owners: list[Any], inputs: dict[str, Any]) -> torch.Tensor:
-        return self.pipe.transformer(**inputs, return_dict=False)[0]
+        denoiser = denoiser_through(self.layers, self.pipe.transformer)
+        return denoiser(**inputs, return_dict=False)[0]

@@ -23,6 +23,7 @@ from vllm_omni_plugin.diffusion.lora import MAX_LORAS
 from vllm_omni_plugin.diffusion.params import RunnerRequest
 
 if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.memory import VaeTiling
     from vllm_omni_plugin.diffusion.peer_group import PeerSpec
     from vllm_omni_plugin.diffusion.quantization import QuantizationSpec
     from vllm_omni_plugin.diffusion.step_batching import ArgumentJoin, DecodeCalls, StepBatcher
@@ -53,6 +54,34 @@ def preview_steps(partial_images: int, steps: int) -> list[int]:
     there are earlier steps."""
     wanted = min(max(0, partial_images), max(0, steps - 1))
     return [(k + 1) * steps // (wanted + 1) - 1 for k in range(wanted)]  # distinct: steps > wanted
+
+
+@dataclass
+class RunnerContext:
+    """What the engine gives its runner, in one object handed once (:meth:`DiffusionRunner.attach`): where
+    the runner reports to the engine, and the stage's settings its calls follow. The engine fills what
+    starts after the runner (``decode_batcher``, ``parallel_denoiser``) in this same object, so no
+    attribute of a runner is written from outside it."""
+
+    on_step: StepCallback | None = None
+    """Called after each denoising step of :meth:`DiffusionRunner.run` (the engine's progress)."""
+    on_preview: PreviewCallback | None = None
+    """Called with each preview a request asked for (None: previews are not reported)."""
+    on_cache_counts: Callable[[int, int], None] | None = None
+    """Called with the block evaluations a call's requests computed and took from their step caches."""
+    max_loras: int = MAX_LORAS
+    """LoRA adapters kept loaded at once."""
+    vae_tiling: VaeTiling = "auto"
+    """When the VAE decodes image by image (sliced) or tile by tile (tiled): ``memory.VaeTiling``."""
+    decode_budget: int | None = None
+    """What one decode's activations may take (a stage with a memory budget; None: no bound)."""
+    decode_batcher: StepBatcher | None = None
+    """``batching: step``, a runner whose :meth:`DiffusionRunner.decode_calls` gives some: its groups
+    decode through it, so decodes of groups that finish together run as one call."""
+    parallel_denoiser: Any = None
+    """A CFG- or sequence-parallel replica's denoiser as its pipelines call it
+    (``diffusion/cfg_parallel.py``'s ``RowParallelDenoiser``, ``diffusion/sequence_parallel.py``'s
+    ``SequenceParallelDenoiser``); None: the runner's own."""
 
 
 @dataclass(slots=True)
@@ -108,8 +137,7 @@ class DiffusionRunner(abc.ABC):
 
     request_type: ClassVar[type[RunnerRequest]]
     """What this runner takes; the wire's union of request types is built from the registered runners'."""
-    on_step: StepCallback | None = None
-    """Set by the engine: called after each denoising step of :meth:`run`."""
+    _context: RunnerContext | None = None
     step_batching: ClassVar[bool] = False
     """It implements :meth:`run_rows` and :meth:`denoiser`: its requests can share forwards step by step
     (``batching: step``)."""
@@ -120,7 +148,8 @@ class DiffusionRunner(abc.ABC):
         return None
 
     previews: ClassVar[bool] = False
-    """It reports the previews its requests ask for (``partial_images``) through :attr:`on_preview`."""
+    """It reports the previews its requests ask for (``partial_images``) through its context's
+    ``on_preview``."""
     lora: ClassVar[bool] = False
     """Its requests may name a LoRA adapter of its denoiser (``DiffusionRequest.lora``), each row its own."""
     cfg_parallel: ClassVar[bool] = False
@@ -129,10 +158,6 @@ class DiffusionRunner(abc.ABC):
     sequence_parallel: ClassVar[bool] = False
     """Its denoiser can run over a sequence-parallel group of processes (:meth:`peer_spec`,
     ``sequence_parallel_size``), where it has a sequence plan (``diffusion/sequence_parallel.py``)."""
-    parallel_denoiser: Any = None
-    """Set by the engine of a CFG- or sequence-parallel replica: the denoiser as its pipelines call it
-    (``diffusion/cfg_parallel.py``'s ``RowParallelDenoiser``, ``diffusion/sequence_parallel.py``'s
-    ``SequenceParallelDenoiser``)."""
     quantizes: ClassVar[bool] = False
     """Its :meth:`load` takes ``quantization`` (``diffusion/quantization.py``: the denoiser's and text
     encoders' weights quantized as they load)."""
@@ -142,16 +167,18 @@ class DiffusionRunner(abc.ABC):
     """It compiles its denoiser's repeated blocks (:meth:`compile_blocks`, a stage's ``compile`` block)."""
     step_cache: bool = False
     """Its requests may skip denoiser forwards by step caching (``RunnerRequest.cache``), each its own."""
-    on_cache_counts: Callable[[int, int], None] | None = None
-    """Set by the engine: called with the block evaluations a call's requests computed and took from
-    their caches."""
-    max_loras: int = MAX_LORAS
-    """Set by the engine: adapters it keeps loaded at once."""
-    on_preview: PreviewCallback | None = None
-    """Set by the engine: called with each preview a request asked for."""
-    decode_batcher: StepBatcher | None = None
-    """Set by the engine (``batching: step``, a runner whose :meth:`decode_calls` gives some): its groups
-    decode through it, so decodes of groups that finish together run as one call."""
+
+    @property
+    def context(self) -> RunnerContext:
+        """The engine's :class:`RunnerContext` (a default one until an engine attaches its own)."""
+        if self._context is None:
+            self._context = RunnerContext()
+        return self._context
+
+    def attach(self, context: RunnerContext) -> None:
+        """Take the engine's context for every call from now on (once, before the first call and before
+        :meth:`step_family`)."""
+        self._context = context
 
     @classmethod
     @abc.abstractmethod
@@ -187,9 +214,9 @@ class DiffusionRunner(abc.ABC):
     def run(
         self, batch: list[Any], generators: list[Any], should_stop: StopCheck | None = None
     ) -> BatchOutput:
-        """One call for ``batch`` (one key; one CPU ``torch.Generator`` per request),
-        calling :attr:`on_step` after each step; raises :class:`BatchAborted` at the end of the first
-        step after which ``should_stop()`` is true."""
+        """One call for ``batch`` (one key; one CPU ``torch.Generator`` per request), calling the
+        context's ``on_step`` after each step; raises :class:`BatchAborted` at the end of the first step
+        after which ``should_stop()`` is true."""
 
     @abc.abstractmethod
     def weight_tensors(self) -> list[Any]:
@@ -238,7 +265,7 @@ class DiffusionRunner(abc.ABC):
     ) -> BatchOutput:
         """:meth:`run`, but with the denoiser calls going through ``batcher`` as group ``group`` (which
         leaves it after its last step), so they share forwards with other groups running at once, and
-        ``on_step`` called after each step instead of :attr:`on_step` (runners with ``step_batching``)."""
+        ``on_step`` called after each step instead of the context's (runners with ``step_batching``)."""
         raise NotImplementedError(f"{type(self).__name__} does not batch step by step")
 
     def compile_blocks(self, spec: CompileSpec) -> int:

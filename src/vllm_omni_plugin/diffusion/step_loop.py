@@ -21,9 +21,10 @@ draws and conditioning) and runs the stage as vLLM's engine core runs tokens:
 Features that act on the requests asking for them attach as :class:`LoopLayer` s of the family (its
 ``layers``): LoRA adapters per request and previews are two. The loop tells each layer which requests are
 admitted and which left, and lets it settle before finished requests decode; the family's forwards run
-through each layer's ``wrap`` (which knows the state each row belongs to) and each scheduler step is shown
-to its ``stepped``. A family's states keep their step as ``index``, their schedule as ``timesteps`` and
-their latents (one row) as ``latents``.
+through each layer's ``wrap`` (which knows the state each row belongs to), call the denoiser its
+``denoiser`` gives (CFG and sequence parallelism: the replica's group computes the forward), and each
+scheduler step is shown to its ``stepped``. A family's states keep their step as ``index``, their schedule
+as ``timesteps`` and their latents (one row) as ``latents``.
 
 A request's image does not depend on the rows beside it, up to the float noise of a batched kernel (at most
 1/255): each keeps its own generator draws, scheduler and guidance.
@@ -68,6 +69,12 @@ class LoopLayer:
         the last layer outermost)."""
         return call
 
+    def denoiser(self, module: Any) -> Any:
+        """What the family's forwards call in place of its denoiser ``module`` (a parallel replica's
+        stand-in, which computes the forward's rows or tokens over its group); ``module`` itself unless
+        the layer computes forwards elsewhere."""
+        return module
+
     def answer(self, state: Any) -> Any | None:
         """The state's (guided) model output for its step in place of the forward's, its rows left out
         of the forward (families whose whole call caches a step's guided output ask it: BAGEL); None:
@@ -106,6 +113,14 @@ def through_layers(layers: Sequence[LoopLayer], call: Forward) -> Forward:
     for layer in layers:
         call = layer.wrap(call)
     return call
+
+
+def denoiser_through(layers: Sequence[LoopLayer], module: Any) -> Any:
+    """The denoiser a family's innermost forward calls: ``module`` as every layer's :meth:`LoopLayer.denoiser`
+    gives it, the last outermost."""
+    for layer in layers:
+        module = layer.denoiser(module)
+    return module
 
 
 def decoded_by_group(

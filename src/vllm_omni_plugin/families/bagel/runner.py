@@ -357,27 +357,32 @@ class BagelGenerationRunner(DiffusionRunner):
         if len(keys) != 1:
             raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
         start = time.perf_counter()
-        denoiser = self.parallel_denoiser
+        denoiser = self.context.parallel_denoiser
         velocity = (
             self.transformer.velocity
             if denoiser is None
             else lambda latents, rows: denoiser(latents=latents, rows=rows)
         )
         with CallPreviews() as previews:
-            latents = self._denoise(batch, generators, should_stop, velocity, self.on_step, None, previews)
+            on_step = self.context.on_step
+            latents = self._denoise(batch, generators, should_stop, velocity, on_step, None, previews)
             return self._decoded(latents, batch, start)
 
     def step_family(self) -> Any:
-        """Its step-loop pieces (``families/bagel/steps.py``), with previews and step caching (of the
-        guided velocity, as its whole call caches) as their layers."""
+        """Its step-loop pieces (``families/bagel/steps.py``), with a CFG-parallel replica's group, previews
+        and step caching (of the guided velocity, as its whole call caches) as their layers."""
+        from vllm_omni_plugin.diffusion.cfg_parallel import ParallelDenoiserLayer
         from vllm_omni_plugin.diffusion.previews import PreviewLayer
         from vllm_omni_plugin.diffusion.step_cache import GuidedStepCacheLayer
         from vllm_omni_plugin.families.bagel.steps import BagelSteps
 
         family = BagelSteps(self)
         family.layers += [
-            PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.on_preview),
-            GuidedStepCacheLayer(family.steps, self.transformer.num_layers, lambda: self.on_cache_counts),
+            ParallelDenoiserLayer(lambda: self.context.parallel_denoiser),
+            PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.context.on_preview),
+            GuidedStepCacheLayer(
+                family.steps, self.transformer.num_layers, lambda: self.context.on_cache_counts
+            ),
         ]
         return family
 
@@ -477,13 +482,13 @@ class BagelGenerationRunner(DiffusionRunner):
         dts = dts.to(self.device)
         asked: dict[int, list[tuple[int, int]]] = {}
         """Step -> the (row, preview index) pairs it previews."""
-        if self.on_preview is not None:
+        if self.context.on_preview is not None:
             for r, request in enumerate(batch):
                 for index, at in enumerate(preview_steps(request.partial_images, len(timesteps))):
                     asked.setdefault(at, []).append((r, index))
         specs = [r.cache for r in batch]
         cache = (
-            CallCache(specs, len(timesteps), model.num_layers, self.on_cache_counts)
+            CallCache(specs, len(timesteps), model.num_layers, self.context.on_cache_counts)
             if CallCache.wanted(specs)
             else None
         )
@@ -527,7 +532,7 @@ class BagelGenerationRunner(DiffusionRunner):
     ) -> None:
         """Decode the estimated clean latents of the rows that asked for a preview at this step, beside
         the next steps."""
-        sink = self.on_preview
+        sink = self.context.on_preview
         if sink is None:
             return
         chosen = clean.index_select(0, torch.tensor([row for row, _ in rows], device=clean.device))

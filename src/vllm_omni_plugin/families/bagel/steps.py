@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_omni_plugin.diffusion.step_loop import LoopLayer, decoded_by_group, runs_in_loop, through_layers
+from vllm_omni_plugin.diffusion.step_loop import (
+    LoopLayer,
+    decoded_by_group,
+    denoiser_through,
+    runs_in_loop,
+    through_layers,
+)
 from vllm_omni_plugin.families.bagel.runner import AttentionRowsJoin, _Guidance, _RowPlan, flow_schedule
 from vllm_omni_plugin.families.bagel.transformer import AttentionRows, ContextBank
 
@@ -51,6 +57,8 @@ class BagelSteps:
     def __init__(self, runner: BagelGenerationRunner, layers: Sequence[LoopLayer] = ()) -> None:
         self.runner = runner
         self.layers: list[LoopLayer] = list(layers)
+        self._own_denoiser = runner.denoiser()
+        """The velocity forward as a module (what a parallel layer's stand-in replaces)."""
         self._joins: dict[Hashable, AttentionRowsJoin] = {}
         """One join per shape group: it keeps its joined rows while the group's requests stay."""
 
@@ -136,7 +144,8 @@ class BagelSteps:
         ]
 
     def _velocity(self, owners: list[Any], inputs: dict[str, Any]) -> torch.Tensor:
-        return self.runner.transformer.velocity(inputs["latents"], inputs["rows"])
+        denoiser = denoiser_through(self.layers, self._own_denoiser)
+        return denoiser(latents=inputs["latents"], rows=inputs["rows"])
 
     def estimate(self, state: BagelState, sample: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """BAGEL's clean latents at a step: ``x - t * v``."""
