@@ -421,11 +421,15 @@ def test_image_to_image_in_the_loop_gives_the_image_to_image_pipelines_image(
     same components): alone bit for bit, its strength skipping the first steps; beside a text-to-image
     request and an edit of the pipeline's default strength joining mid-way, each within 1/255 of its
     whole call. Masked edits too, as ``StableDiffusion3InpaintPipeline``, ``FluxInpaintPipeline`` and
-    ``QwenImageInpaintPipeline`` run them: alone bit for bit, then among the others."""
+    ``QwenImageInpaintPipeline`` run them: alone bit for bit, with the previews its whole call makes
+    (decoded as the inpainting pipeline decodes: SD3's without the VAE's shift factor), then among the
+    others."""
     from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
 
     runner = load_pipeline_runner(str(request.getfixturevalue(f"tiny_{family}")), dtype=torch.float32,
                                   device="cpu")  # fmt: skip
+    previews: list[tuple[Any, ...]] = []
+    runner.attach(RunnerContext(on_preview=lambda *preview: previews.append(preview)))
     pieces = runner.step_family()
     sources = np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
     guidance = {"flux": 3.5, "qwen_image": 3.0}.get(family, 4.0)
@@ -439,12 +443,17 @@ def test_image_to_image_in_the_loop_gives_the_image_to_image_pipelines_image(
     assert pieces.runs(first) and pieces.runs(default)
     mask = np.zeros((64, 64), np.uint8)
     mask[8:40, 16:56] = 255  # repainted there, the source kept elsewhere
-    masked = msgspec.structs.replace(ask(3), mask=mask)
-    assert pieces.runs(masked) and not pieces.runs(msgspec.structs.replace(masked, partial_images=2))
+    masked = msgspec.structs.replace(ask(3), mask=mask, partial_images=2)
+    assert pieces.runs(masked)
     loop = StepLoop(pieces, max_rows=16)
     loop.add(masked.request_id, masked)
     inpainted = run(loop)["e3"].image
+    in_loop = [image for *_, image in previews]
+    previews.clear()
     assert diff(inpainted, whole_call(runner, masked)) == 0
+    assert [(name, index) for name, index, _ in previews] == [("e3", 0), ("e3", 1)] and len(in_loop) == 2
+    for mine, whole in zip(in_loop, (image for *_, image in previews), strict=True):
+        assert diff(mine, whole) <= 1
     assert diff(inpainted, whole_call(runner, ask(3))) > 8  # the mask matters
     loop = StepLoop(pieces, max_rows=16)
     loop.add(first.request_id, first)

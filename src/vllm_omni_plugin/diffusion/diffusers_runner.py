@@ -1017,11 +1017,15 @@ class DiffusersPipelineRunner(DiffusionRunner):
         if size is None or sink is None:
             return
         wanted: dict[int, list[tuple[int, int]]] = {}
-        for row, request in enumerate(batch):
-            for index, step in enumerate(
-                preview_steps(request.partial_images, request.num_inference_steps or 0)
-            ):
-                wanted.setdefault(step, []).append((row, index))
+
+        def spread() -> None:
+            """At the call's first step: the previews spread over the steps it runs (an edit's strength
+            skips some of ``num_inference_steps``; the pipeline has counted them by then)."""
+            for row, request in enumerate(batch):
+                steps = _timesteps_of(pipe) or request.num_inference_steps or 0
+                for index, step in enumerate(preview_steps(request.partial_images, steps)):
+                    wanted.setdefault(step, []).append((row, index))
+
         scheduler = pipe.scheduler
         step_of_scheduler = scheduler.step
         count = [0]
@@ -1030,6 +1034,8 @@ class DiffusersPipelineRunner(DiffusionRunner):
         decode = self._preview_decoder.decode if vae is self._preview_decoder.vae else None
 
         def step(model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
+            if count[0] == 0:
+                spread()
             rows = wanted.get(count[0], [])
             count[0] += 1
             if not rows:
@@ -1062,15 +1068,25 @@ def vae_keeps_state(vae: Any) -> bool:
     return callable(getattr(vae, "clear_cache", None))
 
 
+STD_MULTIPLIED = frozenset({"GlmImagePipeline"})
+"""Pipelines that denormalize their latents as ``latents * std + mean``; the others with latent statistics
+(Qwen-Image's, Wan's) divide by ``1 / std``, which differs from it in the last bit of some values."""
+
+
+UNSHIFTED_DECODES = frozenset({"StableDiffusion3InpaintPipeline"})
+"""Pipelines that scale their latents back without the VAE's shift factor before decoding (SD3's
+inpainting pipeline: its encode subtracts it)."""
+
+
 def decode_latents(
     pipe: Any, latents: Any, height: int, width: int, decode: Callable[[Any], Any] | None = None,
-    shifted: bool = True,
+    shifted: bool | None = None,
 ) -> list[Any]:  # fmt: skip
     """A diffusers pipeline's latents (as its denoising loop holds them) as uint8 HxWx3 images: unpacked
     where the pipeline packs them (FLUX, Qwen-Image), denormalized by the VAE's latent statistics
     (Qwen-Image, GLM-Image) or its scaling and shift factors (SD3, FLUX, UNets; ``shifted=False``: its
-    scaling alone, as SD3's inpainting pipeline decodes), decoded, post-processed as the pipeline does for
-    ``output_type="np"``."""
+    scaling alone, as SD3's inpainting pipeline decodes; None: as ``pipe`` decodes,
+    :data:`UNSHIFTED_DECODES`), decoded, post-processed as the pipeline does for ``output_type="np"``."""
     import numpy as np
     import torch
 
@@ -1083,12 +1099,15 @@ def decode_latents(
     mean, std = config.get("latents_mean"), config.get("latents_std")
     if mean is not None and std is not None:
         shape = (1, len(mean)) + (1,) * (latents.ndim - 2)
-        latents = latents * torch.tensor(std).view(shape).to(latents) + torch.tensor(mean).view(shape).to(
-            latents
-        )
+        stds = torch.tensor(std).view(shape).to(latents)
+        means = torch.tensor(mean).view(shape).to(latents)
+        if type(pipe).__name__ in STD_MULTIPLIED:
+            latents = latents * stds + means
+        else:  # as Qwen-Image's and Wan's pipelines write it
+            latents = latents / (1.0 / stds) + means
     else:
         latents = latents / config.get("scaling_factor", 1.0)
-        if shifted:
+        if shifted if shifted is not None else type(pipe).__name__ not in UNSHIFTED_DECODES:
             latents = latents + (config.get("shift_factor") or 0.0)
     image = decode(latents) if decode is not None else vae.decode(latents, return_dict=False)[0]
     if image.ndim == 5:  # a video VAE's one frame (Qwen-Image)

@@ -63,7 +63,7 @@ class PipelineSteps:
     source image, no mask: :meth:`first_step`, :meth:`noised_source`)."""
     masks: ClassVar[bool] = False
     """The family runs masked edits as its family's inpainting pipeline runs them (one source image and
-    its mask, no previews: :meth:`inpainting`, :meth:`advance` keeps what the mask keeps)."""
+    its mask: :meth:`inpainting`, :meth:`advance` keeps what the mask keeps)."""
     mask_scale: ClassVar[int] = 1
     """The inpainting pipeline's mask processor's scale factor, in VAE scale factors (FLUX's packs 2x2)."""
 
@@ -71,7 +71,7 @@ class PipelineSteps:
         if not request.images:
             return runs_in_loop(request, self.layers)
         if request.mask is not None:
-            masked = self.masks and not request.partial_images
+            masked = self.masks
             own: tuple[str, ...] = ("images", "mask")
         else:
             masked, own = self.image_to_image, ("images",)

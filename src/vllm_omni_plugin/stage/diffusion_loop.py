@@ -432,12 +432,12 @@ class DiffusionBatchLoop:
         (once as many wait as half the free places, or the first has waited ``batch_wait_ms``) so that
         their prompts encode together; a request of better priority than one admitted joins beyond that
         (up to ``max_batch`` parked), and the step's row budget (two per request in ``max_batch``) leaves
-        the worse out until it is done. Requests the family cannot run step-wise (masked edits asking
-        for previews) run as whole requests between steps. Finished requests decode beside the next
-        steps (``overlap_decode``; ``DecodeBeside``) and are reported after the step during which their
-        decode ended; a test that holds the loop at ``dit.step`` sees every decode begun before the held
-        step reported. Stopping admits nothing new and lets the admitted requests finish (interrupted:
-        drops them)."""
+        the worse out until it is done. Requests the family cannot run step-wise (an edit of several
+        source images, or whose strength leaves it no step) run as whole requests between steps.
+        Finished requests decode beside the next steps (``overlap_decode``; ``DecodeBeside``) and are
+        reported after the step during which their decode ended; a test that holds the loop at
+        ``dit.step`` sees every decode begun before the held step reported. Stopping admits nothing
+        new and lets the admitted requests finish (interrupted: drops them)."""
         import torch
 
         from vllm_omni_plugin.diffusion.step_loop import DecodeBeside, StepLoop
