@@ -237,6 +237,16 @@ def test_qwen_image_edit_equals_diffusers_alone_and_batched(
         assert_within_one_level(result.image, reference(engine, request))
     # the source image matters
     assert together[0].image.tobytes() != together[1].image.tobytes()
+    # e0's source edited again (another prompt and seed): not encoded again, the image diffusers gives
+    again = ask("e2", "make it green", seed=3, guidance=1.0, images=[source_image(64, seed=1)])
+    encodes: list[int] = []
+    hook = engine.runner.pipe.vae.encoder.register_forward_hook(lambda *_: encodes.append(1))
+    try:
+        (result,) = ok(engine.generate([again]))
+    finally:
+        hook.remove()
+    assert not encodes
+    assert_within_one_level(result.image, reference(engine, again))
 
 
 def test_qwen_image_edit_needs_exactly_one_source_image(engine_of: Callable[[str], DiffusionEngine]) -> None:

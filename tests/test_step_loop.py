@@ -667,7 +667,8 @@ def test_qwen_image_edit_alone_exact_and_mixed_sources_guidance_and_steps_in_one
 ) -> None:
     """An edit as the served runner sends it (its source resized to about a megapixel): alone, bit for bit
     the pipeline's image; beside others (guided and not, other prompt lengths and step counts, an
-    unguided one's source of another aspect in a forward of its own), each within 1/255."""
+    unguided one's source of another aspect in a forward of its own, the first's source edited again:
+    not encoded again), each within 1/255."""
     from PIL import Image
 
     from helpers import source_image
@@ -693,6 +694,9 @@ def test_qwen_image_edit_alone_exact_and_mixed_sources_guidance_and_steps_in_one
     mixed = [
         edit(41, 3, 1.0, wide),
         edit(42, 2, 3.0, source_image(64, seed=3), prompt="turn the whole scene into a snowy winter night"),
-        edit(43, 2, 3.0, source_image(64, seed=2)),
+        edit(43, 2, 3.0, source_image(64, seed=1), prompt="make the sky green"),
     ]
+    encodes: list[int] = []
+    pipe.vae.encoder.register_forward_hook(lambda *_: encodes.append(1))
     assert_alone_then_mixed(StepLoop(family, max_rows=16), first, mixed, edit_alone)
+    assert len(encodes) == 3 and len(family.sources.entries) == 3  # r43's source is r40's

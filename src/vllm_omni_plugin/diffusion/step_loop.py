@@ -173,9 +173,10 @@ class StepFamily(Protocol):
 
 
 class ConditioningCache:
-    """Encoded texts by text, the most recently used kept within ``max_bytes``: the negative prompt most
-    guided requests share, and prompts asked again, are encoded once. Entries are the encoder's own
-    output for the text, so a request's embeddings are what the pipeline computes for it."""
+    """Encoded inputs by key (a text; a source image's digest), the most recently used kept within
+    ``max_bytes``: the negative prompt most guided requests share, prompts asked again and an image
+    edited again are encoded once. Entries are the encoder's own output for the input, so a request's
+    conditioning is what the pipeline computes for it."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes

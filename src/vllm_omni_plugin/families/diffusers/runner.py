@@ -86,6 +86,12 @@ class QwenImageEditRunner(QwenImageRunner):
     pipeline_class = "QwenImageEditPipeline"
     needs_images = True
 
+    def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
+        from vllm_omni_plugin.families.diffusers.steps import cached_source_encoding
+
+        super().__init__(pipe, device=device, dtype=dtype)
+        cached_source_encoding(pipe)  # a source edited again is not encoded again
+
     def source_pixels(self, request: DiffusionRequest) -> list[int]:
         return [1024 * 1024 for _ in request.images or []]  # resized to about a megapixel (call_kwargs)
 
@@ -129,6 +135,12 @@ class QwenImageEditPlusRunner(QwenImageRunner):
     pipeline_class = "QwenImageEditPlusPipeline"
     needs_images = True
     max_images = 3
+
+    def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
+        from vllm_omni_plugin.families.diffusers.steps import cached_source_encoding
+
+        super().__init__(pipe, device=device, dtype=dtype)
+        cached_source_encoding(pipe)  # a source edited again is not encoded again
 
     def source_pixels(self, request: DiffusionRequest) -> list[int]:
         return [1024 * 1024 for _ in request.images or []]  # the pipeline resizes each to about 1 MP

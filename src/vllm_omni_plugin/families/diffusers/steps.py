@@ -8,6 +8,8 @@ encoder calls the pipeline makes, so their embeddings are the pipeline's."""
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -18,7 +20,7 @@ import torch
 from vllm_omni_plugin.diffusion.diffusers_runner import as_pil
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
 from vllm_omni_plugin.diffusion.pipeline_steps import Inpainting, PipelineSteps, fresh_scheduler
-from vllm_omni_plugin.diffusion.step_loop import runs_in_loop
+from vllm_omni_plugin.diffusion.step_loop import ConditioningCache, runs_in_loop
 
 
 @dataclass(eq=False)
@@ -407,6 +409,41 @@ class QwenImageSteps(PipelineSteps):
         self.guided_by_second_forward(states, forward, combine)
 
 
+def cached_source_encoding(pipe: Any) -> ConditioningCache:
+    """The Qwen-Image-Edit pipelines' source encoding (``_encode_vae_image``) through a cache of each
+    source's latents by its pixels' digest, installed on ``pipe`` once: an image edited again (another
+    prompt or seed, a request's ``n`` variations) is not encoded again, in the loop or in a whole call.
+    Exact: the pipelines encode a source by its latent distribution's mode, which draws nothing from the
+    generator, and with a list of generators they encode and normalize row by row."""
+    cache = pipe.__dict__.get("source_latents")
+    if isinstance(cache, ConditioningCache):
+        return cache
+    cache = ConditioningCache()
+    encode = pipe._encode_vae_image
+    lock = threading.Lock()  # step-batched groups call from threads of their own
+
+    def by_row(image: torch.Tensor, generator: Any) -> torch.Tensor:
+        if not isinstance(generator, list) and image.shape[0] != 1:
+            return encode(image=image, generator=generator)  # one batched encode: as it is
+        rows = []
+        for i in range(image.shape[0]):
+            row = image[i : i + 1]
+            digest = hashlib.blake2b(row.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(),
+                                     digest_size=16)  # fmt: skip
+            digest.update(f"{tuple(row.shape)} {row.dtype}".encode())
+            own = [generator[i] if isinstance(generator, list) else generator]
+            with lock:
+                ((latents,),) = cache.get(
+                    [digest.hexdigest()], lambda _, row=row, own=own: [(encode(image=row, generator=own),)]
+                )
+            rows.append(latents)
+        return torch.cat(rows)
+
+    pipe.__dict__["_encode_vae_image"] = by_row  # this pipeline's own, not its class's
+    pipe.__dict__["source_latents"] = cache
+    return cache
+
+
 @dataclass(eq=False)
 class QwenImageEditState(QwenImageState):
     image_latents: torch.Tensor | None = None
@@ -424,6 +461,11 @@ class QwenImageEditSteps(QwenImageSteps):
 
     image_to_image = False
     masks = False  # the runner refuses them (no inpainting pipeline of the edit family is served)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sources = cached_source_encoding(self.pipe)
+        """The sources' encoded latents (shared with the runner's whole calls)."""
 
     def runs(self, request: DiffusionRequest) -> bool:
         return len(request.images or []) == 1 and runs_in_loop(request, self.layers, own=("images",))
