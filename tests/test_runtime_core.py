@@ -719,6 +719,31 @@ def test_pending_replies_deliver_fail_and_abort_on_cancel() -> None:
     run(main())
 
 
+def test_a_send_that_fails_after_a_death_ended_its_wait_leaves_no_unretrieved_error() -> None:
+    """The process dies while a request is being sent: the death ends every wait (``fail_all``) and the
+    send fails too. The wait raises the send's error; the death's, set on its future, is retrieved, so
+    asyncio logs no "Future exception was never retrieved" when the future goes."""
+    import gc
+
+    client = FakeStageClient(1, 0, "dit", dit_answer)
+    pending = PendingReplies(client)
+    unretrieved: list[dict[str, Any]] = []
+
+    async def send_to_a_dead_process() -> None:
+        pending.fail_all(StageDeadError("the stage died", stage_id=1))
+        raise StageDeadError("not connected (its process died)", stage_id=1, where="unsent")
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unretrieved.append(context))
+        with pytest.raises(StageDeadError, match="not connected"):
+            await pending.wait("a", send_to_a_dead_process())
+        gc.collect()
+        await asyncio.sleep(0)
+
+    run(main())
+    assert not unretrieved and client.inflight == set() and len(pending) == 0
+
+
 # --- payloads through a connector -----------------------------------------------------------------------
 
 

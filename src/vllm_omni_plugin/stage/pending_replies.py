@@ -35,6 +35,13 @@ class PendingReplies:
         finally:
             self.client.inflight.discard(request_id)
             self._futures.pop(request_id, None)
+            # A send that failed (the process died) may meet a death that already ended the wait: its
+            # error is the send's, told by the raise; marked retrieved, so asyncio logs no "Future
+            # exception was never retrieved" for it.
+            if not future.done():
+                future.cancel()
+            elif not future.cancelled():
+                future.exception()
 
     def resolve(self, request_id: str, reply: Any) -> bool:
         """Deliver ``reply``; False when nobody waits for it any more (aborted meanwhile)."""
