@@ -130,21 +130,17 @@ def loop_images(
 ) -> dict[str, np.ndarray]:
     """Each request's image from ``engine``'s step loop (its default batching): ``first`` alone, ``late``
     joining after ``join_at`` steps."""
-    import torch
-
+    from test_step_loop import run
     from vllm_omni_plugin.diffusion.step_loop import StepLoop
 
     assert engine.batching == "loop"
     loop = StepLoop(engine.step_family, max_rows=16)
     loop.add(first.request_id, first)
-    images: dict[str, np.ndarray] = {}
-    with torch.no_grad():
-        while not loop.idle():
-            if loop.counters.steps == join_at:
-                for r in late:
-                    loop.add(r.request_id, r)
-            images.update((done.request_id, done.image) for done in loop.step())
-    return images
+    done = run(loop, until=join_at)
+    for r in late:
+        loop.add(r.request_id, r)
+    done |= run(loop)
+    return {request_id: finished.image for request_id, finished in done.items()}
 
 
 @pytest.mark.parametrize("family", ["sd3", "qwen_image"])

@@ -614,16 +614,13 @@ class DiffusersPipelineRunner(DiffusionRunner):
         ``whole`` (one call), ``sliced`` (one image at a time) or ``tiled`` (overlapping tiles of the VAE's
         tile size, blended): with ``vae_tiling: auto``, the least of those whose estimate fits the stage's
         memory budget."""
-        if not self.tiles_decode or self.context.vae_tiling == "never":
+        tiling, budget = self.context.vae_tiling, self.context.decode_budget
+        if not self.tiles_decode or tiling == "never":
             return "whole"
-        if self.context.vae_tiling == "always":
+        if tiling == "always":
             return "tiled"
-        if (
-            self.context.decode_budget is None
-            or self.decode_bytes(images, height, width, "whole", frames) <= self.context.decode_budget
-        ):
+        if budget is None or self.decode_bytes(images, height, width, "whole", frames) <= budget:
             return "whole"
-        budget = self.context.decode_budget
         if images > 1 and self.decode_bytes(images, height, width, "sliced", frames) <= budget:
             return "sliced"
         return "tiled"
@@ -1021,8 +1018,9 @@ class DiffusersPipelineRunner(DiffusionRunner):
         def spread() -> None:
             """At the call's first step: the previews spread over the steps it runs (an edit's strength
             skips some of ``num_inference_steps``; the pipeline has counted them by then)."""
+            counted = _timesteps_of(pipe)
             for row, request in enumerate(batch):
-                steps = _timesteps_of(pipe) or request.num_inference_steps or 0
+                steps = counted or request.num_inference_steps or 0
                 for index, step in enumerate(preview_steps(request.partial_images, steps)):
                     wanted.setdefault(step, []).append((row, index))
 
@@ -1107,7 +1105,9 @@ def decode_latents(
             latents = latents / (1.0 / stds) + means
     else:
         latents = latents / config.get("scaling_factor", 1.0)
-        if shifted if shifted is not None else type(pipe).__name__ not in UNSHIFTED_DECODES:
+        if shifted is None:
+            shifted = type(pipe).__name__ not in UNSHIFTED_DECODES
+        if shifted:
             latents = latents + (config.get("shift_factor") or 0.0)
     image = decode(latents) if decode is not None else vae.decode(latents, return_dict=False)[0]
     if image.ndim == 5:  # a video VAE's one frame (Qwen-Image)

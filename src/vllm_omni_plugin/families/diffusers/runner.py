@@ -27,6 +27,17 @@ class QwenImageRunner(DiffusersPipelineRunner):
     positions end a few thousand tokens on (a 60k-token prompt failed there after its whole encode)."""
     batched_guidance = False  # true CFG: the negative prompt's pass is a second transformer call
     default_negative_prompt: ClassVar[str] = " "
+    caches_sources: ClassVar[bool] = False
+    """Its pipeline encodes each source by its latent distribution's mode (the edit pipelines): the
+    sources' latents are kept (``steps.cached_source_encoding``), so an image edited again is not
+    encoded again."""
+
+    def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
+        super().__init__(pipe, device=device, dtype=dtype)
+        if self.caches_sources:
+            from vllm_omni_plugin.families.diffusers.steps import cached_source_encoding
+
+            cached_source_encoding(pipe)
 
     def call_key(self, request: DiffusionRequest) -> tuple[Any, ...]:
         # Every negative prompt of a guided batch is a string, so requests with and without one mix.
@@ -85,12 +96,7 @@ class QwenImageEditRunner(QwenImageRunner):
 
     pipeline_class = "QwenImageEditPipeline"
     needs_images = True
-
-    def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
-        from vllm_omni_plugin.families.diffusers.steps import cached_source_encoding
-
-        super().__init__(pipe, device=device, dtype=dtype)
-        cached_source_encoding(pipe)  # a source edited again is not encoded again
+    caches_sources = True
 
     def source_pixels(self, request: DiffusionRequest) -> list[int]:
         return [1024 * 1024 for _ in request.images or []]  # resized to about a megapixel (call_kwargs)
@@ -135,12 +141,7 @@ class QwenImageEditPlusRunner(QwenImageRunner):
     pipeline_class = "QwenImageEditPlusPipeline"
     needs_images = True
     max_images = 3
-
-    def __init__(self, pipe: Any, *, device: Any, dtype: Any) -> None:
-        from vllm_omni_plugin.families.diffusers.steps import cached_source_encoding
-
-        super().__init__(pipe, device=device, dtype=dtype)
-        cached_source_encoding(pipe)  # a source edited again is not encoded again
+    caches_sources = True
 
     def source_pixels(self, request: DiffusionRequest) -> list[int]:
         return [1024 * 1024 for _ in request.images or []]  # the pipeline resizes each to about 1 MP
