@@ -5,7 +5,8 @@
 #      a CUDA build of torch; pip's own PIP_FIND_LINKS / PIP_NO_INDEX serve an offline host);
 #   2. runs the tests marked `cuda` (skipped everywhere else; among them a step-cached, a compiled and, on
 #      a host with two devices, CFG- and sequence-parallel tiny SD3 and a CFG-parallel tiny BAGEL, and the
-#      step loop decoding on a CUDA stream of its own: tests/test_dit_acceleration_cuda.py; a tiny FLUX stage
+#      step loop decoding on a CUDA stream of its own and parking a preempted state in pinned host memory:
+#      tests/test_dit_acceleration_cuda.py; a tiny FLUX stage
 #      quantized to float8 and int8 on the GPU: tests/test_quantization.py);
 #   3. serves the tiny GLM-Image and the tiny BAGEL with vLLM's defaults (CUDA graphs and async scheduling
 #      on, the V2 model runner, on 0.34 its extensible KV cache and the KV connector made after warm-up):

@@ -1,7 +1,8 @@
 """DiT acceleration on a CUDA device (``scripts/gpu_check.sh`` runs these; they skip without one): a
-step-cached request, a compiled tiny SD3 deployment, the step loop's decoder on a stream of its own and
-(with two devices) CFG- and sequence-parallel tiny SD3 and a CFG-parallel tiny BAGEL on ``cuda``, float32 so that the images compare with the CPU's
-cached ones and the eager, single-device ones."""
+step-cached request, a compiled tiny SD3 deployment, the step loop's decoder on a stream of its own, a
+preempted state parked in pinned host memory and (with two devices) CFG- and sequence-parallel tiny SD3
+and a CFG-parallel tiny BAGEL on ``cuda``, float32 so that the images compare with the CPU's cached ones
+and the eager, single-device ones."""
 
 from __future__ import annotations
 
@@ -146,3 +147,62 @@ def test_the_step_loop_decodes_beside_its_next_step_on_a_stream_of_its_own(tiny_
     beside, inline = images(DecodeBeside(torch.device("cuda"))), images(None)
     for request_id in ("r0", "r1"):
         assert np.array_equal(beside[request_id], inline[request_id]), request_id
+
+
+@pytest.mark.parametrize("family", ["sd3", "bagel"])
+def test_a_preempted_state_parked_in_host_memory_frees_its_device_memory_and_resumes_exact(
+    request: pytest.FixtureRequest, family: str
+) -> None:
+    """``StateParking`` from a CUDA device: with no room in the memory budget, the worse request's state is
+    parked in pinned host memory while a better one runs (the device's allocated bytes fall by what it
+    moved; BAGEL's state holds its context K/V), then resumes, and both images equal those of a loop that
+    parks nothing."""
+    import msgspec
+    import torch
+
+    from vllm_omni_plugin.diffusion.parking import StateParking, state_tensors, storage_bytes, storage_key
+    from vllm_omni_plugin.diffusion.step_loop import StepLoop
+
+    model = request.getfixturevalue(f"tiny_{family}")
+    if family == "bagel":
+        from test_bagel_dit import t2i
+        from vllm_omni_plugin.families.bagel.runner import BagelGenerationRunner
+
+        runner = BagelGenerationRunner.load(str(model), dtype=torch.float32, device="cuda")
+        low, high = t2i("w0", 0), t2i("w1", 1)
+    else:
+        from vllm_omni_plugin.diffusion.diffusers_registry import load_pipeline_runner
+
+        runner = load_pipeline_runner(str(model), dtype=torch.float32, device="cuda")
+        low, high = requests(2)
+        low = msgspec.structs.replace(low, num_inference_steps=5)
+        high = msgspec.structs.replace(high, num_inference_steps=3)
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def images(parking: StateParking | None) -> tuple[dict[str, np.ndarray], list[int]]:
+        """Each request's image, and the device bytes the worse one's state held after each step."""
+        loop = StepLoop(runner.step_family(), max_rows=3, parking=parking)
+        loop.add(low.request_id, low, priority=1)
+        done, held = {}, []
+        with torch.no_grad():
+            loop.step()
+            loop.step()
+            loop.add(high.request_id, high, priority=0)
+            while not loop.idle():
+                done.update({f.request_id: f.image for f in loop.step()})
+                worse = next((i for i in loop.running if i.request_id == "w0"), None)
+                if worse is not None:
+                    held.append(storage_bytes(state_tensors(worse.state), device))
+                    if worse.parked is not None:
+                        moved = [
+                            t for t in state_tensors(worse.state) if storage_key(t) in worse.parked.storages
+                        ]
+                        assert moved and all(t.is_pinned() for t in moved)
+        return done, held
+
+    parked, held_parked = images(StateParking(device, room=0, need=lambda r: 0))
+    kept, held_kept = images(None)
+    # parked while the better request ran: its device bytes fell to what it shares, then came back
+    assert min(held_parked) < min(held_kept) and held_parked[-1] == held_kept[-1]
+    for request_id in ("w0", "w1"):
+        assert np.array_equal(parked[request_id], kept[request_id]), request_id

@@ -15,6 +15,7 @@ import torch
 
 from vllm_omni_plugin.diffusion.lora import AdapterLayer
 from vllm_omni_plugin.diffusion.params import DiffusionRequest
+from vllm_omni_plugin.diffusion.parking import StateParking, state_tensors, storage_key
 from vllm_omni_plugin.diffusion.previews import PreviewLayer
 from vllm_omni_plugin.diffusion.runner import RunnerContext
 from vllm_omni_plugin.diffusion.step_cache import StepCacheLayer
@@ -624,7 +625,8 @@ def test_each_family_preempted_resumes_unchanged_and_an_aborted_one_leaves(
     request: pytest.FixtureRequest, family: str
 ) -> None:
     """Preemption and abort for every family's pieces: a worse request runs two steps, a better one and
-    another worse one join; the better runs alone to its end (the other worse one aborted while parked),
+    another worse one join; the better runs alone to its end (the other worse one aborted while it
+    waits), the first parked meanwhile (every tensor of its state that the better one does not share),
     then the first resumes where it stopped; both give their whole call's image bit for bit (each ran
     alone at every step)."""
     model = request.getfixturevalue(f"tiny_{family}")
@@ -643,7 +645,9 @@ def test_each_family_preempted_resumes_unchanged_and_an_aborted_one_leaves(
             family_request(family, f"w{k}", k, num_inference_steps=5, guidance_scale=guidance)
             for k in range(3)
         )
-    loop = StepLoop(runner.step_family(), max_rows=3)  # one request's rows per step
+    # A memory budget with no room: the preempted state is parked (between two CPU storages here).
+    parking = StateParking(torch.device("cpu"), room=0, need=lambda r: 0)
+    loop = StepLoop(runner.step_family(), max_rows=3, parking=parking)  # one request's rows per step
     loop.add(low.request_id, low, priority=1)
     run(loop, until=2)
     loop.add(high.request_id, high, priority=0)
@@ -655,8 +659,15 @@ def test_each_family_preempted_resumes_unchanged_and_an_aborted_one_leaves(
             finished |= {f.request_id: f for f in loop.step()}
             ran.append(loop.ran)
             if len(ran) == 1:
-                assert loop.abort("w2")  # parked, never run
+                assert loop.abort("w2")  # waiting, never run
+                parked, running = (next(i for i in loop.running if i.request_id == k) for k in ("w0", "w1"))
+                assert parked.parked is not None and running.parked is None
+                theirs = {storage_key(t) for t in state_tensors(running.state)}
+                mine = {storage_key(t) for t in state_tensors(parked.state) if t.numel()}
+                assert storage_key(parked.state.latents) in parked.parked.storages
+                assert parked.parked.storages == mine - theirs  # all it holds alone, nothing it shares
     assert list(finished) == ["w1", "w0"] and finished["w0"].preemptions >= 1
+    assert loop.counters.parked == 1 and all(i.parked is None for i in loop.running)
     assert all(step == ["w1"] for step in ran[: ran.index(["w0"])]) and ["w2"] not in ran
     for r in (low, high):
         assert diff(finished[r.request_id].image, whole_call(runner, r)) == 0, r.request_id

@@ -561,9 +561,10 @@ class DiffusionEngine:
 
         return step_done
 
-    def count_loop_step(self, requests: int, seconds: float, preempted: int) -> None:
-        """``batching: loop`` ran a step of ``requests`` in ``seconds``, leaving ``preempted`` out (the
-        loop reports it and holds at ``dit.step`` once the step's answers went out)."""
+    def count_loop_step(self, requests: int, seconds: float, preempted: int, parked: int) -> None:
+        """``batching: loop`` ran a step of ``requests`` in ``seconds``, leaving ``preempted`` out and
+        ``parked`` states parked in host memory (the loop reports it and holds at ``dit.step`` once the
+        step's answers went out)."""
         with self._count_lock:
             counters = self._counters
             counters.denoise_steps += requests
@@ -571,6 +572,7 @@ class DiffusionEngine:
             counters.step_requests += requests
             counters.step_seconds += seconds
             counters.preemptions += preempted
+            counters.parked_states += parked
 
     def count_loop_finished(self, timings: list[dict[str, float]]) -> None:
         """``batching: loop`` finished these requests (each counts as a call: its wave's prompt

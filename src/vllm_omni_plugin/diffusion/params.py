@@ -105,6 +105,9 @@ class DiffusionCounters(msgspec.Struct, kw_only=True):
     preemptions: int = 0
     """Steps a request admitted to the step loop (``batching: loop``) was left out of, for requests of
     better priority, counted per request."""
+    parked_states: int = 0
+    """Preempted step-loop states moved to host memory for the memory budget's room
+    (``diffusion/parking.py``)."""
 
     @classmethod
     def total(cls, counters: Iterable[DiffusionCounters]) -> DiffusionCounters:

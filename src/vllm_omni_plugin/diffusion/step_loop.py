@@ -8,8 +8,9 @@ draws and conditioning) and runs the stage as vLLM's engine core runs tokens:
   ``--scheduling-policy priority`` convention) are taken in arrival order while they fit the step's budgets,
   the waiting ones among them admitted (their prompts encoded together, in one encoder call); a running
   request left out (of a worse priority, or past the budgets) is preempted for this step: its state stays
-  as it is and it resumes where it stopped, with the image it would have got. A better request thus runs
-  as if alone while it runs;
+  as it is (or, where the memory budget needs its room on an accelerator, is parked in host memory:
+  ``diffusion/parking.py``) and it resumes where it stopped, with the image it would have got. A better
+  request thus runs as if alone while it runs;
 - **execute**: one forward per group of rows that can share one (equal shape key: same image size), each
   request's guidance and scheduler step on its own rows;
 - **update**: finished requests leave, decoded together; with a :class:`DecodeBeside`, their decoder call
@@ -39,7 +40,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from vllm_omni_plugin.diffusion.parking import Parked, StateParking
 
 Forward = Callable[[list[Any], dict[str, Any]], Any]
 """One denoiser forward: the state each row belongs to, and the denoiser's inputs (one row each)."""
@@ -221,6 +225,8 @@ class Denoising:
     done_steps: int = 0
     total_steps: int = 0
     preemptions: int = 0
+    parked: Parked | None = None
+    """Where its state's tensors wait in host memory while it is preempted (``StateParking``)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """This request's phases: its wave's encoding, the forwards it was in, its decoder call."""
 
@@ -244,6 +250,8 @@ class LoopCounters:
     steps: int = 0
     preemptions: int = 0
     encoder_calls: int = 0
+    parked: int = 0
+    """States parked in host memory (``StateParking``)."""
 
 
 class DecodeBeside:
@@ -312,6 +320,8 @@ class StepLoop:
     decoder: DecodeBeside | None = None
     """Where finished requests decode beside the next steps (None: at once, after the step that finished
     them)."""
+    parking: StateParking | None = None
+    """Where preempted states wait while the memory budget needs their room (None: they stay)."""
     waiting: list[Denoising] = field(default_factory=list)
     running: list[Denoising] = field(default_factory=list)
     counters: LoopCounters = field(default_factory=LoopCounters)
@@ -378,7 +388,29 @@ class StepLoop:
             if item not in chosen:
                 item.preemptions += 1
                 self.counters.preemptions += 1
+        if self.parking is not None:
+            self._park(chosen)
         return chosen
+
+    def _park(self, chosen: list[Denoising]) -> None:
+        """The chosen requests' parked states back on the device; then, while the states on the device and
+        this step's activations exceed the memory budget's room, the worst preempted states parked."""
+        parking = self.parking
+        assert parking is not None
+        for item in chosen:
+            if item.parked is not None:
+                parking.resume(item.state, item.parked)
+                item.parked = None
+        resident = [item for item in self.running if item.parked is None]
+        need = sum(parking.need(item.request) for item in chosen)
+        used = parking.resident_bytes(item.state for item in resident)
+        for item in sorted((i for i in resident if i not in chosen), key=Denoising.order, reverse=True):
+            if used + need <= parking.room:
+                break
+            resident.remove(item)
+            item.parked = parking.park(item.state, kept=[other.state for other in resident])
+            used -= item.parked.bytes
+            self.counters.parked += 1
 
     def step(self) -> list[Finished]:
         """One iteration: schedule, one forward per shape group, then decode what finished; what returns is

@@ -48,6 +48,12 @@ DIFFUSION_TIMING = (
         "Steps admitted requests were left out of for requests of better priority (batching: loop), per "
         "request",
     ),
+    (
+        "omni_diffusion_parked_states",
+        "parked_states",
+        "Preempted requests' denoising states moved to host memory for the memory budget's room "
+        "(batching: loop on an accelerator)",
+    ),
 )
 """The diffusion stages' step, queue and decode counters: (Prometheus name, ``DiffusionCounters`` field,
 help). Means are ratios: requests per step ``step_requests / steps``, step time ``step_seconds / steps``,

@@ -440,6 +440,7 @@ class DiffusionBatchLoop:
         new and lets the admitted requests finish (interrupted: drops them)."""
         import torch
 
+        from vllm_omni_plugin.diffusion.parking import StateParking
         from vllm_omni_plugin.diffusion.step_loop import DecodeBeside, StepLoop
 
         inbox, engine = self.inbox, self.engine
@@ -450,7 +451,12 @@ class DiffusionBatchLoop:
         if engine.memory is not None:
             budgets.append((engine.memory.activation_bytes, lambda r: memory[r.request_id]))
         decoder = DecodeBeside(engine.device) if engine.overlap_decode else None
-        loop = StepLoop(family, max_rows=2 * self.max_batch, budgets=budgets, decoder=decoder)
+        parking = None
+        if engine.memory is not None and engine.device.type != "cpu":  # a CPU's host memory is its device's
+            parking = StateParking(
+                engine.device, engine.memory.activation_bytes, lambda r: memory[r.request_id]
+            )
+        loop = StepLoop(family, 2 * self.max_batch, budgets=budgets, decoder=decoder, parking=parking)
         self._step_loop = loop
         transfer: dict[str, float] = {}
         started: dict[str, float] = {}
@@ -483,14 +489,18 @@ class DiffusionBatchLoop:
                     drop(item.request_id)
             if loop.idle():
                 continue
-            preempted, began = loop.counters.preemptions, time.perf_counter()
+            preempted, parked = loop.counters.preemptions, loop.counters.parked
+            began = time.perf_counter()
             with torch.no_grad():  # as a pipeline's call: compiled blocks' graphs guard on the grad mode
                 finished = loop.step()
             stepped = bool(loop.ran)  # else it only waited for the last requests' decoder call
             if stepped:
                 self._step_ran = loop.ran
                 engine.count_loop_step(
-                    len(loop.ran), time.perf_counter() - began, loop.counters.preemptions - preempted
+                    len(loop.ran),
+                    time.perf_counter() - began,
+                    loop.counters.preemptions - preempted,
+                    loop.counters.parked - parked,
                 )
                 if hold_armed("dit.step"):  # a held step has reported every image decoded before it
                     finished += loop.drain_decodes()
