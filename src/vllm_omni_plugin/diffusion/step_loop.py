@@ -485,6 +485,51 @@ class StepLoop:
         ]
 
 
+def run_whole(
+    family: StepFamily,
+    requests: Sequence[Any],
+    on_step: Callable[[int], None] | None = None,
+    on_denoised: Callable[[], None] | None = None,
+) -> tuple[list[Any], dict[str, float]]:
+    """Whole-request batching on a family's pieces: ``requests`` prepared together, then each step one
+    forward per shape group over the rows of all that are not done, until every one is, then decoded
+    together; the family's layers act as in the loop. ``on_denoised()`` after the last step, before the
+    layers settle and the decode; ``on_step(step)`` after each step (it may raise to stop the call).
+    Returns the images in request order and the call's ``denoise``/``decode``/``total`` seconds."""
+    began = time.perf_counter()
+    states = [
+        family.prepare(request, conditioning)
+        for request, conditioning in zip(requests, family.encode(list(requests)), strict=True)
+    ]
+    try:
+        for request, state in zip(requests, states, strict=True):
+            for layer in family.layers:
+                layer.admit(request, state)
+        running, step = list(states), 0
+        while running:
+            groups: dict[Hashable, list[Any]] = {}
+            for state in running:
+                groups.setdefault(family.shape(state), []).append(state)
+            for group in groups.values():
+                family.denoise(group)
+            running = [state for state in running if state.index < family.steps(state)]
+            if not running and on_denoised is not None:
+                on_denoised()
+            if on_step is not None:
+                on_step(step)
+            step += 1
+        for layer in family.layers:
+            layer.settle()
+        denoised = time.perf_counter()
+        images = family.decode(states)
+    finally:
+        for state in states:
+            for layer in family.layers:
+                layer.leave(state)
+    end = time.perf_counter()
+    return images, {"denoise": denoised - began, "decode": end - denoised, "total": end - began}
+
+
 def latents_of(item: Denoising) -> Any:
     """A finished request's latents (a family's states keep them as ``latents``, one row), where it asked."""
     if not getattr(item.request, "return_latents", False):

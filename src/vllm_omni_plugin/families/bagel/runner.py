@@ -22,7 +22,6 @@ import msgspec
 import torch
 
 from vllm_omni_plugin.diffusion.memory import element_bytes, vae_decode_bytes
-from vllm_omni_plugin.diffusion.previews import CallPreviews
 from vllm_omni_plugin.diffusion.runner import (
     BatchAborted,
     BatchOutput,
@@ -32,9 +31,8 @@ from vllm_omni_plugin.diffusion.runner import (
     SizeLimits,
     StepCallback,
     StopCheck,
-    preview_steps,
 )
-from vllm_omni_plugin.diffusion.step_cache import CallCache
+from vllm_omni_plugin.diffusion.step_loop import run_whole
 from vllm_omni_plugin.families.bagel.request import (
     RENORM_TYPES,
     T2I_DEFAULTS,
@@ -343,7 +341,7 @@ class BagelGenerationRunner(DiffusionRunner):
 
     # --- the batch ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run(
         self, batch: list[BagelGenerationRequest], generators: list[Any], should_stop: StopCheck | None = None
     ) -> BatchOutput:
@@ -356,29 +354,43 @@ class BagelGenerationRunner(DiffusionRunner):
         keys = {self.batch_key(r) for r in batch}
         if len(keys) != 1:
             raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
-        start = time.perf_counter()
-        denoiser = self.context.parallel_denoiser
-        velocity = (
-            self.transformer.velocity
-            if denoiser is None
-            else lambda latents, rows: denoiser(latents=latents, rows=rows)
-        )
-        with CallPreviews() as previews:
-            on_step = self.context.on_step
-            latents = self._denoise(batch, generators, should_stop, velocity, on_step, None, previews)
-            return self._decoded(latents, batch, start)
+        return self._run_whole(batch, generators, should_stop, self.context.on_step)
 
-    def step_family(self) -> Any:
-        """Its step-loop pieces (``families/bagel/steps.py``), with a CFG-parallel replica's group, previews
-        and step caching (of the guided velocity, as its whole call caches) as their layers."""
+    def _run_whole(
+        self,
+        batch: list[BagelGenerationRequest],
+        generators: list[Any],
+        should_stop: StopCheck | None,
+        on_step: StepCallback | None,
+        stand_in: Any = None,
+        on_denoised: Callable[[], None] | None = None,
+    ) -> BatchOutput:
+        """The batch as its step pieces run whole (``step_loop.run_whole``): each step one velocity forward
+        over every request's rows, the noise drawn from ``generators``; the forwards through ``stand_in``
+        where one is given (a step batcher's proxy)."""
+
+        def stepped(step: int) -> None:
+            if on_step is not None:
+                on_step(step)
+            if should_stop is not None and should_stop():
+                raise BatchAborted(f"stopped after step {step + 1}")
+
+        family = self.step_family(stand_in, {id(r): g for r, g in zip(batch, generators, strict=True)})
+        images, timings = run_whole(family, batch, stepped, on_denoised)
+        return BatchOutput(images, None, timings)
+
+    def step_family(self, stand_in: Any = None, generators: dict[int, Any] | None = None) -> Any:
+        """Its step-loop pieces (``families/bagel/steps.py``), with a CFG-parallel replica's group (or the
+        given stand-in of its denoiser), previews and step caching (of the guided velocity) as their
+        layers; ``generators`` by request object: the noise a whole call's requests draw."""
         from vllm_omni_plugin.diffusion.cfg_parallel import ParallelDenoiserLayer
         from vllm_omni_plugin.diffusion.previews import PreviewLayer
         from vllm_omni_plugin.diffusion.step_cache import GuidedStepCacheLayer
         from vllm_omni_plugin.families.bagel.steps import BagelSteps
 
-        family = BagelSteps(self)
+        family = BagelSteps(self, generators=generators)
         family.layers += [
-            ParallelDenoiserLayer(lambda: self.context.parallel_denoiser),
+            ParallelDenoiserLayer(lambda: stand_in or self.context.parallel_denoiser),
             PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.context.on_preview),
             GuidedStepCacheLayer(
                 family.steps, self.transformer.num_layers, lambda: self.context.on_cache_counts
@@ -412,7 +424,6 @@ class BagelGenerationRunner(DiffusionRunner):
     def step_joins(self) -> dict[str, ArgumentJoin]:
         return {"rows": AttentionRowsJoin()}
 
-    @torch.no_grad()  # as the step thread runs (inference tensors could not be written in place there)
     def run_rows(
         self,
         batch: list[BagelGenerationRequest],
@@ -423,122 +434,14 @@ class BagelGenerationRunner(DiffusionRunner):
         on_step: StepCallback,
     ) -> BatchOutput:
         """:meth:`run`, its velocity forwards shared through ``batcher`` with the other groups in flight."""
-        velocity = batcher.proxy(group, len(batch))
-        start = time.perf_counter()
-        with CallPreviews() as previews:
-            try:
-                latents = self._denoise(
-                    batch,
-                    generators,
-                    should_stop,
-                    lambda latents, rows: velocity(latents=latents, rows=rows),
-                    on_step,
-                    lambda: batcher.leave(group),
-                    previews,
+        proxy = batcher.proxy(group, len(batch))
+        try:
+            with torch.no_grad():  # as the step thread runs (inference tensors could not be written in place)
+                return self._run_whole(
+                    batch, generators, should_stop, on_step, proxy, lambda: batcher.leave(group)
                 )
-            finally:
-                batcher.leave(group)
-            return self._decoded(latents, batch, start)
-
-    def _decoded(
-        self, latents: torch.Tensor, batch: list[BagelGenerationRequest], start: float
-    ) -> BatchOutput:
-        """The batch's images from its denoised latents, with the call's timings since ``start``."""
-        self._sync()
-        denoised = time.perf_counter()
-        images = self._decode(latents, batch[0].height, batch[0].width)
-        end = time.perf_counter()
-        return BatchOutput(
-            images, None, {"denoise": denoised - start, "decode": end - denoised, "total": end - start}
-        )
-
-    def _denoise(
-        self,
-        batch: list[BagelGenerationRequest],
-        generators: list[Any],
-        should_stop: StopCheck | None,
-        velocity_of: Callable[[torch.Tensor, AttentionRows], torch.Tensor],
-        on_step: StepCallback | None,
-        on_denoised: Callable[[], None] | None,
-        previews: CallPreviews,
-    ) -> torch.Tensor:
-        cfg, model = self.cfg, self.transformer
-        first = batch[0]
-        rows_h, cols_w = first.height // cfg.latent_downsample, first.width // cfg.latent_downsample
-        tokens = rows_h * cols_w
-        timesteps, dts = flow_schedule(first.sampling.num_inference_steps, first.sampling.timestep_shift)
-        plan = _RowPlan(batch, timesteps)
-        bank = ContextBank(plan.contexts, tokens + 2, model)
-
-        noise = [
-            torch.randn((tokens, cfg.latent_token_dim), generator=g, device=g.device, dtype=torch.float32)
-            for g in generators
-        ]
-        x = torch.stack(noise).to(self.device)
-        # Fixed across steps: position and time embeddings, the per-request guidance settings.
-        positions = model.latent_position_embedding(first.height, first.width)
-        times = model.time_embedding(timesteps)
-        guidance = _Guidance(batch, self.device)
-        dts = dts.to(self.device)
-        asked: dict[int, list[tuple[int, int]]] = {}
-        """Step -> the (row, preview index) pairs it previews."""
-        if self.context.on_preview is not None:
-            for r, request in enumerate(batch):
-                for index, at in enumerate(preview_steps(request.partial_images, len(timesteps))):
-                    asked.setdefault(at, []).append((r, index))
-        specs = [r.cache for r in batch]
-        cache = (
-            CallCache(specs, len(timesteps), model.num_layers, self.context.on_cache_counts)
-            if CallCache.wanted(specs)
-            else None
-        )
-        for step in range(len(timesteps)):
-            compute = cache.begin(x) if cache is not None else None
-            if compute is None or any(compute):
-                rows = plan.at(step, bank, self.device)
-                inputs = model.latent_input(x, times[step], positions)
-                velocity = velocity_of(
-                    inputs.index_select(0, rows.request_of_row), bank.rows(rows.slots)
-                ).float()
-                v = guidance.combine(
-                    velocity.index_select(0, rows.cond),
-                    velocity.index_select(0, rows.text),
-                    velocity.index_select(0, rows.img),
-                    rows.guided,
-                    rows.image_guided,
-                )
-            if cache is not None and compute is not None:
-                # every row runs where one request computes (a subset of the bank's rows is not taken)
-                cache.count([any(compute)] * len(batch))
-                v = cache.velocities(v if any(compute) else None, compute, float(timesteps[step]))
-                cache.step_done()
-            if step in asked:  # the clean latents this step estimates: x - t * v
-                self._preview(batch, asked[step], x - v * float(timesteps[step]), previews)
-            x = x - v * dts[step]
-            if on_denoised is not None and step + 1 == len(timesteps):
-                on_denoised()
-            if on_step is not None:
-                on_step(step)
-            if should_stop is not None and should_stop():
-                raise BatchAborted(f"stopped after step {step + 1}")
-        return x
-
-    def _preview(
-        self,
-        batch: list[BagelGenerationRequest],
-        rows: list[tuple[int, int]],
-        clean: torch.Tensor,
-        previews: CallPreviews,
-    ) -> None:
-        """Decode the estimated clean latents of the rows that asked for a preview at this step, beside
-        the next steps."""
-        sink = self.context.on_preview
-        if sink is None:
-            return
-        chosen = clean.index_select(0, torch.tensor([row for row, _ in rows], device=clean.device))
-        asked = [(batch[row].request_id, index) for row, index in rows]
-        height, width = batch[0].height, batch[0].width
-        previews.decode(lambda: self._decode(chosen, height, width), asked, sink)
+        finally:
+            batcher.leave(group)
 
     def _decode(self, latents: torch.Tensor, height: int, width: int) -> list[Any]:
         cfg = self.cfg
@@ -553,10 +456,6 @@ class BagelGenerationRunner(DiffusionRunner):
             pixels = ((pixels * 0.5 + 0.5).clamp(0, 1) * 255).to(torch.uint8)  # truncation, as BAGEL
             images.extend(pixels.permute(0, 2, 3, 1).cpu().numpy())
         return images
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 class _RowPlan:

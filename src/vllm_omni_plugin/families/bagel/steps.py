@@ -1,5 +1,7 @@
 """BAGEL's generation stage as the pieces the step loop takes (``diffusion/step_loop.py``), from its
-runner's own parts: exact against the runner's whole call for a request alone.
+runner's own parts. They are BAGEL's only denoising: the runner's whole call (``batching: request``) and
+a step batcher's group run them to their end (``step_loop.run_whole``), so step caching, previews and a
+parallel replica's forwards are layers there too. A request alone is exact against BAGEL's own code.
 
 A request's state is its batch of one as the whole call makes it: its noise from its own generator, its
 schedule, its rows (one per distinct context of its active branches) and its contexts' K/V bank. A step
@@ -14,7 +16,7 @@ its velocity. BAGEL has no LoRA adapters."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +56,16 @@ class BagelState:
 class BagelSteps:
     """BAGEL's denoising, one step at a time, over every admitted request's rows."""
 
-    def __init__(self, runner: BagelGenerationRunner, layers: Sequence[LoopLayer] = ()) -> None:
+    def __init__(
+        self,
+        runner: BagelGenerationRunner,
+        layers: Sequence[LoopLayer] = (),
+        generators: Mapping[int, torch.Generator] | None = None,
+    ) -> None:
         self.runner = runner
         self.layers: list[LoopLayer] = list(layers)
+        self.generators = generators or {}
+        """A whole call's generators by request object (the loop's requests draw from their seeds)."""
         self._own_denoiser = runner.denoiser()
         """The velocity forward as a module (what a parallel layer's stand-in replaces)."""
         self._joins: dict[Hashable, AttentionRowsJoin] = {}
@@ -78,8 +87,12 @@ class BagelSteps:
         tokens = (request.height // cfg.latent_downsample) * (request.width // cfg.latent_downsample)
         timesteps, dts = flow_schedule(request.sampling.num_inference_steps, request.sampling.timestep_shift)
         plan = _RowPlan([request], timesteps)
-        generator = torch.Generator("cpu").manual_seed(int(request.seed or 0))
-        noise = torch.randn((tokens, cfg.latent_token_dim), generator=generator, dtype=torch.float32)
+        generator = self.generators.get(id(request)) or torch.Generator("cpu").manual_seed(
+            int(request.seed or 0)
+        )
+        noise = torch.randn(
+            (tokens, cfg.latent_token_dim), generator=generator, device=generator.device, dtype=torch.float32
+        )
         return BagelState(
             latents=noise[None].to(device), timesteps=timesteps, dts=dts.to(device), plan=plan,
             bank=ContextBank(plan.contexts, tokens + 2, model), guidance=_Guidance([request], device),
