@@ -339,7 +339,7 @@ def dit_closed_loop(
 
     from vllm_omni_plugin.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
     from vllm_omni_plugin.stage.core_types import StageDiffusionCoreRequest
-    from vllm_omni_plugin.stage.diffusion_loop import DiffusionBatchLoop
+    from vllm_omni_plugin.stage.diffusion_loop import BatchReport, DiffusionBatchLoop
 
     engine = DiffusionEngine(
         model, DiffusionEngineConfig(runner_cls=BAGEL_RUNNER, max_batch_size=clients, **fields)
@@ -352,7 +352,10 @@ def dit_closed_loop(
     done: dict[str, float] = {}
     changed = threading.Condition()
 
-    class Report:
+    died: list[BaseException] = []
+    """What stopped the stage's loop (the clients then stop waiting, and the run fails)."""
+
+    class Report(BatchReport):
         def outputs(self, outputs: list[Any]) -> None:
             with changed:
                 for output in outputs:
@@ -363,11 +366,18 @@ def dit_closed_loop(
         def dropped(self, request_ids: list[str], where: str) -> None:
             raise RuntimeError(f"dropped {request_ids}")
 
-        def progress(self, counters: Any, *, force: bool) -> None:
-            pass
-
     loop = DiffusionBatchLoop(engine, 1, Report(), max_batch=clients)
-    serving = threading.Thread(target=loop.serve, daemon=True)
+
+    def serve() -> None:
+        try:
+            loop.serve()
+        except BaseException as exc:
+            with changed:
+                died.append(exc)
+                changed.notify_all()
+            raise
+
+    serving = threading.Thread(target=serve, daemon=True)
     serving.start()
     latencies: list[float] = []
 
@@ -379,7 +389,9 @@ def dit_closed_loop(
                 StageDiffusionCoreRequest(request_id=request.request_id, stage_id=1, diffusion=request)
             )
             with changed:
-                changed.wait_for(lambda rid=request.request_id: rid in done)
+                changed.wait_for(lambda rid=request.request_id: rid in done or died)
+            if died:
+                return
             if record:
                 latencies.append(done[request.request_id] - start)
 
@@ -393,6 +405,8 @@ def dit_closed_loop(
             thread.start()
         for thread in threads:
             thread.join()
+        if died:
+            raise RuntimeError("the DiT stage's loop stopped") from died[0]
         return per * clients / (time.perf_counter() - start)
 
     try:
