@@ -402,9 +402,12 @@ class StepLoop:
                 parking.resume(item.state, item.parked)
                 item.parked = None
         resident = [item for item in self.running if item.parked is None]
+        preempted = sorted((i for i in resident if i not in chosen), key=Denoising.order, reverse=True)
+        if not preempted:  # nothing to park: the states are not walked
+            return
         need = sum(parking.need(item.request) for item in chosen)
         used = parking.resident_bytes(item.state for item in resident)
-        for item in sorted((i for i in resident if i not in chosen), key=Denoising.order, reverse=True):
+        for item in preempted:
             if used + need <= parking.room:
                 break
             resident.remove(item)
