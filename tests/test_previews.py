@@ -74,8 +74,10 @@ def edit_request(request_id: str, seed: int) -> Any:
     from vllm_omni_plugin.diffusion.params import DiffusionRequest
 
     source = np.random.default_rng(seed).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    # a small image asked: unasked, it is the source's size as the pipeline resizes it (about a megapixel),
+    # and each of its decodes and previews then costs seconds here
     return DiffusionRequest(request_id=request_id, prompt=f"make it red {seed}", seed=seed, images=[source],
-                            num_inference_steps=6, guidance_scale=2.0)  # fmt: skip
+                            height=48, width=64, num_inference_steps=6, guidance_scale=2.0)  # fmt: skip
 
 
 def request_of(family: str, request_id: str, seed: int) -> Any:

@@ -11,7 +11,8 @@ containers), never entering modules or generators. Objects below the state are c
 tensor in them moves, so what the state shares with others (a cached negative prompt's embeddings, a
 context another request shares) stays where it is for them; tensors that a resident state also reaches are
 left on the device, as moving them frees nothing. Each distinct storage moves once and every tensor is
-rebuilt as the same view of its moved storage, so views keep sharing their storage.
+rebuilt as the same view of its moved storage, so views keep sharing their storage. What a loop layer
+keeps for a state outside it (a step cache's last outputs) stays where it is.
 
 On a CPU stage the host is the device, so nothing is parked there (the engine builds no parking); the
 same moves between two CPU storages are what the tests run.
