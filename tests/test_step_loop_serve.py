@@ -1,5 +1,7 @@
 """``batching: loop`` served: the tiny SD3 behind ``vllm serve --omni`` with one step loop over every
-admitted request and ``scheduling_policy: priority``. The tests step the loop with the ``dit.step`` hold
+admitted request and ``scheduling_policy: priority``, its finished requests decoded beside the next step
+(``overlap_decode: true``, a GPU's default; the other served tests decode between steps, a CPU's). The
+tests step the loop with the ``dit.step`` hold
 point (it holds after each step, naming the requests that step ran), so what they see does not depend on
 the machine's speed:
 
@@ -38,6 +40,7 @@ stages:
     batching: loop
     batch_wait_ms: 0
     scheduling_policy: priority
+    overlap_decode: true
 """
 GUIDANCE = 4.0
 

@@ -124,8 +124,9 @@ class StageDeployConfig(EngineCommon, kw_only=True):
     others to start with it (default 100)."""
     overlap_decode: bool | None = None
     """Diffusion stages with ``batching: loop``: finished requests decode on a thread of their own beside
-    the next step, their answers sent after it (default true; false: they decode after the step that
-    finished them, before the next)."""
+    the next step, their answers sent after it (false: they decode after the step that finished them,
+    before the next). Default: true on a GPU, where the decoder runs on a CUDA stream of its own; false on
+    a CPU, where a decoder thread only takes the cores the steps use."""
     max_loras: PositiveInt | None = None
     """Diffusion stages: LoRA adapters each replica keeps loaded at once (default 4; the least recently
     used leaves first)."""

@@ -222,8 +222,9 @@ class DiffusionEngine:
         self.batch_wait_ms = config.batch_wait_ms
         """``batching: step``: while requests run, how long a new request waits for others to start with
         it as one group (one pipeline call: its prompt encoding and decode batched)."""
-        self.overlap_decode = config.overlap_decode
-        """``batching: loop``: finished requests decode beside the next step."""
+        overlap = config.overlap_decode
+        self.overlap_decode = self.device.type != "cpu" if overlap is None else overlap
+        """``batching: loop``: finished requests decode beside the next step (unset: on an accelerator)."""
         self.compile_seconds = 0.0
         # Everything checkable is checked above, before any peer process starts; what fails from here on
         # (a peer that cannot load, a warm-up request) stops what started before the error goes up.
@@ -233,7 +234,7 @@ class DiffusionEngine:
             self.close()
             raise
         logger.info(
-            "diffusion engine: %s (%s) on %s, %s, max_batch_size %d, max_step_tokens %d, %s batching%s, "
+            "diffusion engine: %s (%s) on %s, %s, max_batch_size %d, max_step_tokens %d, %s batching%s%s, "
             "step cache %s, load %.2f s",
             self.model,
             runner.label,
@@ -243,6 +244,9 @@ class DiffusionEngine:
             self.max_step_tokens,
             batching,
             ", batch-invariant" if batch_invariant else "",
+            (", decoding beside the steps" if self.overlap_decode else ", decoding between steps")
+            if batching == "loop"
+            else "",
             self.cache.describe() if self.cache is not None else "off",
             self.load_seconds,
         )

@@ -54,8 +54,11 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     ``--scheduling-policy priority``) that orders the queue and, with ``batching: loop``, each step."""
     batch_wait_ms: float = BATCH_WAIT_MS
     """``batching: step``: how long a new request waits for others to start with it as one group."""
-    overlap_decode: bool = True
-    """``batching: loop``: finished requests decode beside the next steps (``step_loop.DecodeBeside``)."""
+    overlap_decode: bool | None = None
+    """``batching: loop``: finished requests decode beside the next steps (``step_loop.DecodeBeside``).
+    None: on an accelerator, where the decoder's stream runs beside the steps' kernels; not on a CPU,
+    whose cores the steps already use (a decoder thread there only takes them in turn: 0.75-0.91x the
+    images/s and 4.5x the Poisson p99 of decoding inline, ``benchmarks/diffusion_engine.py``)."""
     max_loras: int = MAX_LORAS
     cache: StepCacheSpec | None = None
     """Step caching (requests override it field by field); None: off."""
