@@ -225,6 +225,30 @@ def test_a_failing_preview_fails_its_call(engines: Callable[[str, str], Diffusio
     assert again.ok, again.error  # the preview thread goes on serving
 
 
+def test_a_bagel_whole_call_stopped_mid_way_has_handed_over_the_previews_asked_before_the_stop(
+    engines: Callable[[str, str], DiffusionEngine],
+) -> None:
+    """BAGEL's whole call runs its step pieces to their end (``step_loop.run_whole``): stopped after its
+    second step, it raises once the previews those steps asked for have reached the listener (decoded on
+    the preview thread), so none arrives after the call, for a request already given up."""
+    import torch
+
+    from vllm_omni_plugin.diffusion.runner import BatchAborted
+
+    engine = engines("bagel")
+    previews = collecting(engine)
+    request = with_previews(request_of("bagel", "stopped", 3), 3)  # 5 steps: previews after 0, 1 and 2
+    asked = []
+
+    def stop() -> bool:
+        asked.append(len(asked))
+        return len(asked) == 2
+
+    with pytest.raises(BatchAborted):
+        engine.runner.run([request], [torch.Generator().manual_seed(3)], stop)
+    assert [index for index, _ in previews["stopped"]] == [0, 1]
+
+
 def test_whole_request_batches_report_previews_from_the_loop_before_their_outputs(
     engines: Callable[[str, str], DiffusionEngine],
 ) -> None:

@@ -525,6 +525,10 @@ def run_whole(
             layer.settle()
         denoised = time.perf_counter()
         images = family.decode(states)
+    except BaseException:
+        for layer in family.layers:  # what a layer does beside the steps ends with the call (its previews)
+            layer.settle()
+        raise
     finally:
         for state in states:
             for layer in family.layers:
