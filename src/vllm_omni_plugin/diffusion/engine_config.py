@@ -57,8 +57,9 @@ class DiffusionEngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     overlap_decode: bool | None = None
     """``batching: loop``: finished requests decode beside the next steps (``step_loop.DecodeBeside``).
     None: on an accelerator, where the decoder's stream runs beside the steps' kernels; not on a CPU,
-    whose cores the steps already use (a decoder thread there only takes them in turn: 0.75-0.91x the
-    images/s and 4.5x the Poisson p99 of decoding inline, ``benchmarks/diffusion_engine.py``)."""
+    whose cores the steps already use (a decoder thread there only takes them in turn: 0.74-0.99x the
+    images/s at 32 clients and 1.6-5.8x the Poisson p99 of decoding between steps over three runs of
+    ``benchmarks/diffusion_engine.py``)."""
     max_loras: int = MAX_LORAS
     cache: StepCacheSpec | None = None
     """Step caching (requests override it field by field); None: off."""

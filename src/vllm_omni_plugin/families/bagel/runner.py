@@ -341,7 +341,6 @@ class BagelGenerationRunner(DiffusionRunner):
 
     # --- the batch ---------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def run(
         self, batch: list[BagelGenerationRequest], generators: list[Any], should_stop: StopCheck | None = None
     ) -> BatchOutput:
@@ -356,6 +355,7 @@ class BagelGenerationRunner(DiffusionRunner):
             raise ValueError(f"a batch must share size, steps and shift; got {sorted(keys)}")
         return self._run_whole(batch, generators, should_stop, self.context.on_step)
 
+    @torch.no_grad()  # as the step thread runs (inference tensors could not be written in place there)
     def _run_whole(
         self,
         batch: list[BagelGenerationRequest],
@@ -390,7 +390,7 @@ class BagelGenerationRunner(DiffusionRunner):
 
         family = BagelSteps(self, generators=generators)
         family.layers += [
-            ParallelDenoiserLayer(lambda: stand_in or self.context.parallel_denoiser),
+            ParallelDenoiserLayer(lambda: self.context.parallel_denoiser if stand_in is None else stand_in),
             PreviewLayer(family.decode, family.steps, family.estimate, lambda: self.context.on_preview),
             GuidedStepCacheLayer(
                 family.steps, self.transformer.num_layers, lambda: self.context.on_cache_counts
@@ -436,10 +436,9 @@ class BagelGenerationRunner(DiffusionRunner):
         """:meth:`run`, its velocity forwards shared through ``batcher`` with the other groups in flight."""
         proxy = batcher.proxy(group, len(batch))
         try:
-            with torch.no_grad():  # as the step thread runs (inference tensors could not be written in place)
-                return self._run_whole(
-                    batch, generators, should_stop, on_step, proxy, lambda: batcher.leave(group)
-                )
+            return self._run_whole(
+                batch, generators, should_stop, on_step, proxy, lambda: batcher.leave(group)
+            )
         finally:
             batcher.leave(group)
 
